@@ -1,0 +1,201 @@
+"""Plain data shared by all layers: the cluster, an allocation of its GPUs, and a Plan.
+
+Everything here is a dataclass (or NamedTuple) with a lossless JSON round-trip
+(:class:`jabasray.serialization.JsonMixin`). No torch, no ray imports at module level.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import NamedTuple
+
+from .serialization import JsonMixin
+from .validation import check_float, check_int
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSpec(JsonMixin):
+    """One node: ``num_gpus`` identical GPUs of type ``gpu_type``."""
+
+    name: str                      # unique node name, e.g. "node-a0"
+    gpu_type: str                  # GPU type name, e.g. "v100"; all GPUs of a node share it
+    num_gpus: int                  # GPUs on this node
+    memory_gb: float = 16.0        # memory per GPU (GiB)
+    speed: float = 1.0             # relative speed when emulated on CPU (1.0 = the CPU itself)
+    tflops: float | None = None    # FP32 TFLOPS, for the cost model (Eq. 8); None -> speed
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"node name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.gpu_type, str) or not self.gpu_type:
+            raise ValueError(f"nodes[{self.name}].gpu_type must be a non-empty string, got {self.gpu_type!r}")
+        check_int(f"nodes[{self.name}].num_gpus", self.num_gpus, min_value=1)
+        check_float(f"nodes[{self.name}].memory_gb", self.memory_gb, min_value=0, min_exclusive=True)
+        check_float(f"nodes[{self.name}].speed", self.speed, min_value=0, min_exclusive=True)
+        if self.tflops is not None:
+            check_float(f"nodes[{self.name}].tflops", self.tflops, min_value=0, min_exclusive=True)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_gpus // 2
+
+    @property
+    def price_weight(self) -> float:
+        """Price per GPU-second in arbitrary units, proportional to TFLOPS (Eq. 8 of JABAS)."""
+        return self.tflops if self.tflops is not None else self.speed
+
+
+@dataclass(frozen=True)
+class ClusterSpec(JsonMixin):
+    """The GPUs a job may use, node by node.
+
+    The JABAS solver splits an allocation into two identical groups (one GPU of each pair), so
+    every node must hold an even number of GPUs; ``drop_odd_gpu=True`` ignores the odd one
+    (with a warning) instead of failing.
+    """
+
+    nodes: list[NodeSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("nodes must list at least one node, got an empty list")
+        names = [n.name for n in self.nodes]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"nodes must have unique names, got duplicates {sorted(dup)}")
+
+    def validated_pairs(self, drop_odd_gpu: bool = False) -> "ClusterSpec":
+        """Return a spec whose nodes hold an even number of GPUs (>= 2), or raise naming the node."""
+        out = []
+        for n in self.nodes:
+            if n.num_gpus % 2:
+                if not drop_odd_gpu:
+                    raise ValueError(
+                        f"nodes[{n.name}].num_gpus must be even (GPUs are used in identical pairs), "
+                        f"got {n.num_gpus}; pass drop_odd_gpu=True (--drop-odd-gpu) to leave one GPU out")
+                log.warning("node %s: leaving out its odd GPU (%d -> %d)", n.name, n.num_gpus, n.num_gpus - 1)
+                if n.num_gpus == 1:
+                    continue
+                n = replace(n, num_gpus=n.num_gpus - 1)
+            out.append(n)
+        if not out:
+            raise ValueError("nodes: no node has a pair of GPUs left after dropping odd GPUs")
+        return ClusterSpec(nodes=out)
+
+    @property
+    def gpu_types(self) -> list[str]:
+        return sorted({n.gpu_type for n in self.nodes})
+
+    def node(self, name: str) -> NodeSpec:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ValueError(f"node must be one of {[n.name for n in self.nodes]}, got {name!r}")
+
+    def speed_of(self, gpu_type: str) -> float:
+        for n in self.nodes:
+            if n.gpu_type == gpu_type:
+                return n.speed
+        raise ValueError(f"gpu_type must be one of {self.gpu_types}, got {gpu_type!r}")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ClusterSpec":
+        """Load a cluster from YAML or JSON: ``{nodes: [{name, gpu_type, num_gpus, ...}, ...]}``."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"cluster file {path}: {e.strerror}") from None
+        try:
+            if path.suffix.lower() == ".json":
+                data = json.loads(text)
+            else:
+                import yaml
+                data = yaml.safe_load(text)
+        except Exception as e:  # yaml.YAMLError / JSONDecodeError
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"cluster file {path} is not valid YAML/JSON: {first}") from None
+        return cls.from_mapping(data, source=str(path))
+
+    @classmethod
+    def from_mapping(cls, data: object, source: str = "cluster") -> "ClusterSpec":
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+            raise ValueError(f"{source}: nodes must be a list of nodes, e.g. "
+                             "{nodes: [{name: a0, gpu_type: v100, num_gpus: 4}]}")
+        nodes = []
+        allowed = {"name", "gpu_type", "num_gpus", "memory_gb", "speed", "tflops"}
+        for i, nd in enumerate(data["nodes"]):
+            if not isinstance(nd, dict):
+                raise ValueError(f"{source}: nodes[{i}] must be a mapping, got {nd!r}")
+            extra = set(nd) - allowed
+            if extra:
+                raise ValueError(f"{source}: nodes[{i}] has unknown field(s) {sorted(extra)}; "
+                                 f"allowed: {sorted(allowed)}")
+            missing = {"gpu_type", "num_gpus"} - set(nd)
+            if missing:
+                raise ValueError(f"{source}: nodes[{i}] is missing field(s) {sorted(missing)}")
+            nd = dict(nd)
+            nd.setdefault("name", f"node{i}")
+            nodes.append(NodeSpec(**nd))
+        return cls(nodes=nodes)
+
+    @classmethod
+    def emulated(cls, types: dict[str, tuple[int, int, float]]) -> "ClusterSpec":
+        """Build a CPU-emulated cluster: ``{gpu_type: (num_nodes, gpus_per_node, speed)}``."""
+        nodes = []
+        for gpu_type, (num_nodes, per_node, speed) in types.items():
+            for i in range(num_nodes):
+                nodes.append(NodeSpec(name=f"{gpu_type}-{i}", gpu_type=gpu_type,
+                                      num_gpus=per_node, speed=speed))
+        return cls(nodes=nodes)
+
+
+class WorkerConfig(NamedTuple):
+    """Configuration of one GPU in a plan: ``num_vsw`` VSWs, each with ``num_ga`` GA steps."""
+
+    gpu: str
+    num_vsw: int
+    num_ga: int
+
+    @property
+    def num_workers(self) -> int:
+        """Decoupled workers on this GPU: n_vsw * (n_GA + 1)."""
+        return self.num_vsw * (self.num_ga + 1)
+
+
+@dataclass(frozen=True)
+class Plan(JsonMixin):
+    """A configuration chosen by the JABAS solver for ONE group H (the other group mirrors it).
+
+    ``workers[i]`` configures ``group_gpus[i]``; the global batch actually used is
+    ``global_batch_size = local_batch_size * 2 * sum(w.num_workers)`` (B_G* of Alg. 1, which
+    may differ a little from the requested B_G because M is rounded).
+    """
+
+    global_batch_size: int                 # B_G* actually used
+    local_batch_size: int                  # B_L
+    workers: list[WorkerConfig]            # one per GPU of group H, in group order
+    iteration_time: float                  # predicted seconds per iteration (max over GPUs)
+    requested_global_batch_size: int = 0   # the B_G the solver was asked for
+    weight_sync: str = "auto"              # "sws" | "ows" | "auto" as predicted
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second: B_G* / iteration time (Eq. 7)."""
+        return self.global_batch_size / self.iteration_time if self.iteration_time > 0 else 0.0
+
+    @property
+    def num_workers_per_group(self) -> int:
+        return sum(w.num_workers for w in self.workers)
+
+    def per_type(self) -> dict[str, tuple[int, int]]:
+        """``{gpu_type: (num_vsw, num_ga)}``; GPUs of one type share a configuration when the
+        solver gives them one (if not, the first GPU of the type is reported)."""
+        out: dict[str, tuple[int, int]] = {}
+        for w in self.workers:
+            out.setdefault(w.gpu, (w.num_vsw, w.num_ga))
+        return out

@@ -1,0 +1,29 @@
+"""Shared fixtures. Ray is started at most once per test session (``ray_session``) and shut
+down at the end; tests of pure logic never touch it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores: keep torch from oversubscribing them in the test process.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance for the whole session, with emulated GPU-type resources.
+
+    Emulated GPU types are custom resources ``gpu_<type>`` (see ``jabasray.actors``); tests
+    that need more register them through the cluster spec they use.
+    """
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             resources={"gpu_fast": 8, "gpu_slow": 8, "gpu_a": 8, "gpu_b": 8},
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
