@@ -1,0 +1,380 @@
+"""IIDP engine benchmark (no Ray): measures the compared variants side by side in one run.
+
+1. Overhead: IIDP with one VSW (no GA, no process group) vs a plain PyTorch loop at the same
+   batch size (goal: <= 5 % slower).
+2. Weight synchronisation for num_vsw = 1..4: the naive scheme (every VSW runs its own
+   optimizer on the aggregated gradient, the baseline of JABAS section 4 / 7.4) vs SWS vs OWS.
+3. CPU only (skip with ``--no-dist``): two processes over gloo on 127.0.0.1, 2 VSWs each:
+   SWS vs OWS vs SWS without comm/backward overlap (all-reduce launched after the whole
+   backward), wall time per step and exposed (waited-for) communication time.
+4. ``--device cuda`` only: throughput vs num_vsw at fixed B_L on a ResNet-18-sized model with
+   real CUDA streams (analogue of JABAS Fig. 7).
+
+Variants are interleaved round by round (``--rounds``) and the median of the rounds is
+reported. Prints ratios and writes ``benchmarks/out/engine.json``.
+
+    python benchmarks/engine.py [--device cpu|cuda] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jabasray.engine import IIDPWorker
+from jabasray.engine.buckets import trainable_parameters
+from jabasray.engine.iidp import _Timings
+
+OUT = Path(__file__).resolve().parent / "out" / "engine.json"
+
+
+# ----------------------------------------------------------------------------- models
+class WideMLP(nn.Module):
+    """~2.4M parameters: big enough that the optimizer and weight copies cost something."""
+
+    def __init__(self, d_in: int = 256, width: int = 1024, depth: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        dims = [d_in] + [width] * depth
+        layers: list[nn.Module] = []
+        for a, b in zip(dims, dims[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(width, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                      if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.b1(self.c1(x)))
+        return F.relu(self.b2(self.c2(out)) + self.short(x))
+
+
+class ResNet18(nn.Module):
+    """CIFAR-style ResNet-18 (11.2M parameters), input 3x32x32."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        layers, cin = [], 64
+        for cout, stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+            layers += [_Block(cin, cout, stride), _Block(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+# ----------------------------------------------------------------------------- naive baseline
+class NaiveWorker(IIDPWorker):
+    """Every VSW holds its own optimizer and applies it to the aggregated gradient (the scheme
+    one-way weight sync replaces): after the all-reduce the mean gradient is copied into every
+    VSW's gradient buffers and every VSW steps its own optimizer; no weight copy."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._optimizer_fn = kw.get("optimizer_fn") or a[1]
+        self._own: dict[int, torch.optim.Optimizer] = {}
+
+    def _update(self, divisor: float) -> _Timings:
+        t = time.perf_counter()
+        for b in range(len(self._specs)):
+            self._wait_bucket(b)
+        t2 = time.perf_counter()
+        main = self._vsws[0].buffers
+        if divisor != 1.0:
+            for b in range(len(self._specs)):
+                main.scale_bucket(b, 1.0 / divisor)
+        self.optimizer.step()
+        for v in self._vsws[1:]:
+            key = id(v.module)
+            if key not in self._own:
+                self._own[key] = self._optimizer_fn([p for _, p in trainable_parameters(v.module)])
+            for b in range(len(self._specs)):
+                torch._foreach_copy_(v.buffers.bucket_grads(b), main.bucket_grads(b))
+            self._own[key].step()
+        return _Timings(comm=t2 - t, optim=time.perf_counter() - t2)
+
+
+class NoOverlapWorker(IIDPWorker):
+    """Ablation: buckets are aggregated and all-reduced only after the whole backward pass
+    (hooks still fill the buckets but never launch), i.e. no comm/backward overlap."""
+
+    def _make_hook(self, vsw, bucket, k):
+        buffers = vsw.buffers
+
+        def hook(_param):
+            if vsw.in_step:
+                buffers.on_grad(bucket, k)
+        return hook
+
+
+# ----------------------------------------------------------------------------- timing
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(step: Callable[[], None], iters: int, device: torch.device) -> tuple[float, float]:
+    """Mean (wall seconds, process CPU seconds) per step."""
+    _sync(device)
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t) / iters, (time.process_time() - c) / iters
+
+
+def _interleaved(variants: dict[str, Callable[[], None]], rounds: int, iters: int, warmup: int,
+                 device: torch.device) -> dict[str, float]:
+    """Median over rounds of the mean seconds per step; variants alternate within a round.
+
+    On CPU the figure is process CPU time (all threads of this process): the shared 2-core
+    dev machine is loaded by other work, which inflates wall time at random; on CUDA it is
+    wall time (GPU work does not show in CPU time). Both medians are returned
+    (``<name>`` = the figure used, ``<name>:wall``, ``<name>:cpu``).
+    """
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            w, c = _time_steps(fn, iters, device)
+            wall[k].append(w)
+            cpu[k].append(c)
+    out = {}
+    for k in variants:
+        out[f"{k}:wall"] = statistics.median(wall[k])
+        out[f"{k}:cpu"] = statistics.median(cpu[k])
+        out[k] = out[f"{k}:wall"] if device.type == "cuda" else out[f"{k}:cpu"]
+    return out
+
+
+def _data(n: int, shape: tuple[int, ...], device: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((n,) + shape, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+
+
+def _adam(p):
+    return torch.optim.Adam(p, lr=1e-4)
+
+
+# ----------------------------------------------------------------------------- parts
+def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) -> dict:
+    torch.manual_seed(0)
+    plain_model = WideMLP().to(device)
+    iidp_model = WideMLP().to(device)
+    iidp_model.load_state_dict(plain_model.state_dict())
+    opt = _adam(plain_model.parameters())
+    X, y = _data(batch, (256,), device)
+
+    def plain() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(plain_model(X), y).backward()
+        opt.step()
+
+    flat_model = WideMLP().to(device)
+    flat_model.load_state_dict(plain_model.state_dict())
+    w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws")
+    w.configure(1, 0, batch)
+    # flat gradient buckets, as in a distributed run (only the all-reduce itself is missing)
+    wf = IIDPWorker(flat_model, _adam, F.cross_entropy, device=device, weight_sync="sws", flat_grads=True)
+    wf.configure(1, 0, batch)
+
+    res = _interleaved({"plain": plain, "iidp_1vsw": lambda: w.train_step([(X, y)]),
+                        "iidp_1vsw_flat": lambda: wf.train_step([(X, y)])}, rounds, iters, 3, device)
+    w.close()
+    wf.close()
+    ratio = res["iidp_1vsw"] / res["plain"]
+    ratio_flat = res["iidp_1vsw_flat"] / res["plain"]
+    print(f"[overhead] batch {batch}: plain {res['plain'] * 1e3:.2f} ms, IIDP 1 VSW "
+          f"{res['iidp_1vsw'] * 1e3:.2f} ms -> ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); "
+          f"with flat buckets {res['iidp_1vsw_flat'] * 1e3:.2f} ms -> {ratio_flat:.3f}")
+    return {"batch": batch, "plain_ms": res["plain"] * 1e3, "iidp_1vsw_ms": res["iidp_1vsw"] * 1e3,
+            "iidp_1vsw_flat_ms": res["iidp_1vsw_flat"] * 1e3, "ratio": ratio, "ratio_flat": ratio_flat,
+            "wall_ms": {k.split(":")[0]: v * 1e3 for k, v in res.items() if k.endswith(":wall")}}
+
+
+def bench_weight_sync(device: torch.device, local_batch: int, max_vsw: int, rounds: int, iters: int,
+                      bucket_cap_mb: float) -> list[dict]:
+    rows = []
+    for n in range(1, max_vsw + 1):
+        workers = {}
+        for name, cls, method in [("naive", NaiveWorker, "sws"), ("sws", IIDPWorker, "sws"),
+                                  ("ows", IIDPWorker, "ows")]:
+            torch.manual_seed(0)
+            w = cls(WideMLP().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
+                    bucket_cap_mb=bucket_cap_mb)
+            w.configure(n, 0, local_batch)
+            workers[name] = w
+        X, y = _data(n * local_batch, (256,), device)
+        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
+               for i in range(n)]
+        upd: dict[str, list[float]] = {k: [] for k in workers}
+
+        def make(k):
+            def fn() -> None:
+                upd[k].append(workers[k].train_step(mbs).update_time)
+            return fn
+        res = _interleaved({k: make(k) for k in workers}, rounds, iters, 2, device)
+        row = {"num_vsw": n, "num_buckets": len(workers["sws"].bucket_plan)}
+        for k in workers:
+            row[f"{k}_ms"] = res[k] * 1e3
+            row[f"{k}_update_wall_ms"] = statistics.median(upd[k]) * 1e3   # engine's update_time
+            workers[k].close()
+        row["wall_ms"] = {k.split(":")[0]: v * 1e3 for k, v in res.items() if k.endswith(":wall")}
+        row["naive_over_sws"] = res["naive"] / res["sws"]
+        row["naive_over_ows"] = res["naive"] / res["ows"]
+        row["sws_over_ows"] = res["sws"] / res["ows"]
+        wall = row["wall_ms"]
+        print(f"[weight sync] n_vsw={n}: iteration naive {row['naive_ms']:.1f} / SWS {row['sws_ms']:.1f} / "
+              f"OWS {row['ows_ms']:.1f} ms; wall {wall['naive']:.1f} / {wall['sws']:.1f} / {wall['ows']:.1f} ms "
+              f"of which update {row['naive_update_wall_ms']:.1f} / {row['sws_update_wall_ms']:.1f} / "
+              f"{row['ows_update_wall_ms']:.1f} ms; naive/SWS {row['naive_over_sws']:.2f}, "
+              f"naive/OWS {row['naive_over_ows']:.2f}, SWS/OWS {row['sws_over_ows']:.2f}")
+        rows.append(row)
+    return rows
+
+
+def bench_vsw_throughput(device: torch.device, local_batch: int, max_vsw: int, rounds: int, iters: int) -> list[dict]:
+    """Throughput (samples/s) of ResNet-18 vs num_vsw at fixed B_L, VSWs on their own streams."""
+    rows = []
+    base = None
+    for n in range(1, max_vsw + 1):
+        torch.manual_seed(0)
+        w = IIDPWorker(ResNet18().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                       F.cross_entropy, device=device)
+        w.configure(n, 0, local_batch)
+        X, y = _data(n * local_batch, (3, 32, 32), device)
+        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
+               for i in range(n)]
+        res = _interleaved({"step": lambda: w.train_step(mbs)}, rounds, iters, 3, device)
+        thp = n * local_batch / res["step"]
+        base = base or thp
+        rows.append({"num_vsw": n, "local_batch": local_batch, "iteration_ms": res["step"] * 1e3,
+                     "samples_per_s": thp, "speedup_vs_1": thp / base, "weight_sync": w.weight_sync_method})
+        print(f"[vsw throughput] ResNet-18 B_L={local_batch} n_vsw={n}: {thp:.0f} samples/s "
+              f"({thp / base:.2f}x of 1 VSW)")
+        w.close()
+    return rows
+
+
+def _dist_worker(rank: int, world: int, init_file: str, out_file: str, rounds: int, iters: int,
+                 local_batch: int, num_vsw: int, bucket_cap_mb: float) -> None:
+    import os
+
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        device = torch.device("cpu")
+        workers = {}
+        for name, cls, method in [("sws", IIDPWorker, "sws"), ("ows", IIDPWorker, "ows"),
+                                  ("sws_no_overlap", NoOverlapWorker, "sws")]:
+            torch.manual_seed(0)
+            w = cls(WideMLP(), _adam, F.cross_entropy, process_group=dist.group.WORLD,
+                    weight_sync=method, bucket_cap_mb=bucket_cap_mb)
+            w.configure(num_vsw, 0, local_batch)
+            workers[name] = w
+        X, y = _data(num_vsw * local_batch, (256,), device, seed=rank)
+        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
+               for i in range(num_vsw)]
+        comm: dict[str, list[float]] = {k: [] for k in workers}
+
+        def make(k):
+            def fn() -> None:
+                comm[k].append(workers[k].train_step(mbs).comm_time)
+            return fn
+        res = _interleaved({k: make(k) for k in workers}, rounds, iters, 2, device)
+        if rank == 0:
+            out = {k: res[f"{k}:wall"] * 1e3 for k in workers}
+            out.update({f"{k}_exposed_comm_ms": statistics.median(v) * 1e3 for k, v in comm.items()})
+            out["num_buckets"] = len(workers["sws"].bucket_plan)
+            Path(out_file).write_text(json.dumps(out))
+        for w in workers.values():
+            w.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_distributed(rounds: int, iters: int, local_batch: int = 32, num_vsw: int = 2,
+                      bucket_cap_mb: float = 1.0) -> dict:
+    """Two CPU processes over gloo (127.0.0.1): SWS vs OWS vs SWS without comm/backward
+    overlap; wall time per step (all-reduce time only shows in wall time)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = str(Path(tmp) / "dist.json")
+        mp.spawn(_dist_worker, args=(2, str(Path(tmp) / "store"), out_file, rounds, iters, local_batch,
+                                     num_vsw, bucket_cap_mb), nprocs=2, join=True)
+        res = json.loads(Path(out_file).read_text())
+    res["ows_over_sws"] = res["ows"] / res["sws"]
+    res["no_overlap_over_sws"] = res["sws_no_overlap"] / res["sws"]
+    print(f"[2-process gloo] {num_vsw} VSWs/process, B_L={local_batch}, {res['num_buckets']} buckets: "
+          f"wall SWS {res['sws']:.1f} / OWS {res['ows']:.1f} / SWS without overlap "
+          f"{res['sws_no_overlap']:.1f} ms (exposed comm {res['sws_exposed_comm_ms']:.1f} / "
+          f"{res['ows_exposed_comm_ms']:.1f} / {res['sws_no_overlap_exposed_comm_ms']:.1f} ms); "
+          f"OWS/SWS {res['ows_over_sws']:.2f}, no-overlap/SWS {res['no_overlap_over_sws']:.2f}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description="IIDP engine benchmark (no Ray)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds/iterations (smoke run)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: "
+                    "VSW threads are the parallelism under test)")
+    ap.add_argument("--no-dist", action="store_true", help="skip the 2-process gloo part (CPU)")
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device available")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    rounds, iters = (2, 3) if args.quick else (21, 3)
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.processor() or platform.machine()} CPU, torch threads {torch.get_num_threads()}")
+    print(f"device {device} ({machine}), torch {torch.__version__}; times are medians of "
+          f"{'wall' if device.type == 'cuda' else 'process CPU'} time per step")
+    result = {"device": str(device), "machine": machine, "torch": torch.__version__,
+              "rounds": rounds, "iters_per_round": iters}
+    result["overhead"] = [bench_overhead(device, b, rounds, iters) for b in (32, 128)]
+    result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
+    if device.type == "cpu" and not args.no_dist:
+        result["distributed_gloo"] = bench_distributed(rounds, iters)
+    if device.type == "cuda":
+        result["vsw_throughput"] = bench_vsw_throughput(device, 32, 4, rounds, iters)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,610 @@
+"""IIDP on one device: virtual stream workers, gradient buckets, one-way weight sync.
+
+JABAS/IIDP section 4 (paper lines ~144-170). One :class:`IIDPWorker` owns one device and runs
+``num_vsw`` virtual stream workers (VSWs) on it, each a replica of the model on its own CUDA
+stream (CPU: its own persistent thread), each doing ``num_ga`` gradient-accumulation steps over
+micro-batches of the SAME local batch size B_L, i.e. ``num_vsw * (num_ga + 1)`` *decoupled
+workers* on this device.
+
+How one ``train_step`` executes
+-------------------------------
+1. **Micro-batch assignment**: VSW ``v`` processes ``micro_batches[v*(num_ga+1) + j]`` for
+   ``j = 0 .. num_ga`` in that order (VSW 0 is the main VSW).
+2. **Backward into buckets**: with a process group, every replica's gradients live in flat
+   bucket buffers (:class:`~jabasray.engine.buckets.FlatBuffers`): the first micro-batch's
+   gradient of a parameter is copied into its bucket slot by a post-accumulate-grad hook,
+   which then binds ``p.grad`` to that slot so the following GA steps accumulate in place.
+   Without a process group nothing is all-reduced, so gradients stay autograd's tensors and
+   bucket operations act on per-parameter lists (saves that copy; ``flat_grads=True`` forces
+   the flat layout). The same hook counts, during the LAST micro-batch of each VSW, how many
+   parameters of each bucket are final.
+3. **Local aggregation + overlapped all-reduce**: when ALL VSWs have finished bucket ``b``,
+   the thread that finished it last adds the other VSWs' bucket ``b`` into the main VSW's
+   bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and starts an
+   asynchronous all-reduce (SUM) of it on the process group, while the VSWs go on with the
+   backward of earlier layers. Buckets are launched strictly in plan order (a bucket that
+   becomes ready early waits for its predecessors), so every rank issues its collectives in
+   the same order - the DDP reducer's rule. Parameters that received no gradient in the last
+   micro-batch (unused parameters, empty micro-batches) are marked final when their VSW ends;
+   a parameter with no gradient at all gets a ZERO gradient (a complete bucket, as in DDP),
+   whereas plain PyTorch would leave ``grad=None`` and skip it - the same for SGD without
+   momentum/weight decay, not for Adam or momentum.
+4. **Global mean over decoupled workers**: the all-reduced sum is divided by the GLOBAL
+   number of decoupled workers ``sum over devices of n_vsw*(n_GA+1)`` (agreed in
+   :meth:`IIDPWorker.configure` by an all-reduce), not by the number of devices: the paper's
+   "averaged by the sum of n_vsw*(n_GA+1) for every GPU". With ``ragged=True`` (last iteration
+   of an epoch) each micro-batch's mean-loss gradient is weighted by ``n_i / B_L`` and the sum
+   is divided by the all-reduced ``sum n_i / B_L``, so the step equals one step on the union.
+5. **One-way weight sync** (:mod:`~jabasray.engine.weight_sync`): only the main VSW holds the
+   optimizer. SWS: wait all buckets, full step, copy all buckets to the other VSWs. OWS: per
+   bucket, wait its all-reduce, shard-step its parameters and copy that shard.
+
+Parameters of every VSW are views into 64-byte-aligned flat parameter buffers (one per
+bucket), so the weight copy of step 5 is one ``copy_`` per bucket; do not move ``model`` to
+another device after handing it to the worker (that would re-allocate the parameters).
+
+BatchNorm and other buffers: every VSW normalises over its own micro-batch and keeps its own
+running statistics (no buffer broadcast, unlike DDP's default); the main VSW's buffers are the
+model's, and :meth:`IIDPWorker.state_dict` holds them. New replicas start from a copy of the
+main VSW (weights and buffers).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..validation import check_choice, check_float, check_int
+from ..config import WEIGHT_SYNC_METHODS
+from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
+                      trainable_parameters, validate_bucket_plan)
+from .streams import Lanes, VSWThreadPool
+from .weight_sync import ShardOptimizer, resolve_weight_sync
+
+log = logging.getLogger(__name__)
+
+MicroBatch = tuple[Any, Any]
+
+
+@dataclass
+class StepStats:
+    """What one :meth:`IIDPWorker.train_step` reports."""
+
+    loss: float                      # mean loss over all decoupled workers of all devices
+    num_workers: int                 # decoupled workers on this device: n_vsw * (n_GA + 1)
+    global_num_workers: int          # decoupled workers on all devices
+    num_samples: int                 # samples processed on this device
+    compute_time: float              # s: forward + backward of all VSWs (launches overlapped comm)
+    comm_time: float                 # s: waiting for all-reduces after compute (exposed comm)
+    update_time: float               # s: optimizer + weight copy
+    weight_sync: str                 # "sws" | "ows" as used
+    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order
+    optimizer_time: float = 0.0      # s: part of update_time spent in the optimizer (t_optim)
+    copy_time: float = 0.0           # s: part of update_time spent copying weights (t_copy)
+
+
+@dataclass
+class _Timings:
+    comm: float = 0.0
+    optim: float = 0.0
+    copy: float = 0.0
+
+
+def _num_samples(x: Any) -> int:
+    """Leading dimension of a micro-batch's inputs (tensor, or first tensor of a tuple/dict)."""
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0]) if x.dim() > 0 else 1
+    if isinstance(x, (list, tuple)) and x:
+        return _num_samples(x[0])
+    if isinstance(x, dict) and x:
+        return _num_samples(next(iter(x.values())))
+    raise ValueError(f"micro_batches inputs must be a tensor (or a tuple/dict of tensors), got {type(x).__name__}")
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x if x.device == device else x.to(device, non_blocking=True)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+class _VSW:
+    """One virtual stream worker: a model replica, its flat buffers and its bucket counters."""
+
+    def __init__(self, index: int, module: nn.Module, specs, owner: "IIDPWorker") -> None:
+        self.index = index
+        self.module = module
+        self.buffers = FlatBuffers(module, specs, flat_grads=owner._flat_grads)
+        self.in_step = False                        # True while train_step runs this VSW
+        self.counting = False                       # True during this VSW's last backward
+        self.remaining = [len(s.names) for s in specs]
+        self.done = [False] * len(specs)
+        self.events: list[Any] = [None] * len(specs)
+        self.handles = []
+        for b, plist in enumerate(self.buffers.modules_params):
+            for k, p in enumerate(plist):
+                self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
+
+    def reset(self) -> None:
+        self.remaining = [len(s.names) for s in self.buffers.specs]
+        self.done = [False] * len(self.remaining)
+        self.events = [None] * len(self.remaining)
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class IIDPWorker:
+    """Independent and Identical Data Parallelism on one device (see the module notes).
+
+    Args:
+        model: the main VSW's module (used in place; moved to ``device``).
+        optimizer_fn: ``optimizer_fn(params) -> torch.optim.Optimizer``, called once with the
+            trainable parameters (registration order); per-parameter optimizers only for OWS.
+        loss_fn: ``loss_fn(outputs, targets)`` -> mean loss of a micro-batch.
+        device: ``"cpu"`` or ``"cuda[:i]"``.
+        process_group: a ``torch.distributed`` group over the devices of the job (gloo on CPU,
+            NCCL on CUDA), or ``None`` for a single device.
+        weight_sync: ``"auto"`` (paper rule, R_buffer = 0.5), ``"sws"`` or ``"ows"``.
+        bucket_plan: ``list[list[str]]`` in backward order (interface 1); ``None`` -> DDP-like
+            size-cap grouping with ``bucket_cap_mb``.
+        bucket_cap_mb: the user's bucket size cap (MiB), also the denominator of the auto rule.
+        flat_grads: keep gradients in flat bucket buffers (needed for the all-reduce);
+            ``None`` -> only when ``process_group`` is set. Without a process group the
+            gradients can stay autograd's own tensors, which saves one copy per step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], device: str | torch.device = "cpu",
+                 process_group: Any = None, weight_sync: str = "auto",
+                 bucket_plan: BucketPlan | None = None, bucket_cap_mb: float = 25.0,
+                 flat_grads: bool | None = None) -> None:
+        check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(optimizer_fn):
+            raise ValueError(f"optimizer_fn must be callable (params -> Optimizer), got {optimizer_fn!r}")
+        if not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable (outputs, targets) -> loss, got {loss_fn!r}")
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}") from None
+        if not trainable_parameters(model):
+            raise ValueError("model must have at least one parameter with requires_grad=True")
+        model.to(self.device)
+        self.loss_fn = loss_fn
+        self.process_group = process_group
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        plan = (default_bucket_plan(model, bucket_cap_mb) if bucket_plan is None
+                else validate_bucket_plan(model, bucket_plan))
+        self.bucket_plan: BucketPlan = plan
+        self._specs = make_bucket_specs(model, plan)
+        self._param_names = [n for n, _ in trainable_parameters(model)]
+        self.weight_sync = weight_sync
+        self._method = resolve_weight_sync(weight_sync, bucket_nbytes(self._specs), bucket_cap_mb)
+        log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(self._specs),
+                 bucket_nbytes(self._specs), self._method, weight_sync)
+
+        self._lock = threading.Lock()
+        # flat gradient buckets only when they are all-reduced; on a single device gradients
+        # stay autograd's tensors (no bucket copy at all)
+        if flat_grads is not None and not isinstance(flat_grads, bool):
+            raise ValueError(f"flat_grads must be True, False or None, got {flat_grads!r}")
+        if flat_grads is False and process_group is not None:
+            raise ValueError("flat_grads must not be False when a process_group is set "
+                             "(buckets are all-reduced from flat buffers)")
+        self._flat_grads = process_group is not None if flat_grads is None else flat_grads
+        self._lanes = Lanes(self.device)
+        self._pool = VSWThreadPool(0)
+        self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
+        self._lanes.resize(1)
+        params = [p for _, p in trainable_parameters(model)]
+        self.optimizer = optimizer_fn(params)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        self._shard = ShardOptimizer(self.optimizer, self._vsws[0].buffers.modules_params)
+
+        self._num_vsw = 1
+        self._num_ga = 0
+        self._local_batch_size: int | None = None
+        self._global_num_workers = 1
+        # per-step state
+        self._pending: list[int] = []
+        self._ready: list[bool] = []
+        self._next_launch = 0
+        self._works: list[Any] = []
+        self._snapshot: list[torch.Tensor] | None = None
+        # True: synchronise the device around timed phases (profiling on CUDA); CPU is
+        # synchronous anyway
+        self.sync_timing = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model(self) -> nn.Module:
+        """The main VSW's module (current weights)."""
+        return self._vsws[0].module
+
+    @property
+    def num_vsw(self) -> int:
+        return self._num_vsw
+
+    @property
+    def num_ga(self) -> int:
+        return self._num_ga
+
+    @property
+    def local_batch_size(self) -> int | None:
+        return self._local_batch_size
+
+    @property
+    def num_workers(self) -> int:
+        """Decoupled workers on this device: ``num_vsw * (num_ga + 1)``."""
+        return self._num_vsw * (self._num_ga + 1)
+
+    @property
+    def global_num_workers(self) -> int:
+        return self._global_num_workers
+
+    @property
+    def weight_sync_method(self) -> str:
+        """The method in use: ``"sws"`` or ``"ows"`` (``"auto"`` resolved)."""
+        return self._method
+
+    @property
+    def bucket_nbytes(self) -> list[int]:
+        return bucket_nbytes(self._specs)
+
+    def replicas(self) -> list[nn.Module]:
+        """All VSW modules, main first (read-only use: tests, diagnostics)."""
+        return [v.module for v in self._vsws]
+
+    # ------------------------------------------------------------------ configuration
+    def configure(self, num_vsw: int, num_ga: int, local_batch_size: int) -> None:
+        """Set (n_vsw, n_GA, B_L) at run time. Replicas are added (copies of the main VSW's
+        current weights and buffers) or removed; the optimizer and its state are kept.
+        Collective when a process group is set: all ranks must call it (all-reduce of the
+        decoupled-worker count)."""
+        check_int("num_vsw", num_vsw, min_value=1)
+        check_int("num_ga", num_ga, min_value=0)
+        check_int("local_batch_size", local_batch_size, min_value=1)
+        num_vsw, num_ga, local_batch_size = int(num_vsw), int(num_ga), int(local_batch_size)
+        workers = num_vsw * (num_ga + 1)
+        if self.process_group is not None:
+            t = torch.tensor([workers], dtype=torch.int64,
+                             device=self.device if self._comm_on_device() else "cpu")
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
+            self._global_num_workers = int(t.item())
+        else:
+            self._global_num_workers = workers
+        self._lanes.synchronize()
+        while len(self._vsws) < num_vsw:
+            self._vsws.append(self._new_replica(len(self._vsws)))
+        for v in self._vsws[num_vsw:]:
+            v.remove_hooks()
+        del self._vsws[num_vsw:]
+        self._lanes.resize(num_vsw)
+        self._pool.resize(num_vsw - 1)
+        self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
+        log.debug("IIDP configured: n_vsw=%d n_ga=%d B_L=%d (global workers %d)",
+                  num_vsw, num_ga, local_batch_size, self._global_num_workers)
+
+    def _comm_on_device(self) -> bool:
+        """NCCL needs device tensors; gloo takes CPU tensors (and CUDA ones)."""
+        return self.device.type == "cuda"
+
+    def _new_replica(self, index: int) -> _VSW:
+        main = self._vsws[0].module
+        with torch.no_grad():
+            replica = copy.deepcopy(main)
+        replica.train(main.training)
+        return _VSW(index, replica, self._specs, self)
+
+    def sync_replicas(self) -> None:
+        """Copy the main VSW's weights and buffers to every other VSW (after the user changed
+        ``model`` directly, e.g. loaded weights)."""
+        main = self._vsws[0]
+        with torch.no_grad():
+            for v in self._vsws[1:]:
+                v.buffers.copy_params_from(main.buffers)
+                for (_, dst), (_, src) in zip(v.module.named_buffers(), main.module.named_buffers()):
+                    dst.copy_(src)
+
+    # ------------------------------------------------------------------ LR
+    def set_lr(self, lr: float) -> None:
+        check_float("lr", lr, min_value=0)
+        for g in self.optimizer.param_groups:
+            g["lr"] = float(lr)
+
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ hooks & launching
+    def _make_hook(self, vsw: _VSW, bucket: int, k: int) -> Callable[[torch.Tensor], None]:
+        buffers = vsw.buffers
+
+        def hook(_param: torch.Tensor) -> None:
+            if not vsw.in_step:
+                return
+            buffers.on_grad(bucket, k)
+            if not vsw.counting:
+                return
+            vsw.remaining[bucket] -= 1
+            if vsw.remaining[bucket] == 0:
+                self._vsw_bucket_done(vsw, bucket)
+        return hook
+
+    def _vsw_bucket_done(self, vsw: _VSW, bucket: int) -> None:
+        if vsw.done[bucket]:
+            return
+        vsw.done[bucket] = True
+        vsw.events[bucket] = self._lanes.record()    # CUDA: grads of this bucket are on this stream
+        with self._lock:
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._ready[bucket] = True
+                # launch strictly in plan order so that all ranks issue collectives alike
+                while self._next_launch < len(self._ready) and self._ready[self._next_launch]:
+                    self._launch(self._next_launch)
+                    self._next_launch += 1
+
+    def _finish_vsw(self, vsw: _VSW) -> None:
+        """Mark the buckets this VSW never completed through hooks (unused params, empty
+        micro-batches) as final, in plan order."""
+        vsw.counting = False
+        vsw.buffers.finish()
+        for b in range(len(self._specs)):
+            if not vsw.done[b]:
+                self._vsw_bucket_done(vsw, b)
+
+    def _launch(self, b: int) -> None:
+        """Local aggregation of bucket ``b`` into the main VSW, then async global all-reduce."""
+        lanes = self._lanes
+        main = self._vsws[0].buffers
+        with lanes.context(lanes.comm):
+            for v in self._vsws:
+                lanes.wait(lanes.comm, v.events[b])
+            for v in self._vsws[1:]:
+                main.add_bucket_from(v.buffers, b)
+            if self._snapshot is not None:
+                self._snapshot[b] = main.bucket_flat_copy(b)
+            if self.process_group is not None:
+                self._works[b] = dist.all_reduce(main.grads[b], op=dist.ReduceOp.SUM,
+                                                 group=self.process_group, async_op=True)
+
+    def _wait_bucket(self, b: int) -> None:
+        """Make the update stream (CUDA) / this thread (CPU) wait for bucket ``b``'s all-reduce."""
+        work = self._works[b]
+        if work is not None:
+            work.wait()       # CUDA/NCCL: makes the current (update) stream wait
+        elif self._lanes.is_cuda:
+            self._lanes.update.wait_stream(self._lanes.comm)
+
+    # ------------------------------------------------------------------ training
+    def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], ragged: bool) -> list[int]:
+        if self._local_batch_size is None:
+            raise ValueError("configure(num_vsw, num_ga, local_batch_size) must be called before train_step")
+        if not isinstance(micro_batches, (list, tuple)):
+            raise ValueError(f"micro_batches must be a list of (inputs, targets) pairs, got {type(micro_batches).__name__}")
+        want = self.num_workers
+        if len(micro_batches) != want:
+            raise ValueError(f"micro_batches must hold num_vsw*(num_ga+1) = {self._num_vsw}*({self._num_ga}+1) "
+                             f"= {want} (inputs, targets) pairs, got {len(micro_batches)}")
+        sizes = []
+        for i, mb in enumerate(micro_batches):
+            if not isinstance(mb, (list, tuple)) or len(mb) != 2:
+                raise ValueError(f"micro_batches[{i}] must be an (inputs, targets) pair, got {type(mb).__name__}")
+            n = _num_samples(mb[0])
+            if ragged:
+                if not 0 <= n <= self._local_batch_size:
+                    raise ValueError(f"micro_batches[{i}] must hold between 0 and local_batch_size = "
+                                     f"{self._local_batch_size} samples (ragged), got {n}")
+            elif n != self._local_batch_size:
+                raise ValueError(f"micro_batches[{i}] must hold local_batch_size = {self._local_batch_size} "
+                                 f"samples, got {n} (use ragged=True for the last iteration of an epoch)")
+            sizes.append(n)
+        return sizes
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool = False,
+                   ragged: bool = False) -> StepStats:
+        """One IIDP iteration over ``num_vsw*(num_ga+1)`` micro-batches (see the module notes).
+
+        ``keep_local_grad``: also return ``local_grad``, the flattened SUM over this device's
+        decoupled workers of their micro-batch mean-loss gradients, before the global
+        all-reduce, in trainable-parameter registration order (``ragged``: each term weighted
+        by ``n_i / B_L``). ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
+        weighted by its sample count so the step equals one step on the union (collective:
+        all ranks must pass the same ``ragged``).
+        """
+        sizes = self._check_micro_batches(micro_batches, ragged)
+        lanes, B = self._lanes, self._local_batch_size
+        nb = len(self._specs)
+        G = self._num_ga + 1
+        t0 = self._clock()
+
+        # --- per-step state
+        self._pending = [self._num_vsw] * nb
+        self._ready = [False] * nb
+        self._next_launch = 0
+        self._works = [None] * nb
+        self._snapshot = [None] * nb if keep_local_grad else None
+        weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
+        pg = self.process_group
+        count_work = None
+        count_t = None
+        if ragged:
+            count_t = torch.tensor([sum(weights)], dtype=torch.float64,
+                                   device=self.device if self._comm_on_device() else "cpu")
+            if pg is not None:
+                count_work = dist.all_reduce(count_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        start_ev = lanes.record()
+        training = self.model.training
+
+        def run_vsw(vsw: _VSW) -> torch.Tensor:
+            stream = lanes.vsw[vsw.index]
+            with lanes.context(stream):
+                lanes.wait(stream, start_ev)
+                vsw.reset()
+                vsw.buffers.begin_step()
+                if vsw.index > 0 and vsw.module.training != training:
+                    vsw.module.train(training)
+                base = vsw.index * G
+                idx = [base + j for j in range(G) if sizes[base + j] > 0]
+                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+                vsw.in_step = True
+                try:
+                    self._run_micro_batches(vsw, idx, micro_batches, weights, loss_sum)
+                    self._finish_vsw(vsw)
+                finally:
+                    vsw.in_step = vsw.counting = False
+                return loss_sum
+
+        losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        t_compute = self._clock() - t0
+
+        # --- loss statistic (all-reduced with the gradients; waited at the end)
+        with lanes.context(lanes.update):
+            for v in self._vsws:
+                lanes.wait(lanes.update, lanes.record(lanes.vsw[v.index]))
+            loss_t = torch.stack(losses).sum().reshape(1)
+            if not self._comm_on_device():
+                loss_t = loss_t.cpu()
+            loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+                         if pg is not None else None)
+            if ragged:
+                if count_work is not None:
+                    count_work.wait()
+                divisor = float(count_t.item())
+                if divisor <= 0:
+                    raise ValueError("micro_batches hold no samples on any device (ragged step)")
+            else:
+                divisor = float(self._global_num_workers)
+            tm = self._update(divisor)
+            comm_time = tm.comm
+            if loss_work is not None:
+                tw = time.perf_counter()
+                loss_work.wait()
+                comm_time += time.perf_counter() - tw
+            end_ev = lanes.record(lanes.update)
+        lanes.wait(lanes.current(), end_ev)
+        loss_value = float(loss_t.item()) / divisor
+
+        local_grad = None
+        if keep_local_grad:
+            local_grad = self._vsws[0].buffers.grads_in_param_order(self._param_names, self._snapshot)
+        self._snapshot = None
+        return StepStats(loss=loss_value, num_workers=self.num_workers,
+                         global_num_workers=self._global_num_workers, num_samples=sum(sizes),
+                         compute_time=t_compute, comm_time=comm_time, update_time=tm.optim + tm.copy,
+                         weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
+                         copy_time=tm.copy)
+
+    def _run_micro_batches(self, vsw: _VSW, idx: list[int], micro_batches: Sequence[MicroBatch],
+                           weights: list[float], loss_sum: torch.Tensor) -> None:
+        """Forward + backward of VSW ``vsw``'s non-empty micro-batches ``idx`` (GA steps);
+        the hooks count bucket completion during the last one."""
+        for k, i in enumerate(idx):
+            x, y = micro_batches[i]
+            x, y = _to_device(x, self.device), _to_device(y, self.device)
+            vsw.counting = k == len(idx) - 1
+            loss = self.loss_fn(vsw.module(x), y)
+            w = weights[i]
+            loss_sum += loss.detach().double() * w
+            (loss if w == 1.0 else loss * w).backward()
+
+    def _update(self, divisor: float) -> "_Timings":
+        """Wait for the all-reduces, average, update and copy (SWS or OWS); runs on the
+        update stream (CUDA). Host timings; with ``sync_timing`` the device is synchronised
+        around each phase so that they are device times."""
+        main = self._vsws[0].buffers
+        others = [v.buffers for v in self._vsws[1:]]
+        scale = 1.0 / divisor
+        tm = _Timings()
+        clock = self._clock
+        buckets = range(len(self._specs))
+        if self._method == "ows":
+            for b in buckets:
+                t0 = clock()
+                self._wait_bucket(b)
+                t1 = clock()
+                if scale != 1.0:
+                    main.scale_bucket(b, scale)
+                self._shard.step_shard(b)
+                t2 = clock()
+                for o in others:
+                    o.copy_params_from(main, b)
+                t3 = clock()
+                tm.comm += t1 - t0
+                tm.optim += t2 - t1
+                tm.copy += t3 - t2
+        else:
+            t0 = clock()
+            for b in buckets:
+                self._wait_bucket(b)
+            t1 = clock()
+            if scale != 1.0:
+                for b in buckets:
+                    main.scale_bucket(b, scale)
+            self._shard.step()
+            t2 = clock()
+            for o in others:
+                o.copy_params_from(main)
+            t3 = clock()
+            tm.comm, tm.optim, tm.copy = t1 - t0, t2 - t1, t3 - t2
+        return tm
+
+    def _clock(self) -> float:
+        if self.sync_timing:
+            self._lanes.synchronize()
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """A snapshot (deep copy, not views of live tensors) of the weights (+ the main VSW's
+        buffers, e.g. BatchNorm running statistics), optimizer state and configuration."""
+        self._lanes.synchronize()
+        return {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "config": {"num_vsw": self._num_vsw, "num_ga": self._num_ga,
+                       "local_batch_size": self._local_batch_size},
+            "weight_sync": self._method,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved; re-applies the saved configuration
+        (collective when a process group is set) and copies weights to all VSWs."""
+        if not isinstance(state, dict) or not {"model", "optimizer", "config"} <= set(state):
+            raise ValueError("state must be a dict with keys 'model', 'optimizer', 'config' "
+                             f"(from IIDPWorker.state_dict()), got {type(state).__name__}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        cfg = state["config"]
+        if cfg.get("local_batch_size") is not None:
+            self.configure(cfg["num_vsw"], cfg["num_ga"], cfg["local_batch_size"])
+        self.sync_replicas()
+
+    def close(self) -> None:
+        """Stop the VSW threads and remove the hooks from the main model."""
+        self._pool.close()
+        for v in self._vsws:
+            v.remove_hooks()
+
+    def __del__(self) -> None:  # best effort
+        try:
+            self._pool.close()
+        except Exception:  # noqa: BLE001
+            pass

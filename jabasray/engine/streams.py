@@ -1,0 +1,153 @@
+"""Execution abstraction for virtual stream workers: CUDA streams/events on CUDA, threads on CPU.
+
+IIDP (JABAS section 4, Fig. 5) runs one *VSW dispatcher* thread per virtual stream worker
+inside one GPU process; each dispatcher launches its kernels on its own CUDA stream, and
+gradient communication plus weight update run on further streams. This module hides the
+device-specific parts:
+
+* :class:`Lanes` owns the streams of one device: one per VSW, one for local aggregation and
+  all-reduce (``comm``), one for the weight update (``update``). On CPU every stream is
+  ``None``, every event is ``None`` and ``context(None)`` is a no-op: CPU kernels run
+  synchronously on the thread that issues them, so ordering is given by the threads and the
+  locks of the caller - the same happens-before relations that the events express on CUDA.
+* :class:`VSWThreadPool` is a persistent pool of dispatcher threads (no thread is created per
+  step). ``run(fns)`` runs ``fns[0]`` (the main VSW) inline on the calling thread and the rest
+  on the pool, so ``num_vsw=1`` costs no thread hand-off at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Lanes:
+    """Streams and events of one device (CUDA), or their no-op CPU twins."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.vsw: list[Any] = []
+        self.comm = self._new_stream()
+        self.update = self._new_stream()
+
+    def _new_stream(self) -> Any:
+        if not self.is_cuda:
+            return None
+        return torch.cuda.Stream(device=self.device)
+
+    def resize(self, num_vsw: int) -> None:
+        """Keep one stream per VSW (streams are reused across reconfigurations)."""
+        while len(self.vsw) < num_vsw:
+            self.vsw.append(self._new_stream())
+        del self.vsw[num_vsw:]
+
+    def context(self, stream: Any) -> contextlib.AbstractContextManager:
+        """``with lanes.context(s):`` issues work on ``s`` (CUDA) or runs inline (CPU)."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(stream)
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def record(self, stream: Any = None) -> Any:
+        """Record an event on ``stream`` (default: the current stream); ``None`` on CPU."""
+        if not self.is_cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return ev
+
+    @staticmethod
+    def wait(stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` (no-op on CPU)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+
+class _DispatcherThread:
+    """One persistent VSW dispatcher thread with its own job queue."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, fut = job
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class VSWThreadPool:
+    """Persistent dispatcher threads for VSWs 1..n-1 (one dedicated thread per VSW, so VSW
+    ``v`` always runs on the same thread, concurrently with the others); VSW 0 runs on the
+    caller's thread."""
+
+    def __init__(self, num_workers: int = 0) -> None:
+        self._threads: list[_DispatcherThread] = []
+        self.resize(num_workers)
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
+    def resize(self, num_workers: int) -> None:
+        """Hold exactly ``num_workers`` threads (existing threads are kept)."""
+        while len(self._threads) < num_workers:
+            self._threads.append(_DispatcherThread(f"vsw-{len(self._threads) + 1}"))
+        while len(self._threads) > num_workers:
+            self._threads.pop().stop()
+
+    def run(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``fns[0]`` inline and ``fns[i]`` on thread ``i-1``; return all results.
+
+        All functions are always waited for; the first exception (in VSW order) is re-raised.
+        """
+        if not 1 <= len(fns) <= self.size + 1:
+            raise ValueError(f"fns must hold 1..{self.size + 1} functions, got {len(fns)}")
+        futures = [t.submit(f) for t, f in zip(self._threads, fns[1:])]
+        results: list[Any] = [None] * len(fns)
+        error: BaseException | None = None
+        try:
+            results[0] = fns[0]()
+        except BaseException as e:  # noqa: BLE001 - re-raised after the others finished
+            error = e
+        for i, fut in enumerate(futures, start=1):
+            try:
+                results[i] = fut.result()
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise error
+        return results
+
+    def close(self) -> None:
+        self.resize(0)
