@@ -153,6 +153,51 @@ class ClusterSpec(JsonMixin):
                                       num_gpus=per_node, speed=speed))
         return cls(nodes=nodes)
 
+    @classmethod
+    def from_ray(cls, nodes: list[dict] | None = None, speeds: dict[str, float] | None = None,
+                 memory_gb: dict[str, float] | None = None) -> "ClusterSpec":
+        """Build the spec from a running Ray cluster (``ray.nodes()``, or ``nodes`` in that format).
+
+        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``. GPU types
+        come, in this order of precedence, from custom resources ``gpu_<type>`` (emulated or
+        user-labelled GPUs; count = the resource amount; a node may carry several types, each
+        becomes its own NodeSpec), else from ``accelerator_type:<TYPE>`` (type lower-cased,
+        count = the ``GPU`` resource), else a bare ``GPU`` count gives type ``"gpu"``. Nodes
+        without GPUs are skipped. ``speeds``/``memory_gb`` map GPU type -> NodeSpec field.
+        Odd GPU counts are kept; ``validated_pairs`` checks them.
+        """
+        if nodes is None:
+            import ray  # only here: types.py stays importable without ray
+            if not ray.is_initialized():
+                raise ValueError("ClusterSpec.from_ray needs a running Ray (call ray.init() first) "
+                                 "or an explicit nodes list")
+            nodes = ray.nodes()
+        speeds = speeds or {}
+        memory_gb = memory_gb or {}
+        specs: list[NodeSpec] = []
+        for i, nd in enumerate(nodes):
+            if not isinstance(nd, dict):
+                raise ValueError(f"nodes[{i}] must be a ray.nodes() mapping, got {nd!r}")
+            if not nd.get("Alive", nd.get("alive", True)):
+                continue
+            res = nd.get("Resources") or nd.get("resources") or {}
+            node_id = str(nd.get("NodeID") or nd.get("node_id") or f"node{i}")
+            types: dict[str, int] = {}
+            for key, amount in res.items():
+                if key.startswith("gpu_") and len(key) > 4 and int(amount) > 0:
+                    types[key[4:]] = int(amount)
+            if not types and int(res.get("GPU", 0)) > 0:
+                accel = sorted(k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:"))
+                types[accel[0].lower() if accel else "gpu"] = int(res["GPU"])
+            for gpu_type, count in types.items():
+                specs.append(NodeSpec(name=f"{node_id[:8]}-{gpu_type}", gpu_type=gpu_type,
+                                      num_gpus=count, speed=float(speeds.get(gpu_type, 1.0)),
+                                      memory_gb=float(memory_gb.get(gpu_type, 16.0))))
+        if not specs:
+            raise ValueError("nodes: the Ray cluster has no alive node with GPUs (resource GPU, "
+                             "accelerator_type:* or gpu_<type>)")
+        return cls(nodes=specs)
+
 
 class WorkerConfig(NamedTuple):
     """Configuration of one GPU in a plan: ``num_vsw`` VSWs, each with ``num_ga`` GA steps."""

@@ -1,0 +1,149 @@
+"""``jabasray plan``: the JABAS configuration (and optionally the allocation) for a global batch.
+
+No torch or ray import: it reads a cluster spec and profiles and runs the planners.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..planners.autoscale import OBJECTIVES, Allocation, choose_allocation, enumerate_allocations
+from ..planners.config_solver import solve_configuration_detailed
+from ..planners.perf_model import PerfModel, emulated_profiles
+from ..profiler.profile import Profile, load_profiles
+from ..types import ClusterSpec, Plan
+from ..validation import check_float, check_int
+
+HELP = """\
+Predict the best IIDP configuration (local batch B_L, VSWs and GA steps per GPU; JABAS Alg. 1)
+for a global batch size on a cluster, from profiles made by `jabasray profile`.
+
+Profiles: --profile may be given several times, and each file may hold one profile or
+{"profiles": [...]} (as `jabasray profile --emulate ...` writes). Every GPU type of the cluster
+needs a profile of that gpu_type, unless --emulate is given: then the first profile is scaled by
+each node's `speed` (Profile.scaled) to stand for every GPU type of the cluster.
+
+Allocation: by default all GPUs of the cluster (pairs per node). `--allocation auto` runs the
+auto-scaler (section 6.3) for a constant trajectory (the global batch for the whole epoch of
+--dataset-size samples) and reports the chosen allocation; `--allocation NODE=PAIRS,...` fixes one.
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="predict the best configuration for a global batch",
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", required=True, help="cluster spec (YAML or JSON): {nodes: [...]}")
+    p.add_argument("--profile", required=True, action="append", metavar="FILE",
+                   help="profile JSON (repeatable; a file may hold several profiles)")
+    p.add_argument("--global-batch", required=True, type=int, help="requested global batch size B_G")
+    p.add_argument("--min-local-batch", type=int, default=None,
+                   help="min B_L (default: the profiles' min_local_batch)")
+    p.add_argument("--allocation", default="all",
+                   help="'all' (default), 'auto' (auto-scaler) or NODE=PAIRS[,NODE=PAIRS...]")
+    p.add_argument("--objective", default="time", choices=OBJECTIVES, help="auto-scaler objective")
+    p.add_argument("--cost-budget", type=float, default=None, help="for --objective time_under_budget")
+    p.add_argument("--dataset-size", type=int, default=50000, help="samples per epoch (auto-scaler)")
+    p.add_argument("--adapt-interval", type=int, default=100, help="p: iterations per B_G (auto-scaler)")
+    p.add_argument("--weight-sync", default="auto", choices=("auto", "sws", "ows"))
+    p.add_argument("--max-deviation", type=float, default=None,
+                   help="reject B_L whose rounded B_G* differs from --global-batch by more than this "
+                        "fraction (default: none, as in the paper's Alg. 1)")
+    p.add_argument("--emulate", action="store_true",
+                   help="scale the first profile by each node's speed for every GPU type")
+    p.add_argument("--drop-odd-gpu", action="store_true", help="leave out a node's odd GPU")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def _profiles_for(cluster: ClusterSpec, files: list[str], emulate: bool) -> dict[str, Profile]:
+    profiles = load_profiles(files)
+    if emulate:
+        base = next(iter(profiles.values()))
+        speeds = {n.gpu_type: n.speed for n in cluster.nodes}
+        return emulated_profiles(base, speeds)
+    missing = [t for t in cluster.gpu_types if t not in profiles]
+    if missing:
+        raise ValueError(f"profile: no profile for GPU type(s) {missing} (have {sorted(profiles)}); "
+                         "give one per type with --profile, or --emulate to scale one by node speed")
+    return profiles
+
+
+def _parse_allocation(text: str, cluster: ClusterSpec) -> Allocation:
+    pairs = {n.name: 0 for n in cluster.nodes}
+    for item in text.split(","):
+        name, sep, num = item.partition("=")
+        if not sep or name.strip() not in pairs:
+            raise ValueError(f"allocation must be 'all', 'auto' or NODE=PAIRS,... with NODE in "
+                             f"{list(pairs)}, got {text!r}")
+        try:
+            pairs[name.strip()] = int(num)
+        except ValueError:
+            raise ValueError(f"allocation: pairs for node {name.strip()} must be an integer, got {num!r}") from None
+    alloc = Allocation(pairs)
+    alloc.group_gpus(cluster)  # validates pairs per node
+    return alloc
+
+
+def _table(plan: Plan, alloc: Allocation, cluster: ClusterSpec, model: PerfModel) -> str:
+    lines = [f"allocation: {', '.join(f'{n}={p} pair(s)' for n, p in alloc.node_pairs.items() if p)} "
+             f"({alloc.num_gpus} GPUs, {'multi' if alloc.multi_node else 'single'}-node)",
+             f"global batch: requested {plan.requested_global_batch_size}, used {plan.global_batch_size} "
+             f"(B_L {plan.local_batch_size} x {plan.num_workers_per_group} workers x 2 groups)",
+             f"iteration time: {plan.iteration_time * 1e3:.3f} ms   throughput: {plan.throughput:.1f} samples/s"
+             f"   weight sync: {plan.weight_sync}",
+             "",
+             f"{'node':<16} {'gpu':<10} {'n_vsw':>5} {'n_ga':>5} {'workers':>7} {'time(ms)':>9}"]
+    nodes = [n for n, p in alloc.node_pairs.items() for _ in range(p)]
+    for node, w in zip(nodes, plan.workers):
+        t = model.iteration_time(w.gpu, plan.local_batch_size, w.num_vsw, w.num_ga)
+        lines.append(f"{node:<16} {w.gpu:<10} {w.num_vsw:>5} {w.num_ga:>5} {w.num_workers:>7} {t * 1e3:>9.3f}")
+    lines.append("(each row is one GPU pair: both GPUs of the pair run this configuration)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_int("global_batch", args.global_batch, min_value=1)
+    check_int("dataset_size", args.dataset_size, min_value=1)
+    check_int("adapt_interval", args.adapt_interval, min_value=1)
+    if args.cost_budget is not None:
+        check_float("cost_budget", args.cost_budget, min_value=0, min_exclusive=True)
+    cluster = ClusterSpec.from_file(args.cluster).validated_pairs(args.drop_odd_gpu)
+    profiles = _profiles_for(cluster, args.profile, args.emulate)
+    if args.min_local_batch is None:
+        mins = {p.min_local_batch for p in profiles.values()}
+        if len(mins) > 1:
+            raise ValueError(f"min_local_batch differs between profiles ({sorted(mins)}); pass --min-local-batch")
+        min_bl = mins.pop()
+    else:
+        min_bl = check_int("min_local_batch", args.min_local_batch, min_value=1)
+    model = PerfModel(profiles, weight_sync=args.weight_sync)
+    decision = None
+    if args.allocation == "auto":
+        decision = choose_allocation(cluster, model, [args.global_batch], args.dataset_size,
+                                     args.adapt_interval, min_bl, objective=args.objective,
+                                     cost_budget=args.cost_budget, max_deviation=args.max_deviation)
+        alloc = decision.allocation
+    elif args.allocation == "all":
+        alloc = enumerate_allocations(cluster)[-1]
+    else:
+        alloc = _parse_allocation(args.allocation, cluster)
+    group = alloc.group_gpus(cluster)
+    m = model.for_allocation(alloc.num_gpus, alloc.multi_node)
+    res = solve_configuration_detailed(args.global_batch, group, m, min_bl, args.max_deviation)
+    if res.plan is None:
+        raise ValueError(f"global_batch: {res.reason}")
+    if args.json:
+        out = {"allocation": alloc.to_dict(), "group_gpus": group, "plan": res.plan.to_dict(),
+               "throughput": res.plan.throughput}
+        if decision is not None:
+            out["autoscale"] = {"objective": decision.objective, "epoch_time": decision.epoch_time,
+                                "cost": decision.cost, "iterations": decision.iterations,
+                                "candidates": [c.to_dict() for c in decision.candidates]}
+        print(json.dumps(out, indent=2))
+    else:
+        print(_table(res.plan, alloc, cluster, m))
+        if decision is not None:
+            print(f"\nauto-scaler ({decision.objective}): predicted epoch {decision.epoch_time:.3f} s, "
+                  f"cost {decision.cost:.4g}, {len(decision.candidates)} candidate allocations")
+    return 0

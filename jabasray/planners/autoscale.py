@@ -1,0 +1,265 @@
+"""JABAS coarse-grained automatic scaling (paper section 6.3) and its cost model (Eq. 8).
+
+Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (text lines 284-290, continued
+at 318) and Eq. 8 (text lines 349-351).
+
+Implementation notes
+--------------------
+* Candidate allocations (``enumerate_allocations``): node i with m_i GPUs offers m_i / 2
+  identical pairs; an allocation takes 0..m_i/2 pairs from every node, not all zero, so there are
+  prod_i (m_i / 2 + 1) - 1 candidates. Group H of an allocation is one GPU of each pair, listed
+  in node order. Candidates are sorted by GPU count, then by preferring earlier nodes, which
+  reproduces the paper's list for N1 = 4 x g_A, N2 = 2 x g_B:
+  (g_A, g_A), (g_B, g_B), (g_A x 4), (g_A, g_A, g_B, g_B), (g_A x 4, g_B, g_B).
+* Epoch time (``epoch_time``): the trajectory holds one global batch per p iterations. Walking
+  through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
+  exhausted), the solver's plan for it (B_G* samples per iteration, predicted time t), and runs
+  min(p, ceil(remaining samples / B_G*)) iterations; the epoch time is the sum of t over all
+  iterations. The epoch's last iteration may be ragged (fewer samples); it is charged a full
+  iteration time (the model has no per-sample term for a partial step). Each distinct B_G is
+  solved once per (group H, N_G, multi-node) - a memo shared by all candidates.
+* The performance model is re-targeted per allocation when it offers
+  ``for_allocation(num_gpus, multi_node)`` (``PerfModel`` does: N_G and the intra-/inter-node
+  all-reduce fit of Eq. 3 depend on the allocation); other models are used as given.
+* Cost (Eq. 8): the price of a GPU type is proportional to its TFLOPS,
+  Cost(X) = C_A1 * X.TFLOPS / A1.TFLOPS; we use ``NodeSpec.price_weight`` (TFLOPS, or the
+  emulation speed when TFLOPS is unknown) per GPU-second, so the cost of an epoch is
+  epoch_time * sum over allocated GPUs of price_weight, in "TFLOPS-seconds" (multiply by
+  C_A1 / A1.TFLOPS to get money).
+* Objectives: "time" = least epoch time (ties: cheaper, fewer GPUs); "cost" = least cost (ties:
+  faster); "time_under_budget" = least time among allocations with cost <= budget; when none
+  fits the budget the cheapest is returned with ``within_budget=False`` and a warning.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..serialization import JsonMixin
+from ..types import ClusterSpec, Plan
+from ..validation import check_choice, check_float, check_int
+from .config_solver import solve_configuration_detailed
+
+log = logging.getLogger(__name__)
+
+OBJECTIVES = ("time", "cost", "time_under_budget")
+
+
+@dataclass(frozen=True)
+class Allocation(JsonMixin):
+    """GPU pairs taken from each node (node name -> pairs), in cluster node order."""
+
+    node_pairs: dict[str, int]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node_pairs, dict) or not self.node_pairs:
+            raise ValueError(f"node_pairs must be a non-empty mapping node -> pairs, got {self.node_pairs!r}")
+        for k, v in self.node_pairs.items():
+            check_int(f"node_pairs[{k}]", v, min_value=0)
+        if sum(self.node_pairs.values()) == 0:
+            raise ValueError("node_pairs must use at least one GPU pair, got all zeros")
+
+    @property
+    def num_pairs(self) -> int:
+        return sum(self.node_pairs.values())
+
+    @property
+    def num_gpus(self) -> int:
+        return 2 * self.num_pairs
+
+    @property
+    def nodes_used(self) -> list[str]:
+        return [n for n, p in self.node_pairs.items() if p > 0]
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.nodes_used) > 1
+
+    def group_gpus(self, cluster: ClusterSpec) -> list[str]:
+        """Group H: one GPU type per pair, node order (the other group mirrors it)."""
+        out: list[str] = []
+        for name, pairs in self.node_pairs.items():
+            node = cluster.node(name)
+            if pairs > node.num_pairs:
+                raise ValueError(f"node_pairs[{name}] must be <= {node.num_pairs} (pairs on that node), "
+                                 f"got {pairs}")
+            out.extend([node.gpu_type] * pairs)
+        return out
+
+    def gpus(self, cluster: ClusterSpec) -> list[str]:
+        """All allocated GPUs as type names (2 per pair), node order."""
+        return [g for g in self.group_gpus(cluster) for _ in range(2)]
+
+    def price_rate(self, cluster: ClusterSpec) -> float:
+        """Sum of Eq. 8 price weights of the allocated GPUs (per second)."""
+        return sum(2 * p * cluster.node(n).price_weight for n, p in self.node_pairs.items())
+
+
+@dataclass(frozen=True)
+class EpochTime(JsonMixin):
+    """Predicted epoch on one group H: time, iterations and the plan per distinct B_G."""
+
+    epoch_time: float | None               # seconds (None: some B_G has no plan)
+    iterations: int                         # iterations of the epoch (those predicted)
+    plans: dict[int, Plan] = field(default_factory=dict)   # requested B_G -> plan
+    reason: str = "ok"
+
+
+@dataclass(frozen=True)
+class CandidateEstimate(JsonMixin):
+    """One candidate allocation as evaluated by :func:`choose_allocation`."""
+
+    allocation: Allocation
+    group_gpus: list[str]
+    epoch_time: float | None               # None: infeasible
+    cost: float | None                      # Eq. 8 price-weighted GPU-seconds (None: infeasible)
+    iterations: int
+    reason: str = "ok"
+
+
+@dataclass(frozen=True)
+class AutoscaleDecision(JsonMixin):
+    """The chosen allocation for the next epoch and what it is predicted to do."""
+
+    objective: str                          # "time" | "cost" | "time_under_budget"
+    allocation: Allocation                  # pairs per node
+    group_gpus: list[str]                   # group H (one GPU per pair)
+    epoch_time: float                       # predicted seconds for the epoch
+    cost: float                             # Eq. 8 cost of the epoch
+    iterations: int                         # predicted iterations in the epoch
+    plans: dict[int, Plan]                  # requested B_G -> plan on this allocation
+    within_budget: bool = True              # False: no allocation met cost_budget
+    candidates: list[CandidateEstimate] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- enumeration
+def enumerate_allocations(cluster: ClusterSpec, drop_odd_gpu: bool = False) -> list[Allocation]:
+    """All prod_i (m_i/2 + 1) - 1 allocations of GPU pairs (see module notes for the order)."""
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    cl = cluster.validated_pairs(drop_odd_gpu)
+    names = [n.name for n in cl.nodes]
+    combos = itertools.product(*(range(n.num_pairs + 1) for n in cl.nodes))
+    allocs = [c for c in combos if any(c)]
+    allocs.sort(key=lambda c: (sum(c), tuple(-p for p in c)))
+    return [Allocation(dict(zip(names, c))) for c in allocs]
+
+
+# ---------------------------------------------------------------------------- epoch time
+def _check_trajectory(trajectory: Any) -> list[int]:
+    if isinstance(trajectory, (str, bytes)) or not hasattr(trajectory, "__iter__"):
+        raise ValueError(f"trajectory must be a non-empty list of global batch sizes, got {trajectory!r}")
+    traj = list(trajectory)
+    if not traj:
+        raise ValueError("trajectory must be a non-empty list of global batch sizes, got []")
+    out = []
+    for i, b in enumerate(traj):
+        if isinstance(b, float) and b.is_integer():
+            b = int(b)
+        out.append(check_int(f"trajectory[{i}]", b, min_value=1))
+    return out
+
+
+def _retarget(model: Any, num_gpus: int, multi_node: bool) -> Any:
+    fn = getattr(model, "for_allocation", None)
+    return fn(num_gpus, multi_node) if callable(fn) else model
+
+
+def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int], dataset_size: int,
+               adapt_interval: int, min_local_batch: int,
+               cache: dict[int, Plan | None] | None = None,
+               max_deviation: float | None = None) -> EpochTime:
+    """Predicted epoch time of group H for a B_G trajectory (module notes). ``model`` must already
+    describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> plan;
+    ``max_deviation`` is passed to the solver."""
+    traj = _check_trajectory(trajectory)
+    check_int("dataset_size", dataset_size, min_value=1)
+    check_int("adapt_interval", adapt_interval, min_value=1)
+    check_int("min_local_batch", min_local_batch, min_value=1)
+    memo: dict[int, Plan | None] = {} if cache is None else cache
+    plans: dict[int, Plan] = {}
+    remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
+    while remaining > 0:
+        bg = traj[min(chunk, len(traj) - 1)]
+        if bg not in memo:
+            res = solve_configuration_detailed(bg, list(group_gpus), model, min_local_batch, max_deviation)
+            memo[bg] = res.plan
+            if res.plan is None:
+                return EpochTime(None, iters, plans, f"B_G={bg}: {res.reason}")
+        plan = memo[bg]
+        if plan is None:
+            return EpochTime(None, iters, plans, f"B_G={bg}: no configuration on {list(group_gpus)}")
+        plans[bg] = plan
+        n = min(adapt_interval, math.ceil(remaining / plan.global_batch_size))
+        total += n * plan.iteration_time
+        iters += n
+        remaining -= n * plan.global_batch_size
+        chunk += 1
+    return EpochTime(total, iters, plans)
+
+
+# ---------------------------------------------------------------------------- choice
+def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int], dataset_size: int,
+                      adapt_interval: int, min_local_batch: int, objective: str = "time",
+                      cost_budget: float | None = None, drop_odd_gpu: bool = False,
+                      allocations: Sequence[Allocation] | None = None,
+                      max_deviation: float | None = None) -> AutoscaleDecision:
+    """Evaluate every candidate allocation on the trajectory and pick one by ``objective``.
+
+    Raises ValueError when no allocation can run the trajectory (the message gives the reason
+    of the largest allocation).
+    """
+    check_choice("objective", objective, OBJECTIVES)
+    if objective == "time_under_budget" and cost_budget is None:
+        raise ValueError("cost_budget must be a number > 0 when objective is 'time_under_budget', got None")
+    if cost_budget is not None:
+        check_float("cost_budget", cost_budget, min_value=0, min_exclusive=True)
+    traj = _check_trajectory(trajectory)
+    check_int("dataset_size", dataset_size, min_value=1)
+    check_int("adapt_interval", adapt_interval, min_value=1)
+    check_int("min_local_batch", min_local_batch, min_value=1)
+    cl = cluster.validated_pairs(drop_odd_gpu)
+    allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
+    memo: dict[tuple, dict[int, Plan | None]] = {}
+    plans_of: dict[tuple, dict[int, Plan]] = {}
+    cands: list[CandidateEstimate] = []
+    for alloc in allocs:
+        group = alloc.group_gpus(cl)
+        key = (tuple(group), alloc.num_gpus, alloc.multi_node)
+        m = _retarget(model, alloc.num_gpus, alloc.multi_node)
+        est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
+                         cache=memo.setdefault(key, {}), max_deviation=max_deviation)
+        cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
+        cands.append(CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations, est.reason))
+        if est.epoch_time is not None:
+            plans_of[key] = est.plans
+    feasible = [c for c in cands if c.epoch_time is not None]
+    if not feasible:
+        raise ValueError(f"trajectory: no allocation can run it; e.g. {cands[-1].reason}")
+    within = True
+    if objective == "time":
+        best = min(feasible, key=lambda c: (c.epoch_time, c.cost, c.allocation.num_gpus))
+    elif objective == "cost":
+        best = min(feasible, key=lambda c: (c.cost, c.epoch_time, c.allocation.num_gpus))
+    else:
+        ok = [c for c in feasible if c.cost <= cost_budget]
+        if ok:
+            best = min(ok, key=lambda c: (c.epoch_time, c.cost, c.allocation.num_gpus))
+        else:
+            best = min(feasible, key=lambda c: (c.cost, c.epoch_time, c.allocation.num_gpus))
+            within = False
+            log.warning("no allocation meets cost_budget %.4g (cheapest costs %.4g); using the cheapest",
+                        cost_budget, best.cost)
+    key = (tuple(best.group_gpus), best.allocation.num_gpus, best.allocation.multi_node)
+    plans = plans_of[key]
+    return AutoscaleDecision(objective=objective, allocation=best.allocation, group_gpus=best.group_gpus,
+                             epoch_time=float(best.epoch_time), cost=float(best.cost),
+                             iterations=best.iterations, plans=dict(plans), within_budget=within,
+                             candidates=cands)
+
+
+__all__ = ["Allocation", "AutoscaleDecision", "CandidateEstimate", "EpochTime", "OBJECTIVES",
+           "enumerate_allocations", "epoch_time", "choose_allocation"]

@@ -1,0 +1,436 @@
+"""JABAS configuration solver (paper section 5.2, Algorithm 1), exact and fast.
+
+Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 (text lines 198-228) and
+section 5.2 with Eq. 7 and the Figure 8 example (text lines 236-262).
+
+Problem (Eq. 7). For one group H of GPUs (one GPU of every identical pair) and a requested
+global batch B_G, choose a local batch B_L (a multiple of min B_L, at most min_g max B_L^g)
+and per GPU g a pair (n_vsw, n_GA) with 1 <= n_vsw <= n_max(g, B_L), n_GA >= 0, such that the
+decoupled workers n_vsw * (n_GA + 1) of the group sum to M = round(B_G / B_L / 2) and the
+throughput F(C) = B_L * M * 2 / max_g t_g is maximal (t_g: predicted iteration time, Eq. 6).
+
+Implementation notes (how this maps onto Algorithm 1)
+-----------------------------------------------------
+* Lines 6-9: B_L runs over min B_L, 2 min B_L, ... up to min_g max B_L^g; M uses round half
+  up (``floor(x + 0.5)``; Python's ``round`` would round half to even). When M < N_H the loop
+  stops (line 9): M only shrinks as B_L grows.
+* Lines 10-20 (search space + ``PRUNESLOWCONFIGURATIONS``): for each GPU *type* of H we build
+  ``best[k]`` = the fastest (n_vsw, n_GA) with exactly k decoupled workers, k = 1..M - N_H + 1
+  (a GPU can never take more, since every other GPU takes >= 1). Identical GPUs share it.
+  When the model offers ``iteration_times(gpu, B_L, n_vsw, n_GA_array)`` (``PerfModel`` does;
+  Eq. 6 is affine in n_GA) the n_GA loop of line 13 is one numpy call.
+* Lines 21-23 (dynamic programming): we need min over k_1 + ... + k_N = M of max_j best_j[k_j].
+  Instead of the O(M^2 N_H) min-max recurrence we search the bottleneck time T directly:
+  T is feasible iff M is in the sumset S_1(T) + ... + S_N(T), S_j(T) = {k : best_j[k] <= T}.
+  Feasibility is monotone in T, the optimum is one of the best_j values, and each sumset is a
+  0/1 convolution (FFT, exact after thresholding integer counts at 0.5). We start at a cheap
+  necessary lower bound (sum of the largest admissible k's reaches M) and gallop upwards, so
+  usually only one or two feasibility checks run per B_L. The assignment is recovered by
+  backtracking through the stored reachability arrays. This is exact: the same optimum as the
+  recurrence (checked against exhaustive enumeration in tests/test_config_solver.py).
+* Lines 24-25: a B_L replaces the incumbent only with strictly higher throughput (ties keep the
+  smaller B_L). A B_L whose optimistic throughput B_L * M * 2 / T_lower_bound cannot beat the
+  incumbent is skipped without solving (exact pruning).
+
+``solve_configuration`` returns a :class:`Plan` or ``None``; ``solve_configuration_detailed``
+returns a :class:`SolverResult` whose ``reason`` says why there is no plan and whose
+``outcomes`` list what happened at every B_L. ``solve_configuration_reference`` is the direct
+plain-Python O(L M^2 N_H) transcription of Algorithm 1 used as the baseline in
+``benchmarks/solver.py`` and as a second oracle in tests.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from ..serialization import JsonMixin
+from ..types import Plan, WorkerConfig
+from ..validation import check_float, check_int
+
+log = logging.getLogger(__name__)
+
+_FFT_MIN = 96  # below this length np.convolve is faster than FFT
+
+
+class IterationTimeModel(Protocol):
+    """What the solver needs from a performance model (``PerfModel`` satisfies it)."""
+
+    def iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float: ...
+    def max_local_batch(self, gpu: str) -> int: ...
+    def max_num_vsw(self, gpu: str, local_batch: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class LocalBatchOutcome(JsonMixin):
+    """What the solver found for one candidate B_L."""
+
+    local_batch: int                     # B_L
+    num_workers_per_group: int           # M
+    iteration_time: float | None = None  # optimal max_g t_g at this B_L (None: not solved)
+    throughput: float | None = None      # B_L * M * 2 / iteration_time
+    note: str = ""                       # "", "pruned: ...", "no configuration: ..."
+
+
+@dataclass(frozen=True)
+class SolverResult(JsonMixin):
+    """Result of :func:`solve_configuration_detailed`: the plan (or None) and why."""
+
+    plan: Plan | None
+    reason: str                          # "ok" or why no plan exists
+    requested_global_batch_size: int
+    outcomes: list[LocalBatchOutcome] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- validation
+def _validate(global_batch_size: Any, group_gpus: Any, model: Any, min_local_batch: Any) -> list[str]:
+    check_int("global_batch_size", global_batch_size, min_value=1)
+    check_int("min_local_batch", min_local_batch, min_value=1)
+    if isinstance(group_gpus, str) or not isinstance(group_gpus, (list, tuple)) or not group_gpus:
+        raise ValueError(f"group_gpus must be a non-empty list of GPU type names, got {group_gpus!r}")
+    for i, g in enumerate(group_gpus):
+        if not isinstance(g, str) or not g:
+            raise ValueError(f"group_gpus[{i}] must be a non-empty GPU type name, got {g!r}")
+    for name in ("iteration_time", "max_local_batch", "max_num_vsw"):
+        if not callable(getattr(model, name, None)):
+            raise ValueError(f"model must provide {name}(...) (iteration_time, max_local_batch, "
+                             f"max_num_vsw), got {type(model).__name__}")
+    return list(group_gpus)
+
+
+def num_workers_per_group(global_batch_size: int, local_batch: int) -> int:
+    """M = round(B_G / B_L / 2) of Alg. 1 line 8, rounding halves up."""
+    return int(math.floor(global_batch_size / local_batch / 2 + 0.5))
+
+
+# ---------------------------------------------------------------------------- search space
+@dataclass
+class _TypeTable:
+    """best[k] (k = 0..K; best[0] = inf) and the (n_vsw, n_GA) achieving it."""
+
+    best: np.ndarray
+    nvsw: np.ndarray
+    nga: np.ndarray
+
+
+def fastest_per_worker_count(model: Any, gpu: str, local_batch: int, max_workers: int,
+                             max_vsw: int) -> _TypeTable:
+    """Alg. 1 lines 10-20 for one GPU type: for each k in 1..max_workers the fastest
+    (n_vsw, n_GA) with n_vsw * (n_GA + 1) = k and n_vsw <= max_vsw (ties: fewer VSWs)."""
+    best = np.full(max_workers + 1, np.inf)
+    nvsw = np.zeros(max_workers + 1, dtype=np.int64)
+    nga = np.zeros(max_workers + 1, dtype=np.int64)
+    vectorised = getattr(model, "iteration_times", None)
+    for n in range(1, min(max_vsw, max_workers) + 1):
+        ga = np.arange(max_workers // n, dtype=np.int64)          # k = n (ga + 1) <= max_workers
+        if vectorised is not None:
+            ts = np.asarray(vectorised(gpu, local_batch, n, ga), dtype=float)
+        else:
+            ts = np.array([model.iteration_time(gpu, local_batch, n, int(g)) for g in ga], dtype=float)
+        ks = n * (ga + 1)
+        better = ts < best[ks]
+        best[ks[better]] = ts[better]
+        nvsw[ks[better]] = n
+        nga[ks[better]] = ga[better]
+    return _TypeTable(best, nvsw, nga)
+
+
+# ---------------------------------------------------------------------------- min-max assignment
+def _sumset(reach: np.ndarray, allowed: np.ndarray, limit: int) -> np.ndarray:
+    """{a + b : reach[a], allowed[b]} as a bool array of length limit + 1."""
+    a = reach.astype(np.float64)
+    b = allowed.astype(np.float64)
+    n = len(a) + len(b) - 1
+    if min(len(a), len(b)) < _FFT_MIN:
+        c = np.convolve(a, b)
+    else:
+        size = 1 << (n - 1).bit_length()
+        c = np.fft.irfft(np.fft.rfft(a, size) * np.fft.rfft(b, size), size)[:n]
+    out = np.zeros(limit + 1, dtype=bool)
+    m = min(limit + 1, n)
+    out[:m] = c[:m] > 0.5
+    return out
+
+
+def _reachability(tables: Sequence[np.ndarray], total: int, threshold: float) -> list[np.ndarray] | None:
+    """reach[j][s]: the first j GPUs can take exactly s workers with every time <= threshold."""
+    reach = np.zeros(total + 1, dtype=bool)
+    reach[0] = True
+    out = [reach]
+    for best in tables:
+        allowed = best <= threshold
+        if not allowed.any():
+            return None
+        reach = _sumset(reach, allowed, total)
+        if not reach.any():
+            return None
+        out.append(reach)
+    return out
+
+
+def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float, list[int]] | None:
+    """Exact ``min over k_1+...+k_N = total, k_j >= 1 of max_j tables[j][k_j]``.
+
+    ``tables[j][k]`` is GPU j's time with k workers (index 0 and infeasible entries = inf).
+    Returns (bottleneck time, [k_1, ..., k_N]) or None when no assignment exists.
+    """
+    n = len(tables)
+    if n == 0 or total < n:
+        return None
+    tabs = [np.array(t[: total - n + 2], dtype=float) for t in tables]
+    for t in tabs:
+        t[0] = np.inf                        # every GPU takes at least one worker
+    cands = np.unique(np.concatenate([t[np.isfinite(t)] for t in tabs]))
+    if cands.size == 0:
+        return None
+    # Necessary condition, monotone in T: every GPU has an admissible k, the smallest
+    # admissible k's sum to <= total and the largest to >= total.
+
+    def necessary(T: float) -> bool:
+        lo = hi = 0
+        for t in tabs:
+            ok = np.flatnonzero(t <= T)
+            if ok.size == 0:
+                return False
+            lo += int(ok[0])
+            hi += int(ok[-1])
+        return lo <= total <= hi
+
+    lo_i, hi_i = 0, len(cands) - 1
+    if not necessary(cands[hi_i]):
+        return None
+    while lo_i < hi_i:                       # first candidate meeting the necessary condition
+        mid = (lo_i + hi_i) // 2
+        if necessary(cands[mid]):
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    start = lo_i
+    # Gallop from the lower bound to the first exactly feasible threshold, then bisect.
+    step, prev, probe = 1, start - 1, start
+    found: tuple[int, list[np.ndarray]] | None = None
+    while probe < len(cands):
+        r = _reachability(tabs, total, cands[probe])
+        if r is not None and r[-1][total]:
+            found = (probe, r)
+            break
+        prev, probe, step = probe, min(len(cands) - 1, probe + step), step * 2
+        if prev == len(cands) - 1:
+            break
+    if found is None:
+        return None
+    lo_i, hi_i = prev + 1, found[0]
+    best_r = found[1]
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        r = _reachability(tabs, total, cands[mid])
+        if r is not None and r[-1][total]:
+            hi_i, best_r = mid, r
+        else:
+            lo_i = mid + 1
+    T = float(cands[hi_i])
+    # Backtrack: GPU j takes the fastest admissible k that leaves a reachable remainder.
+    ks = [0] * n
+    s = total
+    for j in range(n - 1, -1, -1):
+        t = tabs[j]
+        kmax = min(s, len(t) - 1)
+        k = np.arange(1, kmax + 1)
+        ok = (t[1:kmax + 1] <= T) & best_r[j][s - k]
+        choice = k[ok]
+        if choice.size == 0:  # cannot happen: best_r[j+1][s] was reachable
+            raise RuntimeError("min_max_assignment: backtracking failed")
+        times = t[choice]
+        pick = int(choice[np.argmin(times)])
+        ks[j] = pick
+        s -= pick
+    return T, ks
+
+
+# ---------------------------------------------------------------------------- Algorithm 1
+def _weight_sync_of(model: Any, gpus: Sequence[str]) -> str:
+    fn = getattr(model, "weight_sync_method", None)
+    if not callable(fn):
+        return "auto"
+    methods = {fn(g) for g in gpus}
+    return methods.pop() if len(methods) == 1 else "auto"
+
+
+def solve_configuration_detailed(global_batch_size: int, group_gpus: Sequence[str], model: Any,
+                                 min_local_batch: int, max_deviation: float | None = None) -> SolverResult:
+    """Algorithm 1 (exact, see module notes). Returns the plan and a reason when there is none.
+
+    ``max_deviation`` (our addition; None = the paper): skip local batch sizes whose rounded
+    B_G* = 2 B_L M differs from the requested B_G by more than this fraction. Alg. 1 maximises
+    throughput B_G*/t, so for small M the rounding can favour a B_G* well above the request
+    (e.g. B_G 64, B_L 48 -> M = round(0.67) = 1 -> B_G* = 96); 0 demands B_G* = B_G exactly.
+    """
+    gpus = _validate(global_batch_size, group_gpus, model, min_local_batch)
+    if max_deviation is not None:
+        check_float("max_deviation", max_deviation, min_value=0)
+    n_h = len(gpus)
+    types = list(dict.fromkeys(gpus))
+    max_bl = min(int(model.max_local_batch(g)) for g in types)           # line 4
+    outcomes: list[LocalBatchOutcome] = []
+    if max_bl < min_local_batch:
+        reason = (f"min_local_batch {min_local_batch} exceeds the largest local batch that fits "
+                  f"on every GPU of the group ({max_bl})")
+        return SolverResult(None, reason, global_batch_size, outcomes)
+    best_plan: Plan | None = None
+    best_thp = 0.0
+    stop_note = ""
+    for local_batch in range(min_local_batch, max_bl + 1, min_local_batch):   # line 6
+        m = num_workers_per_group(global_batch_size, local_batch)            # line 8
+        if m < n_h:                                                           # line 9
+            stop_note = (f"B_L={local_batch}: M={m} decoupled workers per group < N_H={n_h} GPUs")
+            outcomes.append(LocalBatchOutcome(local_batch, m, note="stop: M < N_H (line 9)"))
+            break
+        if max_deviation is not None and \
+                abs(2 * local_batch * m - global_batch_size) > max_deviation * global_batch_size:
+            outcomes.append(LocalBatchOutcome(local_batch, m, note=f"skipped: B_G*={2 * local_batch * m} "
+                                              f"deviates more than {max_deviation:g} from B_G"))
+            continue
+        max_workers = m - n_h + 1
+        tables: dict[str, _TypeTable] = {}
+        missing = []
+        for g in types:
+            nmax = int(model.max_num_vsw(g, local_batch))
+            if nmax < 1:
+                missing.append(g)
+                continue
+            tables[g] = fastest_per_worker_count(model, g, local_batch, max_workers, nmax)
+        if missing:
+            outcomes.append(LocalBatchOutcome(local_batch, m, note=f"no configuration: {missing} "
+                                              f"cannot run one VSW at this B_L"))
+            continue
+        arrays = [tables[g].best for g in gpus]
+        # Exact pruning: even the necessary lower bound of T cannot beat the incumbent.
+        lb = max(float(np.min(a[1:])) for a in arrays)
+        if best_plan is not None and local_batch * m * 2 / lb <= best_thp:
+            outcomes.append(LocalBatchOutcome(local_batch, m, note="pruned: cannot beat the incumbent"))
+            continue
+        res = min_max_assignment(arrays, m)
+        if res is None:
+            outcomes.append(LocalBatchOutcome(local_batch, m, note="no configuration: M workers "
+                                              "cannot be split over the group"))
+            continue
+        t_iter, ks = res
+        thp = local_batch * m * 2 / t_iter
+        outcomes.append(LocalBatchOutcome(local_batch, m, t_iter, thp))
+        if thp > best_thp:                                                    # line 24
+            workers = [WorkerConfig(g, int(tables[g].nvsw[k]), int(tables[g].nga[k]))
+                       for g, k in zip(gpus, ks)]
+            best_thp = thp
+            best_plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
+                             workers=workers, iteration_time=t_iter,
+                             requested_global_batch_size=global_batch_size,
+                             weight_sync=_weight_sync_of(model, types))
+    if best_plan is not None:
+        return SolverResult(best_plan, "ok", global_batch_size, outcomes)
+    if stop_note and len(outcomes) == 1:
+        reason = (f"global batch {global_batch_size} is too small for {n_h} GPUs per group: "
+                  f"{stop_note}; need B_G >= {min_local_batch * (2 * n_h - 1)}")
+    else:
+        notes = "; ".join(f"B_L={o.local_batch}: {o.note}" for o in outcomes if o.note)
+        reason = f"no configuration for global batch {global_batch_size}: {notes}"
+    log.debug("solve_configuration: %s", reason)
+    return SolverResult(None, reason, global_batch_size, outcomes)
+
+
+def solve_configuration(global_batch_size: int, group_gpus: Sequence[str], model: Any,
+                        min_local_batch: int, max_deviation: float | None = None) -> Plan | None:
+    """The best :class:`Plan` for one group H (Eq. 7), or None (see
+    :func:`solve_configuration_detailed` for the reason).
+
+    ``group_gpus``: GPU type names of group H, one GPU per identical pair; ``model``: any object
+    with ``iteration_time(gpu, local_batch, num_vsw, num_ga)``, ``max_local_batch(gpu)`` and
+    ``max_num_vsw(gpu, local_batch)``. ``plan.workers[i]`` configures ``group_gpus[i]``.
+    ``max_deviation``: see :func:`solve_configuration_detailed` (default: the paper's Alg. 1).
+    """
+    return solve_configuration_detailed(global_batch_size, group_gpus, model, min_local_batch,
+                                        max_deviation).plan
+
+
+def explain_configuration(global_batch_size: int, group_gpus: Sequence[str], model: Any,
+                          min_local_batch: int) -> str:
+    """The reason string of :func:`solve_configuration_detailed` ("ok" when a plan exists)."""
+    return solve_configuration_detailed(global_batch_size, group_gpus, model, min_local_batch).reason
+
+
+# ---------------------------------------------------------------------------- reference
+def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[str], model: Any,
+                                  min_local_batch: int) -> Plan | None:
+    """Direct plain-Python transcription of Algorithm 1: the search space of lines 10-18 for every
+    GPU of H (scalar ``iteration_time`` calls, n_GA in [0, floor(M / n_vsw)]), pruning to the
+    fastest configuration per worker count (line 20) and the min-max dynamic programme over the
+    GPUs, O(M^2) per GPU, O(L M^2 N_H) in all. Slow; a baseline and an oracle."""
+    gpus = _validate(global_batch_size, group_gpus, model, min_local_batch)
+    n_h = len(gpus)
+    max_bl = min(int(model.max_local_batch(g)) for g in gpus)
+    best: Plan | None = None
+    best_thp = 0.0
+    for local_batch in range(min_local_batch, max_bl + 1, min_local_batch):
+        m = num_workers_per_group(global_batch_size, local_batch)
+        if m < n_h:
+            break
+        pruned: list[dict[int, tuple[float, int, int]]] = []
+        for g in gpus:
+            table: dict[int, tuple[float, int, int]] = {}
+            for nv in range(1, min(m, int(model.max_num_vsw(g, local_batch))) + 1):
+                for ga in range(0, m // nv + 1):
+                    k = nv * (ga + 1)
+                    if k > m:
+                        continue
+                    t = model.iteration_time(g, local_batch, nv, ga)
+                    if k not in table or t < table[k][0]:
+                        table[k] = (t, nv, ga)
+            pruned.append(table)
+        # Min-max recurrence over GPUs: f[s] = best bottleneck of the GPUs so far taking s
+        # workers in total; choice[j][s] = workers of GPU j in that optimum (for backtracking).
+        inf = float("inf")
+        f = [0.0] + [inf] * m
+        choices: list[list[int]] = []
+        for table in pruned:
+            nxt = [inf] * (m + 1)
+            ch = [0] * (m + 1)
+            items = sorted(table.items())
+            for s in range(m + 1):
+                fs = f[s]
+                if fs == inf:
+                    continue
+                for k, (t, _, _) in items:
+                    s2 = s + k
+                    if s2 > m:
+                        break
+                    v = fs if fs > t else t
+                    if v < nxt[s2]:
+                        nxt[s2] = v
+                        ch[s2] = k
+            f = nxt
+            choices.append(ch)
+        if f[m] == inf:
+            continue
+        ks = [0] * n_h
+        rest = m
+        for j in range(n_h - 1, -1, -1):
+            ks[j] = choices[j][rest]
+            rest -= ks[j]
+        t_iter = f[m]
+        thp = local_batch * m * 2 / t_iter
+        if thp > best_thp:
+            best_thp = thp
+            workers = [WorkerConfig(g, pruned[i][k][1], pruned[i][k][2]) for i, (g, k) in enumerate(zip(gpus, ks))]
+            best = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
+                        workers=workers, iteration_time=t_iter,
+                        requested_global_batch_size=global_batch_size,
+                        weight_sync=_weight_sync_of(model, list(dict.fromkeys(gpus))))
+    return best
+
+
+__all__ = ["solve_configuration", "solve_configuration_detailed", "explain_configuration",
+           "solve_configuration_reference", "SolverResult", "LocalBatchOutcome",
+           "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
+           "IterationTimeModel"]

@@ -1,0 +1,269 @@
+"""JABAS iteration-time model (paper section 5.1, Eq. 1-6) over profiled data.
+
+Source: papers/jabas-iidp-adaptive-batching.txt, section 5.1 (text lines 167-234).
+
+For GPU type g, local batch B_L, ``n_vsw`` VSWs and ``n_GA`` gradient-accumulation steps:
+
+* Eq. 1  thp_vsw(B_L, n) = alpha_thp * ln(n) + beta_thp, fitted exactly through the two
+  profiled points n = 1 and n = n_max (so beta_thp = B_L / t(1) and
+  alpha_thp = (B_L * n_max / t(n_max) - beta_thp) / ln(n_max); alpha_thp = 0 when n_max = 1);
+* Eq. 2  t_vsw = B_L * n / thp_vsw(B_L, n);
+* Eq. 3  t_allreduce(d) = alpha_comm * (d * 4 (N_G - 1) / N_G) / K + beta_comm, the intra-node
+  fit when the allocation is on one node, the inter-node fit otherwise;
+* Eq. 4  t_comm = sum_i t_allreduce(b_i) over the gradient buckets;
+* Eq. 5  t_update = tau * (t_optim + t_copy * (n - 1)), tau = b_l / W for OWS (only the last
+  bucket's update is not hidden behind all-reduce), tau = 1 for SWS;
+* Eq. 6  t = t_vsw * n_GA + zeta * t_vsw + max((1 - zeta) * t_vsw, t_comm) + t_update.
+
+Deviation (documented, measured): we add the profile's ``step_overhead`` once per iteration,
+t = Eq. 6 + t_overhead. It is the engine's per-step host time outside forward/backward,
+all-reduce and update (loss bookkeeping, thread hand-offs), measured by the profiler as
+wall - compute - comm - update at n_vsw = 1. On a GPU it is mostly hidden by asynchronous
+launches (and ~0); on CPU with small models it is a large share of a step (1-2 ms on the dev
+machine), and Eq. 6 alone under-predicts. Profiles without the field use 0 (pure Eq. 6).
+
+Local batch sizes between two profiled sizes B_a < B_L < B_b (this is our choice; the paper
+only profiles multiples of min B_L): each profiled point keeps its own Eq. 1 fit, t_vsw is
+computed at both points for the requested n and interpolated linearly in B_L; zeta is
+interpolated linearly; n_max is taken from B_b (memory use grows with B_L, so the larger
+neighbour's limit is the safe one). Below the smallest profiled size the throughput of the
+smallest size is assumed (t_vsw proportional to B_L). Above max B_L^g there is no
+configuration (``max_num_vsw`` returns 0, ``iteration_time`` raises).
+
+The weight-sync method follows IIDP's selection rule (section 4): with ``weight_sync="auto"``
+SWS is predicted when mean bucket size / bucket cap > R_buffer (0.5), OWS otherwise.
+
+No torch or ray import here: profiles are plain data (:mod:`jabasray.profiler.profile`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from ..profiler.profile import AllReduceFit, BatchProfile, Profile
+from ..serialization import JsonMixin
+from ..validation import check_choice, check_float, check_int
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SYNC = ("auto", "sws", "ows")
+_WARNED_NO_INTER: set[str] = set()   # warn once per GPU type and process
+
+
+@dataclass(frozen=True)
+class IterationBreakdown(JsonMixin):
+    """The terms of Eq. 6 for one configuration (seconds)."""
+
+    t_vsw: float      # Eq. 2: one round of n_vsw concurrent micro-batches (fwd + bwd)
+    t_fwd: float      # zeta * t_vsw
+    t_bwd: float      # (1 - zeta) * t_vsw
+    t_comm: float     # Eq. 4
+    t_update: float   # Eq. 5
+    num_ga: int       # n_GA
+    total: float      # Eq. 6 + t_overhead
+    t_overhead: float = 0.0  # per-step host overhead of the profile (see module notes)
+
+
+def throughput_fit(point: BatchProfile) -> tuple[float, float]:
+    """(alpha_thp, beta_thp) of Eq. 1 through the profiled points n = 1 and n = n_max."""
+    beta = point.local_batch / point.compute_time_1
+    n_max = point.max_num_vsw
+    if n_max <= 1:
+        return 0.0, beta
+    thp_max = point.local_batch * n_max / point.compute_time_max
+    return (thp_max - beta) / math.log(n_max), beta
+
+
+def vsw_time_at(point: BatchProfile, num_vsw: int) -> float:
+    """Eq. 2 at a profiled point: t_vsw = B_L * n / thp_vsw(B_L, n).
+
+    Beyond the measured range (n > n_max, only reached when interpolating between profiled
+    sizes) the throughput is not allowed to fall below the lower of the two measured ones.
+    """
+    alpha, beta = throughput_fit(point)
+    thp = alpha * math.log(num_vsw) + beta
+    if num_vsw > point.max_num_vsw:
+        floor = min(beta, point.local_batch * point.max_num_vsw / point.compute_time_max)
+        thp = max(thp, floor)
+    return point.local_batch * num_vsw / thp
+
+
+class PerfModel:
+    """Iteration-time model for an allocation of GPUs whose types have profiles.
+
+    Parameters
+    ----------
+    profiles : mapping gpu_type -> Profile (one per GPU type that may be asked about).
+    num_gpus : N_G, GPUs taking part in the all-reduce (both groups of the allocation).
+    multi_node : use the inter-node all-reduce fit (falls back to the intra-node one, with a
+        warning, when a profile has none).
+    weight_sync : "auto" (IIDP's R_buffer rule), "sws" or "ows".
+    r_buffer : threshold of the selection rule (paper: 0.5).
+
+    ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation; the
+    auto-scaler uses it. The object satisfies the solver's model protocol
+    (``iteration_time``, ``max_local_batch``, ``max_num_vsw``) and also offers the vectorised
+    ``iteration_times`` the solver uses when present.
+    """
+
+    def __init__(self, profiles: Mapping[str, Profile], num_gpus: int = 2, multi_node: bool = False,
+                 weight_sync: str = "auto", r_buffer: float = 0.5) -> None:
+        if not isinstance(profiles, Mapping) or not profiles:
+            raise ValueError(f"profiles must be a non-empty mapping gpu_type -> Profile, got {profiles!r}")
+        for k, v in profiles.items():
+            if not isinstance(v, Profile):
+                raise ValueError(f"profiles[{k!r}] must be a Profile, got {type(v).__name__}")
+        self.profiles = dict(profiles)
+        self.num_gpus = check_int("num_gpus", num_gpus, min_value=1)
+        self.multi_node = bool(multi_node)
+        self.weight_sync = check_choice("weight_sync", weight_sync, WEIGHT_SYNC)
+        self.r_buffer = check_float("r_buffer", r_buffer, min_value=0)
+        self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
+        self._comm: dict[str, float] = {}
+
+    def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
+        return PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
+                         weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+
+    # ------------------------------------------------------------ profile look-up
+    def profile(self, gpu: str) -> Profile:
+        try:
+            return self.profiles[gpu]
+        except KeyError:
+            raise ValueError(f"gpu must be one of the profiled GPU types {sorted(self.profiles)}, "
+                             f"got {gpu!r}") from None
+
+    def max_local_batch(self, gpu: str) -> int:
+        """max B_L^g of the profile."""
+        return self.profile(gpu).max_local_batch
+
+    def _neighbours(self, prof: Profile, local_batch: int) -> tuple[BatchProfile, BatchProfile | None, float]:
+        """(lower point, upper point or None, weight of the upper point) for interpolation."""
+        sizes = prof.local_batches
+        if local_batch <= sizes[0]:
+            return prof.batches[0], None, 0.0
+        for a, b in zip(prof.batches, prof.batches[1:]):
+            if a.local_batch == local_batch:
+                return a, None, 0.0
+            if a.local_batch < local_batch <= b.local_batch:
+                if b.local_batch == local_batch:
+                    return b, None, 0.0
+                w = (local_batch - a.local_batch) / (b.local_batch - a.local_batch)
+                return a, b, w
+        raise ValueError(f"local_batch must be <= max local batch {sizes[-1]} of GPU type "
+                         f"{prof.gpu_type!r}, got {local_batch}")
+
+    def max_num_vsw(self, gpu: str, local_batch: int) -> int:
+        """n_max for ``local_batch`` (0 when it exceeds max B_L^g)."""
+        check_int("local_batch", local_batch, min_value=1)
+        prof = self.profile(gpu)
+        if local_batch > prof.max_local_batch:
+            return 0
+        a, b, _ = self._neighbours(prof, local_batch)
+        return (b or a).max_num_vsw
+
+    # ------------------------------------------------------------ Eq. 1-5
+    def vsw_time(self, gpu: str, local_batch: int, num_vsw: int) -> float:
+        """Eq. 2 (with interpolation between profiled B_L, see module docstring)."""
+        return self._vsw_and_zeta(gpu, local_batch, num_vsw)[0]
+
+    def _vsw_and_zeta(self, gpu: str, local_batch: int, num_vsw: int) -> tuple[float, float]:
+        key = (gpu, local_batch, num_vsw)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        check_int("local_batch", local_batch, min_value=1)
+        check_int("num_vsw", num_vsw, min_value=1)
+        prof = self.profile(gpu)
+        a, b, w = self._neighbours(prof, local_batch)
+        if b is None:
+            t = vsw_time_at(a, num_vsw)
+            if local_batch != a.local_batch:  # below the smallest profiled size
+                t *= local_batch / a.local_batch
+            zeta = a.zeta
+        else:
+            t = (1 - w) * vsw_time_at(a, num_vsw) + w * vsw_time_at(b, num_vsw)
+            zeta = (1 - w) * a.zeta + w * b.zeta
+        self._cache[key] = (t, zeta)
+        return t, zeta
+
+    def allreduce_fit(self, gpu: str) -> AllReduceFit:
+        prof = self.profile(gpu)
+        if self.multi_node:
+            if prof.allreduce_inter is not None:
+                return prof.allreduce_inter
+            if prof.gpu_type not in _WARNED_NO_INTER:
+                _WARNED_NO_INTER.add(prof.gpu_type)
+                log.warning("profile %s has no inter-node all-reduce fit; using the intra-node one",
+                            prof.gpu_type)
+        return prof.allreduce_intra
+
+    def comm_time(self, gpu: str) -> float:
+        """Eq. 4: sum over buckets of Eq. 3."""
+        t = self._comm.get(gpu)
+        if t is None:
+            fit = self.allreduce_fit(gpu)
+            t = sum(fit.time(b, self.num_gpus) for b in self.profile(gpu).bucket_sizes)
+            self._comm[gpu] = t
+        return t
+
+    def weight_sync_method(self, gpu: str) -> str:
+        """"sws" or "ows": the configured method, or IIDP's R_buffer rule for "auto"."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        prof = self.profile(gpu)
+        ratio = (sum(prof.bucket_sizes) / len(prof.bucket_sizes)) / (prof.bucket_cap_mb * 2 ** 20)
+        return "sws" if ratio > self.r_buffer else "ows"
+
+    def tau(self, gpu: str) -> float:
+        """tau of Eq. 5: b_l / W for OWS, 1 for SWS."""
+        if self.weight_sync_method(gpu) == "sws":
+            return 1.0
+        prof = self.profile(gpu)
+        return min(1.0, prof.bucket_sizes[-1] / prof.param_bytes)
+
+    def update_time(self, gpu: str, num_vsw: int) -> float:
+        """Eq. 5."""
+        prof = self.profile(gpu)
+        return self.tau(gpu) * (prof.optimizer_time + prof.copy_time * (num_vsw - 1))
+
+    # ------------------------------------------------------------ Eq. 6
+    def breakdown(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> IterationBreakdown:
+        check_int("num_ga", num_ga, min_value=0)
+        t_vsw, zeta = self._vsw_and_zeta(gpu, local_batch, num_vsw)
+        t_fwd, t_bwd = zeta * t_vsw, (1 - zeta) * t_vsw
+        t_comm = self.comm_time(gpu) if self.num_gpus > 1 else 0.0
+        t_update = self.update_time(gpu, num_vsw)
+        t_over = self.profile(gpu).step_overhead
+        total = t_vsw * num_ga + t_fwd + max(t_bwd, t_comm) + t_update + t_over
+        return IterationBreakdown(t_vsw=t_vsw, t_fwd=t_fwd, t_bwd=t_bwd, t_comm=t_comm,
+                                  t_update=t_update, num_ga=num_ga, total=total, t_overhead=t_over)
+
+    def iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
+        """Eq. 6 (+ the profile's step overhead), seconds per iteration."""
+        return self.breakdown(gpu, local_batch, num_vsw, num_ga).total
+
+    def iteration_times(self, gpu: str, local_batch: int, num_vsw: int, num_ga: np.ndarray) -> np.ndarray:
+        """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA)."""
+        b = self.breakdown(gpu, local_batch, num_vsw, 0)
+        return b.t_vsw * np.asarray(num_ga, dtype=float) + b.total
+
+    def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
+        return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
+                         weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+
+    def __repr__(self) -> str:
+        return (f"PerfModel(types={sorted(self.profiles)}, num_gpus={self.num_gpus}, "
+                f"multi_node={self.multi_node}, weight_sync={self.weight_sync!r})")
+
+
+def emulated_profiles(base: Profile, speeds: Mapping[str, float]) -> dict[str, Profile]:
+    """``{gpu_type: base.scaled(speed, gpu_type)}`` for CPU-emulated clusters."""
+    return {g: base.scaled(s, g) for g, s in speeds.items()}
+
+
+__all__ = ["PerfModel", "IterationBreakdown", "throughput_fit", "vsw_time_at", "emulated_profiles"]

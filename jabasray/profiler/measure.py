@@ -1,0 +1,407 @@
+"""Measure a model on one device with the IIDP engine and build its :class:`Profile`.
+
+What is measured (JABAS section 5.1):
+
+* local batch sizes B_L = min B_L, 2 min B_L, ... up to max B_L^g, the largest that fits:
+  on CUDA found by probing (a training step per size until ``torch.cuda.OutOfMemoryError``),
+  on CPU bounded by ``memory_budget_gb`` with the memory estimate of :func:`estimate_memory`;
+  ``max_local_batch`` additionally caps the search (profiling time);
+* for every B_L, n_max (the most VSWs that fit, same rule, capped by ``max_num_vsw``) and the
+  engine's ``compute_time`` (forward + backward of all VSWs) at n_vsw = 1 and n_vsw = n_max:
+  the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps);
+* zeta, the forward share of forward + backward, timed directly on a copy of the model;
+* t_optim: the engine's ``update_time`` at n_vsw = 1 (no weight copies); t_copy: one copy of all
+  weights into another replica (a flat buffer of W bytes, as the engine's flat buffers do);
+* the step overhead: wall time of a step minus compute, exposed comm and update at n_vsw = 1
+  (host bookkeeping outside Eq. 6; see :mod:`jabasray.planners.perf_model`);
+* the gradient bucket sizes (the engine's bucket plan, backward order) and W;
+* the all-reduce regression of Eq. 3 from timed all-reduces of ``len(allreduce_sizes)`` tensor
+  sizes in a ``world_size``-process gloo group on 127.0.0.1 (:func:`measure_allreduce`). Only an
+  intra-node fit can be measured from one machine; an inter-node fit measured elsewhere can be
+  passed in (``inter_node_fit``).
+
+Profiles are cached as JSON in ``cache_dir`` under ``<model signature>-<gpu type>-v<version>``.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..validation import check_choice, check_float, check_int
+from .profile import AllReduceFit, BatchProfile, Profile, profile_cache_key
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ALLREDUCE_SIZES = tuple(4096 * 2 ** k for k in range(10))   # 4 KiB .. 2 MiB
+ACTIVATION_FACTOR = 2.0   # saved activations + their gradients during backward
+
+
+# ---------------------------------------------------------------------------- helpers
+def model_signature(model: nn.Module) -> str:
+    """sha256 (16 hex) of the class, the module tree and every parameter's name/shape/dtype."""
+    h = hashlib.sha256()
+    h.update(f"{type(model).__module__}.{type(model).__qualname__}\n{model!r}\n".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def _batch_fn(data: Any) -> Callable[[int], tuple[Any, Any]]:
+    """``data``: a callable n -> (inputs, targets), or an indexable dataset of (x, y) /
+    TensorDataset; batches cycle through it."""
+    if callable(data) and not hasattr(data, "__getitem__"):
+        return data
+    tensors = getattr(data, "tensors", None)
+    if tensors is not None and len(tensors) == 2:
+        X, Y = tensors
+
+        def take(n: int) -> tuple[Any, Any]:
+            idx = torch.arange(n) % len(X)
+            return X[idx], Y[idx]
+        return take
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        def take_items(n: int) -> tuple[Any, Any]:
+            items = [data[i % len(data)] for i in range(n)]
+            return torch.stack([x for x, _ in items]), torch.as_tensor([y for _, y in items])
+        return take_items
+    raise ValueError(f"data must be a dataset of (input, target) pairs or a callable n -> batch, got {data!r}")
+
+
+def estimate_memory(model: nn.Module, sample: Callable[[int], tuple[Any, Any]],
+                    optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                    loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[int, int], int]:
+    """A CPU memory model ``mem(B_L, n_vsw)`` in bytes:
+
+    ``n_vsw * (2 W + B_L * (ACTIVATION_FACTOR * A + I)) + S``: every VSW holds weights and
+    gradients (2 W), its activations (A bytes per sample, summed over module outputs, doubled
+    for backward) and its input (I bytes per sample); the optimizer state S lives on the main
+    VSW only. A, I and S are measured on a 2-sample step of a copy of the model.
+    """
+    m = copy.deepcopy(model).cpu()
+    w = _param_bytes(m)
+    acts = [0]
+
+    def hook(_mod: nn.Module, _inp: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            acts[0] += out.numel() * out.element_size()
+
+    leaves = [mod for mod in m.modules() if not list(mod.children())]
+    handles = [mod.register_forward_hook(hook) for mod in leaves]
+    x, y = sample(2)
+    opt = optimizer_fn([p for p in m.parameters() if p.requires_grad])
+    loss = loss_fn(m(x), y)
+    loss.backward()
+    opt.step()
+    for h in handles:
+        h.remove()
+    per_sample_act = acts[0] / 2
+    per_sample_in = (x.numel() * x.element_size()) / 2 if isinstance(x, torch.Tensor) else 0
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+
+    def mem(local_batch: int, num_vsw: int) -> int:
+        per_vsw = 2 * w + local_batch * (ACTIVATION_FACTOR * per_sample_act + per_sample_in)
+        return int(num_vsw * per_vsw + state)
+    return mem
+
+
+# ---------------------------------------------------------------------------- all-reduce
+def _allreduce_worker(rank: int, world: int, init_file: str, out_file: str, sizes: list[int],
+                      repeats: int, warmup: int) -> None:
+    """One rank of :func:`measure_allreduce` (runs in a child process)."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        times = []
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+            samples = []
+            for r in range(warmup + repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                if r >= warmup:
+                    samples.append(time.perf_counter() - t0)
+            # the collective ends when the slowest rank has it: take the max over ranks
+            med = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            times.append(float(med.item()))
+        if rank == 0:
+            Path(out_file).write_text(json.dumps({"sizes": sizes, "times": times}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size: int = 2,
+                      repeats: int = 5, warmup: int = 2, bandwidth: float = 1.25e9,
+                      timeout_s: float = 120.0) -> tuple[AllReduceFit, list[float]]:
+    """Time gloo all-reduces of float32 tensors of ``sizes`` bytes among ``world_size`` local
+    processes (127.0.0.1) and fit Eq. 3. Returns (fit, median seconds per size)."""
+    check_int("world_size", world_size, min_value=2)
+    check_int("repeats", repeats, min_value=1)
+    sizes = [check_int("allreduce_sizes[i]", int(s), min_value=4) for s in sizes]
+    if len(set(sizes)) < 2:
+        raise ValueError(f"allreduce_sizes must hold at least two different sizes, got {sizes}")
+    # Plain subprocesses (not multiprocessing spawn): independent of the caller's __main__.
+    with tempfile.TemporaryDirectory(prefix="jabas-allreduce-") as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
+        cfg = json.dumps({"world": world_size, "init": init_file, "out": out_file, "sizes": sizes,
+                          "repeats": repeats, "warmup": warmup})
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        procs = [subprocess.Popen([sys.executable, "-m", "jabasray.profiler.measure", "--allreduce-child",
+                                   str(rank), cfg], env=env, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world_size)]
+        errors = []
+        try:
+            for p in procs:
+                _, err = p.communicate(timeout=timeout_s)
+                if p.returncode != 0:
+                    errors.append((err or "").strip().splitlines()[-1:] or ["exit %d" % p.returncode])
+        except subprocess.TimeoutExpired:
+            errors.append([f"timed out after {timeout_s}s"])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if errors:
+            raise RuntimeError(f"all-reduce measurement failed: {errors[0][0]}")
+        data = json.loads(Path(out_file).read_text())
+    fit = AllReduceFit.fit(data["sizes"], data["times"], num_gpus=world_size, bandwidth=bandwidth)
+    return fit, data["times"]
+
+
+# ---------------------------------------------------------------------------- compute
+STATISTICS = {"median": statistics.median, "min": min}
+
+
+def _median_step(worker: Any, micro: list, warmup: int, repeats: int,
+                 stat: Callable = statistics.median) -> tuple[float, float, float]:
+    """``stat`` (median by default) of (compute_time, update_time, overhead) over ``repeats``
+    engine steps after ``warmup``; overhead = wall - compute - comm - update (host bookkeeping)."""
+    comp, upd, over = [], [], []
+    for r in range(warmup + repeats):
+        t0 = time.perf_counter()
+        st = worker.train_step(micro)
+        wall = time.perf_counter() - t0
+        if r >= warmup:
+            comp.append(st.compute_time)
+            upd.append(st.update_time)
+            over.append(max(0.0, wall - st.compute_time - st.comm_time - st.update_time))
+    return stat(comp), stat(upd), stat(over)
+
+
+def _forward_share(model: nn.Module, batch: tuple[Any, Any], loss_fn: Callable, device: torch.device,
+                   repeats: int, stat: Callable = statistics.median) -> float:
+    """zeta = t_forward / t_(forward+backward), medians over ``repeats`` on a model copy."""
+    m = copy.deepcopy(model).to(device)
+    x, y = (t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+    fwd, full = [], []
+    for _ in range(repeats + 1):
+        m.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = loss_fn(m(x), y)
+        _sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        full.append(t2 - t0)
+    f, t = stat(fwd[1:]), stat(full[1:])
+    return min(1.0, max(0.0, f / t)) if t > 0 else 0.5
+
+
+def _copy_time(model: nn.Module, device: torch.device, repeats: int,
+               stat: Callable = statistics.median) -> float:
+    """Seconds to copy all trainable weights (one flat buffer of W bytes) into another replica."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    samples = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return stat(samples[1:])
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+def _default_gpu_type(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+    return "cpu"
+
+
+def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
+                  loss_fn: Callable[[Any, Any], torch.Tensor] = F.cross_entropy,
+                  optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+                  device: str = "cpu", gpu_type: str | None = None, min_local_batch: int = 8,
+                  max_local_batch: int | None = None, memory_budget_gb: float | None = None,
+                  max_num_vsw: int = 4, warmup: int = 1, repeats: int = 3, statistic: str = "median",
+                  weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
+                  allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
+                  allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
+                  cache_dir: str | Path | None = None, refresh: bool = False) -> Profile:
+    """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
+
+    ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``.
+    ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
+    ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
+    other than the cap). ``statistic``: "median" (default) or "min" over the ``repeats`` timed
+    steps ("min" estimates the undisturbed time on a shared, noisy machine). ``allreduce=False`` skips the gloo measurement and uses
+    ``allreduce_fit`` (or a nominal fit: alpha 1, beta 0, flagged in the log).
+    """
+    from ..engine import IIDPWorker
+
+    check_int("min_local_batch", min_local_batch, min_value=1)
+    check_int("max_num_vsw", max_num_vsw, min_value=1)
+    check_int("warmup", warmup, min_value=0)
+    check_int("repeats", repeats, min_value=1)
+    stat = STATISTICS[check_choice("statistic", statistic, tuple(STATISTICS))]
+    if max_local_batch is not None:
+        check_int("max_local_batch", max_local_batch, min_value=min_local_batch)
+    if memory_budget_gb is not None:
+        check_float("memory_budget_gb", memory_budget_gb, min_value=0, min_exclusive=True)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device must be 'cpu' on this machine (CUDA is not available), got {device!r}")
+    base = model() if callable(model) and not isinstance(model, nn.Module) else model
+    if not isinstance(base, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or a factory of one, got {type(base).__name__}")
+    optimizer_fn = optimizer_fn or (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+    sample = _batch_fn(data)
+    gpu_type = gpu_type or _default_gpu_type(dev)
+    sig = model_signature(base)
+
+    cache_path = Path(cache_dir) / f"{profile_cache_key(sig, gpu_type)}.json" if cache_dir else None
+    if cache_path is not None and cache_path.exists() and not refresh:
+        try:
+            cached = Profile.load(cache_path)
+            if (cached.min_local_batch, cached.memory_budget_gb, cached.bucket_cap_mb) == \
+                    (min_local_batch, memory_budget_gb, float(bucket_cap_mb)):
+                log.info("profile cache hit: %s", cache_path)
+                return cached
+            log.info("cached profile %s was made with other settings; re-profiling", cache_path)
+        except ValueError as e:
+            log.warning("ignoring unusable cached profile %s: %s", cache_path, e)
+
+    if max_local_batch is None:   # keep profiling time bounded (CUDA probing stops at OOM)
+        max_local_batch = (8 if dev.type == "cpu" else 32) * min_local_batch
+    budget = memory_budget_gb * 2 ** 30 if memory_budget_gb is not None else None
+    mem = estimate_memory(base, sample, optimizer_fn, loss_fn) if (budget and dev.type == "cpu") else None
+
+    def fits_estimate(bl: int, n: int) -> bool:
+        return mem is None or mem(bl, n) <= budget
+
+    worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
+                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb)
+    if dev.type == "cuda" and hasattr(worker, "sync_timing"):
+        worker.sync_timing = True   # the engine synchronises the device around its timed phases
+
+    def try_step(bl: int, n: int) -> tuple[float, float, float] | None:
+        """Medians (compute, update, overhead) at (B_L, n) or None when it does not fit."""
+        if not fits_estimate(bl, n):
+            return None
+        x, y = sample(bl)
+        try:
+            worker.configure(n, 0, bl)
+            return _median_step(worker, [(x, y)] * n, warmup, repeats, stat)
+        except RuntimeError as e:
+            if dev.type == "cuda" and _is_oom(e):
+                worker.configure(1, 0, bl)
+                torch.cuda.empty_cache()
+                return None
+            raise
+
+    batches: list[BatchProfile] = []
+    update_times: list[float] = []
+    overheads: list[float] = []
+    bl = min_local_batch
+    while max_local_batch is None or bl <= max_local_batch:
+        one = try_step(bl, 1)
+        if one is None:
+            break
+        n_max, at_max = 1, one
+        for n in range(2, max_num_vsw + 1):            # n_max: grow until it no longer fits
+            r = try_step(bl, n)
+            if r is None:
+                break
+            n_max, at_max = n, r
+        zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat)
+        batches.append(BatchProfile(local_batch=bl, max_num_vsw=n_max, compute_time_1=one[0],
+                                    compute_time_max=at_max[0], zeta=zeta))
+        update_times.append(one[1])
+        overheads.append(one[2])
+        log.info("profiled B_L=%d: t(1)=%.4gs n_max=%d t(n_max)=%.4gs zeta=%.2f",
+                 bl, one[0], n_max, at_max[0], zeta)
+        bl += min_local_batch
+    if not batches:
+        raise ValueError(f"min_local_batch {min_local_batch} does not fit on {device} "
+                         f"(memory_budget_gb={memory_budget_gb})")
+    bucket_sizes = list(worker.bucket_nbytes)
+    copy_t = _copy_time(worker.model, dev, repeats, stat)
+    worker.close()
+
+    if allreduce_fit is None:
+        if allreduce:
+            allreduce_fit, _ = measure_allreduce(allreduce_sizes)
+        else:
+            log.warning("all-reduce not measured: using a nominal Eq. 3 fit (alpha=1, beta=0)")
+            allreduce_fit = AllReduceFit(alpha=1.0, beta=0.0)
+    prof = Profile(model_signature=sig, gpu_type=gpu_type, min_local_batch=min_local_batch,
+                   batches=batches, optimizer_time=statistics.median(update_times), copy_time=copy_t,
+                   bucket_sizes=bucket_sizes, param_bytes=_param_bytes(base),
+                   allreduce_intra=allreduce_fit, allreduce_inter=inter_node_fit, device=dev.type,
+                   bucket_cap_mb=bucket_cap_mb, memory_budget_gb=memory_budget_gb,
+                   step_overhead=statistics.median(overheads))
+    if cache_path is not None:
+        prof.save(cache_path)
+        log.info("profile saved to %s", cache_path)
+    return prof
+
+
+__all__ = ["profile_model", "model_signature", "measure_allreduce", "estimate_memory",
+           "DEFAULT_ALLREDUCE_SIZES"]
+
+
+if __name__ == "__main__":  # child process of measure_allreduce
+    if len(sys.argv) == 4 and sys.argv[1] == "--allreduce-child":
+        _cfg = json.loads(sys.argv[3])
+        _allreduce_worker(int(sys.argv[2]), _cfg["world"], _cfg["init"], _cfg["out"], _cfg["sizes"],
+                          _cfg["repeats"], _cfg["warmup"])

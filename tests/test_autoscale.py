@@ -1,0 +1,179 @@
+"""Auto-scaling over GPU allocations (JABAS section 6.3) and the Eq. 8 cost model."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jabasray.planners import autoscale as asc
+from jabasray.planners import solve_configuration
+from jabasray.planners.autoscale import (Allocation, AutoscaleDecision, choose_allocation,
+                                         enumerate_allocations, epoch_time)
+from jabasray.planners.perf_model import PerfModel
+from jabasray.profiler.profile import synthetic_profile
+from jabasray.types import ClusterSpec, NodeSpec
+
+
+def two_node_cluster(**kw) -> ClusterSpec:
+    return ClusterSpec(nodes=[NodeSpec("N1", "gA", 4, tflops=kw.get("ta", 14.13)),
+                              NodeSpec("N2", "gB", 2, tflops=kw.get("tb", 9.52))])
+
+
+def model() -> PerfModel:
+    base = synthetic_profile("gA", min_local_batch=8, num_batches=4)
+    return PerfModel({"gA": base, "gB": base.scaled(0.5, "gB")})
+
+
+def test_paper_two_node_example():
+    """Section 6.3: N1 = 4 x g_A, N2 = 2 x g_B -> prod(m_i/2 + 1) - 1 = 3 * 2 - 1 = 5 allocations:
+    (gA, gA), (gB, gB), (gA, gA, gA, gA), (gA, gA, gB, gB), (gA, gA, gA, gA, gB, gB)."""
+    cl = two_node_cluster()
+    allocs = enumerate_allocations(cl)
+    assert [tuple(a.gpus(cl)) for a in allocs] == [
+        ("gA", "gA"), ("gB", "gB"), ("gA",) * 4, ("gA", "gA", "gB", "gB"),
+        ("gA",) * 4 + ("gB", "gB")]
+    assert [a.group_gpus(cl) for a in allocs][3] == ["gA", "gB"]
+    assert [a.multi_node for a in allocs] == [False, False, False, True, True]
+
+
+@pytest.mark.parametrize("gpus_per_node", [[2], [4, 2], [2, 2, 6], [8, 4, 2, 2]])
+def test_candidate_count_formula(gpus_per_node):
+    cl = ClusterSpec(nodes=[NodeSpec(f"n{i}", f"t{i % 2}", m) for i, m in enumerate(gpus_per_node)])
+    allocs = enumerate_allocations(cl)
+    assert len(allocs) == math.prod(m // 2 + 1 for m in gpus_per_node) - 1
+    assert len({tuple(a.node_pairs.values()) for a in allocs}) == len(allocs)
+
+
+def test_odd_gpu_count_needs_opt_in():
+    cl = ClusterSpec(nodes=[NodeSpec("N1", "gA", 3), NodeSpec("N2", "gB", 2)])
+    with pytest.raises(ValueError, match=r"nodes\[N1\].num_gpus must be even"):
+        enumerate_allocations(cl)
+    assert len(enumerate_allocations(cl, drop_odd_gpu=True)) == 3
+
+
+def test_epoch_time_bookkeeping_and_memo(monkeypatch):
+    """trajectory [64, 128], 1000 samples, p = 3: chunks of 3 iterations at 64 (192 samples),
+    then 128 for the rest: 3 + 3 (768 samples) + 1 final ragged iteration -> 10 iterations,
+    time = 3 t(64) + 7 t(128)."""
+    m = model().for_allocation(2, False)
+    calls = []
+    real = asc.solve_configuration_detailed
+    monkeypatch.setattr(asc, "solve_configuration_detailed",
+                        lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    est = epoch_time(["gA"], m, [64, 128], 1000, 3, 8)
+    p64, p128 = solve_configuration(64, ["gA"], m, 8), solve_configuration(128, ["gA"], m, 8)
+    assert p64.global_batch_size == 64 and p128.global_batch_size == 128
+    assert est.iterations == 10
+    assert est.epoch_time == pytest.approx(3 * p64.iteration_time + 7 * p128.iteration_time)
+    assert est.plans == {64: p64, 128: p128}
+    assert sorted(calls) == [64, 128]            # each distinct B_G solved once
+    # the trajectory is longer than the epoch: only what is used counts
+    est2 = epoch_time(["gA"], m, [128] * 50, 256, 3, 8)
+    assert est2.iterations == 2 and est2.epoch_time == pytest.approx(2 * p128.iteration_time)
+    # infeasible: B_G too small for the group
+    bad = epoch_time(["gA", "gA"], m, [16], 100, 3, 8)
+    assert bad.epoch_time is None and "too small" in bad.reason
+
+
+def brute_force(cl, m, traj, n, p, mbl):
+    """Epoch time and cost of every allocation, computed without memo or the chooser."""
+    out = []
+    for a in enumerate_allocations(cl):
+        mm = m.for_allocation(a.num_gpus, a.multi_node)
+        remaining, t, c = n, 0.0, 0
+        ok = True
+        while remaining > 0:
+            plan = solve_configuration(traj[min(c, len(traj) - 1)], a.group_gpus(cl), mm, mbl)
+            if plan is None:
+                ok = False
+                break
+            k = min(p, -(-remaining // plan.global_batch_size))
+            t += k * plan.iteration_time
+            remaining -= k * plan.global_batch_size
+            c += 1
+        if ok:
+            price = sum(2 * pairs * cl.node(name).price_weight for name, pairs in a.node_pairs.items())
+            out.append((a, t, t * price))
+    return out
+
+
+@pytest.mark.parametrize("traj", [[32], [64, 128, 256, 512], [512, 256]])
+def test_choice_is_best_of_all_candidates(traj):
+    cl = two_node_cluster()
+    m = model()
+    ref = brute_force(cl, m, traj, 4096, 4, 8)
+    d = choose_allocation(cl, m, traj, 4096, 4, 8)
+    best_t = min(t for _, t, _ in ref)
+    assert d.epoch_time == pytest.approx(best_t, rel=1e-12)
+    assert d.allocation in [a for a, t, _ in ref if t == pytest.approx(best_t, rel=1e-12)]
+    assert d.group_gpus == d.allocation.group_gpus(cl)
+    assert set(d.plans) == set(traj) or set(d.plans) <= set(traj)
+    dc = choose_allocation(cl, m, traj, 4096, 4, 8, objective="cost")
+    assert dc.cost == pytest.approx(min(c for _, _, c in ref), rel=1e-12)
+    # cost is Eq. 8: epoch time x sum of TFLOPS-proportional prices
+    a = dc.allocation
+    assert dc.cost == pytest.approx(dc.epoch_time * a.price_rate(cl))
+    assert len(d.candidates) == 5
+
+
+def test_time_under_budget():
+    cl = two_node_cluster()
+    m = model()
+    traj = [256]
+    ref = brute_force(cl, m, traj, 4096, 4, 8)
+    costs = sorted(c for _, _, c in ref)
+    budget = (costs[0] + costs[1]) / 2          # only the cheapest fits
+    d = choose_allocation(cl, m, traj, 4096, 4, 8, objective="time_under_budget", cost_budget=budget)
+    assert d.within_budget and d.cost == pytest.approx(costs[0])
+    budget = costs[-1] * 2                       # everything fits -> fastest
+    d = choose_allocation(cl, m, traj, 4096, 4, 8, objective="time_under_budget", cost_budget=budget)
+    assert d.epoch_time == pytest.approx(min(t for _, t, _ in ref))
+    d = choose_allocation(cl, m, traj, 4096, 4, 8, objective="time_under_budget", cost_budget=costs[0] / 10)
+    assert not d.within_budget and d.cost == pytest.approx(costs[0])
+
+
+def test_decision_json_round_trip():
+    cl = two_node_cluster()
+    d = choose_allocation(cl, model(), [64, 128], 2048, 4, 8)
+    again = AutoscaleDecision.from_json(d.to_json())
+    assert again == d
+    assert isinstance(next(iter(again.plans)), int)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(objective="fastest"), "objective"),
+    (dict(objective="time_under_budget"), "cost_budget"),
+    (dict(cost_budget=-1.0), "cost_budget"),
+    (dict(trajectory=[]), "trajectory"),
+    (dict(trajectory=[64, 0]), r"trajectory\[1\]"),
+    (dict(dataset_size=0), "dataset_size"),
+    (dict(adapt_interval=0), "adapt_interval"),
+])
+def test_bad_input(kw, field):
+    args = dict(cluster=two_node_cluster(), model=model(), trajectory=[64], dataset_size=100,
+                adapt_interval=2, min_local_batch=8)
+    args.update(kw)
+    with pytest.raises(ValueError, match=field):
+        choose_allocation(**args)
+
+
+def test_no_feasible_allocation_is_a_clear_error():
+    cl = two_node_cluster()
+    with pytest.raises(ValueError, match="no allocation can run it"):
+        choose_allocation(cl, model(), [4], 100, 2, 8)
+    with pytest.raises(ValueError, match="node_pairs"):
+        Allocation({"N1": 0})
+    with pytest.raises(ValueError, match=r"node_pairs\[N2\] must be <= 1"):
+        Allocation({"N1": 1, "N2": 2}).group_gpus(cl)
+
+
+def test_epoch_time_and_breakdown_json_round_trip():
+    from jabasray.planners.autoscale import EpochTime
+    from jabasray.planners.perf_model import IterationBreakdown
+    m = model().for_allocation(2, False)
+    est = epoch_time(["gA"], m, [64, 128], 1000, 3, 8)
+    assert EpochTime.from_json(est.to_json()) == est
+    b = m.breakdown("gA", 16, 2, 3)
+    assert IterationBreakdown.from_json(b.to_json()) == b
+    bad = epoch_time(["gA", "gA"], m, [16], 100, 3, 8)
+    assert EpochTime.from_json(bad.to_json()) == bad

@@ -1,0 +1,112 @@
+"""Profiler: measurements with the IIDP engine on CPU, memory-bounded B_L / n_max search,
+bucket sizes, the Eq. 3 all-reduce fit from a 2-process gloo group, and the on-disk cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jabasray.data import load_digits_split
+from jabasray.engine.buckets import bucket_nbytes, default_bucket_plan, make_bucket_specs
+from jabasray.models import MLP, DigitsCNN
+from jabasray.planners import PerfModel, solve_configuration
+from jabasray.profiler import Profile, measure, profile_model
+from jabasray.profiler.measure import estimate_memory, measure_allreduce, model_signature
+
+
+@pytest.fixture(scope="module")
+def digits():
+    train, _ = load_digits_split()
+    return train
+
+
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=0.01, momentum=0.9)
+
+
+def test_estimate_memory_matches_hand_computation(digits):
+    """MLP 64 -> 32 -> 10: W = (64*32 + 32 + 32*10 + 10) * 4 bytes; activations per sample are
+    the leaf outputs 32 (Linear) + 32 (ReLU) + 10 (Linear) floats; input 64 floats; SGD with
+    momentum keeps one buffer of W bytes."""
+    model = MLP(64, (32,), 10)
+    mem = estimate_memory(model, measure._batch_fn(digits), sgd, torch.nn.functional.cross_entropy)
+    W = (64 * 32 + 32 + 32 * 10 + 10) * 4
+    act, inp = (32 + 32 + 10) * 4, 64 * 4
+    for bl, n in [(8, 1), (16, 3), (40, 2)]:
+        assert mem(bl, n) == n * (2 * W + bl * (2 * act + inp)) + W
+
+
+def test_profile_respects_memory_budget_and_caches(digits, tmp_path, monkeypatch):
+    model = DigitsCNN(channels=4, hidden=16)
+    mem = estimate_memory(model, measure._batch_fn(digits), sgd, torch.nn.functional.cross_entropy)
+    budget_bytes = mem(24, 3)                # B_L 24 fits 3 VSWs, 32 fits fewer, ...
+    budget_gb = budget_bytes / 2 ** 30
+    prof = profile_model(model, digits, optimizer_fn=sgd, min_local_batch=8, max_local_batch=48,
+                         memory_budget_gb=budget_gb, max_num_vsw=3, warmup=0, repeats=1,
+                         allreduce=False, cache_dir=tmp_path, gpu_type="cpu-test")
+    want_bl = [b for b in range(8, 49, 8) if mem(b, 1) <= budget_bytes]
+    assert prof.local_batches == want_bl
+    for b in prof.batches:
+        want_n = max(n for n in range(1, 4) if mem(b.local_batch, n) <= budget_bytes)
+        assert b.max_num_vsw == want_n
+        assert b.compute_time_1 > 0 and b.compute_time_max > 0 and 0 < b.zeta < 1
+    assert prof.batch(24).max_num_vsw == 3
+    # bucket sizes are the engine's (default plan, backward order); they cover W
+    specs = make_bucket_specs(model, default_bucket_plan(model, 25.0))
+    assert prof.bucket_sizes == bucket_nbytes(specs)
+    assert sum(prof.bucket_sizes) == prof.param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert prof.optimizer_time > 0 and prof.copy_time > 0
+    assert prof.model_signature == model_signature(model) and prof.gpu_type == "cpu-test"
+    # cached: a second call does not touch the engine
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1 and prof.model_signature in files[0].name
+    import jabasray.engine as engine
+
+    class Boom:
+        def __init__(self, *a, **k):
+            raise AssertionError("engine used despite the cache")
+    monkeypatch.setattr(engine, "IIDPWorker", Boom)
+    again = profile_model(model, digits, optimizer_fn=sgd, min_local_batch=8, memory_budget_gb=budget_gb,
+                          allreduce=False, cache_dir=tmp_path, gpu_type="cpu-test")
+    assert again == prof == Profile.load(files[0])
+    with pytest.raises(AssertionError, match="despite the cache"):
+        profile_model(model, digits, min_local_batch=8, memory_budget_gb=budget_gb, allreduce=False,
+                      cache_dir=tmp_path, gpu_type="cpu-test", refresh=True)
+    with pytest.raises(AssertionError, match="despite the cache"):   # other settings: re-profile
+        profile_model(model, digits, min_local_batch=8, memory_budget_gb=2 * budget_gb, allreduce=False,
+                      cache_dir=tmp_path, gpu_type="cpu-test")
+    # the profile drives the planner
+    plan = solve_configuration(64, ["cpu-test"], PerfModel({"cpu-test": prof}), 8)
+    assert plan is not None and plan.requested_global_batch_size == 64
+    assert plan.global_batch_size == 2 * plan.local_batch_size * round(64 / plan.local_batch_size / 2 + 1e-9)
+
+
+def test_model_signature():
+    assert model_signature(DigitsCNN()) == model_signature(DigitsCNN())
+    assert model_signature(DigitsCNN(hidden=32)) != model_signature(DigitsCNN())
+    assert model_signature(MLP()) != model_signature(DigitsCNN())
+
+
+def test_allreduce_fit_from_gloo_group():
+    sizes = [4096 * 2 ** k for k in range(10)]
+    fit, times = measure_allreduce(sizes, world_size=2, repeats=2, warmup=1)
+    assert len(times) == 10 and all(t > 0 for t in times)
+    assert fit.num_gpus == 2
+    # the fit is the least-squares line through the measured points
+    from jabasray.profiler.profile import AllReduceFit
+    assert fit == AllReduceFit.fit(sizes, times, num_gpus=2, bandwidth=fit.bandwidth)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(min_local_batch=0), "min_local_batch"),
+    (dict(max_local_batch=4), "max_local_batch"),
+    (dict(memory_budget_gb=0), "memory_budget_gb"),
+    (dict(device="cuda"), "device"),
+    (dict(device="nonsense"), "device"),
+])
+def test_bad_arguments(digits, kw, field):
+    if kw.get("device") == "cuda" and torch.cuda.is_available():
+        kw = dict(device="nonsense")          # 'cuda' is valid where CUDA exists
+    args = dict(min_local_batch=8, allreduce=False)
+    args.update(kw)
+    with pytest.raises(ValueError, match=field):
+        profile_model(MLP(), digits, **args)
