@@ -1,0 +1,367 @@
+"""Background learners on the GPU actors (DeepPool section 5), the Ray side.
+
+* :class:`BackgroundJob`: what a user submits (plain spec: callables + sizes), picklable.
+* :class:`BackgroundHostMixin`: methods a GPU actor inherits (``bg_submit``, ``bg_status``,
+  ``bg_cancel``, ``bg_pause``/``bg_resume``, ``bg_checkpoint``, ``spare_capacity``,
+  ``free_memory``). They drive one :class:`jabasray.engine.multiplex.BackgroundRunner` per
+  actor, created on first use; the foreground code of the actor may use the same runner's
+  gates (``self.bg_runner().foreground_critical("allreduce")``) and step feedback.
+* :func:`submit_background`: place a job on the actor with the most spare capacity among those
+  whose free memory holds its ``memory_mb`` (else ``ValueError`` naming ``memory_mb``).
+* :class:`BackgroundScheduler`: keeps the handles; ``rebalance(new_actor_handles)`` (called by
+  the driver after every re-placement) moves jobs whose actor disappeared to a new actor, where
+  they resume from their own checkpoint.
+
+A background job never fails the foreground: any exception inside it (building the model,
+reading data, a training step) is caught on the actor, logged, and reported through the
+handle (``progress().state == "failed"``, ``result()`` raises :class:`BackgroundJobFailed`).
+Only coarse Ray calls are made (submit, status polls, checkpoint), never one per step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..validation import check_float, check_int
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackgroundJob:
+    """A small training job to run at low priority on spare GPU capacity."""
+
+    model_fn: Callable[[], Any]                  # () -> nn.Module
+    optimizer_fn: Callable[[Any], Any]           # params -> torch.optim.Optimizer
+    loss_fn: Callable[[Any, Any], Any]           # (outputs, targets) -> scalar loss
+    dataset: Any = None                          # indexable dataset (TensorDataset ...) ...
+    data_fn: Callable[[], Any] | None = None     # ... or a function building it on the actor
+    steps: int | None = None                     # train this many steps ...
+    epochs: int | None = None                    # ... or this many epochs
+    batch_size: int = 16                         # background batch (kept small, section 5)
+    memory_mb: float = 0.0                       # device memory estimate (MiB)
+    checkpoint_every: int = 50                   # steps between its own checkpoints
+    seed: int = 0                                # model init and data order
+    name: str = "background"                     # label for logs
+
+    def __post_init__(self) -> None:
+        for f in ("model_fn", "optimizer_fn", "loss_fn"):
+            if not callable(getattr(self, f)):
+                raise ValueError(f"{f} must be callable, got {getattr(self, f)!r}")
+        if (self.dataset is None) == (self.data_fn is None):
+            raise ValueError("exactly one of dataset and data_fn must be given, got "
+                             f"dataset={'set' if self.dataset is not None else None}, "
+                             f"data_fn={'set' if self.data_fn is not None else None}")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError(f"exactly one of steps and epochs must be given, got "
+                             f"steps={self.steps!r}, epochs={self.epochs!r}")
+        if self.steps is not None:
+            check_int("steps", self.steps, min_value=1)
+        if self.epochs is not None:
+            check_int("epochs", self.epochs, min_value=1)
+        check_int("batch_size", self.batch_size, min_value=1)
+        check_float("memory_mb", self.memory_mb, min_value=0)
+        check_int("checkpoint_every", self.checkpoint_every, min_value=1)
+        check_int("seed", self.seed, min_value=0)
+
+
+class BackgroundJobFailed(RuntimeError):
+    """Raised by :meth:`BackgroundHandle.result` when the job failed on its actor."""
+
+    def __init__(self, status: Any) -> None:
+        super().__init__(f"background job {status.name} failed at step {status.step}: {status.error}")
+        self.status = status
+
+
+def _failed_status(job_id: str, error: str) -> Any:
+    from ..engine.multiplex import BackgroundStatus
+    return BackgroundStatus(name=job_id, state="failed", error=error)
+
+
+class BackgroundHostMixin:
+    """Background-learner methods of a GPU actor (one BackgroundRunner per actor).
+
+    The host may define ``device`` (default "cpu") and ``bg_policy`` (a ``MultiplexPolicy``).
+    On CPU the device memory is an emulated budget (``bg_set_memory_budget``, default the
+    machine's RAM); on CUDA it is ``torch.cuda.mem_get_info``.
+    """
+
+    # ---- state, created lazily (the host's __init__ need not call ours)
+    def _bg_init(self) -> None:
+        if not hasattr(self, "_bg_memory"):
+            self._bg_memory: dict[str, float] = {}     # job id -> memory estimate (MiB)
+            self._bg_failed: dict[str, Any] = {}       # job id -> status of a job that never started
+
+    def bg_runner(self) -> Any:
+        """This actor's BackgroundRunner (created, with its thread, on first use)."""
+        self._bg_init()
+        runner = getattr(self, "_bg_runner_obj", None)
+        if runner is None:
+            from ..engine.multiplex import BackgroundRunner
+            runner = BackgroundRunner(getattr(self, "device", "cpu"), getattr(self, "bg_policy", None))
+            self._bg_runner_obj = runner
+        return runner
+
+    def bg_foreground_step(self) -> Any:
+        """Context manager for the host's foreground step: feeds the slowdown controller when
+        background jobs exist on this actor, a no-op otherwise (no runner thread is started)."""
+        runner = getattr(self, "_bg_runner_obj", None)
+        return runner.foreground_step() if runner is not None else contextlib.nullcontext()
+
+    def bg_foreground_critical(self, op: str = "allreduce") -> Any:
+        """Context manager around a collocation-sensitive foreground op (an all-reduce):
+        background work of this actor is paused meanwhile; a no-op without background jobs."""
+        runner = getattr(self, "_bg_runner_obj", None)
+        return runner.foreground_critical(op) if runner is not None else contextlib.nullcontext()
+
+    def bg_set_memory_budget(self, megabytes: float) -> None:
+        """CPU emulation: memory (MiB) this device offers to background jobs."""
+        self._bg_budget_mb = check_float("memory_budget_mb", megabytes, min_value=0)
+
+    # ---- capacity
+    def free_memory(self) -> float:
+        """Free device memory in MiB for a new background job."""
+        self._bg_init()
+        reserved = sum(mb for jid, mb in self._bg_memory.items() if not self._bg_finished(jid))
+        device = str(getattr(self, "device", "cpu"))
+        if device.startswith("cuda"):
+            import torch
+            free, _total = torch.cuda.mem_get_info(torch.device(device))
+            return max(0.0, free / 2**20 - reserved)
+        budget = getattr(self, "_bg_budget_mb", None)
+        if budget is None:
+            budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+        return max(0.0, budget - reserved)
+
+    def spare_capacity(self) -> float:
+        """Score in [0, 1]: share of the device the foreground leaves idle, split among jobs
+        (1.0 before this actor hosted any background job: nothing measured, nothing shared)."""
+        runner = getattr(self, "_bg_runner_obj", None)
+        return 1.0 if runner is None else float(runner.spare_capacity())
+
+    def _bg_finished(self, job_id: str) -> bool:
+        runner = getattr(self, "_bg_runner_obj", None)
+        if job_id in self._bg_failed or runner is None:
+            return True
+        try:
+            return runner.status(job_id).finished
+        except ValueError:
+            return True
+
+    # ---- jobs
+    def bg_submit(self, job_id: str, job_blob: Any, checkpoint_dir: str) -> Any:
+        """Build and start ``job_blob`` (a BackgroundJob, or its cloudpickle bytes) as
+        ``job_id``, resuming from ``checkpoint_dir/<job_id>.pt`` when that file exists.
+
+        Raises ValueError (naming ``memory_mb``) when the job does not fit in free memory;
+        any other error is contained: the job is reported as failed.
+        """
+        runner = self.bg_runner()
+        job = _load_job(job_blob)
+        free = self.free_memory()
+        if job.memory_mb > free:
+            raise ValueError(f"memory_mb must be <= the free memory of this device ({free:.1f} MiB), "
+                             f"got {job.memory_mb}")
+        self._bg_failed.pop(job_id, None)
+        try:
+            import torch
+
+            from ..engine.multiplex import BackgroundTask
+            torch.manual_seed(job.seed)
+            model = job.model_fn()
+            dataset = job.dataset if job.dataset is not None else job.data_fn()
+            task = BackgroundTask(
+                name=job_id, model=model, dataset=dataset,
+                optimizer=job.optimizer_fn(model.parameters()), loss_fn=job.loss_fn,
+                batch_size=job.batch_size, steps=job.steps, epochs=job.epochs,
+                checkpoint_path=str(Path(checkpoint_dir) / f"{job_id}.pt"),
+                checkpoint_every=job.checkpoint_every, seed=job.seed)
+            runner.submit(task)
+        except Exception as e:  # noqa: BLE001 - contained, reported through the handle
+            log.exception("background job %s could not start", job_id)
+            self._bg_failed[job_id] = _failed_status(job_id, f"{type(e).__name__}: {e}")
+            return self._bg_failed[job_id]
+        self._bg_memory[job_id] = job.memory_mb
+        return runner.status(job_id)
+
+    def bg_status(self, job_id: str) -> Any:
+        if job_id in getattr(self, "_bg_failed", {}):
+            return self._bg_failed[job_id]
+        return self.bg_runner().status(job_id)
+
+    def bg_list(self) -> dict:
+        out = dict(getattr(self, "_bg_failed", {}))
+        out.update(self.bg_runner().statuses())
+        return out
+
+    def bg_cancel(self, job_id: str) -> Any:
+        if job_id in getattr(self, "_bg_failed", {}):
+            return self._bg_failed[job_id]
+        return self.bg_runner().cancel(job_id)
+
+    def bg_pause(self, job_id: str | None = None) -> None:
+        """Pause one job, or all background work of this actor (``job_id=None``)."""
+        self.bg_runner().pause(job_id)
+
+    def bg_resume(self, job_id: str | None = None) -> None:
+        self.bg_runner().resume(job_id)
+
+    def bg_checkpoint(self, job_id: str) -> str:
+        """Write the job's checkpoint now; returns its path."""
+        return self.bg_runner().checkpoint(job_id)
+
+
+def _load_job(blob: Any) -> BackgroundJob:
+    if isinstance(blob, (bytes, bytearray)):
+        import cloudpickle
+        blob = cloudpickle.loads(blob)
+    if not isinstance(blob, BackgroundJob):
+        raise ValueError(f"job_blob must be a BackgroundJob (or its pickle), got {type(blob).__name__}")
+    return blob
+
+
+# --------------------------------------------------------------------------------------------
+# User side.
+# --------------------------------------------------------------------------------------------
+
+def _actor_key(actor: Any) -> str:
+    aid = getattr(actor, "_actor_id", None)
+    return aid.hex() if aid is not None else str(id(actor))
+
+
+def _choose_actor(job: BackgroundJob, actors: Sequence[Any]) -> Any:
+    """The actor with the most spare capacity among those with ``free_memory >= memory_mb``."""
+    import ray
+
+    if not actors:
+        raise ValueError("actors must list at least one GPU actor, got none")
+    spare = ray.get([a.spare_capacity.remote() for a in actors])
+    free = ray.get([a.free_memory.remote() for a in actors])
+    fits = [i for i in range(len(actors)) if free[i] >= job.memory_mb]
+    if not fits:
+        raise ValueError(f"memory_mb must be <= the largest free memory of the devices "
+                         f"({max(free):.1f} MiB), got {job.memory_mb}")
+    best = max(fits, key=lambda i: (spare[i], free[i], -i))
+    return actors[best]
+
+
+class BackgroundHandle:
+    """A submitted background job: ``progress()``, ``result(timeout)``, ``cancel()``."""
+
+    def __init__(self, job_id: str, job: BackgroundJob, actor: Any, checkpoint_dir: str) -> None:
+        self.job_id, self.job, self.actor, self.checkpoint_dir = job_id, job, actor, checkpoint_dir
+        self.moves = 0
+
+    def progress(self) -> Any:
+        """The job's current ``BackgroundStatus`` (state, step, total_steps, loss, error)."""
+        import ray
+        return ray.get(self.actor.bg_status.remote(self.job_id))
+
+    def result(self, timeout: float | None = None, poll: float = 0.1) -> Any:
+        """Wait until the job finished; return its final status.
+
+        Raises ``TimeoutError`` when ``timeout`` passes first and :class:`BackgroundJobFailed`
+        when the job failed on its actor.
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            st = self.progress()
+            if st.finished:
+                if st.state == "failed":
+                    raise BackgroundJobFailed(st)
+                return st
+            if end is not None and time.monotonic() >= end:
+                raise TimeoutError(f"background job {self.job_id} not finished after {timeout} s "
+                                   f"(step {st.step}/{st.total_steps})")
+            time.sleep(poll)
+
+    def cancel(self) -> Any:
+        import ray
+        return ray.get(self.actor.bg_cancel.remote(self.job_id))
+
+    def __repr__(self) -> str:
+        return f"BackgroundHandle({self.job_id!r}, job={self.job.name!r}, moves={self.moves})"
+
+
+def _default_checkpoint_dir() -> str:
+    return str(Path(tempfile.gettempdir()) / "jabasray_background")
+
+
+def submit_background(job: BackgroundJob, actors: Sequence[Any], checkpoint_dir: str | None = None,
+                      job_id: str | None = None) -> BackgroundHandle:
+    """Place ``job`` on the actor with the most spare capacity that has the memory for it.
+
+    ``checkpoint_dir`` must be reachable from every actor that may resume the job (shared
+    storage on a multi-node cluster). Raises ValueError naming ``memory_mb`` when no device has
+    enough free memory.
+    """
+    import ray
+
+    if not isinstance(job, BackgroundJob):
+        raise ValueError(f"job must be a BackgroundJob, got {type(job).__name__}")
+    job_id = job_id or f"{job.name}-{uuid.uuid4().hex[:8]}"
+    checkpoint_dir = checkpoint_dir or _default_checkpoint_dir()
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    actor = _choose_actor(job, actors)
+    ray.get(actor.bg_submit.remote(job_id, job, checkpoint_dir))
+    log.info("background job %s placed on actor %s", job_id, _actor_key(actor))
+    return BackgroundHandle(job_id, job, actor, checkpoint_dir)
+
+
+class BackgroundScheduler:
+    """Tracks background jobs across re-placements of the GPU actors.
+
+    The driver calls :meth:`rebalance` with the new actor handles after every re-placement;
+    every unfinished job whose actor is not among them resumes on a new actor from its own
+    checkpoint (the old actor is asked for a fresh checkpoint first when it is still alive).
+    """
+
+    def __init__(self, actors: Sequence[Any] = (), checkpoint_dir: str | None = None) -> None:
+        self.actors = list(actors)
+        self.checkpoint_dir = checkpoint_dir or _default_checkpoint_dir()
+        self.handles: dict[str, BackgroundHandle] = {}
+
+    def submit(self, job: BackgroundJob, job_id: str | None = None) -> BackgroundHandle:
+        handle = submit_background(job, self.actors, self.checkpoint_dir, job_id)
+        self.handles[handle.job_id] = handle
+        return handle
+
+    def rebalance(self, new_actor_handles: Sequence[Any]) -> list[str]:
+        """Move jobs off actors that disappeared; returns the ids of the jobs moved."""
+        import ray
+
+        self.actors = list(new_actor_handles)
+        alive = {_actor_key(a) for a in self.actors}
+        moved = []
+        for jid, h in self.handles.items():
+            if _actor_key(h.actor) in alive:
+                continue
+            try:                       # still reachable: fresh checkpoint, stop it there
+                st = ray.get(h.actor.bg_status.remote(jid), timeout=10)
+                if st.finished:
+                    continue
+                ray.get(h.actor.bg_checkpoint.remote(jid), timeout=30)
+                ray.get(h.actor.bg_cancel.remote(jid), timeout=10)
+            except Exception as e:  # noqa: BLE001 - actor gone: resume from the last checkpoint
+                log.info("background job %s: old actor unreachable (%s); resuming from its last "
+                         "checkpoint", jid, type(e).__name__)
+                try:                   # alive but busy: make it stop the job when it gets to it
+                    h.actor.bg_cancel.remote(jid)
+                except Exception:  # noqa: BLE001
+                    pass
+            if not self.actors:
+                log.warning("background job %s: no actor left to resume on", jid)
+                continue
+            h.actor = _choose_actor(h.job, self.actors)
+            ray.get(h.actor.bg_submit.remote(jid, h.job, h.checkpoint_dir))
+            h.moves += 1
+            moved.append(jid)
+            log.info("background job %s resumed on actor %s", jid, _actor_key(h.actor))
+        return moved

@@ -1,0 +1,204 @@
+"""Background jobs on GPU actors: placement, progress, containment and re-placement.
+
+The real GPUActor is written elsewhere; these tests use a tiny actor class that inherits the
+mixin (``Host``). Spare capacity is fixed per test actor so placement is deterministic."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from jabasray.actors.background import (BackgroundHostMixin, BackgroundJob,
+                                        BackgroundJobFailed, BackgroundScheduler,
+                                        submit_background)
+from jabasray.engine.multiplex import MultiplexPolicy, epoch_order
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def make_opt(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def make_data():
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(48, 4, generator=g), torch.randint(0, 3, (48,), generator=g))
+
+
+def broken_model():
+    raise RuntimeError("no such layer")
+
+
+def job(steps=5, memory_mb=10.0, every=50, model_fn=make_model, batch_size=8):
+    return BackgroundJob(model_fn=model_fn, optimizer_fn=make_opt, loss_fn=nn.functional.cross_entropy,
+                         data_fn=make_data, steps=steps, batch_size=batch_size,
+                         memory_mb=memory_mb, checkpoint_every=every, seed=3)
+
+
+def reference(steps: int, batch_size: int = 8) -> nn.Module:
+    torch.manual_seed(3)
+    model = make_model()
+    opt = make_opt(model.parameters())
+    X, Y = make_data().tensors
+    epoch, cursor, perm = 0, 0, epoch_order(len(Y), 3, 0)
+    for _ in range(steps):
+        idx = perm[cursor:cursor + batch_size]
+        cursor += len(idx)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[idx]), Y[idx]).backward()
+        opt.step()
+        if cursor >= len(Y):
+            epoch, cursor = epoch + 1, 0
+            perm = epoch_order(len(Y), 3, epoch)
+    return model
+
+
+class Host(BackgroundHostMixin):
+    """A stand-in GPU actor: fixed spare capacity, emulated memory budget."""
+
+    def __init__(self, spare: float = 0.5, memory_mb: float = 100.0) -> None:
+        self.device = "cpu"
+        self.bg_policy = MultiplexPolicy(max_background_batch=None)
+        self._spare = spare
+        self.bg_set_memory_budget(memory_mb)
+
+    def spare_capacity(self) -> float:
+        return self._spare
+
+    def ping(self) -> str:
+        return "ok"
+
+
+# ---------------------------------------------------------------- no Ray
+
+def test_job_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match="dataset and data_fn"):
+        BackgroundJob(make_model, make_opt, nn.functional.cross_entropy, steps=1)
+    with pytest.raises(ValueError, match="steps and epochs"):
+        BackgroundJob(make_model, make_opt, nn.functional.cross_entropy, data_fn=make_data)
+    with pytest.raises(ValueError, match="memory_mb"):
+        job(memory_mb=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        job(batch_size=0)
+    with pytest.raises(ValueError, match="model_fn"):
+        BackgroundJob(None, make_opt, nn.functional.cross_entropy, data_fn=make_data, steps=1)
+
+
+def test_mixin_in_process_memory_accounting_and_containment(tmp_path):
+    host = Host(memory_mb=50.0)
+    assert host.free_memory() == 50.0
+    st = host.bg_submit("long", job(steps=10**6, memory_mb=30.0), str(tmp_path))
+    assert st.name == "long" and st.total_steps == 10**6
+    assert host.free_memory() == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        host.bg_submit("b", job(memory_mb=25.0), str(tmp_path))
+    host.bg_submit("short", job(steps=6, memory_mb=20.0), str(tmp_path))
+    assert host.free_memory() == pytest.approx(0.0) or host.bg_status("short").finished
+    final = host.bg_runner().wait("short", timeout=60)
+    assert final.state == "done" and final.step == 6
+    assert host.bg_cancel("long").state == "cancelled"
+    assert host.free_memory() == 50.0                       # released when finished
+    bad = host.bg_submit("bad", job(model_fn=broken_model), str(tmp_path))
+    assert bad.state == "failed" and "RuntimeError: no such layer" in bad.error
+    assert host.bg_status("bad").state == "failed"
+    assert 0.0 <= BackgroundHostMixin.spare_capacity(host) <= 1.0
+    host.bg_submit("paused", job(steps=10**6), str(tmp_path))
+    with host.bg_foreground_critical("allreduce"):
+        before = host.bg_status("paused").step
+        time.sleep(0.1)
+        assert host.bg_status("paused").step == before
+    with host.bg_foreground_step():
+        pass
+    host.bg_cancel("paused")
+    host.bg_runner().close()
+
+
+def test_foreground_gates_are_free_without_background_jobs():
+    host = Host()
+    with host.bg_foreground_step(), host.bg_foreground_critical():
+        pass
+    assert getattr(host, "_bg_runner_obj", None) is None    # no runner thread was started
+
+
+# ---------------------------------------------------------------- Ray
+
+@pytest.fixture(scope="module")
+def hosts(ray_session):
+    ray = ray_session
+    import sys
+
+    from ray import cloudpickle
+    # Ray workers cannot import this test module: ship its classes/functions by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    Remote = ray.remote(num_cpus=0)(Host)
+    actors = [Remote.remote(spare=0.9, memory_mb=20.0),     # most spare, little memory
+              Remote.remote(spare=0.6, memory_mb=500.0)]
+    ray.get([a.ping.remote() for a in actors])
+    yield ray, actors, Remote
+    for a in actors:
+        ray.kill(a)
+
+
+def test_submit_places_on_most_spare_actor_that_fits(hosts, tmp_path):
+    ray, actors, _ = hosts
+    small = submit_background(job(steps=4, memory_mb=5.0), actors, str(tmp_path))
+    assert small.actor is actors[0]                          # spare 0.9, 20 MiB suffice
+    big = submit_background(job(steps=4, memory_mb=100.0), actors, str(tmp_path))
+    assert big.actor is actors[1]                            # 0.9 lacks memory; next is 0.6
+    with pytest.raises(ValueError, match="memory_mb"):
+        submit_background(job(memory_mb=10_000.0), actors, str(tmp_path))
+    assert small.result(timeout=60).step == 4
+    st = big.result(timeout=60)
+    assert st.state == "done" and st.samples == 4 * 8 and st.progress == 1.0
+
+
+def test_failure_is_reported_through_the_handle(hosts, tmp_path):
+    ray, actors, _ = hosts
+    h = submit_background(job(model_fn=broken_model), actors, str(tmp_path))
+    with pytest.raises(BackgroundJobFailed, match="no such layer"):
+        h.result(timeout=30)
+    assert h.progress().state == "failed"
+    assert ray.get(h.actor.ping.remote()) == "ok"            # the host (foreground) is fine
+
+
+def test_cancel_and_progress(hosts, tmp_path):
+    ray, actors, _ = hosts
+    h = submit_background(job(steps=10**6), actors, str(tmp_path))
+    deadline = time.monotonic() + 30
+    while h.progress().step < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert h.progress().state == "running"
+    assert h.cancel().state == "cancelled"
+    assert h.result(timeout=5).state == "cancelled"
+
+
+def test_rebalance_resumes_from_checkpoint_on_a_new_actor(hosts, tmp_path):
+    ray, actors, Remote = hosts
+    doomed = Remote.remote(spare=1.0, memory_mb=500.0)      # the job lands here first
+    sched = BackgroundScheduler([doomed] + actors, checkpoint_dir=str(tmp_path))
+    steps = 400
+    h = sched.submit(job(steps=steps, every=5), job_id="moving")
+    assert h.actor is doomed
+    deadline = time.monotonic() + 60
+    while h.progress().step < 12 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ray.kill(doomed)                                         # the node is gone
+    moved = sched.rebalance(actors)
+    assert moved == ["moving"] and h.moves == 1 and h.actor is actors[0]
+    resumed_at = h.progress().step
+    assert resumed_at >= 10                                  # from its checkpoint, not step 0
+    st = h.result(timeout=120)
+    assert st.step == steps
+    assert sched.rebalance(actors) == []                     # nothing left to move
+    state = torch.load(tmp_path / "moving.pt", weights_only=False)
+    assert state["step"] == steps
+    ref = reference(steps)
+    got = make_model()
+    got.load_state_dict(state["model"])
+    for p, q in zip(got.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
