@@ -1,0 +1,78 @@
+"""Train the digits CNN with JABAS (adaptive batching + auto-scaling) through JabasTrainer.
+
+Run it locally (starts a local Ray instance with an emulated heterogeneous cluster)::
+
+    python examples/train_digits.py
+
+or against a Ray cluster (``ray start --head`` first; on a CPU-only cluster give the head node the
+emulated GPU resources, e.g. ``ray start --head --resources='{"gpu_fast": 4, "gpu_slow": 4}'``)::
+
+    ray job submit --working-dir . -- python examples/train_digits.py
+
+With a running cluster the script connects to it (``ray.init(address="auto")``). If that cluster
+has real GPUs, pass ``--device cuda`` and the GPU actors use one GPU each; otherwise GPU types are
+emulated on CPU through the ``gpu_<type>`` custom resources.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import ray
+
+from jabasray import ClusterSpec, JobConfig, RunConfig
+from jabasray.actors import DriverOptions, JabasTrainer
+from jabasray.data import load_digits_split
+from jabasray.models import DigitsCNN
+
+# {gpu_type: (nodes, GPUs per node, emulated speed)}
+EMULATED = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
+
+
+def connect(cluster: ClusterSpec, emulate: bool) -> None:
+    """ray.init(address="auto") when a cluster exists, else a local instance with the emulated
+    resources the cluster needs."""
+    try:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+        return
+    except ConnectionError:
+        pass
+    resources: dict[str, float] = {}
+    if emulate:
+        for n in cluster.nodes:
+            resources[f"gpu_{n.gpu_type}"] = resources.get(f"gpu_{n.gpu_type}", 0) + n.num_gpus
+    ray.init(num_cpus=2, include_dashboard=False, resources=resources)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--storage-path", default="jabasray_runs")
+    ap.add_argument("--name", default="train_digits")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    emulate = args.device == "cpu"
+    cluster = ClusterSpec.emulated(EMULATED) if emulate else None   # None: detect GPUs from Ray
+    if cluster is not None:
+        connect(cluster, emulate)
+    else:
+        ray.init(address="auto")
+    train, val = load_digits_split()
+    job = JobConfig(epochs=args.epochs, lr=0.1, initial_global_batch=32, min_global_batch=32,
+                    max_global_batch=256, min_local_batch=8, adapt_interval=5)
+    trainer = JabasTrainer(DigitsCNN, train, None, None, job, cluster=cluster,
+                           run_config=RunConfig(args.storage_path, args.name), val_dataset=val,
+                           options=DriverOptions(device=args.device, emulate=emulate))
+    result = trainer.fit()
+    for e in result.history.epochs:
+        print(f"epoch {e.epoch + 1}: B_G {min(e.trajectory)}-{max(e.trajectory)} "
+              f"allocation {e.allocation} val acc {e.val_accuracy:.4f} ({e.time_s:.1f}s)")
+    print(f"final val accuracy {result.val_accuracy:.4f}; metrics {result.metrics_path}; "
+          f"plot {result.plot_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""From an allocation (GPU pairs per node) to placed GPU actors.
+
+Rank layout (the one source of truth for who is in which similarity group):
+nodes in cluster order, pairs in node order; pair ``i`` gets ranks ``2i`` (group 0) and ``2i+1``
+(group 1). Group H of the configuration solver (Alg. 1, line 5 of the JABAS paper) is group 0, so
+``plan.workers[i]`` configures both GPUs of pair ``i``.
+
+Placement: one Ray placement group per GPU pair (``STRICT_PACK``, one bundle per GPU), so both
+GPUs of a pair land on one Ray node, and a pair can be kept, released or added on its own when
+the allocation changes (pair ``k`` of a node is the node's ``k``-th pair; an allocation of ``n``
+pairs on a node uses its pairs ``0..n-1``). GPU types are Ray
+resources: an emulated GPU of type ``t`` is one unit of the custom resource ``gpu_<t>`` with no CPU
+(8 emulated GPUs fit on 2 cores); a real GPU is ``{"GPU": 1}`` plus ``gpu_<t>`` when the cluster
+advertises such a resource (how a heterogeneous cluster labels its nodes' GPU types).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from ..serialization import JsonMixin
+from ..types import ClusterSpec, NodeSpec
+from ..validation import check_int
+
+log = logging.getLogger(__name__)
+
+
+def resource_name(gpu_type: str) -> str:
+    """The Ray custom resource that stands for one GPU of ``gpu_type``."""
+    return f"gpu_{gpu_type}"
+
+
+@dataclass(frozen=True)
+class Slot(JsonMixin):
+    """One GPU of an allocation and the actor rank that will own it."""
+
+    rank: int          # rank in the process group
+    node: str          # ClusterSpec node name
+    gpu_type: str      # GPU type
+    speed: float       # emulation speed factor of the node
+    group: int         # similarity group: 0 (group H) or 1
+    pair: int          # pair index = index into plan.workers / group_gpus
+    local_pair: int = 0  # index of the pair on its node (identity of the pair's GPUs)
+
+    @property
+    def pair_key(self) -> tuple[str, int]:
+        return (self.node, self.local_pair)
+
+
+def normalize_allocation(cluster: ClusterSpec, allocation: dict[str, int]) -> dict[str, int]:
+    """Validate ``{node name: number of GPU pairs}`` against ``cluster``; drop zero entries."""
+    out: dict[str, int] = {}
+    for name, pairs in allocation.items():
+        node = cluster.node(name)
+        check_int(f"allocation[{name}]", pairs, min_value=0, max_value=node.num_pairs)
+        if pairs:
+            out[name] = int(pairs)
+    if not out:
+        raise ValueError("allocation must use at least one GPU pair, got none")
+    return out
+
+
+def full_allocation(cluster: ClusterSpec) -> dict[str, int]:
+    """Every pair of every node."""
+    return {n.name: n.num_pairs for n in cluster.nodes if n.num_pairs}
+
+
+def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
+    """Ranks for an allocation (see module docstring for the layout)."""
+    allocation = normalize_allocation(cluster, allocation)
+    slots: list[Slot] = []
+    pair = 0
+    for node in cluster.nodes:
+        for k in range(allocation.get(node.name, 0)):
+            for g in (0, 1):
+                slots.append(Slot(rank=2 * pair + g, node=node.name, gpu_type=node.gpu_type,
+                                  speed=node.speed, group=g, pair=pair, local_pair=k))
+            pair += 1
+    return slots
+
+
+def group_gpus(slots: list[Slot]) -> list[str]:
+    """GPU types of group H (group 0), in pair order: the ``G``/``H`` input of the solver."""
+    return [s.gpu_type for s in slots if s.group == 0]
+
+
+def layout_for(slots: list[Slot], workers: list[Any]) -> list[int]:
+    """Decoupled workers per rank: pair ``i``'s ranks both run ``workers[i]`` (Plan.workers)."""
+    if len(workers) != len(slots) // 2:
+        raise ValueError(f"plan.workers must have one entry per GPU pair ({len(slots) // 2}), "
+                         f"got {len(workers)}")
+    return [int(workers[s.pair].num_workers) for s in slots]
+
+
+def drop_pair(cluster: ClusterSpec, node_name: str) -> ClusterSpec | None:
+    """The cluster without one GPU pair of ``node_name`` (a node left without a pair is removed).
+    Returns None when nothing is left."""
+    nodes: list[NodeSpec] = []
+    for n in cluster.nodes:
+        if n.name == node_name:
+            if n.num_gpus - 2 >= 2:
+                nodes.append(replace(n, num_gpus=n.num_gpus - 2))
+        else:
+            nodes.append(n)
+    return ClusterSpec(nodes=nodes) if nodes else None
+
+
+EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>
+
+
+def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None
+               ) -> dict[str, float]:
+    """Ray resources of one GPU of ``gpu_type``.
+
+    Emulated: one unit of the custom resource ``gpu_<type>``, no CPU; on a cluster that does not
+    advertise that resource (e.g. a plain ``ray start --head``) a small CPU share instead, so that
+    the job still runs (types are then only distinguished by their speed factor).
+    Real: ``{"GPU": 1}`` plus ``gpu_<type>`` when the cluster labels its GPUs that way.
+    """
+    res = resource_name(gpu_type)
+    if emulate:
+        if available is None or res in available:
+            return {res: 1.0}
+        return {"CPU": EMULATED_CPU_SHARE}
+    bundle = {"GPU": 1.0}
+    if available is None or res in available:
+        bundle[res] = 1.0
+    return bundle
+
+
+@dataclass
+class Placement:
+    """Live actors of one placement (Ray handles, not serialised).
+
+    ``actors[i]`` runs ``slots[i]``; ``pairs`` maps a pair key (node, local pair) to its placement
+    group and its two actors (group 0, group 1), so a later placement can keep them.
+    """
+
+    slots: list[Slot]
+    actors: list[Any]
+    pairs: dict[tuple[str, int], tuple[Any, list[Any]]] = field(default_factory=dict)
+
+
+def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emulate: bool,
+                 timeout_s: float = 120.0, reuse: Placement | None = None
+                 ) -> tuple[Placement, list[int]]:
+    """Start one actor per slot, one placement group per pair; keep the pairs of ``reuse`` that
+    the new slots still use (their actors must then be set up again for their new slot) and
+    release the others.
+
+    ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
+    ``options`` carries the resources and the placement-group scheduling strategy.
+    Returns the placement and the ranks whose actors are new. Raises ``RuntimeError`` when the
+    resources do not appear within ``timeout_s``.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    available = ray.cluster_resources()
+    wanted: dict[tuple[str, int], list[Slot]] = {}
+    for s in slots:
+        wanted.setdefault(s.pair_key, []).append(s)
+    old = dict(reuse.pairs) if reuse is not None else {}
+    for key in [k for k in old if k not in wanted]:
+        _release_pair(*old.pop(key))
+    pairs: dict[tuple[str, int], tuple[Any, list[Any]]] = {}
+    new_ranks: list[int] = []
+    created: list[tuple[Any, list[Any]]] = []
+    try:
+        for key, pair_slots in wanted.items():
+            if key in old:
+                pairs[key] = old.pop(key)
+                continue
+            pair_slots = sorted(pair_slots, key=lambda s: s.group)
+            bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
+            pg = placement_group(bundles, strategy="STRICT_PACK")
+            created.append((pg, []))
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"resources {bundles} for a GPU pair of node {key[0]} not available "
+                                   f"within {timeout_s:.0f}s (cluster: {ray.cluster_resources()})") from None
+            actors = []
+            for i, s in enumerate(pair_slots):
+                bundle = bundles[i]
+                opts = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                            resources={k: v for k, v in bundle.items() if k not in ("GPU", "CPU")},
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                placement_group=pg, placement_group_bundle_index=i))
+                actors.append(make_actor(s, opts))
+                created[-1][1].append(actors[-1])
+                new_ranks.append(s.rank)
+            pairs[key] = (pg, actors)
+    except BaseException:
+        for pg, actors in created:
+            _release_pair(pg, actors)
+        raise
+    actors = [pairs[s.pair_key][1][s.group] for s in slots]
+    return Placement(slots=list(slots), actors=actors, pairs=pairs), sorted(new_ranks)
+
+
+def _release_pair(pg: Any, actors: list[Any]) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already dead
+            pass
+    try:
+        remove_placement_group(pg)
+    except Exception:  # pragma: no cover
+        pass
+
+
+def release(placement: Placement | None) -> None:
+    """Kill the actors of a placement and free its placement groups (never waits on them)."""
+    if placement is None:
+        return
+    for pg, actors in placement.pairs.values():
+        _release_pair(pg, actors)
+    placement.pairs = {}
+    placement.actors = []
+
+
+def cluster_from_ray(default_speed: float = 1.0) -> ClusterSpec:
+    """A ClusterSpec for the running Ray cluster (adapter; no planner-side ``from_ray`` needed).
+
+    Real GPUs: one node per alive Ray node with GPUs; its type is its ``gpu_<t>`` resource, else
+    its ``accelerator_type:<t>`` resource, else ``"gpu"``. Emulated GPUs (no real ones): one node
+    per ``gpu_<t>`` custom resource of a Ray node, with ``default_speed``. Odd counts drop one GPU.
+    """
+    import ray
+
+    nodes: list[NodeSpec] = []
+    for i, rn in enumerate(n for n in ray.nodes() if n.get("Alive")):
+        res = rn.get("Resources", {})
+        typed = {k[len("gpu_"):]: int(v) for k, v in res.items() if k.startswith("gpu_") and v >= 1}
+        num_real = int(res.get("GPU", 0))
+        if num_real:
+            acc = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+            gpu_type = next(iter(typed), acc[0] if acc else "gpu")
+            nodes.append(NodeSpec(name=f"ray{i}-{gpu_type}", gpu_type=gpu_type, num_gpus=num_real))
+        else:
+            for t, count in sorted(typed.items()):
+                nodes.append(NodeSpec(name=f"ray{i}-{t}", gpu_type=t, num_gpus=count,
+                                      speed=default_speed))
+    nodes = [n for n in nodes if n.num_gpus >= 2]
+    if not nodes:
+        raise ValueError("cluster: the running Ray cluster has no GPU pairs (no 'GPU' and no "
+                         "'gpu_<type>' resources with >= 2 units); pass cluster=ClusterSpec(...)")
+    return ClusterSpec(nodes=nodes).validated_pairs(drop_odd_gpu=True)

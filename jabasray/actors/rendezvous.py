@@ -1,0 +1,118 @@
+"""Rendezvous of the GPU actors into one ``torch.distributed`` process group.
+
+The driver owns a ``torch.distributed.TCPStore`` (server side) bound to its node's IP and a free
+port; every GPU actor connects to it as a client and calls ``init_process_group`` with that store
+(NCCL on CUDA devices, gloo on CPU). Each placement of actors gets a fresh store (a new
+*generation*), so actors of an old placement can never collide with the keys of a new one.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from dataclasses import dataclass
+
+from ..serialization import JsonMixin
+from ..validation import check_choice, check_int
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("gloo", "nccl")
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def node_ip() -> str:
+    """This process's node IP as Ray sees it (falls back to 127.0.0.1 without Ray)."""
+    try:
+        import ray
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # pragma: no cover - ray missing or not initialised
+        pass
+    return "127.0.0.1"
+
+
+def backend_for(device: str) -> str:
+    """NCCL for CUDA devices, gloo for everything else."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+@dataclass(frozen=True)
+class Rendezvous(JsonMixin):
+    """Where and how the actors of one placement meet (plain data, sent to every actor)."""
+
+    host: str                 # node IP of the driver, where the TCPStore server listens
+    port: int                 # its port
+    world_size: int           # number of GPU actors in this placement
+    backend: str = "gloo"     # "gloo" (CPU) or "nccl" (CUDA)
+    generation: int = 0       # placement counter; keys are prefixed with it
+    timeout_s: float = 120.0  # collective / store timeout
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, min_value=1)
+        check_int("port", self.port, min_value=1, max_value=65535)
+        check_choice("backend", self.backend, BACKENDS)
+
+
+class RendezvousServer:
+    """Driver side: owns the TCPStore server for one generation. Keep it alive while the
+    actors of that generation live; ``close()`` drops it."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", generation: int = 0,
+                 timeout_s: float = 120.0, host: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.host = host or node_ip()
+        last_err: Exception | None = None
+        for _ in range(5):  # a freshly probed port can be taken in between: retry
+            port = free_port()
+            try:
+                self._store = dist.TCPStore(self.host, port, world_size=None, is_master=True,
+                                            timeout=datetime.timedelta(seconds=timeout_s),
+                                            wait_for_workers=False)
+                break
+            except (RuntimeError, OSError) as e:  # pragma: no cover - port race
+                last_err = e
+        else:  # pragma: no cover
+            raise RuntimeError(f"could not start a TCPStore on {self.host}: {last_err}")
+        self.info = Rendezvous(self.host, port, world_size, backend, generation, timeout_s)
+        log.debug("rendezvous generation %d at %s:%d (world %d, %s)", generation, self.host, port,
+                  world_size, backend)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def join_process_group(rdv: Rendezvous, rank: int):
+    """Actor side: connect to the driver's store and initialise the default process group.
+
+    Returns the default group (``torch.distributed.group.WORLD``). Any previous default group of
+    this process is destroyed first (actors are normally fresh processes, so this only matters
+    when the same process joins twice, e.g. in-process tests).
+    """
+    import torch.distributed as dist
+
+    check_int("rank", rank, min_value=0, max_value=rdv.world_size - 1)
+    timeout = datetime.timedelta(seconds=rdv.timeout_s)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    store = dist.TCPStore(rdv.host, rdv.port, world_size=None, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"jabas/gen{rdv.generation}", store)
+    dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
+                            timeout=timeout)
+    return dist.group.WORLD
+
+
+def leave_process_group() -> None:
+    """Destroy this process's default group if there is one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

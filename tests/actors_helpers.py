@@ -1,0 +1,63 @@
+"""Shared pieces of the Ray-layer tests: a hand-made profile (no profiling), a tiny job."""
+from __future__ import annotations
+
+import sys
+
+import torch
+from ray import cloudpickle
+
+from jabasray.actors.driver import DriverCallback
+from jabasray.data import load_digits_split
+from jabasray.models import MLP
+from jabasray.planners.perf_model import PerfModel
+from jabasray.profiler.profile import AllReduceFit, BatchProfile, Profile
+
+
+def profile(gpu_type: str, speed: float, min_local_batch: int = 4, max_local_batch: int = 32) -> Profile:
+    """A plausible profile: compute linear in B_L, divided by speed; 4 VSWs fit."""
+    batches = [BatchProfile(b, 4, 1e-3 * b / speed, 2.5e-3 * b / speed)
+               for b in range(min_local_batch, max_local_batch + 1, min_local_batch)]
+    fit = AllReduceFit(1.0, 1e-4)
+    return Profile("test", gpu_type, min_local_batch, batches, 1e-3 / speed, 2e-4 / speed, [20000],
+                   20000, fit, fit)
+
+
+def perf_model(speeds: dict[str, float] | None = None, **kw) -> PerfModel:
+    speeds = speeds or {"fast": 1.0, "slow": 0.5}
+    return PerfModel({t: profile(t, s, **kw) for t, s in speeds.items()})
+
+
+def model_fn():
+    return MLP(64, (32,), 10)
+
+
+def optimizer_fn(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def tiny_data(n: int = 240):
+    train, val = load_digits_split(image=False)
+    X, y = train.tensors
+    return torch.utils.data.TensorDataset(X[:n], y[:n]), val
+
+
+class KillOnce(DriverCallback):
+    """Test hook: ``ray.kill`` the actor of ``rank`` at interval 1 of epoch ``epoch``. Works in
+    the driver's process, also when the driver is itself a Ray actor."""
+
+    def __init__(self, epoch: int, rank: int) -> None:
+        self.epoch, self.rank, self.done = epoch, rank, False
+
+    def on_interval(self, driver, record):
+        import ray
+        if not self.done and record.epoch == self.epoch and record.interval == 1:
+            self.done = True
+            ray.kill(driver.gpu_actors()[self.rank], no_restart=True)
+
+
+# Ray workers cannot import this test helper module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])

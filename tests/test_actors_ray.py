@@ -1,0 +1,140 @@
+"""GPU actors on the session Ray instance: the two-group similarity collective against an
+in-process reference, fault recovery by killing an actor, and input checks that need Ray."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from jabasray.actors.checkpoint import latest_checkpoint
+from jabasray.actors.driver import DriverOptions, JabasDriver, start_remote_driver
+from jabasray.actors.gpu_actor import GPUActor, IntervalRequest
+from jabasray.actors.placement import place_actors, release, slots_for
+from jabasray.actors.rendezvous import RendezvousServer
+from jabasray.config import JobConfig
+from jabasray.engine.sampler import iteration_indices
+from jabasray.types import ClusterSpec, NodeSpec
+
+pytestmark = pytest.mark.ray
+
+
+def reference_phi(dataset, slots, layout, local_batch, seed, epoch=0):
+    """Phi computed in one process: every rank's local gradient = sum over its micro-batches of
+    the gradient of the micro-batch mean loss (same initial weights: model_fn under seed);
+    group g = sum over its ranks; Phi = cosine(group 0, group 1) in float64."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    X, y = dataset.tensors
+    groups = [None, None]
+    losses = []
+    for s in slots:
+        it = iteration_indices(seed, epoch, 0, local_batch, layout, s.rank, len(dataset))
+        g_rank = None
+        for idx in it.micro_batches:
+            model.zero_grad()
+            t = torch.as_tensor(idx)
+            loss = loss_fn(model(X[t]), y[t])
+            loss.backward()
+            losses.append(loss.item())
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+            g_rank = flat if g_rank is None else g_rank + flat
+        groups[s.group] = g_rank if groups[s.group] is None else groups[s.group] + g_rank
+    a, b = groups
+    return float(a @ b / (a.norm() * b.norm())), float(np.mean(losses))
+
+
+def test_group_similarity_one_collective_matches_reference(ray_session):
+    """Two pairs (4 actors), unequal layout [3, 3, 1, 1]: the Phi every actor returns equals
+    the reference cosine of the two group sums; the loss equals the mean micro-batch loss."""
+    import ray
+
+    ds, _ = tiny_data(200)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
+    slots = slots_for(cluster, {"n0": 2})
+    job = JobConfig(seed=3, initial_global_batch=32, min_global_batch=8, min_local_batch=4)
+    remote = ray.remote(GPUActor)
+    ref = ray.put(ds)
+
+    def make(slot, opts):
+        return remote.options(**opts).remote(slot, len(slots), job, model_fn, optimizer_fn, loss_fn,
+                                             ref, "cpu", False)
+
+    placement, new = place_actors(slots, make, emulate=True, timeout_s=60)
+    try:
+        assert new == [0, 1, 2, 3]
+        server = RendezvousServer(len(slots), "gloo", generation=1, timeout_s=60)
+        ray.get([a.setup.remote(server.info, s) for a, s in zip(placement.actors, slots)])
+        layout = [3, 3, 1, 1]          # pair 0: 3 workers per GPU (n_vsw=1, n_ga=2); pair 1: 1
+        cfg = {3: (1, 2), 1: (1, 0)}
+        ray.get([a.configure.remote(*cfg[w], 4) for a, w in zip(placement.actors, layout)])
+        req = IntervalRequest(epoch=0, cursor=0, num_iterations=1, local_batch=4, layout=layout,
+                              iteration=0, base_lr=0.05, base_batch=32, lr_scaling="none",
+                              warmup_iterations=0)
+        replies = ray.get([a.run_interval.remote(req) for a in placement.actors])
+        phi_ref, loss_ref = reference_phi(ds, slots, layout, 4, seed=3)
+        assert {r.phi for r in replies} == {replies[0].phi}
+        assert replies[0].phi == pytest.approx(phi_ref, abs=1e-5)
+        assert replies[0].loss == pytest.approx(loss_ref, rel=1e-5)
+        assert [r.samples for r in replies] == [4 * w for w in layout]
+        assert {r.end_cursor for r in replies} == {4 * sum(layout)}
+
+        # shrink to one pair: pair 0's actors are kept (same handles, no new process), pair 1's
+        # are released; the kept ones re-join a new group and train again
+        small = slots_for(cluster, {"n0": 1})
+        kept, new = place_actors(small, make, emulate=True, reuse=placement)
+        assert new == [] and kept.actors == placement.actors[:2]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(placement.actors[3].ping.remote(), timeout=30)
+        placement = kept
+        server2 = RendezvousServer(2, "gloo", generation=2, timeout_s=60)
+        ray.get([a.setup.remote(server2.info, s) for a, s in zip(kept.actors, small)])
+        ray.get([a.configure.remote(1, 0, 4) for a in kept.actors])
+        req2 = IntervalRequest(epoch=0, cursor=0, num_iterations=1, local_batch=4, layout=[1, 1],
+                               iteration=0, base_lr=0.05, base_batch=32, lr_scaling="none",
+                               warmup_iterations=0)
+        replies = ray.get([a.run_interval.remote(req2) for a in kept.actors])
+        assert replies[0].phi == pytest.approx(reference_phi(ds, small, [1, 1], 4, seed=3)[0], abs=1e-5)
+    finally:
+        release(placement)
+
+
+def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
+    """The driver runs as a Ray actor; the hook kills rank 3 (second pair) mid-epoch 1. The
+    driver reloads the epoch-1 checkpoint, drops that pair, redoes epoch 1 on one pair and
+    finishes; epoch 0 is kept as it was."""
+    import ray
+
+    ds, val = tiny_data(240)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
+    job = JobConfig(epochs=2, initial_global_batch=32, min_global_batch=16, max_global_batch=64,
+                    min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
+    drv = start_remote_driver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
+                              val_dataset=val, perf_model=perf_model(),
+                              options=DriverOptions(failure_grace_s=10),
+                              callbacks=[KillOnce(epoch=1, rank=3)])
+    hist = ray.get(drv.run.remote())
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert hist.epochs[0].allocation == {"n0": 2} and len(hist.epochs[0].gpu_types) == 4
+    assert hist.epochs[1].allocation == {"n0": 1} and len(hist.epochs[1].gpu_types) == 2
+    fail = [m for m in hist.events if "failure" in m]
+    assert len(fail) == 1 and "rank 3 (fast on n0)" in fail[0] and "restarting epoch 1" in fail[0]
+    # the failed attempt's intervals are gone; epoch 1 was trained once, completely
+    ep1 = [r for r in hist.intervals if r.epoch == 1]
+    assert sum(r.samples for r in ep1) == len(ds)
+    assert [r.interval for r in ep1] == list(range(len(ep1)))
+    cp = latest_checkpoint(tmp_path / "run")
+    assert cp.epochs_done == 2 and cp.load_driver_state().cluster.nodes[0].num_gpus == 2
+    assert ray.get(drv.gpu_actors.remote()) == []        # released at the end
+    ray.kill(drv)
+
+
+def test_min_local_batch_beyond_every_gpu_is_a_one_line_error(ray_session, tmp_path):
+    ds, _ = tiny_data(64)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)])
+    job = JobConfig(min_local_batch=64, min_global_batch=64, initial_global_batch=64)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "r",
+                      perf_model=perf_model())
+    with pytest.raises(ValueError, match=r"^min_local_batch must be <= .*32.*got 64$"):
+        drv.run()
+    assert drv.gpu_actors() == []

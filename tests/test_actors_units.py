@@ -1,0 +1,205 @@
+"""Pure logic of the Ray layer (no Ray started): rank layout, allocations, checkpoints,
+metrics JSON and plots, emulation arithmetic, the rendezvous store."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jabasray.actors.checkpoint import (DriverState, latest_checkpoint, list_checkpoints,
+                                        save_checkpoint)
+from jabasray.actors.gpu_actor import emulation_sleep, gather
+from jabasray.actors.metrics import EpochRecord, IntervalRecord, MetricsHistory, plot_history
+from jabasray.actors.placement import (bundle_for, drop_pair, full_allocation, group_gpus,
+                                       layout_for, normalize_allocation, slots_for)
+from jabasray.actors.rendezvous import Rendezvous, RendezvousServer
+from jabasray.types import ClusterSpec, NodeSpec, Plan, WorkerConfig
+
+
+def cluster() -> ClusterSpec:
+    return ClusterSpec(nodes=[NodeSpec("a0", "fast", 4, speed=0.5), NodeSpec("b0", "slow", 2, speed=0.25),
+                              NodeSpec("a1", "fast", 2, speed=0.5)])
+
+
+def test_slots_pair_ranks_and_groups():
+    """Pair i -> ranks 2i (group 0) and 2i+1 (group 1); nodes in cluster order; pair k of a node
+    is its k-th pair."""
+    slots = slots_for(cluster(), {"a1": 1, "a0": 2})
+    assert [(s.rank, s.node, s.group, s.pair, s.local_pair) for s in slots] == [
+        (0, "a0", 0, 0, 0), (1, "a0", 1, 0, 0), (2, "a0", 0, 1, 1), (3, "a0", 1, 1, 1),
+        (4, "a1", 0, 2, 0), (5, "a1", 1, 2, 0)]
+    assert group_gpus(slots) == ["fast", "fast", "fast"]
+    assert all(s.speed == 0.5 for s in slots)
+
+
+def test_layout_follows_plan_workers_of_each_pair():
+    slots = slots_for(cluster(), {"a0": 1, "b0": 1})
+    plan = Plan(global_batch_size=8 * 2 * 5, local_batch_size=8,
+                workers=[WorkerConfig("fast", 2, 1), WorkerConfig("slow", 1, 0)], iteration_time=1.0)
+    layout = layout_for(slots, plan.workers)
+    assert layout == [4, 4, 1, 1]
+    assert sum(layout) * plan.local_batch_size == plan.global_batch_size
+    with pytest.raises(ValueError, match="plan.workers"):
+        layout_for(slots, plan.workers[:1])
+
+
+def test_allocation_validation_and_full_allocation():
+    c = cluster()
+    assert full_allocation(c) == {"a0": 2, "b0": 1, "a1": 1}
+    assert normalize_allocation(c, {"a0": 0, "b0": 1}) == {"b0": 1}
+    with pytest.raises(ValueError, match=r"allocation\[a0\]"):
+        normalize_allocation(c, {"a0": 3})
+    with pytest.raises(ValueError, match="node must be one of"):
+        normalize_allocation(c, {"zz": 1})
+    with pytest.raises(ValueError, match="at least one GPU pair"):
+        normalize_allocation(c, {"a0": 0})
+
+
+def test_drop_pair_removes_one_pair_and_empty_nodes():
+    c = drop_pair(cluster(), "a0")
+    assert [(n.name, n.num_gpus) for n in c.nodes] == [("a0", 2), ("b0", 2), ("a1", 2)]
+    c = drop_pair(c, "b0")
+    assert [n.name for n in c.nodes] == ["a0", "a1"]
+    single = ClusterSpec(nodes=[NodeSpec("x", "fast", 2)])
+    assert drop_pair(single, "x") is None
+
+
+def test_bundles_emulated_and_real():
+    assert bundle_for("fast", emulate=True) == {"gpu_fast": 1.0}
+    assert bundle_for("fast", emulate=True, available={"gpu_fast": 2}) == {"gpu_fast": 1.0}
+    assert bundle_for("fast", emulate=True, available={"CPU": 2}) == {"CPU": 0.01}
+    assert bundle_for("v100", emulate=False, available={"GPU": 8, "gpu_v100": 4}) == {"GPU": 1.0, "gpu_v100": 1.0}
+    assert bundle_for("v100", emulate=False, available={"GPU": 8}) == {"GPU": 1.0}
+
+
+def test_emulation_sleep_makes_compute_take_compute_over_speed():
+    for t, speed in [(0.02, 0.5), (0.01, 0.25), (0.3, 0.1)]:
+        assert t + emulation_sleep(t, speed) == pytest.approx(t / speed)
+    assert emulation_sleep(0.02, 1.0) == 0.0
+    assert emulation_sleep(0.02, 2.0) == 0.0   # faster than the CPU cannot be emulated
+
+
+def test_gather_tensor_and_generic_datasets_agree():
+    X = torch.arange(20.0).view(10, 2)
+    y = torch.arange(10)
+    td = torch.utils.data.TensorDataset(X, y)
+
+    class Plain(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return X[i], y[i]
+
+    for idx in ([3, 1, 7], []):
+        a, b = gather(td, idx), gather(Plain(), idx)
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        assert len(a[0]) == len(idx)
+
+
+def _history(epochs: int = 2) -> MetricsHistory:
+    plan = Plan(32, 8, [WorkerConfig("fast", 2, 0)], 0.1, requested_global_batch_size=30)
+    h = MetricsHistory()
+    for e in range(epochs):
+        for k in range(3):
+            h.intervals.append(IntervalRecord(e, k, 3 * e + k, 5, 32 * 5 * k, 30, 32, 8, plan, 1.0 / (k + 1),
+                                              100.0, 0.3, 0.05, 0.5, samples=160))
+        h.epochs.append(EpochRecord(e, {"a0": 1}, ["fast", "fast"], [30, 33, 36],
+                                    [] if e == 0 else [36.0, 38.0, 40.0], 0.5, 0.9, 2.0, 4.0, 480, 240.0))
+    return h
+
+
+def test_metrics_json_round_trip_and_plot(tmp_path):
+    h = _history()
+    back = MetricsHistory.from_json(h.to_json())
+    assert back == h
+    assert back.intervals[0].plan.workers[0] == WorkerConfig("fast", 2, 0)
+    assert back.total_gpu_seconds == 8.0
+    assert back.truncate(1).epochs == h.epochs[:1]
+    png = plot_history(h, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_checkpoints_are_complete_and_pruned(tmp_path):
+    c = cluster()
+    for e in range(4):
+        st = DriverState(epochs_done=e, iteration=10 * e, cluster=c, allocation={"a0": 1},
+                         adaptive={"global_batch": 32 + e}, forecast=[1.0, 2.0], metrics=_history(e))
+        save_checkpoint(tmp_path, st, {"w": torch.full((3,), float(e))}, keep=2)
+    (tmp_path / "checkpoints" / ".tmp_half").mkdir()          # a crashed write is ignored
+    (tmp_path / "checkpoints" / "epoch_0009").mkdir()          # incomplete: no files
+    cps = list_checkpoints(tmp_path)
+    assert [cp.epochs_done for cp in cps] == [2, 3]
+    cp = latest_checkpoint(tmp_path)
+    st = cp.load_driver_state()
+    assert st.epochs_done == 3 and st.cluster == c and st.adaptive == {"global_batch": 35}
+    assert st.metrics == _history(3)
+    assert torch.equal(cp.load_worker_state()["w"], torch.full((3,), 3.0))
+    assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_rendezvous_info_round_trip_and_validation():
+    """The driver-side store's info travels as JSON to the actors (the all-reduce through it is
+    exercised by the Ray tests)."""
+    server = RendezvousServer(world_size=2, backend="gloo", generation=3, timeout_s=30, host="127.0.0.1")
+    info = Rendezvous.from_json(server.info.to_json())
+    assert info == server.info and info.world_size == 2 and info.generation == 3
+    with pytest.raises(ValueError, match="backend"):
+        Rendezvous("127.0.0.1", 1234, 2, backend="mpi")
+    with pytest.raises(ValueError, match="world_size"):
+        Rendezvous("127.0.0.1", 1234, 0)
+    server.close()
+
+
+def test_driver_options_validation():
+    from jabasray.actors.driver import DriverOptions
+    assert DriverOptions().emulate is True and DriverOptions(device="cuda").emulate is False
+    with pytest.raises(ValueError, match="^device must be one of"):
+        DriverOptions(device="tpu")
+    with pytest.raises(ValueError, match="^failure_grace_s must be"):
+        DriverOptions(failure_grace_s=0)
+
+
+@pytest.mark.parametrize("bg, pairs", [(64, 1), (70, 1), (77, 2), (200, 2), (96, 3)])
+def test_plan_stays_near_requested_batch(bg, pairs):
+    """The driver's plan = the fastest per-B_L Alg. 1 plan with |B_G* - B_G| <= alpha/2 * B_G,
+    else the closest B_G*; checked against solving every B_L separately (no Ray needed)."""
+    from actors_helpers import perf_model
+    from jabasray.actors.driver import JabasDriver, _LocalBatchCap
+    from jabasray.config import JobConfig
+    from jabasray.planners.config_solver import solve_configuration
+
+    job = JobConfig(min_local_batch=8, min_global_batch=16, initial_global_batch=64, alpha=0.1)
+    c = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2 * pairs)])
+    model = perf_model(min_local_batch=8, max_local_batch=64)
+    drv = JabasDriver(lambda: None, [0], None, None, job, c, "unused", perf_model=model)
+    slots = slots_for(c, {"n0": pairs})
+    plan = drv._plan(slots, c, {"n0": pairs}, bg)
+    per_bl = [p for bl in range(8, 65, 8)
+              if (p := solve_configuration(bg, group_gpus(slots), _LocalBatchCap(model.for_allocation(2 * pairs, False), bl), bl))]
+    near = [p for p in per_bl if abs(p.global_batch_size - bg) <= 0.05 * bg]
+    if near:
+        assert plan.throughput == max(p.throughput for p in near)
+        assert abs(plan.global_batch_size - bg) <= 0.05 * bg
+    else:
+        assert abs(plan.global_batch_size - bg) == min(abs(p.global_batch_size - bg) for p in per_bl)
+    # the unconstrained Alg. 1 may round much further (the reason for the guard)
+    free = solve_configuration(bg, group_gpus(slots), model.for_allocation(2 * pairs, False), 8)
+    assert abs(plan.global_batch_size - bg) <= abs(free.global_batch_size - bg)
+
+
+def test_autoscale_decision_maps_to_node_pairs():
+    """The driver's adapter turns the planner's decision into {node: pairs}, and the initial
+    allocation for B_G^init follows the decision's group H."""
+    from actors_helpers import perf_model
+    from jabasray.actors.driver import autoscale_allocation
+    from jabasray.config import JobConfig
+    from jabasray.planners.autoscale import choose_allocation
+
+    c = ClusterSpec(nodes=[NodeSpec("a0", "fast", 4), NodeSpec("b0", "slow", 2)])
+    model = perf_model(min_local_batch=8, max_local_batch=64)
+    job = JobConfig(min_local_batch=8, initial_global_batch=128, min_global_batch=32, adapt_interval=5)
+    traj = [128.0, 140.4, 150.0]
+    alloc = autoscale_allocation(c, model, traj, 1000, job)
+    d = choose_allocation(c, model, [128, 140, 150], 1000, 5, 8)
+    assert alloc == {k: v for k, v in d.allocation.node_pairs.items() if v}
+    assert group_gpus(slots_for(c, alloc)) == d.group_gpus
