@@ -69,3 +69,14 @@ def _range_text(kind: str, lo: Any, hi: Any) -> str:
     if hi is not None:
         return f"{kind} <= {hi}"
     return kind
+
+
+def check_steps_or_epochs(steps: Any, epochs: Any) -> None:
+    """A training budget is given as exactly one of ``steps`` and ``epochs`` (each >= 1)."""
+    if (steps is None) == (epochs is None):
+        raise ValueError(f"exactly one of steps and epochs must be given, got "
+                         f"steps={steps!r}, epochs={epochs!r}")
+    if steps is not None:
+        check_int("steps", steps, min_value=1)
+    if epochs is not None:
+        check_int("epochs", epochs, min_value=1)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..validation import check_float, check_int
+from ..validation import check_float, check_int, check_steps_or_epochs
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,7 @@ class BackgroundJob:
             raise ValueError("exactly one of dataset and data_fn must be given, got "
                              f"dataset={'set' if self.dataset is not None else None}, "
                              f"data_fn={'set' if self.data_fn is not None else None}")
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError(f"exactly one of steps and epochs must be given, got "
-                             f"steps={self.steps!r}, epochs={self.epochs!r}")
-        if self.steps is not None:
-            check_int("steps", self.steps, min_value=1)
-        if self.epochs is not None:
-            check_int("epochs", self.epochs, min_value=1)
+        check_steps_or_epochs(self.steps, self.epochs)
         check_int("batch_size", self.batch_size, min_value=1)
         check_float("memory_mb", self.memory_mb, min_value=0)
         check_int("checkpoint_every", self.checkpoint_every, min_value=1)

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..validation import check_float, check_int
+from ..validation import check_float, check_int, check_steps_or_epochs
 
 log = logging.getLogger(__name__)
 
@@ -209,13 +209,7 @@ class BackgroundTask:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty string, got {self.name!r}")
         check_int("batch_size", self.batch_size, min_value=1)
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError(f"exactly one of steps and epochs must be given, got "
-                             f"steps={self.steps!r}, epochs={self.epochs!r}")
-        if self.steps is not None:
-            check_int("steps", self.steps, min_value=1)
-        if self.epochs is not None:
-            check_int("epochs", self.epochs, min_value=1)
+        check_steps_or_epochs(self.steps, self.epochs)
         check_int("checkpoint_every", self.checkpoint_every, min_value=1)
         if len(self.dataset) < 1:
             raise ValueError("dataset must hold at least one sample, got an empty dataset")

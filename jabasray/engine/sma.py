@@ -396,6 +396,7 @@ class SMAWorker:
         samples = 0
         for j, learner in enumerate(self._learners):
             ls, n = self._learning_task(learner, micro_batches[j * per:(j + 1) * per], ragged)
+            ls = float(ls)
             loss_sum += ls
             samples += n
         local_grad = self._local_grad() if keep_local_grad else None
@@ -422,16 +423,16 @@ class SMAWorker:
                                num_samples=samples, weight_sync="sma")
 
     def _learning_task(self, learner: FlatModule, batches: Sequence[Batch], ragged: bool
-                       ) -> tuple[float, int]:
+                       ) -> tuple[torch.Tensor, int]:
         """Forward/backward of one learner over its micro-batches; grad left in ``learner.grad``.
 
-        Returns (sum over samples of the loss, number of samples)."""
+        The learner's gradient is the mean of its micro-batches' mean-loss gradients
+        (``ragged``: weighted by sample counts). Returns (sum over samples of the loss as a 0-d
+        tensor on the device, so CUDA callers need not synchronise; number of samples)."""
         learner.grad.zero_()
         sizes = [int(len(t)) for _, t in batches]
         total = sum(sizes)
-        loss_sum = 0.0
-        if total == 0:
-            return 0.0, 0
+        loss_acc = torch.zeros((), device=self.device)
         for (x, y), n in zip(batches, sizes):
             if n == 0:
                 continue
@@ -440,8 +441,8 @@ class SMAWorker:
             loss = self.loss_fn(learner.module(x), y)
             weight = n / total if ragged else 1.0 / len(batches)
             (loss * weight).backward()
-            loss_sum += float(loss.detach()) * n
-        return loss_sum, total
+            loss_acc += loss.detach() * n
+        return loss_acc, total
 
     def _local_grad(self) -> torch.Tensor:
         """Sum over this device's micro-batches of their mean-loss gradients (before sync)."""
@@ -501,20 +502,8 @@ class SMAWorker:
                 # the previous global sync still reads this learner's buffers (BatchNorm stats)
                 stream.wait_event(self._z_ready)
             with torch.cuda.stream(stream):
-                batches = micro_batches[j * per:(j + 1) * per]
-                sizes = [int(len(t)) for _, t in batches]
-                total = sum(sizes)
-                learner.grad.zero_()
-                loss_acc = torch.zeros((), device=self.device)
-                for (x, y), n in zip(batches, sizes):
-                    if n == 0:
-                        continue
-                    x = x.to(self.device, non_blocking=True)
-                    y = y.to(self.device, non_blocking=True)
-                    loss = self.loss_fn(learner.module(x), y)
-                    weight = n / total if ragged else 1.0 / len(batches)
-                    (loss * weight).backward()
-                    loss_acc += loss.detach() * n
+                loss_acc, total = self._learning_task(learner, micro_batches[j * per:(j + 1) * per],
+                                                      ragged)
                 # Local sync task: needs z of the previous global sync (read-only).
                 if self._z_ready is not None:
                     stream.wait_event(self._z_ready)
