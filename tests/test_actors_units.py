@@ -203,3 +203,62 @@ def test_autoscale_decision_maps_to_node_pairs():
     d = choose_allocation(c, model, [128, 140, 150], 1000, 5, 8)
     assert alloc == {k: v for k, v in d.allocation.node_pairs.items() if v}
     assert group_gpus(slots_for(c, alloc)) == d.group_gpus
+
+
+def test_actor_feeds_background_runner_and_guards_allreduce_only_when_hosting(tmp_path):
+    """In-process GPUActor (no Ray, one rank, emulated speed 0.5). Without background jobs no
+    runner is created and the worker has no comm_guard. Once it hosts one, every foreground
+    iteration (engine step + emulation sleep) is reported to the runner exactly once, and the
+    worker's comm_guard is the mixin's critical section, which pauses the background job."""
+    import time
+    from dataclasses import replace
+
+    from torch import nn
+
+    from actors_helpers import loss_fn, model_fn, optimizer_fn, tiny_data
+    from jabasray.actors.background import BackgroundJob
+    from jabasray.actors.gpu_actor import GPUActor, IntervalRequest
+    from jabasray.actors.placement import Slot
+    from jabasray.config import JobConfig
+
+    ds, _ = tiny_data(64)
+    slot = Slot(rank=0, node="n0", gpu_type="slow", speed=0.5, group=0, pair=0)
+    actor = GPUActor(slot, 1, JobConfig(seed=1), model_fn, optimizer_fn, loss_fn, ds, "cpu", True)
+    actor.setup(Rendezvous("127.0.0.1", 29500, 1))
+    actor.configure(1, 1, 4)
+    req = IntervalRequest(epoch=0, cursor=0, num_iterations=2, local_batch=4, layout=[2],
+                          iteration=0, base_lr=0.05, base_batch=8, lr_scaling="none",
+                          warmup_iterations=0, similarity=False)
+    first = actor.run_interval(req)
+    assert first.num_iterations == 2 and first.samples == 16
+    assert actor.worker.comm_guard is None and getattr(actor, "_bg_runner_obj", None) is None
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g),
+                                          torch.randint(0, 3, (32,), generator=g))
+    job = BackgroundJob(model_fn=lambda: nn.Linear(4, 3), optimizer_fn=optimizer_fn,
+                        loss_fn=nn.functional.cross_entropy, dataset=data, steps=10**6,
+                        batch_size=8, memory_mb=1.0)
+    actor.bg_set_memory_budget(100.0)
+    actor.bg_submit("bg", job, str(tmp_path))
+    runner = actor.bg_runner()
+    reported: list[float] = []
+    real_report = runner.report_foreground_step
+
+    def report(seconds, colocated=None):
+        reported.append(seconds)
+        return real_report(seconds, colocated)
+    runner.report_foreground_step = report
+    try:
+        second = actor.run_interval(replace(req, cursor=16, num_iterations=3))
+        assert second.num_iterations == 3 and len(reported) == 3
+        assert second.emulation_sleep > 0 and sum(reported) >= second.emulation_sleep
+        assert actor.worker.comm_guard == actor.bg_foreground_critical
+        with actor.worker.comm_guard("allreduce"):
+            before = actor.bg_status("bg").step
+            time.sleep(0.05)
+            assert actor.bg_status("bg").step == before       # background paused meanwhile
+    finally:
+        actor.bg_cancel("bg")
+        runner.close()
+        actor.shutdown()

@@ -379,3 +379,111 @@ def test_thread_pool_runs_all_and_reraises_first_error():
         pool.run([lambda: 0] * 4)
     pool.resize(0)
     assert pool.size == 0 and pool.run([lambda: 7]) == [7]
+
+
+class _RecordingGuard:
+    """Fake ``comm_guard``: logs enter/exit and whether a guard is active right now."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.active = False
+
+    def __call__(self, op: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            assert not self.active, "guard entered twice"
+            self.log.append(("enter", op))
+            self.active = True
+            try:
+                yield
+            finally:
+                self.active = False
+                self.log.append(("exit", op))
+        return cm()
+
+
+def _one_rank_group():
+    """A real gloo process group of world size 1 (no global init, nothing to tear down)."""
+    import torch.distributed as dist
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+
+
+@pytest.mark.parametrize("method", ["sws", "ows"])
+def test_comm_guard_spans_all_allreduces_of_a_step_once(method, monkeypatch):
+    """With a process group, the guard is entered once per step (op "allreduce") before the
+    first all-reduce is issued and left after the last one was waited; every all-reduce of
+    train_step (buckets + loss) is issued and waited inside it; the weights equal an unguarded
+    worker's bit for bit (and a plain step on the union)."""
+    import torch.distributed as dist
+
+    events: list[tuple[str, bool]] = []
+    guard = _RecordingGuard()
+    real_all_reduce = dist.all_reduce
+
+    class _Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append(("wait", guard.active))
+            return self.work.wait()
+
+    def spy(tensor, *a, **kw):
+        events.append(("issue", guard.active))
+        out = real_all_reduce(tensor, *a, **kw)
+        return _Work(out) if kw.get("async_op") else out
+
+    plain = _worker(make_model(0), method=method, process_group=_one_rank_group())
+    guarded = _worker(make_model(0), method=method, process_group=_one_rank_group(), comm_guard=guard)
+    ref = make_model(0)
+    ref_opt = OPTIMIZERS["sgd_momentum"](list(ref.parameters()))
+    for w in (plain, guarded):
+        w.configure(2, 1, 3)
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    for step in range(3):
+        X, y = make_data(step, 12)
+        a = plain.train_step(split(X, y, [3] * 4))
+        events.clear()
+        before = len(guard.log)
+        b = guarded.train_step(split(X, y, [3] * 4))
+        reference_step(ref, ref_opt, X, y)
+        assert guard.log[before:] == [("enter", "allreduce"), ("exit", "allreduce")]
+        issued = [e for e in events if e[0] == "issue"]
+        assert len(issued) == len(guarded.bucket_plan) + 1           # buckets + loss
+        assert events and all(active for _, active in events)        # all inside the guard
+        assert events[-1][0] == "wait" and not guard.active          # left after the last wait
+        assert a.loss == b.loss
+        for pa, pb in zip(plain.model.parameters(), guarded.model.parameters()):
+            assert torch.equal(pa, pb)
+        assert max_rel_diff(guarded.model, ref) < 1e-5
+    assert len(guard.log) == 6
+
+
+def test_comm_guard_unused_without_process_group_and_left_on_error(monkeypatch):
+    """No process group: no communication, so the guard is never entered and the step is
+    unchanged. A step that fails after the first launch still leaves the guard."""
+    guard = _RecordingGuard()
+    plain, guarded = _worker(make_model(0)), _worker(make_model(0), comm_guard=guard)
+    assert plain.comm_guard is None
+    for w in (plain, guarded):
+        w.configure(2, 0, 4)
+    X, y = make_data(0, 8)
+    plain.train_step(split(X, y, [4, 4]))
+    guarded.train_step(split(X, y, [4, 4]))
+    assert guard.log == []
+    for pa, pb in zip(plain.model.parameters(), guarded.model.parameters()):
+        assert torch.equal(pa, pb)
+
+    w = _worker(make_model(0), process_group=_one_rank_group(), comm_guard=guard)
+    w.configure(1, 0, 4)
+
+    def boom(divisor):
+        raise RuntimeError("update failed")
+    monkeypatch.setattr(w, "_update", boom)
+    with pytest.raises(RuntimeError, match="update failed"):
+        w.train_step([(X[:4], y[:4])])
+    assert guard.log == [("enter", "allreduce"), ("exit", "allreduce")] and not guard.active
+    with pytest.raises(ValueError, match=r"^comm_guard must be None or a callable"):
+        _worker(make_model(0), comm_guard=5)

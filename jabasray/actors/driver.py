@@ -22,6 +22,26 @@ Faults: when a GPU actor dies (``RayActorError``), the driver drops that GPU's p
 cluster, reloads the last checkpoint (the start of the failed epoch), re-chooses the allocation
 on the remaining GPUs and redoes the epoch; no completed epoch is lost.
 
+SMA (``JobConfig.sync == "sma"``, Crossbow section 3.4 / Alg. 2): the driver keeps one
+:class:`~jabasray.planners.learner_tuner.LearnerTuner` with one entry per rank (``"rank<r>"``:
+per GPU, as the paper tunes every GPU independently; per GPU *type* would force one count on
+GPUs that are straggling differently). The plan still gives B_L and n_GA per pair, but the
+number of learners of each rank (its ``num_vsw``) is the tuner's: it starts at
+``JobConfig.sma_learners`` (Alg. 2 line 1 starts at 1; ``sma_learners=1`` is exactly that),
+and after every interval each rank's throughput t = samples / wall_time of its reply (wall time
+INCLUDING the emulation sleep, so an emulated slower GPU measures slower) is fed to the tuner,
+whose answer is that rank's learner count for the next interval. Every interval's layout (and
+so the sampler's partition, exactly-once per epoch) is built from these per-rank counts:
+``layout[r] = m_r * (n_GA + 1)``, B_G* = B_L * sum(layout); ``configure`` is called on ALL
+actors whenever any count changes (it is collective: k, the total learner count, is summed).
+The LR rule (``JobConfig.lr_scaling``) follows the plan's B_G* (what adaptive batching chose),
+not the tuned learner count: Crossbow does not rescale the LR with the number of learners (each
+learner steps its own replica), and an LR change restarts SMA (section 3.2), which would happen
+at every probe otherwise. Intervals that reach the epoch end are not fed to the tuner (their last iteration is ragged
+and would look slower). The tuner restarts probing after every (re-)placement (new ranks/GPUs);
+it is not checkpointed, so a resumed run probes again. ``DriverOptions.sma_autotune=False``
+keeps ``sma_learners`` fixed. ``IntervalRecord.learners``/``layout`` record the counts.
+
 Deviation (documented): the adaptive controller keeps the *requested* B_G (rule output) rather
 than the solver's rounded B_G*. Alg. 1 rounds B_G to a multiple of 2*B_L; with small batches a
 10% step is often rounded back (64 -> 70 -> 64 with B_L=8), which would freeze adaptation. The
@@ -43,7 +63,7 @@ from ..types import ClusterSpec, Plan
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
-from .placement import (Placement, Slot, drop_pair, full_allocation, group_gpus, layout_for,
+from .placement import (Placement, Slot, drop_pair, full_allocation, group_gpus,
                         normalize_allocation, place_actors, release, slots_for)
 from .rendezvous import RendezvousServer, backend_for
 
@@ -75,6 +95,10 @@ class DriverOptions(JsonMixin):
     bucket_cap_mb: float = 25.0         # engine gradient bucket cap
     evaluate: bool = True               # validation accuracy at every epoch end
     profile_cache_dir: str | None = None  # where profiles are cached (default: <storage>/.profiles)
+    sma_autotune: bool = True           # sync="sma": tune learners per rank (Crossbow Alg. 2)
+    sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
+    sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
+    sma_max_learners: int = 8           # upper bound of learners per GPU (memory)
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -84,6 +108,11 @@ class DriverOptions(JsonMixin):
         check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
         check_int("max_restarts", self.max_restarts, min_value=0)
         check_int("torch_threads", self.torch_threads, min_value=1)
+        check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
+        check_int("sma_max_learners", self.sma_max_learners, min_value=1)
+        for f in ("sma_autotune", "sma_tuner_relative"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):
             check_float(f, getattr(self, f), min_value=0, min_exclusive=True)
 
@@ -162,6 +191,12 @@ class JabasDriver:
         self._val_ref: Any = None
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
+        # SMA: learners per rank of the current placement and their tuner (Crossbow Alg. 2)
+        self._learners: list[int] | None = None
+        self.learner_tuner: Any = None
+        if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
+            raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
+                             f"({self.options.sma_max_learners}), got {job.sma_learners}")
 
     # ------------------------------------------------------------------ public
     def gpu_actors(self) -> list:
@@ -345,6 +380,7 @@ class JabasDriver:
             self._call_all("load_state_dict", ref)
         self._placed_epoch = epoch
         self._applied = None
+        self._reset_learners(len(slots))
         if self.background is not None:
             self.background.rebalance(self.gpu_actors())
         return current is not None
@@ -450,17 +486,63 @@ class JabasDriver:
             return max(near, key=lambda p: (p.throughput, -p.local_batch_size))
         return min(plans, key=lambda p: (abs(p.global_batch_size - global_batch), -p.throughput))
 
-    def _apply(self, plan: Plan) -> None:
-        """Configure every actor for its pair's WorkerConfig (in place, one collective call)."""
-        key = (plan.local_batch_size, tuple(plan.workers))
-        if key == self._applied:
-            return
-        args = []
+    def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int]]:
+        """(num_vsw, num_ga, B_L) of every rank: its pair's WorkerConfig; in SMA mode num_vsw is
+        the rank's learner count (tuner) instead of the plan's."""
+        if len(plan.workers) != len(self._placement.slots) // 2:
+            raise ValueError(f"plan.workers must have one entry per GPU pair "
+                             f"({len(self._placement.slots) // 2}), got {len(plan.workers)}")
+        out = []
         for slot in self._placement.slots:
             w = plan.workers[slot.pair]
-            args.append((w.num_vsw, w.num_ga, plan.local_batch_size))
-        self._call_all("configure", per_rank=args)
+            m = self._learners[slot.rank] if self._learners is not None else w.num_vsw
+            out.append((int(m), int(w.num_ga), int(plan.local_batch_size)))
+        return out
+
+    def _apply(self, configs: list[tuple[int, int, int]]) -> None:
+        """Configure every actor (in place, one collective call) unless nothing changed."""
+        key = tuple(configs)
+        if key == self._applied:
+            return
+        self._call_all("configure", per_rank=list(configs))
         self._applied = key
+
+    # ------------------------------------------------------------------ SMA learner tuning
+    def _reset_learners(self, world_size: int) -> None:
+        """New placement: every rank starts at ``sma_learners`` with a fresh tuner (SMA only)."""
+        if self.job.sync != "sma":
+            self._learners, self.learner_tuner = None, None
+            return
+        from ..planners.learner_tuner import GPULearnerState, LearnerTuner
+
+        m0 = self.job.sma_learners
+        self._learners = [m0] * world_size
+        if not self.options.sma_autotune:
+            self.learner_tuner = None
+            return
+        self.learner_tuner = LearnerTuner(
+            tau=self.options.sma_tuner_tau, max_learners=self.options.sma_max_learners,
+            relative=self.options.sma_tuner_relative,
+            gpus={_tuner_key(r): GPULearnerState(learners=m0) for r in range(world_size)})
+
+    def learner_throughput(self, rank: int, learners: int, reply: IntervalReply) -> float:
+        """Alg. 2's t for ``rank`` after an interval run with ``learners`` learners: samples per
+        second of wall time, emulation sleep included (a slower emulated GPU measures slower).
+        Subclasses may override it (e.g. tests inject a deterministic throughput curve)."""
+        return reply.samples / reply.wall_time if reply.wall_time > 0 else 0.0
+
+    def _tune_learners(self, replies: list[IntervalReply], used: list[int]) -> None:
+        """Feed each rank's throughput to the tuner; its answers are the next interval's counts."""
+        tuner = self.learner_tuner
+        for r, reply in enumerate(replies):
+            t = float(self.learner_throughput(r, used[r], reply))
+            m = tuner.observe(_tuner_key(r), t)
+            if m != used[r]:
+                log.info("SMA learner tuner: rank %d %d -> %d learners (%.1f samples/s)",
+                         r, used[r], m, t)
+            elif tuner.is_settled(_tuner_key(r)):
+                log.debug("SMA learner tuner: rank %d settled at %d learners", r, m)
+            self._learners[r] = m
 
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any
@@ -480,14 +562,17 @@ class JabasDriver:
             target = ctl.global_batch
             plan = self._plan(slots, state.cluster, state.allocation, target)
             t0 = time.perf_counter()
-            self._apply(plan)
-            layout = layout_for(slots, plan.workers)
-            n_iter = min(job.adapt_interval, math.ceil((n - cursor) / plan.global_batch_size))
+            configs = self._rank_configs(plan)
+            self._apply(configs)
+            layout = [m * (ga + 1) for m, ga, _ in configs]   # = layout_for(...) without SMA
+            run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
+            n_iter = min(job.adapt_interval, math.ceil((n - cursor) / run_batch))
             req = IntervalRequest(epoch=epoch, cursor=cursor, num_iterations=n_iter,
                                   local_batch=plan.local_batch_size, layout=layout,
                                   iteration=state.iteration, base_lr=job.lr,
                                   base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
-                                  warmup_iterations=job.warmup_iterations, similarity=True)
+                                  warmup_iterations=job.warmup_iterations, similarity=True,
+                                  lr_batch=plan.global_batch_size if self._learners else None)
             replies: list[IntervalReply] = self._call_all("run_interval", req)
             dt = time.perf_counter() - t0
             end = {r.end_cursor for r in replies}
@@ -498,11 +583,16 @@ class JabasDriver:
             rec = IntervalRecord(epoch=epoch, interval=interval, iteration=state.iteration,
                                  num_iterations=replies[0].num_iterations, cursor=cursor,
                                  requested_global_batch=target,
-                                 global_batch=plan.global_batch_size,
+                                 global_batch=run_batch,
                                  local_batch=plan.local_batch_size, plan=plan,
                                  loss=replies[0].loss, throughput=done / dt if dt > 0 else 0.0,
-                                 phi=phi, lr=replies[0].lr, time_s=dt, samples=done)
+                                 phi=phi, lr=replies[0].lr, time_s=dt, samples=done,
+                                 learners=[m for m, _, _ in configs] if self._learners else [],
+                                 layout=list(layout))
             self.metrics.intervals.append(rec)
+            if self.learner_tuner is not None and min(end) < n:
+                # not at the epoch end: the ragged last iteration would look slower
+                self._tune_learners(replies, rec.learners)
             for cb in self.callbacks:
                 cb.on_interval(self, rec)
             ctl.update(phi if phi is not None else job.gamma)
@@ -601,6 +691,11 @@ def start_remote_driver(*args: Any, **kwargs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------- adapters
+def _tuner_key(rank: int) -> str:
+    """The learner tuner's key of a rank (one tuned GPU)."""
+    return f"rank{rank}"
+
+
 def _workers_per_group(global_batch: int, local_batch: int) -> int:
     """M of Alg. 1 line 8, exactly as the solver computes it."""
     from ..planners.config_solver import num_workers_per_group

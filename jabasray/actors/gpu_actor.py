@@ -18,6 +18,15 @@ step (which already contains the all-reduce), not between backward and all-reduc
 step synchronises all actors, a slow actor delays the next step's all-reduce by the same amount,
 so the emulated iteration time is the same. Speeds >= 1 cannot be emulated (no sleep; a warning).
 While sleeping an actor leaves the CPU free, which is what lets 8 emulated GPUs share 2 cores.
+
+Background learners (DeepPool section 5, :mod:`jabasray.actors.background`): when this actor
+hosts background jobs (its BackgroundRunner exists), every foreground iteration - the engine
+step plus the emulation sleep, i.e. the step time the emulated GPU would take - is reported
+through ``bg_foreground_step`` (the slowdown feedback loop), and the all-reduces are critical
+sections: the IIDP worker's ``comm_guard`` is ``bg_foreground_critical`` (entered from the first
+bucket all-reduce to the last wait of each step) and the similarity all-reduce runs inside it
+too. Without background jobs nothing is wrapped (``comm_guard`` is None). The SMA worker has
+no ``comm_guard`` hook (its all-reduce is not covered; only its step times are reported).
 """
 from __future__ import annotations
 
@@ -30,19 +39,11 @@ from typing import Any, Callable
 
 from ..config import JobConfig
 from ..serialization import JsonMixin
+from .background import BackgroundHostMixin
 from .placement import Slot
 from .rendezvous import Rendezvous, join_process_group, leave_process_group
 
 log = logging.getLogger(__name__)
-
-try:  # written by the SMA/multiplex engineer; optional until it exists
-    from .background import BackgroundHostMixin
-except ModuleNotFoundError as _e:  # pragma: no cover - depends on the tree state
-    if _e.name != f"{__package__}.background":
-        raise
-
-    class BackgroundHostMixin:  # type: ignore[no-redef]
-        """Placeholder while jabasray.actors.background does not exist."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class IntervalRequest(JsonMixin):
     lr_scaling: str             # "linear" | "sqrt" | "none"
     warmup_iterations: int      # linear warm-up length
     similarity: bool = True     # compute Phi on the last iteration
+    lr_batch: int | None = None  # B_G the LR rule follows; None: local_batch * sum(layout)
 
 
 @dataclass
@@ -220,34 +222,44 @@ class GPUActor(BackgroundHostMixin):
         from ..adaptive import cosine_similarity, scaled_lr
 
         t_start = time.perf_counter()
-        global_batch = req.local_batch * sum(req.layout)
+        global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor
         losses: list[float] = []
         compute = comm = update = slept = 0.0
         samples = 0
         phi = None
         lr = self.worker.get_lr()
+        hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
+        if hasattr(self.worker, "comm_guard"):
+            self.worker.comm_guard = self.bg_foreground_critical if hosting else None
         for k in range(req.num_iterations):
             if cursor >= self.dataset_size:
                 break
             lr = scaled_lr(req.base_lr, req.base_batch, global_batch, req.lr_scaling,
                            iteration=req.iteration + k, warmup_iterations=req.warmup_iterations)
-            if lr != self.worker.get_lr():   # SMA restarts its learners on an LR change
-                self.worker.set_lr(lr)
+            if lr != self.worker.get_lr():
+                if self.job.sync == "sma":
+                    # Crossbow 3.2: restart SMA from z when the LR schedule changes (a new B_G
+                    # rescales the LR); the per-iteration ramp of a warm-up is no such change.
+                    warming_up = req.iteration + k < req.warmup_iterations
+                    self.worker.set_lr(lr, restart=not warming_up)
+                else:
+                    self.worker.set_lr(lr)
             batches, it = self.micro_batches(req.epoch, cursor, req.local_batch, req.layout)
             last = k == req.num_iterations - 1 or it.epoch_end
             keep = bool(req.similarity and last and self.world_size > 1)
-            stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+            with self.bg_foreground_step():      # no-op unless background jobs are hosted
+                stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                if self.emulate:
+                    s = emulation_sleep(stats.compute_time, self.slot.speed)
+                    if s > 0:
+                        time.sleep(s)
+                        slept += s
             losses.append(float(stats.loss))
             samples += sum(len(b[0]) for b in batches)
             compute += stats.compute_time
             comm += stats.comm_time
             update += stats.update_time
-            if self.emulate:
-                s = emulation_sleep(stats.compute_time, self.slot.speed)
-                if s > 0:
-                    time.sleep(s)
-                    slept += s
             if keep:
                 phi = self._group_similarity(stats.local_grad, cosine_similarity, torch)
             cursor = it.next_cursor
@@ -265,7 +277,8 @@ class GPUActor(BackgroundHostMixin):
         flat = local_grad.detach().reshape(-1)
         buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
         buf[self.slot.group].copy_(flat)
-        dist.all_reduce(buf, group=self.group)
+        with self.bg_foreground_critical("allreduce"):
+            dist.all_reduce(buf, group=self.group)
         return float(cosine(buf[0], buf[1]))
 
 

@@ -36,6 +36,8 @@ class IntervalRecord(JsonMixin):
     lr: float                        # LR of the interval's last iteration
     time_s: float                    # wall time of the interval (driver side)
     samples: int = 0                 # samples trained in the interval (all actors)
+    learners: list[int] = field(default_factory=list)  # sync="sma": learners per rank (else [])
+    layout: list[int] = field(default_factory=list)    # decoupled workers per rank (sampler layout)
 
 
 @dataclass

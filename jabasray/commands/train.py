@@ -155,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     check_int("num_cpus", args.num_cpus, min_value=1)
     started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus, address=args.ray_address)
     progress = _Progress(total=job.epochs * len(train), enabled=not args.no_progress)
+    if not getattr(args, "verbose", False):
+        # the driver's events reach the user through _Progress.on_event; its INFO log lines
+        # would print every event twice (-v shows them).
+        logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
                             force_replacement=args.force_replacement)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,

@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,14 +164,27 @@ class IIDPWorker:
         flat_grads: keep gradients in flat bucket buffers (needed for the all-reduce);
             ``None`` -> only when ``process_group`` is set. Without a process group the
             gradients can stay autograd's own tensors, which saves one copy per step.
+        comm_guard: optional ``comm_guard(op_name) -> context manager`` (e.g. a background
+            runner's ``foreground_critical``, DeepPool section 5): entered ONCE per step, with
+            ``"allreduce"``, just before the first bucket's all-reduce is launched and exited
+            after the last all-reduce of the step has completed (bucket and loss all-reduces;
+            the 8-byte sample-count all-reduce of a ragged step starts before compute and is
+            not covered). Only steps that communicate (``process_group`` set) enter it. It is
+            entered on the VSW thread that launches bucket 0 and exited on the caller's
+            thread. ``None`` (default): nothing is called. Settable as the attribute
+            ``comm_guard`` between steps.
     """
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  loss_fn: Callable[[Any, Any], torch.Tensor], device: str | torch.device = "cpu",
                  process_group: Any = None, weight_sync: str = "auto",
                  bucket_plan: BucketPlan | None = None, bucket_cap_mb: float = 25.0,
-                 flat_grads: bool | None = None) -> None:
+                 flat_grads: bool | None = None,
+                 comm_guard: Callable[[str], ContextManager[Any]] | None = None) -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        if comm_guard is not None and not callable(comm_guard):
+            raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
+                             f"got {comm_guard!r}")
         check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -228,6 +241,8 @@ class IIDPWorker:
         self._next_launch = 0
         self._works: list[Any] = []
         self._snapshot: list[torch.Tensor] | None = None
+        self.comm_guard = comm_guard
+        self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
         # synchronous anyway
         self.sync_timing = False
@@ -382,8 +397,26 @@ class IIDPWorker:
             if self._snapshot is not None:
                 self._snapshot[b] = main.bucket_flat_copy(b)
             if self.process_group is not None:
+                if b == 0:          # launches are in plan order: bucket 0 opens the window
+                    self._enter_comm_guard()
                 self._works[b] = dist.all_reduce(main.grads[b], op=dist.ReduceOp.SUM,
                                                  group=self.process_group, async_op=True)
+
+    def _enter_comm_guard(self) -> None:
+        """Enter ``comm_guard("allreduce")`` (under ``self._lock``, from ``_launch``)."""
+        guard = self.comm_guard
+        if guard is None or self._guard_cm is not None:
+            return
+        cm = guard("allreduce")
+        cm.__enter__()
+        self._guard_cm = cm
+
+    def _exit_comm_guard(self, exc: BaseException | None = None) -> None:
+        """Leave the guard entered by this step, if any (caller's thread, after the last wait)."""
+        cm, self._guard_cm = self._guard_cm, None
+        if cm is not None:
+            cm.__exit__(type(exc) if exc is not None else None, exc,
+                        exc.__traceback__ if exc is not None else None)
 
     def _wait_bucket(self, b: int) -> None:
         """Make the update stream (CUDA) / this thread (CPU) wait for bucket ``b``'s all-reduce."""
@@ -429,6 +462,14 @@ class IIDPWorker:
         weighted by its sample count so the step equals one step on the union (collective:
         all ranks must pass the same ``ragged``).
         """
+        try:
+            return self._train_step(micro_batches, keep_local_grad, ragged)
+        except BaseException as e:
+            self._exit_comm_guard(e)      # a failed step never leaves the guard entered
+            raise
+
+    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool,
+                    ragged: bool) -> StepStats:
         sizes = self._check_micro_batches(micro_batches, ragged)
         lanes, B = self._lanes, self._local_batch_size
         nb = len(self._specs)
@@ -500,7 +541,8 @@ class IIDPWorker:
                 comm_time += time.perf_counter() - tw
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
-        loss_value = float(loss_t.item()) / divisor
+        loss_value = float(loss_t.item()) / divisor   # CUDA: all of this step's comm is done
+        self._exit_comm_guard()
 
         local_grad = None
         if keep_local_grad:
