@@ -324,3 +324,46 @@ def test_hierarchical_gloo_equals_flat_algorithm(tmp_path):
         assert got["losses"] == pytest.approx(losses, rel=1e-6)
         for k, v in flat.model.state_dict().items():
             torch.testing.assert_close(got["z"][k].float(), v.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_comm_guard_wraps_each_global_allreduce_and_changes_nothing(tmp_path):
+    """comm_guard("allreduce") is entered exactly once per iteration around the all-reduce
+    (one-process gloo group), and the trained weights equal an unguarded worker's."""
+    import contextlib
+    import copy
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from jabasray.engine.sma import SMAWorker
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        events = []
+
+        @contextlib.contextmanager
+        def guard(op):
+            events.append(("enter", op))
+            yield
+            events.append(("exit", op))
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        workers = [SMAWorker(copy.deepcopy(model), F.cross_entropy, lr=0.1, process_group=dist.group.WORLD,
+                             comm_guard=g) for g in (guard, None)]
+        for w in workers:
+            w.configure(num_vsw=2, num_ga=0, local_batch_size=4)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batches = [(torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g))
+                       for _ in range(2)]
+            for w in workers:
+                w.train_step(batches)
+        assert events == [("enter", "allreduce"), ("exit", "allreduce")] * 3
+        for a, b in zip(workers[0].model.parameters(), workers[1].model.parameters()):
+            assert torch.equal(a, b)
+        with pytest.raises(ValueError, match="comm_guard"):
+            SMAWorker(copy.deepcopy(model), F.cross_entropy, lr=0.1, comm_guard=3)
+    finally:
+        dist.destroy_process_group()

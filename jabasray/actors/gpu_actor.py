@@ -25,8 +25,8 @@ step plus the emulation sleep, i.e. the step time the emulated GPU would take - 
 through ``bg_foreground_step`` (the slowdown feedback loop), and the all-reduces are critical
 sections: the IIDP worker's ``comm_guard`` is ``bg_foreground_critical`` (entered from the first
 bucket all-reduce to the last wait of each step) and the similarity all-reduce runs inside it
-too. Without background jobs nothing is wrapped (``comm_guard`` is None). The SMA worker has
-no ``comm_guard`` hook (its all-reduce is not covered; only its step times are reported).
+too. Without background jobs nothing is wrapped (``comm_guard`` is None). The SMA worker's
+``comm_guard`` wraps its one all-reduce per iteration the same way.
 """
 from __future__ import annotations
 

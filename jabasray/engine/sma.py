@@ -243,7 +243,14 @@ class SMAWorker:
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  device: str | torch.device = "cpu", process_group: Any = None,
-                 alpha: float | None = None, overlap_sync: bool = True) -> None:
+                 alpha: float | None = None, overlap_sync: bool = True,
+                 comm_guard: Callable[[str], Any] | None = None) -> None:
+        if comm_guard is not None and not callable(comm_guard):
+            raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
+                             f"got {comm_guard!r}")
+        # comm_guard("allreduce") wraps each iteration's global all-reduce (as in IIDPWorker):
+        # a background runner pauses low-priority work while it is in flight (DeepPool 5).
+        self.comm_guard = comm_guard
         self._lr = check_float("lr", lr, min_value=0, min_exclusive=True)
         self.momentum = check_float("momentum", momentum, min_value=0, max_value=1, max_exclusive=True)
         self.weight_decay = check_float("weight_decay", weight_decay, min_value=0)
@@ -407,8 +414,7 @@ class SMAWorker:
         comm = torch.cat([total, self._buffer_sum(),
                           total.new_tensor([loss_sum, float(samples), float(self.num_workers)])])
         if self.process_group is not None:
-            import torch.distributed as dist
-            dist.all_reduce(comm, group=self.process_group)
+            self._all_reduce_guarded(comm)
         t3 = time.perf_counter()
         loss, global_workers = self._global_sync(comm)
         t4 = time.perf_counter()
@@ -465,6 +471,15 @@ class SMAWorker:
         if not self._z.buffer_numel:
             return self._z.flat.new_zeros(0)
         return torch.stack([learner.buffers_flat() for learner in self._learners]).sum(0)
+
+    def _all_reduce_guarded(self, comm: torch.Tensor) -> None:
+        """SUM-all-reduce ``comm`` over the process group inside ``comm_guard("allreduce")``."""
+        import contextlib
+
+        import torch.distributed as dist
+        guard = self.comm_guard("allreduce") if self.comm_guard is not None else contextlib.nullcontext()
+        with guard:
+            dist.all_reduce(comm, group=self.process_group)
 
     def _global_sync(self, comm: torch.Tensor) -> tuple[float, int]:
         """Apply the all-reduced corrections to z (line 12); average buffers; return stats."""
@@ -530,8 +545,7 @@ class SMAWorker:
                               torch.stack([loss_sum, loss_sum.new_tensor(samples),
                                            loss_sum.new_tensor(float(self.num_workers))])])
             if self.process_group is not None:
-                import torch.distributed as dist
-                dist.all_reduce(comm, group=self.process_group)
+                self._all_reduce_guarded(comm)
             n = z.numel()
             nb = self._z.buffer_numel
             sma_center_update_(z, self._velocity, comm[:n], self.momentum)
