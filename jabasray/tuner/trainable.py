@@ -1,0 +1,80 @@
+"""An ordinary one-configuration Tune trainable built from a :class:`TrainingSpec`.
+
+This is the UNPACKED counterpart of the packed trials: one configuration per trial, one
+``tune.report`` per resource unit (``training_iteration`` = units trained), checkpoints at the
+given units so that Ray Tune's own ``HyperBandScheduler`` can pause and resume trials. It reads
+the same shared input stream and builds the same initial weights as a packed member, so a
+configuration follows the same trajectory here and in a pack.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable, Iterable
+
+import torch
+
+from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, load_member_state,
+                                     member_state)
+from jabasray.validation import check_int
+
+__all__ = ["make_trainable"]
+
+
+def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
+                   checkpoint_units: Iterable[int] | None = None,
+                   report_units: Iterable[int] | None = None,
+                   threads: int = 1) -> Callable[[dict], None]:
+    """Function trainable for ``tune.Tuner``: trains ``config`` for up to ``max_units`` units.
+
+    Every report carries ``units`` (resource units trained so far). ``report_units``: units
+    after which the metric is evaluated and reported (default: every unit, so
+    ``training_iteration == units``); with sparse reports use ``time_attr="units"`` in the
+    scheduler. ``checkpoint_units``: reports that carry a checkpoint (default: every report);
+    for ``HyperBandScheduler(max_t=R, reduction_factor=eta)`` the rung boundaries (powers of
+    eta) suffice. Resumes from ``tune.get_checkpoint()``.
+    """
+    check_int("stream_batch", stream_batch, min_value=1)
+    check_int("max_units", max_units, min_value=1)
+    ckpt_at = None if checkpoint_units is None else {int(u) for u in checkpoint_units}
+    report_at = None if report_units is None else {int(u) for u in report_units} | {max_units}
+
+    def trainable(config: dict[str, Any]) -> None:
+        from ray import tune
+
+        torch.set_num_threads(threads)
+        from jabasray.tuner.packed_hyperband import _data   # per-process data cache
+        train, val = _data(spec)
+        stream = SharedStream(train, stream_batch, spec.seed, spec.device)
+        hp = {k: v for k, v in config.items() if k != "config_id"}
+        model, opt = build_member(spec, hp)
+        b = spec.batch_size_of(hp)
+        step = 0
+        ckpt = tune.get_checkpoint()
+        if ckpt is not None:
+            with ckpt.as_directory() as d:
+                step = load_member_state(model, opt, torch.load(os.path.join(d, "member.pt"), weights_only=False))
+        unit = step // spec.steps_per_unit
+        while unit < max_units:
+            total = 0.0
+            for _ in range(spec.steps_per_unit):
+                x, y = stream.batch(step, b)
+                opt.zero_grad()
+                loss = spec.loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                total += loss.item()
+                step += 1
+            unit += 1
+            if report_at is not None and unit not in report_at:
+                continue
+            metrics = {spec.metric: float(spec.metric_fn(model, val)),
+                       "train_loss": total / spec.steps_per_unit, "steps": step, "units": unit}
+            if ckpt_at is None or unit in ckpt_at:
+                with tempfile.TemporaryDirectory() as d:
+                    torch.save(member_state(model, opt, step), os.path.join(d, "member.pt"))
+                    tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+            else:
+                tune.report(metrics)
+
+    return trainable

@@ -1,0 +1,147 @@
+"""How ONE configuration trains, and the shared input stream packs feed (torch only, no Ray).
+
+The user describes the training of one configuration in a :class:`TrainingSpec` (model,
+optimizer, batch size, data, metric as functions of the config). The same spec drives:
+
+* packed trials (:mod:`jabasray.tuner.packed_hyperband`): K configurations in one
+  :class:`~jabasray.engine.packing.PackedModel`;
+* ordinary one-configuration Tune trials (:func:`make_trainable`), e.g. under Ray Tune's own
+  ``HyperBandScheduler`` -- the unpacked baseline.
+
+Shared input stream (Pack paper 3.1.1/3.2). Step ``j`` of every configuration reads chunk
+``j`` of a stream of ``stream_batch`` samples (``stream_batch`` = the largest batch size of the
+search space): epoch ``e = j // steps_per_epoch`` is a permutation seeded by ``(seed, e)``, and
+a configuration with batch size ``b`` trains on the FIRST ``b`` samples of the chunk, the rest
+is "sliced and ignored". A configuration therefore sees exactly the same batches whether it
+trains alone or in any pack, which is what makes packed and unpacked search agree. (For
+``b < stream_batch`` an "epoch" visits only ``b / stream_batch`` of the data; that is the
+paper's slicing semantics.)
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from jabasray.validation import check_choice, check_int
+
+Config = Mapping[str, Any]
+
+__all__ = ["TrainingSpec", "SharedStream", "config_seed", "build_member", "member_state",
+           "load_member_state", "units_to_steps", "stream_batch_of"]
+
+
+@dataclass
+class TrainingSpec:
+    """The training of one configuration, as functions of its config dict.
+
+    Every callable must be picklable by Ray (module-level functions or closures over plain
+    data); they run inside the trial processes.
+    """
+    model_fn: Callable[[Config], nn.Module]                          # config -> fresh model
+    optimizer_fn: Callable[[Config, nn.Module], torch.optim.Optimizer]   # config, model -> optimizer
+    data_fn: Callable[[], tuple[TensorDataset, TensorDataset]]       # () -> (train, validation)
+    metric_fn: Callable[[nn.Module, TensorDataset], float]           # model, validation -> metric
+    batch_size: str | Callable[[Config], int] = "batch_size"          # config key or function
+    metric: str = "accuracy"                                          # name of metric_fn's value
+    mode: str = "max"                                                 # "max" or "min"
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
+    steps_per_unit: int = 1                                           # mini-batch steps per resource unit
+    seed: int = 0                                                     # init + data order seed
+    device: str = "cpu"                                               # device of every trial
+    memory_fn: Callable[[Config], float] | None = None                # bytes of one config (pack_opt)
+    extra: dict[str, Any] = field(default_factory=dict)               # free for user callables
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, ("max", "min"))
+        check_int("steps_per_unit", self.steps_per_unit, min_value=1)
+
+    def batch_size_of(self, config: Config) -> int:
+        b = self.batch_size(config) if callable(self.batch_size) else config.get(self.batch_size)
+        return check_int(f"batch size of {dict(config)!r}", b, min_value=1)
+
+    def better(self, a: float, b: float) -> bool:
+        return a > b if self.mode == "max" else a < b
+
+
+def stream_batch_of(spec: TrainingSpec, space: Any) -> int:
+    """Chunk size of the shared stream: the largest batch size over the whole search space
+    (a ``SearchSpace``), so a configuration's batches do not depend on its pack."""
+    if isinstance(spec.batch_size, str):
+        dims = {d.name: d for d in space.dimensions}
+        if spec.batch_size in dims:
+            return max(check_int(f"{spec.batch_size} values", v, min_value=1)
+                       for v in dims[spec.batch_size].values)
+        raise ValueError(f"batch_size key {spec.batch_size!r} must be one of the param_space keys "
+                         f"{sorted(dims)}")
+    if space.size > 100_000:
+        raise ValueError(f"batch_size as a function needs a search space of at most 100000 "
+                         f"configurations to find the largest batch, got {space.size}")
+    return max(spec.batch_size_of(space.config_at(i)) for i in range(space.size))
+
+
+def units_to_steps(units: float, steps_per_unit: int) -> int:
+    """Training steps for ``units`` resource units (Hyperband's r_i may be fractional)."""
+    return int(round(units * steps_per_unit))
+
+
+def config_seed(config: Config, seed: int) -> int:
+    """Stable per-configuration seed for weight init (same in every process and pack)."""
+    text = json.dumps({k: config[k] for k in sorted(config)}, sort_keys=True, default=str)
+    return (zlib.crc32(text.encode()) + 1_000_003 * seed) % (2 ** 31)
+
+
+def build_member(spec: TrainingSpec, config: Config) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Fresh model (seeded by :func:`config_seed`) and its optimizer, on ``spec.device``."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(config_seed(config, spec.seed))
+    try:
+        model = spec.model_fn(config).to(spec.device)
+    finally:
+        torch.random.set_rng_state(state)
+    return model, spec.optimizer_fn(config, model)
+
+
+def member_state(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "steps": int(steps)}
+
+
+def load_member_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> int:
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["steps"])
+
+
+class SharedStream:
+    """Deterministic stream of ``stream_batch``-sample chunks over a TensorDataset (see the
+    module docstring). ``batch(j)`` is chunk ``j``; it is a pure function of (seed, j)."""
+
+    def __init__(self, dataset: TensorDataset, stream_batch: int, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
+        self.x, self.y = (t.to(device) for t in dataset.tensors[:2])
+        n = len(self.y)
+        self.stream_batch = check_int("stream_batch", stream_batch, min_value=1, max_value=n)
+        self.steps_per_epoch = n // stream_batch
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._perm = torch.from_numpy(rng.permutation(len(self.y))).to(self.x.device)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch(self, step: int, size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk ``step`` (its first ``size`` samples if given)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        lo = k * self.stream_batch
+        idx = self._permutation(epoch)[lo:lo + (self.stream_batch if size is None else size)]
+        return self.x[idx], self.y[idx]
