@@ -7,7 +7,7 @@ similar configurations into one Tune trial per device (kNN pack_opt under a memo
 runs Hyperband's successive halving and returns an ordinary ray.tune.ResultGrid with one row
 per configuration.
 
-    python examples/tune_packed_hyperband.py            # R=27, eta=3: about 1-2 minutes on 2 CPUs
+    python examples/tune_packed_hyperband.py            # R=27, eta=3: about 15 s on 2 CPUs
     python examples/tune_packed_hyperband.py --R 81     # the paper's setting (longer)
 """
 from __future__ import annotations

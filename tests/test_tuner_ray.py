@@ -1,7 +1,10 @@
 """Packed Hyperband on Ray Tune, end to end on a tiny space (uses the session Ray fixture)."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from jabasray.tuner import HyperbandConfig, PackedHyperbandTuner, make_trainable
 from jabasray.tuner.digits import digits_mlp_spec
@@ -32,6 +35,14 @@ def test_packed_and_unpacked_search_select_the_same_best(ray_session, tmp_path):
     assert best.config["config_id"] == res.best_config_id
     assert {k: best.config[k] for k in SPACE} == res.best_config
     assert best.checkpoint is not None
+    with best.checkpoint.as_directory() as d:                          # the member's own state
+        state = torch.load(os.path.join(d, "member.pt"), weights_only=False)
+    assert state["steps"] == best.metrics["steps"]
+    from ray.tune import ResultGrid
+    assert isinstance(grid, ResultGrid)
+    assert packed._max_concurrent() == 2                            # 2 CPUs / 1 CPU per pack
+    packed.hb.max_concurrent_packs = 1
+    assert packed._max_concurrent() == 1
     for row in grid:
         rec = res.records[row.config["config_id"]]
         assert len(row.metrics_dataframe) == len(rec.history)      # one reported row per rung
@@ -52,8 +63,9 @@ def test_packed_and_unpacked_search_select_the_same_best(ray_session, tmp_path):
     top = [r for r in res.records if r.last["resource"] == 3][:2]
     spec = digits_mlp_spec(steps_per_unit=2)
     plain = tune.Tuner(
-        tune.with_resources(make_trainable(spec, stream_batch=40, max_units=3, checkpoint_units=[3]),
-                            {"cpu": 1}),
+        tune.with_resources(tune.with_parameters(                   # data via the object store
+            make_trainable(spec, stream_batch=40, max_units=3, checkpoint_units=[3]), data=spec.data_fn()),
+            {"cpu": 1}),
         param_space={k: tune.choice(v.categories if hasattr(v, "categories") else v) for k, v in SPACE.items()},
         tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator(points_to_evaluate=[r.config for r in top]),
                                     num_samples=len(top)),

@@ -4,7 +4,8 @@
 * :class:`TrainingSpec`: how ONE configuration trains (model, optimizer, batch size, data,
   metric as functions of the config).
 * :class:`PackedHyperbandTuner`: packed Hyperband; ``fit()`` returns a ``ray.tune.ResultGrid``
-  with one row per sampled configuration.
+  with one row per sampled configuration (a :class:`PackedResultGrid`, built directly from the
+  recorded results).
 * :func:`make_trainable`: the same spec as an ordinary one-configuration Tune trainable (for
   Ray Tune's own schedulers, e.g. the unpacked ``HyperBandScheduler`` baseline).
 
@@ -14,7 +15,7 @@ from jabasray.tuner.brackets import Bracket, Rung, hyperband_brackets, hyperband
 
 __all__ = ["hyperband_brackets", "hyperband_schedule", "Bracket", "Rung", "TrainingSpec",
            "PackedHyperbandTuner", "HyperbandConfig", "PackedHyperbandResult", "ConfigRecord",
-           "make_trainable", "search_space_from_param_space"]
+           "make_trainable", "search_space_from_param_space", "PackedResultGrid", "build_result_grid"]
 
 
 def __getattr__(name: str):
@@ -24,6 +25,9 @@ def __getattr__(name: str):
     if name in ("PackedHyperbandTuner", "HyperbandConfig", "PackedHyperbandResult", "ConfigRecord"):
         from jabasray.tuner import packed_hyperband
         return getattr(packed_hyperband, name)
+    if name in ("PackedResultGrid", "build_result_grid"):
+        from jabasray.tuner import result_grid
+        return getattr(result_grid, name)
     if name == "make_trainable":
         from jabasray.tuner.trainable import make_trainable
         return make_trainable

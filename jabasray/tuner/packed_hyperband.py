@@ -19,7 +19,7 @@ PACK of configurations, and the whole search is ONE ``tune.Tuner`` run driven by
    :func:`_pack_trial` builds or restores its members from their checkpoints, trains them as
    one :class:`~jabasray.engine.packing.PackedModel` on the shared input stream from step
    ``steps(r_{i-1})`` to ``steps(r_i)``, frees each member when done (load/free), evaluates it,
-   saves ``member_<id>_step<n>.pt`` and reports every member's metric in one result;
+   saves ``member_<id>_step<n>/member.pt`` and reports every member's metric in one result;
 3. when the last pack of a bracket's rung has reported, the searcher keeps the top
    ``n_{i+1} = floor(n_i / eta)`` (metric/mode, ties by configuration id), RE-PACKS them and
    suggests the next rung's packs; they continue from their checkpoints. Brackets advance
@@ -35,8 +35,9 @@ Tune ``param_space`` of discrete choices and call
 run_config=tune.RunConfig(...)).fit()``, the same shape as ``tune.Tuner(...).fit()``; the
 result is a real ``ray.tune.ResultGrid`` with ONE ROW PER SAMPLED CONFIGURATION (its config
 plus ``config_id``, one reported result per rung it reached, its last checkpoint), so
-``get_best_result()`` names a single configuration. That grid comes from a second, cheap Tune
-run that replays each configuration's recorded per-rung results (no training).
+``get_best_result()`` names a single configuration. That grid is built directly from the
+recorded per-rung results (:mod:`jabasray.tuner.result_grid`, a ``ResultGrid`` subclass; no
+second Tune run, which used to cost as much wall-clock as the search on small problems).
 ``fit(result_grid=False)`` skips it and returns the plain :class:`PackedHyperbandResult`,
 which is always available as ``tuner.search_result`` (the pack trials' own grid is
 ``tuner.packs_grid``). Member checkpoints live under ``<storage_path>/<name>_packs/members``,
@@ -51,8 +52,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -64,7 +63,7 @@ from jabasray.planners.pack_opt import PackingPlan, SearchSpace, pack_opt
 from jabasray.serialization import JsonMixin
 from jabasray.tuner.brackets import Bracket, hyperband_schedule
 from jabasray.tuner.state import ConfigRecord, PackedHyperbandResult, PackedHyperbandState
-from jabasray.tuner.space import param_space_from_search_space, search_space_from_param_space
+from jabasray.tuner.space import search_space_from_param_space
 from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, load_member_state,
                                      member_state, stream_batch_of, units_to_steps)
 from jabasray.validation import check_choice, check_float, check_int
@@ -89,7 +88,6 @@ class HyperbandConfig(JsonMixin):
     seed: int = 0                        # sampling + kNN centroids
     resources_per_pack: dict[str, float] = field(default_factory=lambda: {"cpu": 1})
     max_concurrent_packs: int | None = None   # None: as many as the cluster fits
-    replay_resources: dict[str, float] = field(default_factory=lambda: {"cpu": 1})
 
     def __post_init__(self) -> None:
         check_int("R", self.R, min_value=1)
@@ -105,13 +103,15 @@ class HyperbandConfig(JsonMixin):
 
 
 # ----------------------------------------------------------------------------- trial functions
-# Module-level so Ray pickles them by reference; ``spec`` arrives via tune.with_parameters.
+# Module-level so Ray pickles them by reference; ``spec`` and the ``(train, val)`` datasets
+# arrive via tune.with_parameters (the data is loaded ONCE by the driver and read from Ray's
+# object store, instead of every trial process calling ``spec.data_fn()``).
 
 _DATA_CACHE: dict[tuple, Any] = {}
 
 
 def _data(spec: TrainingSpec):
-    """``spec.data_fn()`` once per worker process (actors are reused across trials)."""
+    """``spec.data_fn()`` once per process (the driver, or a worker given no data)."""
     fn = spec.data_fn
     key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), spec.seed)
     if key not in _DATA_CACHE:
@@ -120,13 +120,14 @@ def _data(spec: TrainingSpec):
     return _DATA_CACHE[key]
 
 
-def _pack_trial(config: dict, spec: TrainingSpec | None = None) -> None:
+def _pack_trial(config: dict, spec: TrainingSpec | None = None, data: tuple | None = None) -> None:
     """One Tune trial = one pack of configurations trained from ``start`` to their ``end`` step."""
     from ray import tune
 
+    t_entry, wall_entry = time.perf_counter(), time.time()
     task = config["task"]
     torch.set_num_threads(int(task.get("threads", 1)))
-    train, val = _data(spec)
+    train, val = data if data is not None else _data(spec)
     stream = SharedStream(train, task["stream_batch"], spec.seed, spec.device)
     members = task["members"]
     starts = {m["start"] for m in members}
@@ -156,7 +157,9 @@ def _pack_trial(config: dict, spec: TrainingSpec | None = None) -> None:
         m = by_member[mid]
         model, opt = freed if freed is not None else packed.free(mid)
         metric = float(spec.metric_fn(model, val))
-        path = os.path.join(out_dir, f"member_{m['id']}_step{m['end']}.pt")
+        ckpt_dir = os.path.join(out_dir, f"member_{m['id']}_step{m['end']}")  # a Tune Checkpoint dir
+        os.makedirs(ckpt_dir, exist_ok=True)
+        path = os.path.join(ckpt_dir, "member.pt")
         torch.save(member_state(model, opt, m["end"]), path)
         n = m["end"] - start
         results[str(m["id"])] = {spec.metric: metric, "train_loss": loss_sum[mid] / max(1, n),
@@ -177,23 +180,11 @@ def _pack_trial(config: dict, spec: TrainingSpec | None = None) -> None:
         else:
             for mid in done:
                 finish(mid)                               # misaligned step counts: free early
+    t_end = time.perf_counter()
     tune.report({"members": results, "pack_size": len(members),
-                 "pack_train_time_s": time.perf_counter() - t0})
-
-
-def _replay_trial(config: dict, records: dict | None = None) -> None:
-    """Per-configuration row of the final ResultGrid: re-report what the search recorded."""
-    from ray import tune
-
-    rec = records[config["config_id"]]
-    rows = rec["history"]
-    for k, row in enumerate(rows):
-        ckpt = None
-        if k == len(rows) - 1 and rec["checkpoint"]:
-            d = tempfile.mkdtemp(prefix="packed_hb_row_")
-            shutil.copy(rec["checkpoint"], os.path.join(d, "member.pt"))
-            ckpt = tune.Checkpoint.from_directory(d)
-        tune.report(dict(row), checkpoint=ckpt)
+                 "pack_setup_s": t0 - t_entry,             # data, stream, build + restore members
+                 "pack_train_time_s": t_end - t0,          # train + evaluate + save members
+                 "pack_started_at": wall_entry, "pack_ended_at": wall_entry + (t_end - t_entry)})
 
 
 # ----------------------------------------------------------------------------- Tune searcher
@@ -311,6 +302,21 @@ class PackedHyperbandTuner:
                         "threads": int(self.hb.resources_per_pack.get("cpu", 1) or 1),
                         "ckpt_dir": os.path.join(self._storage(), f"{self._name}_packs", "members")})
 
+    def _max_concurrent(self) -> int | None:
+        """``max_concurrent_packs``, or as many packs as the running Ray cluster fits. Set
+        explicitly because with a custom searcher and no limit Tune keeps ONE trial pending at
+        a time, which serialises short pack trials on one worker and idles the other devices."""
+        if self.hb.max_concurrent_packs is not None:
+            return self.hb.max_concurrent_packs
+        import ray
+
+        if not ray.is_initialized():
+            return None                                   # Tune starts Ray; its default applies
+        total = ray.cluster_resources()
+        fits = [int(total.get(k.upper() if k in ("cpu", "gpu") else k, 0) // v)
+                for k, v in self.hb.resources_per_pack.items() if v]
+        return max(1, min(fits) if fits else 1)
+
     def search(self) -> PackedHyperbandResult:
         """Run packed Hyperband as ONE Tune run whose trials are packs; no per-config grid."""
         from ray import tune
@@ -319,10 +325,10 @@ class PackedHyperbandTuner:
         searcher = _make_searcher(state)
         max_trials = sum(r.n for b in self.brackets for r in b.rungs)   # all singletons: upper bound
         tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(_pack_trial, spec=self.spec),
+            tune.with_resources(tune.with_parameters(_pack_trial, spec=self.spec, data=_data(self.spec)),
                                 dict(self.hb.resources_per_pack)),
             tune_config=tune.TuneConfig(search_alg=searcher, num_samples=max_trials,
-                                        max_concurrent_trials=self.hb.max_concurrent_packs,
+                                        max_concurrent_trials=self._max_concurrent(),
                                         reuse_actors=True,
                                         trial_name_creator=lambda tr: tr.config["task"]["name"],
                                         trial_dirname_creator=lambda tr: tr.config["task"]["name"]),
@@ -349,22 +355,10 @@ class PackedHyperbandTuner:
         return self._result_grid(result)
 
     def _result_grid(self, result: PackedHyperbandResult):
-        from ray import tune
-        from ray.tune.search import BasicVariantGenerator
+        """One ``ray.tune.ResultGrid`` row per configuration, built from the recorded
+        per-rung results and member checkpoints (no second Tune run; see
+        :mod:`jabasray.tuner.result_grid`)."""
+        from jabasray.tuner.result_grid import build_result_grid
 
-        recs = {r.config_id: {"history": r.history, "checkpoint": r.checkpoint}
-                for r in result.records if r.history}
-        points = [{**result.records[i].config, "config_id": i} for i in sorted(recs)]
-        space = param_space_from_search_space(self.space)
-        space["config_id"] = tune.choice(sorted(recs))
-        tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(_replay_trial, records=recs),
-                                dict(self.hb.replay_resources)),
-            param_space=space,
-            tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator(points_to_evaluate=points),
-                                        num_samples=len(points), metric=self.spec.metric,
-                                        mode=self.spec.mode, reuse_actors=True,
-                                        trial_dirname_creator=lambda tr: f"config_{tr.config['config_id']}"),
-            run_config=tune.RunConfig(name=self._name, storage_path=self._storage(),
-                                      verbose=getattr(self.run_config, "verbose", None) or 0))
-        return tuner.fit()
+        return build_result_grid(result.records, experiment_path=os.path.join(self._storage(), self._name),
+                                 metric=self.spec.metric, mode=self.spec.mode)

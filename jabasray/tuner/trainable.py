@@ -33,18 +33,22 @@ def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
     scheduler. ``checkpoint_units``: reports that carry a checkpoint (default: every report);
     for ``HyperBandScheduler(max_t=R, reduction_factor=eta)`` the rung boundaries (powers of
     eta) suffice. Resumes from ``tune.get_checkpoint()``.
+
+    The trainable takes an optional ``data=(train, val)`` keyword, so that
+    ``tune.with_parameters(trainable, data=...)`` ships the datasets once through Ray's object
+    store (as the packed trials do); without it every trial process calls ``spec.data_fn()``.
     """
     check_int("stream_batch", stream_batch, min_value=1)
     check_int("max_units", max_units, min_value=1)
     ckpt_at = None if checkpoint_units is None else {int(u) for u in checkpoint_units}
     report_at = None if report_units is None else {int(u) for u in report_units} | {max_units}
 
-    def trainable(config: dict[str, Any]) -> None:
+    def trainable(config: dict[str, Any], data: tuple | None = None) -> None:
         from ray import tune
 
         torch.set_num_threads(threads)
         from jabasray.tuner.packed_hyperband import _data   # per-process data cache
-        train, val = _data(spec)
+        train, val = data if data is not None else _data(spec)
         stream = SharedStream(train, stream_batch, spec.seed, spec.device)
         hp = {k: v for k, v in config.items() if k != "config_id"}
         model, opt = build_member(spec, hp)
