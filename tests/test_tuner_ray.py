@@ -63,8 +63,8 @@ def test_packed_and_unpacked_search_select_the_same_best(ray_session, tmp_path):
     top = [r for r in res.records if r.last["resource"] == 3][:2]
     spec = digits_mlp_spec(steps_per_unit=2)
     plain = tune.Tuner(
-        tune.with_resources(tune.with_parameters(                   # data via the object store
-            make_trainable(spec, stream_batch=40, max_units=3, checkpoint_units=[3]), data=spec.data_fn()),
+        tune.with_resources(                                        # as a user writes it: each
+            make_trainable(spec, stream_batch=40, max_units=3, checkpoint_units=[3]),   # trial loads data
             {"cpu": 1}),
         param_space={k: tune.choice(v.categories if hasattr(v, "categories") else v) for k, v in SPACE.items()},
         tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator(points_to_evaluate=[r.config for r in top]),
