@@ -25,12 +25,13 @@ Runs on the CPU only (it needs Ray: the GPU actors are Ray actors).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import platform
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from common import write_json
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("static_small", "static_max", "adaptive_all", "jabas")
@@ -80,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     from jabasray.models import DigitsCNN
     from jabasray.planners.perf_model import PerfModel, emulated_profiles
     from jabasray.profiler import profile_model
-    from jabasray.serialization import atomic_write_text
     from jabasray.types import ClusterSpec
 
     torch.set_num_threads(1)
@@ -155,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "adaptive", "machine": f"{platform.platform()} (2-core CPU dev machine, no GPU)",
            "cluster": cluster.to_dict(), "target_accuracy": target, "summary": summary,
            "variants": results}
-    atomic_write_text(args.out, json.dumps(doc, indent=1))
+    write_json(args.out, doc, indent=1, announce=False)
     runs = [{"variant": n, "gamma": r["job"]["gamma"], "alpha": r["job"]["alpha"],
              "trajectories": [e["trajectory"] for e in r["epochs"]],
              "val_accuracy": [e["val_accuracy"] for e in r["epochs"]]}
             for n, r in results.items() if r["job"]["adaptive"]]
     if runs:
-        atomic_write_text(args.trajectories, json.dumps(
-            {"source": "benchmarks/adaptive.py", "model": "DigitsCNN", "dataset": "digits",
-             "adapt_interval": base.adapt_interval, "runs": runs}, indent=1))
+        write_json(args.trajectories, {"source": "benchmarks/adaptive.py", "model": "DigitsCNN",
+                                       "dataset": "digits", "adapt_interval": base.adapt_interval,
+                                       "runs": runs}, indent=1, announce=False)
     print(f"wrote {args.out}" + (f" and {args.trajectories}" if runs else ""))
     return 0
 

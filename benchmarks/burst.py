@@ -19,7 +19,6 @@ The planner is pure Python/numpy; it has no GPU path.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+from common import write_json  # noqa: E402
 import model_graphs  # noqa: E402
 
 from jabasray.planners.burst import (BurstProblem, NetworkModel, candidate_gpu_counts,  # noqa: E402
@@ -105,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plan.iteration_time * 1e3:8.2f} {uniform * 1e3:15.2f} {dp_all.iteration_time * 1e3:8.2f}")
     ok = all(r["meets_paper"] for r in rows)
     print(f"every case at least as fast as Table 3: {ok}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"config": vars(args), "machine": os.uname().nodename, "cpu_count": os.cpu_count(),
-                   "load_average": os.getloadavg(), "rows": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"config": vars(args), "machine": os.uname().nodename, "cpu_count": os.cpu_count(),
+                          "load_average": os.getloadavg(), "rows": rows})
     return 0
 
 

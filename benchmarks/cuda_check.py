@@ -26,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from common import write_json  # noqa: E402
 from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split  # noqa: E402
 from jabasray.engine import IIDPWorker  # noqa: E402
 
@@ -124,8 +125,7 @@ def main() -> int:
     ok = all(r["ok"] for r in rows)
     info = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "all_ok": ok, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(info, indent=2))
+    write_json(args.out, info, announce=False)
     print(f"cuda_check: {sum(r['ok'] for r in rows)}/{len(rows)} checks passed on {info['device']}")
     return 0 if ok else 1
 

@@ -29,27 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
 from jabasray.engine.iidp import _Timings
+from jabasray.models import MLP
 
 OUT = Path(__file__).resolve().parent / "out" / "engine.json"
 
 
 # ----------------------------------------------------------------------------- models
-class WideMLP(nn.Module):
+def wide_mlp() -> nn.Module:
     """~2.4M parameters: big enough that the optimizer and weight copies cost something."""
-
-    def __init__(self, d_in: int = 256, width: int = 1024, depth: int = 3, classes: int = 10) -> None:
-        super().__init__()
-        dims = [d_in] + [width] * depth
-        layers: list[nn.Module] = []
-        for a, b in zip(dims, dims[1:]):
-            layers += [nn.Linear(a, b), nn.ReLU()]
-        self.net = nn.Sequential(*layers, nn.Linear(width, classes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    return MLP(in_features=256, hidden=(1024,) * 3, num_classes=10)
 
 
 class _Block(nn.Module):
@@ -177,6 +169,26 @@ def _data(n: int, shape: tuple[int, ...], device: torch.device, seed: int = 0):
     return torch.randn((n,) + shape, generator=g).to(device), torch.randint(0, 10, (n,), generator=g).to(device)
 
 
+def _micro_batches(num: int, local_batch: int, shape: tuple[int, ...], device: torch.device,
+                   seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num`` micro-batches of ``local_batch`` random samples each."""
+    X, y = _data(num * local_batch, shape, device, seed)
+    return list(zip(X.split(local_batch), y.split(local_batch)))
+
+
+def _weight_sync_workers(variants: list[tuple[str, type, str]], num_vsw: int, local_batch: int,
+                         device: torch.device | str = "cpu", **worker_kw) -> dict[str, IIDPWorker]:
+    """One configured worker per ``(name, worker class, weight_sync)``, all from the same weights."""
+    workers = {}
+    for name, cls, method in variants:
+        torch.manual_seed(0)
+        w = cls(wide_mlp().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
+                **worker_kw)
+        w.configure(num_vsw, 0, local_batch)
+        workers[name] = w
+    return workers
+
+
 def _adam(p):
     return torch.optim.Adam(p, lr=1e-4)
 
@@ -184,8 +196,8 @@ def _adam(p):
 # ----------------------------------------------------------------------------- parts
 def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) -> dict:
     torch.manual_seed(0)
-    plain_model = WideMLP().to(device)
-    iidp_model = WideMLP().to(device)
+    plain_model = wide_mlp().to(device)
+    iidp_model = wide_mlp().to(device)
     iidp_model.load_state_dict(plain_model.state_dict())
     opt = _adam(plain_model.parameters())
     X, y = _data(batch, (256,), device)
@@ -195,7 +207,7 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) ->
         F.cross_entropy(plain_model(X), y).backward()
         opt.step()
 
-    flat_model = WideMLP().to(device)
+    flat_model = wide_mlp().to(device)
     flat_model.load_state_dict(plain_model.state_dict())
     w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws")
     w.configure(1, 0, batch)
@@ -221,17 +233,10 @@ def bench_weight_sync(device: torch.device, local_batch: int, max_vsw: int, roun
                       bucket_cap_mb: float) -> list[dict]:
     rows = []
     for n in range(1, max_vsw + 1):
-        workers = {}
-        for name, cls, method in [("naive", NaiveWorker, "sws"), ("sws", IIDPWorker, "sws"),
-                                  ("ows", IIDPWorker, "ows")]:
-            torch.manual_seed(0)
-            w = cls(WideMLP().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
-                    bucket_cap_mb=bucket_cap_mb)
-            w.configure(n, 0, local_batch)
-            workers[name] = w
-        X, y = _data(n * local_batch, (256,), device)
-        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
-               for i in range(n)]
+        workers = _weight_sync_workers([("naive", NaiveWorker, "sws"), ("sws", IIDPWorker, "sws"),
+                                        ("ows", IIDPWorker, "ows")], n, local_batch, device,
+                                       bucket_cap_mb=bucket_cap_mb)
+        mbs = _micro_batches(n, local_batch, (256,), device)
         upd: dict[str, list[float]] = {k: [] for k in workers}
 
         def make(k):
@@ -267,9 +272,7 @@ def bench_vsw_throughput(device: torch.device, local_batch: int, max_vsw: int, r
         w = IIDPWorker(ResNet18().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                        F.cross_entropy, device=device)
         w.configure(n, 0, local_batch)
-        X, y = _data(n * local_batch, (3, 32, 32), device)
-        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
-               for i in range(n)]
+        mbs = _micro_batches(n, local_batch, (3, 32, 32), device)
         res = _interleaved({"step": lambda: w.train_step(mbs)}, rounds, iters, 3, device)
         thp = n * local_batch / res["step"]
         base = base or thp
@@ -291,17 +294,10 @@ def _dist_worker(rank: int, world: int, init_file: str, out_file: str, rounds: i
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         device = torch.device("cpu")
-        workers = {}
-        for name, cls, method in [("sws", IIDPWorker, "sws"), ("ows", IIDPWorker, "ows"),
-                                  ("sws_no_overlap", NoOverlapWorker, "sws")]:
-            torch.manual_seed(0)
-            w = cls(WideMLP(), _adam, F.cross_entropy, process_group=dist.group.WORLD,
-                    weight_sync=method, bucket_cap_mb=bucket_cap_mb)
-            w.configure(num_vsw, 0, local_batch)
-            workers[name] = w
-        X, y = _data(num_vsw * local_batch, (256,), device, seed=rank)
-        mbs = [(X[i * local_batch:(i + 1) * local_batch], y[i * local_batch:(i + 1) * local_batch])
-               for i in range(num_vsw)]
+        workers = _weight_sync_workers([("sws", IIDPWorker, "sws"), ("ows", IIDPWorker, "ows"),
+                                        ("sws_no_overlap", NoOverlapWorker, "sws")], num_vsw, local_batch,
+                                       device, process_group=dist.group.WORLD, bucket_cap_mb=bucket_cap_mb)
+        mbs = _micro_batches(num_vsw, local_batch, (256,), device, seed=rank)
         comm: dict[str, list[float]] = {k: [] for k in workers}
 
         def make(k):
@@ -369,10 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
         result["distributed_gloo"] = bench_distributed(rounds, iters)
     if device.type == "cuda":
         result["vsw_throughput"] = bench_vsw_throughput(device, 32, 4, rounds, iters)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, result)
     return result
 
 

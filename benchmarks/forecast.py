@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common import write_json
 from jabasray.adaptive import GBSForecaster
-from jabasray.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("gpr", "esm", "ensemble", "arima", "persistence")
@@ -81,7 +81,7 @@ def evaluate(runs: list[dict], methods: tuple[str, ...] = METHODS) -> dict:
     """MAPE (%) and fit time (ms) per method, epoch e+1 forecast from epochs 1..e."""
     out = {}
     for m in methods:
-        run_mapes, fit_ms, cpu_ms, per_run, all_errs = [], [], [], [], []
+        fit_ms, cpu_ms, per_run, all_errs = [], [], [], []
         for run in runs:
             trajs = run["trajectories"]
             errs = []
@@ -102,8 +102,7 @@ def evaluate(runs: list[dict], methods: tuple[str, ...] = METHODS) -> dict:
                 errs.append(100.0 * float(np.mean(np.abs(pred - actual) / actual)))
             per_run.append(float(np.mean(errs)))
             all_errs.extend(errs)
-            run_mapes.append(float(np.mean(errs)))
-        out[m] = {"mape_pct": float(np.mean(run_mapes)), "mape_per_run_pct": per_run,
+        out[m] = {"mape_pct": float(np.mean(per_run)), "mape_per_run_pct": per_run,
                   "epoch_mape_median_pct": float(np.median(all_errs)), "num_forecasts": len(all_errs),
                   "fit_cpu_ms_mean": float(np.mean(cpu_ms)), "fit_cpu_ms_p95": float(np.percentile(cpu_ms, 95)),
                   "fit_ms_mean": float(np.mean(fit_ms)), "fit_ms_p95": float(np.percentile(fit_ms, 95)),
@@ -155,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
            "cpu_count": os.cpu_count(), "load_average": list(load),
            "python": platform.python_version(), "paper_mape_pct": PAPER_MAPE,
            "time_goal_ms": TIME_GOAL_MS, "results": results}
-    atomic_write_text(args.out, json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    write_json(args.out, doc, indent=1)
     return 0
 
 

@@ -27,7 +27,6 @@ Runs its own local Ray with ``num_cpus=2``; prints ratios, writes benchmarks/out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -36,6 +35,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from common import write_json  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,24 +125,26 @@ def main(argv: list[str] | None = None) -> int:
         if key not in slot or run[time_key] < slot[key][time_key]:
             slot[key] = run
 
+    def baseline(rep: int) -> None:
+        r = run_baseline(configs, rep)
+        keep_min(base, "ray_hyperband", r, "wall_s")
+        print(f"[rep {rep}] ray HyperBandScheduler: {r['wall_s']:.1f} s, {r['num_trials']} trials, "
+              f"best acc {r['best_accuracy']:.4f} {r['best_config']}", flush=True)
+
+    packed: dict = {}
+    base: dict = {}
     try:
         # warm-up: a tiny packed search so that every variant finds warm Ray workers
         PackedHyperbandTuner(spec, param_space=param_space,
                              hyperband=HyperbandConfig(R=3, eta=args.eta, memory_budget=args.memory_budget),
                              run_config=tune.RunConfig(name="warmup", storage_path=storage)).search()
         methods = [m for m in args.methods.split(",") if m]
-        packed: dict = {}
-        base: dict = {}
         for rep in range(args.repeats):
             order = ["baseline"] + methods if rep % 2 else methods + ["baseline"]
             for v in order:
                 if v == "baseline":
-                    if args.skip_baseline or configs is None:
-                        continue
-                    r = run_baseline(configs, rep)
-                    keep_min(base, "ray_hyperband", r, "wall_s")
-                    print(f"[rep {rep}] ray HyperBandScheduler: {r['wall_s']:.1f} s, {r['num_trials']} trials, "
-                          f"best acc {r['best_accuracy']:.4f} {r['best_config']}", flush=True)
+                    if not args.skip_baseline and configs is not None:
+                        baseline(rep)
                 else:
                     r = run_packed(v, rep)
                     configs = configs or r["configs"]
@@ -151,10 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['mean_pack_size']:.1f} configs), best acc {r['best_accuracy']:.4f} "
                           f"{r['best_config']}", flush=True)
             if rep == 0 and not args.skip_baseline and "ray_hyperband" not in base:
-                r = run_baseline(configs, rep)              # first repeat ran packed first
-                keep_min(base, "ray_hyperband", r, "wall_s")
-                print(f"[rep {rep}] ray HyperBandScheduler: {r['wall_s']:.1f} s, {r['num_trials']} trials, "
-                      f"best acc {r['best_accuracy']:.4f} {r['best_config']}", flush=True)
+                baseline(rep)                                # first repeat ran packed first
         for m in methods:
             r = dict(packed[m])
             r.pop("configs", None)
@@ -173,10 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
     return 0
 
 

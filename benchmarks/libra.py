@@ -14,13 +14,13 @@ Usage: python benchmarks/libra.py [--quick]   -> prints ratios, writes benchmark
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
+from common import write_json
 from jabasray.planners import libra
 from jabasray.planners.libra import (LayerProfile, allocate_threads, co_optimize, default_plan,
                                      evaluate_plan, exhaustive_plan, plan_buckets, theorem1_bound)
@@ -187,9 +187,7 @@ def main() -> None:
     part2 = predicted_backward(K=10, Z=150)
     out = {"machine": platform.platform(), "processor": platform.processor(),
            "runtime_vs_exhaustive": part1, "dp_scaling": part1b, "predicted_backward": part2}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from common import write_json
 from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy
 from jabasray.models import DigitsCNN
 
@@ -98,15 +98,20 @@ def bg_task(args, batch: int) -> BackgroundTask:
                           loss_fn=nn.functional.cross_entropy, batch_size=batch, steps=10**9)
 
 
+def start_bg(args, runner: BackgroundRunner) -> None:
+    """Submit the background job and wait until it is past its first (warm-up) steps."""
+    runner.submit(bg_task(args, args.bg_batch))
+    while runner.status("bg").step < 3:
+        time.sleep(0.005)
+
+
 def measure(args, policy: MultiplexPolicy | None, fg: Foreground) -> dict:
     if policy is None:                                   # foreground alone
         sec = fg.run(args.steps, None, feedback=False)
         return {"fg_sps": args.steps * args.fg_batch / sec, "bg_sps": 0.0}
     runner = BackgroundRunner(args.device, policy)
     try:
-        runner.submit(bg_task(args, args.bg_batch))
-        while runner.status("bg").step < 3:
-            time.sleep(0.005)
+        start_bg(args, runner)
         s0 = runner.status("bg").samples
         t0 = time.perf_counter()
         sec = fg.run(args.steps, runner, feedback=policy.slowdown_target is not None)
@@ -124,9 +129,7 @@ def measure(args, policy: MultiplexPolicy | None, fg: Foreground) -> dict:
 
 def measure_bg_alone(args, seconds: float) -> dict:
     with BackgroundRunner(args.device, MultiplexPolicy.naive()) as runner:
-        runner.submit(bg_task(args, args.bg_batch))
-        while runner.status("bg").step < 3:
-            time.sleep(0.005)
+        start_bg(args, runner)
         s0, t0 = runner.status("bg").samples, time.perf_counter()
         time.sleep(seconds)
         s1, t1 = runner.status("bg").samples, time.perf_counter()
@@ -194,10 +197,7 @@ def main() -> None:
         r["total_vs_fg_alone"] = (r["fg_sps"] + r["bg_sps"]) / base
         slow = "-" if r["fg_slowdown"] is None else f"{100 * r['fg_slowdown']:.1f}"
         print(f"{name:14s} {r['fg_sps']:9.0f} {slow:>9s} {r['bg_sps']:9.0f} {r['total_vs_fg_alone']:9.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import write_json  # noqa: E402
 from jabasray.engine.packing import pack  # noqa: E402
 from jabasray.models import MLP, DigitsCNN  # noqa: E402
 
@@ -108,14 +108,14 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
         for k, fn in variants.items():
             times[k].append(_time(fn, steps, device))
     # min over interleaved repeats: the machine is shared, other processes only ever ADD time
-    med = {k: min(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
     medians = {f"median_{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
     return {"model": model_name, "K": K, "optimizers": opt_mix, "batch": batch, **medians,
-            "T_seq_ms": med["seq"] * 1e3, "T_pack_ms": med["pack"] * 1e3,
-            "T_torch_func_ms": med["torch_func"] * 1e3,
-            "IMPV": (med["seq"] - med["pack"]) / med["seq"],
-            "IMPV_torch_func": (med["seq"] - med["torch_func"]) / med["seq"],
-            "speedup": med["seq"] / med["pack"]}
+            "T_seq_ms": best["seq"] * 1e3, "T_pack_ms": best["pack"] * 1e3,
+            "T_torch_func_ms": best["torch_func"] * 1e3,
+            "IMPV": (best["seq"] - best["pack"]) / best["seq"],
+            "IMPV_torch_func": (best["seq"] - best["torch_func"]) / best["seq"],
+            "speedup": best["seq"] / best["pack"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or platform.machine()} CPU, {args.threads} torch thread(s)"
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump({"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows}, fh, indent=2)
-    print(f"wrote {args.out}")
+    write_json(args.out, {"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows})
     return 0
 
 

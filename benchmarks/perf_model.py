@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common import write_json
 from jabasray.models import DigitsCNN
 from jabasray.planners.perf_model import PerfModel
 from jabasray.profiler.measure import profile_model
@@ -188,9 +189,7 @@ def main() -> None:
               "device": args.device, "rows": rows, "mean_rel_error": mean, "paper_mean_rel_error": 0.059,
               "mean_round_spread": statistics.mean(spread.values()),
               "profile": prof.to_dict()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

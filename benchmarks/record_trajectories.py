@@ -14,7 +14,6 @@ of a few (gamma, alpha) settings are written to ``benchmarks/data/trajectories_d
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -22,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common import write_json
 from jabasray.adaptive import AdaptiveBatchController, cosine_similarity
 from jabasray.config import JobConfig
 from jabasray.data import accuracy, load_digits_split
 from jabasray.models import DigitsCNN
-from jabasray.serialization import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({time.perf_counter() - t:.1f} s)")
     doc = {"source": "benchmarks/record_trajectories.py", "model": "DigitsCNN", "dataset": "digits",
            "machine": platform.platform(), "torch": torch.__version__, "runs": runs}
-    atomic_write_text(args.out, json.dumps(doc, indent=1))
+    write_json(args.out, doc, indent=1, announce=False)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s)")
     return 0
 

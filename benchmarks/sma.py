@@ -14,13 +14,13 @@ so SMA's time advantage only shows on a GPU where they run concurrently (Crossbo
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from common import write_json
 from jabasray.data import accuracy, load_digits_split
 from jabasray.engine.sma import SMAWorker
 from jabasray.models import DigitsCNN
@@ -134,10 +134,7 @@ def main() -> None:
         r["epochs_ratio_vs_ssgd"], r["seconds_ratio_vs_ssgd"] = rep, rsec
         f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"
         print(f"{name:12s} {r['reached']:>7s} {f(ep):>8s} {f(sec):>8s} {f(rep):>8s} {f(rsec):>8s}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"wrote {out}")
+    write_json(args.out, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

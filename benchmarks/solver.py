@@ -15,13 +15,13 @@ the same throughput (checked). Writes benchmarks/out/solver.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
+from common import write_json
 from jabasray.planners.config_solver import solve_configuration, solve_configuration_reference
 from jabasray.planners.perf_model import PerfModel
 from jabasray.profiler.profile import synthetic_profile
@@ -111,9 +111,7 @@ def main() -> None:
         "plan": plan.to_dict(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

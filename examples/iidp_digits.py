@@ -14,6 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from jabasray.config import WEIGHT_SYNC_METHODS
 from jabasray.data import accuracy, load_digits_split
 from jabasray.engine import IIDPSampler, IIDPWorker, gather_micro_batches
 from jabasray.models import DigitsCNN
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> float:
     ap.add_argument("--num-ga", type=int, default=1)
     ap.add_argument("--local-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--weight-sync", default="auto", choices=["auto", "sws", "ows"])
+    ap.add_argument("--weight-sync", default="auto", choices=WEIGHT_SYNC_METHODS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i] (VSWs on CUDA streams)")
     args = ap.parse_args(argv)

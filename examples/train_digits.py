@@ -9,40 +9,23 @@ emulated GPU resources, e.g. ``ray start --head --resources='{"gpu_fast": 4, "gp
 
     ray job submit --working-dir . -- python examples/train_digits.py
 
-With a running cluster the script connects to it (``ray.init(address="auto")``). If that cluster
-has real GPUs, pass ``--device cuda`` and the GPU actors use one GPU each; otherwise GPU types are
-emulated on CPU through the ``gpu_<type>`` custom resources.
+With a running cluster (``RAY_ADDRESS``, or a ``ray start`` cluster on this machine) the script
+connects to it (:func:`jabasray.actors.ensure_ray`). If that cluster has real GPUs, pass
+``--device cuda`` and the GPU actors use one GPU each; otherwise GPU types are emulated on CPU
+through the ``gpu_<type>`` custom resources.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-
-import ray
 
 from jabasray import ClusterSpec, JobConfig, RunConfig
-from jabasray.actors import DriverOptions, JabasTrainer
+from jabasray.actors import DriverOptions, JabasTrainer, ensure_ray
 from jabasray.data import load_digits_split
 from jabasray.models import DigitsCNN
 
 # {gpu_type: (nodes, GPUs per node, emulated speed)}
 EMULATED = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
-
-
-def connect(cluster: ClusterSpec, emulate: bool) -> None:
-    """ray.init(address="auto") when a cluster exists, else a local instance with the emulated
-    resources the cluster needs."""
-    try:
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
-        return
-    except ConnectionError:
-        pass
-    resources: dict[str, float] = {}
-    if emulate:
-        for n in cluster.nodes:
-            resources[f"gpu_{n.gpu_type}"] = resources.get(f"gpu_{n.gpu_type}", 0) + n.num_gpus
-    ray.init(num_cpus=2, include_dashboard=False, resources=resources)
 
 
 def main() -> None:
@@ -56,10 +39,8 @@ def main() -> None:
 
     emulate = args.device == "cpu"
     cluster = ClusterSpec.emulated(EMULATED) if emulate else None   # None: detect GPUs from Ray
-    if cluster is not None:
-        connect(cluster, emulate)
-    else:
-        ray.init(address="auto")
+    # the running cluster, else a local instance with the emulated gpu_<type> resources
+    ensure_ray(cluster, emulate=emulate)
     train, val = load_digits_split()
     job = JobConfig(epochs=args.epochs, lr=0.1, initial_global_batch=32, min_global_batch=32,
                     max_global_batch=256, min_local_batch=8, adapt_interval=5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from .serialization import JsonMixin
 from .validation import check_choice, check_float, check_int
@@ -15,6 +16,20 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
+
+R_BUFFER = 0.5  # threshold of IIDP's SWS/OWS selection rule (JABAS section 4)
+
+
+def choose_weight_sync(bucket_nbytes: Sequence[int], bucket_cap_mb: float,
+                       r_buffer: float = R_BUFFER) -> str:
+    """The paper's rule: ``mean(bucket_nbytes) / (bucket_cap_mb MiB) > r_buffer`` -> ``"sws"``,
+    else ``"ows"``."""
+    check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
+    check_float("r_buffer", r_buffer, min_value=0)
+    if not bucket_nbytes:
+        raise ValueError("bucket_nbytes must list at least one bucket size, got []")
+    ratio = (sum(bucket_nbytes) / len(bucket_nbytes)) / (bucket_cap_mb * 2 ** 20)
+    return "sws" if ratio > r_buffer else "ows"
 
 
 @dataclass(frozen=True)

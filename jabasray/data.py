@@ -5,6 +5,8 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from .validation import check_float
+
 
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0, image: bool = True
                       ) -> tuple[TensorDataset, TensorDataset]:
@@ -15,8 +17,8 @@ def load_digits_split(val_fraction: float = 0.2, seed: int = 0, image: bool = Tr
     """
     from sklearn.datasets import load_digits
 
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    check_float("val_fraction", val_fraction, min_value=0.0, max_value=1.0, min_exclusive=True,
+                max_exclusive=True)
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
     rng = np.random.default_rng(seed)

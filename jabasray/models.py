@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .validation import check_choice
+
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "gelu": nn.GELU,
                "leaky_relu": nn.LeakyReLU, "elu": nn.ELU}
 
 
 def activation(name: str) -> nn.Module:
     """Activation module by name; one of ``ACTIVATIONS``."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {name!r}")
-    return ACTIVATIONS[name]()
+    return ACTIVATIONS[check_choice("activation", name, sorted(ACTIVATIONS))]()
 
 
 class DigitsCNN(nn.Module):

@@ -17,6 +17,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T", bound="JsonMixin")
 
+# The process umask, read once (os.umask can only be read by setting it): files written through a
+# temporary file get the permissions a plain open() would give them, not mkstemp's 0600.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -113,6 +118,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -96,12 +96,6 @@ class ClusterSpec(JsonMixin):
                 return n
         raise ValueError(f"node must be one of {[n.name for n in self.nodes]}, got {name!r}")
 
-    def speed_of(self, gpu_type: str) -> float:
-        for n in self.nodes:
-            if n.gpu_type == gpu_type:
-                return n.speed
-        raise ValueError(f"gpu_type must be one of {self.gpu_types}, got {gpu_type!r}")
-
     @classmethod
     def from_file(cls, path: str | Path) -> "ClusterSpec":
         """Load a cluster from YAML or JSON: ``{nodes: [{name, gpu_type, num_gpus, ...}, ...]}``."""
@@ -127,7 +121,7 @@ class ClusterSpec(JsonMixin):
             raise ValueError(f"{source}: nodes must be a list of nodes, e.g. "
                              "{nodes: [{name: a0, gpu_type: v100, num_gpus: 4}]}")
         nodes = []
-        allowed = {"name", "gpu_type", "num_gpus", "memory_gb", "speed", "tflops"}
+        allowed = {f.name for f in fields(NodeSpec)}
         for i, nd in enumerate(data["nodes"]):
             if not isinstance(nd, dict):
                 raise ValueError(f"{source}: nodes[{i}] must be a mapping, got {nd!r}")

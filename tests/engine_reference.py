@@ -58,7 +58,7 @@ def reference_step(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor
 
 
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
-    """max over parameters of |a-b| / (|b| + 1e-3)... as a relative error per tensor norm."""
+    """Worst relative error over parameters: ``max ||a - b|| / (||b|| + 1e-12)`` per tensor."""
     worst = 0.0
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert na == nb

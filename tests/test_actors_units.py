@@ -96,6 +96,24 @@ def test_gather_tensor_and_generic_datasets_agree():
         assert len(a[0]) == len(idx)
 
 
+def test_actor_micro_batches_are_the_sampler_indices_gathered():
+    """GPUActor.micro_batches (one gather + one device copy, split per worker) gives each
+    decoupled worker exactly its sampler indices, also on a ragged last iteration."""
+    from jabasray.actors.gpu_actor import GPUActor
+    from jabasray.actors.placement import Slot
+    from jabasray.config import JobConfig
+
+    X, y = torch.arange(60.0).reshape(30, 2), torch.arange(30)
+    slot = Slot(rank=1, node="n0", gpu_type="fast", speed=1.0, group=1, pair=0)
+    actor = GPUActor(slot, 2, JobConfig(seed=3), None, None, None,
+                     torch.utils.data.TensorDataset(X, y), torch_threads=torch.get_num_threads())
+    for cursor in (0, 27):                      # full, then ragged: 3 samples over 5 workers
+        batches, it = actor.micro_batches(0, cursor, 4, [2, 3])
+        assert len(batches) == 3 and it.ragged == (cursor == 27)
+        for (xb, yb), idx in zip(batches, it.micro_batches):
+            assert torch.equal(yb, torch.as_tensor(idx)) and torch.equal(xb, X[idx])
+
+
 def _history(epochs: int = 2) -> MetricsHistory:
     plan = Plan(32, 8, [WorkerConfig("fast", 2, 0)], 0.1, requested_global_batch_size=30)
     h = MetricsHistory()
@@ -173,7 +191,7 @@ def test_plan_stays_near_requested_batch(bg, pairs):
     model = perf_model(min_local_batch=8, max_local_batch=64)
     drv = JabasDriver(lambda: None, [0], None, None, job, c, "unused", perf_model=model)
     slots = slots_for(c, {"n0": pairs})
-    plan = drv._plan(slots, c, {"n0": pairs}, bg)
+    plan = drv._plan(slots, bg)
     per_bl = [p for bl in range(8, 65, 8)
               if (p := solve_configuration(bg, group_gpus(slots), _LocalBatchCap(model.for_allocation(2 * pairs, False), bl), bl))]
     near = [p for p in per_bl if abs(p.global_batch_size - bg) <= 0.05 * bg]

@@ -57,6 +57,14 @@ def exhaustive(prob: BurstProblem) -> tuple[float, dict[str, int]]:
     return best, arg
 
 
+def paper_arrays(prob: BurstProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(comp, comm, sync)`` of a chain problem in the layout ``search_linear_paper`` takes."""
+    comp = np.array([prob.comp[n] for n in prob.order])
+    sync = np.array([prob.sync[n] for n in prob.order])
+    comm = np.stack([np.zeros((prob.n, prob.n))] + [prob.comm_matrix(u, False) for u in prob.order[:-1]])
+    return comp, comm, sync
+
+
 def assert_plan_consistent(plan: BurstPlan, prob: BurstProblem) -> None:
     """The plan's own numbers re-evaluate to its iteration time and respect the limit."""
     par = {(b.branch, b.join): b.parallel for b in plan.blocks}
@@ -144,10 +152,7 @@ def test_paper_algorithm1_transcription_can_break_the_limit():
         LayerSpec("l2", {1: 0.29, 2: 0.145, 4: 0.072}, 2.6, 0.5, ["l1"])])
     net, limit = NetworkModel(10.0, 0.05), 1.65
     prob = BurstProblem(graph, net, 4, limit)
-    comp = np.array([prob.comp[n] for n in prob.order])
-    sync = np.array([prob.sync[n] for n in prob.order])
-    comm = np.stack([np.zeros((3, 3))] + [prob.comm_matrix(u, False) for u in prob.order[:-1]])
-    _, path = search_linear_paper(comp, comm, sync, prob.counts, limit)
+    _, path = search_linear_paper(*paper_arrays(prob), prob.counts, limit)
     literal = evaluate_assignment(prob, {n: prob.counts[k] for n, k in zip(prob.order, path)})
     assert not literal.feasible
     plan = plan_burst(graph, net, 4, limit)
@@ -163,10 +168,7 @@ def test_paper_transcription_agrees_when_the_limit_never_binds():
     for _ in range(5):
         graph = random_graph(rng, chain_edges(6), counts)
         prob = BurstProblem(graph, net, 8, 1e9)
-        comp = np.array([prob.comp[n] for n in prob.order])
-        sync = np.array([prob.sync[n] for n in prob.order])
-        comm = np.stack([np.zeros((4, 4))] + [prob.comm_matrix(u, False) for u in prob.order[:-1]])
-        best, path = search_linear_paper(comp, comm, sync, prob.counts, 1e9)
+        best, path = search_linear_paper(*paper_arrays(prob), prob.counts, 1e9)
         plan = plan_burst(graph, net, 8, 1e9)
         assert plan.iteration_time == pytest.approx(best, rel=1e-12)
         literal = evaluate_assignment(prob, {n: prob.counts[k] for n, k in zip(prob.order, path)})

@@ -330,12 +330,9 @@ def test_comm_guard_wraps_each_global_allreduce_and_changes_nothing(tmp_path):
     """comm_guard("allreduce") is entered exactly once per iteration around the all-reduce
     (one-process gloo group), and the trained weights equal an unguarded worker's."""
     import contextlib
-    import copy
 
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    from jabasray.engine.sma import SMAWorker
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

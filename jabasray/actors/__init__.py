@@ -23,7 +23,6 @@ _EXPORTS = {
     "plot_history": "metrics",
     "Checkpoint": "checkpoint", "DriverState": "checkpoint", "latest_checkpoint": "checkpoint",
     "Slot": "placement", "slots_for": "placement", "resource_name": "placement",
-    "cluster_from_ray": "placement",
     "Rendezvous": "rendezvous", "RendezvousServer": "rendezvous",
 }
 

@@ -236,8 +236,9 @@ def _choose_actor(job: BackgroundJob, actors: Sequence[Any]) -> Any:
 
     if not actors:
         raise ValueError("actors must list at least one GPU actor, got none")
-    spare = ray.get([a.spare_capacity.remote() for a in actors])
-    free = ray.get([a.free_memory.remote() for a in actors])
+    answers = ray.get([a.spare_capacity.remote() for a in actors]     # one round trip
+                      + [a.free_memory.remote() for a in actors])
+    spare, free = answers[:len(actors)], answers[len(actors):]
     fits = [i for i in range(len(actors)) if free[i] >= job.memory_mb]
     if not fits:
         raise ValueError(f"memory_mb must be <= the largest free memory of the devices "

@@ -131,14 +131,6 @@ class DriverCallback:
         pass
 
 
-def _import_solver() -> Callable:
-    try:
-        from ..planners import solve_configuration  # the agreed public name
-    except ImportError:
-        from ..planners.config_solver import solve_configuration
-    return solve_configuration
-
-
 class JabasDriver:
     """Runs one JABAS job on Ray actors (in-process, or itself as a Ray actor via
     ``ray.remote(JabasDriver)``). ``run()`` returns the :class:`MetricsHistory`.
@@ -180,13 +172,15 @@ class JabasDriver:
         self._given_model = perf_model
         self._profiles = profiles
         self._model: Any = perf_model  # built in run() when not given
-        self._solve = _import_solver()
+        from ..planners import solve_configuration
+        self._solve = solve_configuration
         self._placement: Placement | None = None
         self._placed_epoch = -1
         self._rdv: RendezvousServer | None = None
         self._generation = 0
         self._applied: tuple | None = None
         self._plan_cache: dict[tuple, Plan] = {}
+        self._alloc_models: dict[tuple[int, bool], Any] = {}   # of self._model
         self._data_ref: Any = None
         self._val_ref: Any = None
         self.metrics = MetricsHistory()
@@ -222,6 +216,8 @@ class JabasDriver:
         self._data_ref = ray.put(self.dataset)
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self._model = self._build_model()
+        self._alloc_models.clear()   # both derive from self._model
+        self._plan_cache.clear()
         self._check_min_local_batch()
         ctl = AdaptiveBatchController(job)
         state, worker_state = self._restore_or_start(ctl)
@@ -321,11 +317,14 @@ class JabasDriver:
                              f"use another run name or the same configuration to resume")
 
     # ------------------------------------------------------------------ allocation
-    def _alloc_model(self, cluster: ClusterSpec, allocation: dict[str, int]) -> Any:
-        n = 2 * sum(allocation.values())
-        multi = len(allocation) > 1
-        fa = getattr(self._model, "for_allocation", None)
-        return fa(n, multi) if callable(fa) else self._model
+    def _alloc_model(self, num_gpus: int, multi_node: bool) -> Any:
+        """The iteration-time model retargeted to an allocation (``for_allocation``, if any),
+        built once per (num_gpus, multi_node) so its caches survive across plans."""
+        key = (num_gpus, multi_node)
+        if key not in self._alloc_models:
+            fa = getattr(self._model, "for_allocation", None)
+            self._alloc_models[key] = fa(num_gpus, multi_node) if callable(fa) else self._model
+        return self._alloc_models[key]
 
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None
                            ) -> dict[str, int]:
@@ -435,15 +434,15 @@ class JabasDriver:
         return [results[i] for i in ranks]
 
     # ------------------------------------------------------------------ plans
-    def _plan(self, slots: list[Slot], cluster: ClusterSpec, allocation: dict[str, int],
-              global_batch: int) -> Plan:
-        """Alg. 1 on the current GPUs for B_G (cached). If B_G is below what the allocation can
-        run (M < N_H for every B_L), the smallest runnable B_G (2 * N_H * min B_L) is used."""
+    def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
+        """Alg. 1 on the GPUs of ``slots`` for B_G (cached). If B_G is below what the allocation
+        can run (M < N_H for every B_L), the smallest runnable B_G (2 * N_H * min B_L) is used."""
         gg = group_gpus(slots)
-        key = (global_batch, tuple(gg))
+        multi_node = len({s.node for s in slots}) > 1   # the model depends on it (all-reduce)
+        key = (global_batch, tuple(gg), multi_node)
         if key in self._plan_cache:
             return self._plan_cache[key]
-        model = self._alloc_model(cluster, allocation)
+        model = self._alloc_model(len(slots), multi_node)
         mlb = self.job.min_local_batch
         plan = self._solve_near(global_batch, gg, model)
         if plan is None:
@@ -469,11 +468,13 @@ class JabasDriver:
         |B_G* - B_G| <= (alpha/2) B_G - half an adaptation step; if no B_L is that close, the
         plan with the closest B_G* (ties: faster).
         """
+        from ..planners.config_solver import num_workers_per_group
+
         mlb = self.job.min_local_batch
         max_bl = min(int(model.max_local_batch(g)) for g in set(gg))
         plans = []
         for bl in range(mlb, max_bl + 1, mlb):
-            if _workers_per_group(global_batch, bl) < len(gg):
+            if num_workers_per_group(global_batch, bl) < len(gg):
                 break                       # Alg. 1 line 9: larger B_L cannot work either
             p = self._solve(global_batch, gg, _LocalBatchCap(model, bl), bl)
             if p is not None:
@@ -557,10 +558,10 @@ class JabasDriver:
                 keep=self.options.keep_checkpoints)
         slots = self._placement.slots
         n = len(self.dataset)
-        cursor, interval, samples, loss_sum, train_time = 0, 0, 0, 0.0, 0.0
+        cursor, interval, iters, samples, loss_sum, train_time = 0, 0, 0, 0, 0.0, 0.0
         while cursor < n:
             target = ctl.global_batch
-            plan = self._plan(slots, state.cluster, state.allocation, target)
+            plan = self._plan(slots, target)
             t0 = time.perf_counter()
             configs = self._rank_configs(plan)
             self._apply(configs)
@@ -597,6 +598,7 @@ class JabasDriver:
                 cb.on_interval(self, rec)
             ctl.update(phi if phi is not None else job.gamma)
             state.iteration += replies[0].num_iterations
+            iters += replies[0].num_iterations
             samples += done
             loss_sum += replies[0].loss * replies[0].num_iterations
             train_time += dt
@@ -612,7 +614,6 @@ class JabasDriver:
         if allocation != state.allocation:
             self._event(f"epoch {epoch}: auto-scaling {state.allocation} -> {allocation}")
         worker_state = self._call_all("state_dict", ranks=[0])[0]
-        iters = sum(r.num_iterations for r in self.metrics.intervals if r.epoch == epoch)
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
@@ -696,12 +697,6 @@ def _tuner_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-def _workers_per_group(global_batch: int, local_batch: int) -> int:
-    """M of Alg. 1 line 8, exactly as the solver computes it."""
-    from ..planners.config_solver import num_workers_per_group
-    return num_workers_per_group(global_batch, local_batch)
-
-
 class _LocalBatchCap:
     """An iteration-time model whose max B_L is capped (restricts Alg. 1 to one B_L)."""
 
@@ -724,13 +719,4 @@ def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: list[floa
     decision = choose_allocation(cluster, model, trajectory, dataset_size, job.adapt_interval,
                                  job.min_local_batch, objective=job.autoscale_objective,
                                  cost_budget=job.cost_budget)
-    return _allocation_of(decision, cluster)
-
-
-def _allocation_of(decision: Any, cluster: ClusterSpec) -> dict[str, int]:
-    alloc = getattr(decision, "allocation", decision)
-    pairs = getattr(alloc, "node_pairs", alloc)
-    if isinstance(pairs, dict):
-        return normalize_allocation(cluster, {k: int(v) for k, v in pairs.items()})
-    # a sequence aligned with cluster.nodes
-    return normalize_allocation(cluster, {n.name: int(p) for n, p in zip(cluster.nodes, pairs)})
+    return normalize_allocation(cluster, decision.allocation.node_pairs)

@@ -210,16 +210,19 @@ class GPUActor(BackgroundHostMixin):
     # ------------------------------------------------------------------ training
     def micro_batches(self, epoch: int, cursor: int, local_batch: int, layout: list[int]
                       ) -> tuple[list, Any]:
-        """This rank's micro-batches of the iteration that starts at ``cursor``."""
+        """This rank's micro-batches of the iteration that starts at ``cursor``: one gather and
+        one device copy for all of them, then split into per-worker views."""
+        import numpy as np
+
         it = self._sampler.iteration(epoch, cursor, local_batch, layout, rank=self.slot.rank)
-        batches = [tuple(t.to(self.device) for t in gather(self.dataset, idx))
-                   for idx in it.micro_batches]
+        sizes = [len(idx) for idx in it.micro_batches]
+        rows = gather(self.dataset, np.concatenate(it.micro_batches))
+        batches = list(zip(*(t.to(self.device).split(sizes) for t in rows)))
         return batches, it
 
     def run_interval(self, req: IntervalRequest) -> IntervalReply:
         """Train ``req.num_iterations`` iterations from ``req.cursor``; see module docstring."""
-        import torch
-        from ..adaptive import cosine_similarity, scaled_lr
+        from ..adaptive import scaled_lr
 
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
@@ -256,12 +259,12 @@ class GPUActor(BackgroundHostMixin):
                         time.sleep(s)
                         slept += s
             losses.append(float(stats.loss))
-            samples += sum(len(b[0]) for b in batches)
+            samples += sum(len(idx) for idx in it.micro_batches)
             compute += stats.compute_time
             comm += stats.comm_time
             update += stats.update_time
             if keep:
-                phi = self._group_similarity(stats.local_grad, cosine_similarity, torch)
+                phi = self._group_similarity(stats.local_grad)
             cursor = it.next_cursor
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
@@ -269,17 +272,20 @@ class GPUActor(BackgroundHostMixin):
                              emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
                              end_cursor=cursor, losses=losses)
 
-    def _group_similarity(self, local_grad: Any, cosine: Callable, torch: Any) -> float:
+    def _group_similarity(self, local_grad: Any) -> float:
         """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
         two group sums; Phi = cosine(row 0, row 1) (identical on every rank)."""
+        import torch
         import torch.distributed as dist
+
+        from ..adaptive import cosine_similarity
 
         flat = local_grad.detach().reshape(-1)
         buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
         buf[self.slot.group].copy_(flat)
         with self.bg_foreground_critical("allreduce"):
             dist.all_reduce(buf, group=self.group)
-        return float(cosine(buf[0], buf[1]))
+        return float(cosine_similarity(buf[0], buf[1]))
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -155,7 +155,7 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
     resources do not appear within ``timeout_s``.
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     available = ray.cluster_resources()
@@ -224,32 +224,3 @@ def release(placement: Placement | None) -> None:
         _release_pair(pg, actors)
     placement.pairs = {}
     placement.actors = []
-
-
-def cluster_from_ray(default_speed: float = 1.0) -> ClusterSpec:
-    """A ClusterSpec for the running Ray cluster (adapter; no planner-side ``from_ray`` needed).
-
-    Real GPUs: one node per alive Ray node with GPUs; its type is its ``gpu_<t>`` resource, else
-    its ``accelerator_type:<t>`` resource, else ``"gpu"``. Emulated GPUs (no real ones): one node
-    per ``gpu_<t>`` custom resource of a Ray node, with ``default_speed``. Odd counts drop one GPU.
-    """
-    import ray
-
-    nodes: list[NodeSpec] = []
-    for i, rn in enumerate(n for n in ray.nodes() if n.get("Alive")):
-        res = rn.get("Resources", {})
-        typed = {k[len("gpu_"):]: int(v) for k, v in res.items() if k.startswith("gpu_") and v >= 1}
-        num_real = int(res.get("GPU", 0))
-        if num_real:
-            acc = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
-            gpu_type = next(iter(typed), acc[0] if acc else "gpu")
-            nodes.append(NodeSpec(name=f"ray{i}-{gpu_type}", gpu_type=gpu_type, num_gpus=num_real))
-        else:
-            for t, count in sorted(typed.items()):
-                nodes.append(NodeSpec(name=f"ray{i}-{t}", gpu_type=t, num_gpus=count,
-                                      speed=default_speed))
-    nodes = [n for n in nodes if n.num_gpus >= 2]
-    if not nodes:
-        raise ValueError("cluster: the running Ray cluster has no GPU pairs (no 'GPU' and no "
-                         "'gpu_<type>' resources with >= 2 units); pass cluster=ClusterSpec(...)")
-    return ClusterSpec(nodes=nodes).validated_pairs(drop_odd_gpu=True)

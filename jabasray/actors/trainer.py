@@ -19,7 +19,7 @@ from ..types import ClusterSpec
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .metrics import MetricsHistory, plot_history, save_metrics
-from .placement import cluster_from_ray, resource_name
+from .placement import resource_name
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +110,8 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
 
 
 def detect_cluster() -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray`` when the planning side
-    provides it, else :func:`placement.cluster_from_ray`); odd GPUs are left out."""
-    from_ray = getattr(ClusterSpec, "from_ray", None)
-    if callable(from_ray):
-        return from_ray().validated_pairs(drop_odd_gpu=True)
-    return cluster_from_ray()
+    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``); odd GPUs are left out."""
+    return ClusterSpec.from_ray().validated_pairs(drop_odd_gpu=True)
 
 
 class JabasTrainer:

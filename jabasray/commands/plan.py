@@ -8,7 +8,8 @@ import argparse
 import json
 from typing import Any
 
-from ..planners.autoscale import OBJECTIVES, Allocation, choose_allocation, enumerate_allocations
+from ..config import WEIGHT_SYNC_METHODS
+from ..planners.autoscale import OBJECTIVES, Allocation, choose_allocation
 from ..planners.config_solver import solve_configuration_detailed
 from ..planners.perf_model import PerfModel, emulated_profiles
 from ..profiler.profile import Profile, load_profiles
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cost-budget", type=float, default=None, help="for --objective time_under_budget")
     p.add_argument("--dataset-size", type=int, default=50000, help="samples per epoch (auto-scaler)")
     p.add_argument("--adapt-interval", type=int, default=100, help="p: iterations per B_G (auto-scaler)")
-    p.add_argument("--weight-sync", default="auto", choices=("auto", "sws", "ows"))
+    p.add_argument("--weight-sync", default="auto", choices=WEIGHT_SYNC_METHODS)
     p.add_argument("--max-deviation", type=float, default=None,
                    help="reject B_L whose rounded B_G* differs from --global-batch by more than this "
                         "fraction (default: none, as in the paper's Alg. 1)")
@@ -85,7 +86,7 @@ def _parse_allocation(text: str, cluster: ClusterSpec) -> Allocation:
     return alloc
 
 
-def _table(plan: Plan, alloc: Allocation, cluster: ClusterSpec, model: PerfModel) -> str:
+def _table(plan: Plan, alloc: Allocation, model: PerfModel) -> str:
     lines = [f"allocation: {', '.join(f'{n}={p} pair(s)' for n, p in alloc.node_pairs.items() if p)} "
              f"({alloc.num_gpus} GPUs, {'multi' if alloc.multi_node else 'single'}-node)",
              f"global batch: requested {plan.requested_global_batch_size}, used {plan.global_batch_size} "
@@ -125,24 +126,28 @@ def run(args: argparse.Namespace) -> int:
                                      cost_budget=args.cost_budget, max_deviation=args.max_deviation)
         alloc = decision.allocation
     elif args.allocation == "all":
-        alloc = enumerate_allocations(cluster)[-1]
+        alloc = Allocation({n.name: n.num_pairs for n in cluster.nodes})   # every pair
     else:
         alloc = _parse_allocation(args.allocation, cluster)
     group = alloc.group_gpus(cluster)
     m = model.for_allocation(alloc.num_gpus, alloc.multi_node)
-    res = solve_configuration_detailed(args.global_batch, group, m, min_bl, args.max_deviation)
-    if res.plan is None:
-        raise ValueError(f"global_batch: {res.reason}")
+    if decision is not None:   # the auto-scaler has already solved B_G on the chosen allocation
+        plan = decision.plans[args.global_batch]
+    else:
+        res = solve_configuration_detailed(args.global_batch, group, m, min_bl, args.max_deviation)
+        if res.plan is None:
+            raise ValueError(f"global_batch: {res.reason}")
+        plan = res.plan
     if args.json:
-        out = {"allocation": alloc.to_dict(), "group_gpus": group, "plan": res.plan.to_dict(),
-               "throughput": res.plan.throughput}
+        out = {"allocation": alloc.to_dict(), "group_gpus": group, "plan": plan.to_dict(),
+               "throughput": plan.throughput}
         if decision is not None:
             out["autoscale"] = {"objective": decision.objective, "epoch_time": decision.epoch_time,
                                 "cost": decision.cost, "iterations": decision.iterations,
                                 "candidates": [c.to_dict() for c in decision.candidates]}
         print(json.dumps(out, indent=2))
     else:
-        print(_table(res.plan, alloc, cluster, m))
+        print(_table(plan, alloc, m))
         if decision is not None:
             print(f"\nauto-scaler ({decision.objective}): predicted epoch {decision.epoch_time:.3f} s, "
                   f"cost {decision.cost:.4g}, {len(decision.candidates)} candidate allocations")

@@ -9,8 +9,6 @@ import argparse
 import json
 import tempfile
 
-from jabasray.validation import check_choice, check_float, check_int
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tune", help="packed Hyperband sweep (Table 3 space, MLP on digits) with Ray Tune")
@@ -27,22 +25,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_int("R", args.R, min_value=1)
-    check_int("eta", args.eta, min_value=2)
-    check_int("steps_per_unit", args.steps_per_unit, min_value=1)
-    check_float("memory_budget", args.memory_budget, min_value=0.0, min_exclusive=True)
-    check_choice("method", args.method, ("knn", "random", "batch_size", "none"))
-    import ray
-    from ray import tune
-
     from jabasray.tuner import HyperbandConfig, PackedHyperbandTuner
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
 
+    # TrainingSpec and HyperbandConfig validate every option, before Ray is imported
+    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit)
+    hyperband = HyperbandConfig(R=args.R, eta=args.eta, memory_budget=args.memory_budget,
+                                pack_method=args.method, threshold=args.threshold)
+    import ray
+    from ray import tune
+
     tuner = PackedHyperbandTuner(
-        digits_mlp_spec(steps_per_unit=args.steps_per_unit),
-        param_space={k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()},
-        hyperband=HyperbandConfig(R=args.R, eta=args.eta, memory_budget=args.memory_budget,
-                                  pack_method=args.method, threshold=args.threshold),
+        spec, param_space={k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()},
+        hyperband=hyperband,
         run_config=tune.RunConfig(name="jabasray_tune",
                                   storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_")))
     started = not ray.is_initialized()

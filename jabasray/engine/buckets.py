@@ -18,7 +18,6 @@ Implementation notes
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,8 +25,6 @@ import torch
 from torch import nn
 
 from ..validation import check_float
-
-log = logging.getLogger(__name__)
 
 BucketPlan = list[list[str]]
 
@@ -184,6 +181,9 @@ class FlatBuffers:
         self.grad_views: list[list[torch.Tensor]] = []
         self.modules_params: list[list[nn.Parameter]] = []
         self._bound: list[list[bool]] = []
+        # parameter name -> (bucket, element offset, numel) in the flat layout
+        self._slots = {n: (spec.index, off, k) for spec in self.specs
+                       for n, off, k in zip(spec.names, spec.offsets, spec.numels)}
         for spec in self.specs:
             plist = [named[n] for n in spec.names]
             device = plist[0].device
@@ -229,17 +229,19 @@ class FlatBuffers:
         """Give every parameter without a gradient this step a zero gradient."""
         for b, (plist, bound) in enumerate(zip(self.modules_params, self._bound)):
             for k, p in enumerate(plist):
-                if not bound[k]:
-                    if self.flat_grads:
-                        view = self.grad_views[b][k]
-                        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                            view.copy_(p.grad)           # hook did not run (grad set by user code)
-                        elif p.grad is None:
-                            view.zero_()
-                        p.grad = view
-                    elif p.grad is None:
+                if bound[k]:
+                    continue
+                bound[k] = True
+                if not self.flat_grads:
+                    if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    bound[k] = True
+                    continue
+                view = self.grad_views[b][k]
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)               # hook did not run (grad set by user code)
+                p.grad = view
 
     # -- bucket operations -------------------------------------------------------------------
     def bucket_grads(self, bucket: int) -> list[torch.Tensor]:
@@ -283,14 +285,10 @@ class FlatBuffers:
                              ) -> torch.Tensor:
         """Concatenate per-parameter slices of bucket-layout ``flats`` (default: the current
         gradients) in the order of ``names`` into one 1-D tensor."""
-        if flats is None:
-            flats = [self.bucket_flat_copy(b) for b in range(len(self.specs))]
-        where = {}
-        for spec in self.specs:
-            for n, off, k in zip(spec.names, spec.offsets, spec.numels):
-                where[n] = (spec.index, off, k)
+        if flats is None:         # torch.cat below copies: no clone of flat buckets needed
+            flats = self.grads if self.flat_grads else [self.bucket_flat_copy(b) for b in range(len(self.specs))]
         parts = []
         for n in names:
-            b, off, k = where[n]
+            b, off, k = self._slots[n]
             parts.append(flats[b][off:off + k])
         return torch.cat(parts) if parts else torch.zeros(0)

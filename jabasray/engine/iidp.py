@@ -185,7 +185,12 @@ class IIDPWorker:
         if comm_guard is not None and not callable(comm_guard):
             raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
                              f"got {comm_guard!r}")
-        check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
+        self.bucket_cap_mb = check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
+        if flat_grads is not None and not isinstance(flat_grads, bool):
+            raise ValueError(f"flat_grads must be True, False or None, got {flat_grads!r}")
+        if flat_grads is False and process_group is not None:
+            raise ValueError("flat_grads must not be False when a process_group is set "
+                             "(buckets are all-reduced from flat buffers)")
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer_fn):
@@ -201,25 +206,22 @@ class IIDPWorker:
         model.to(self.device)
         self.loss_fn = loss_fn
         self.process_group = process_group
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        # NCCL needs device tensors; gloo takes CPU tensors
+        self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         plan = (default_bucket_plan(model, bucket_cap_mb) if bucket_plan is None
                 else validate_bucket_plan(model, bucket_plan))
         self.bucket_plan: BucketPlan = plan
         self._specs = make_bucket_specs(model, plan)
         self._param_names = [n for n, _ in trainable_parameters(model)]
         self.weight_sync = weight_sync
-        self._method = resolve_weight_sync(weight_sync, bucket_nbytes(self._specs), bucket_cap_mb)
+        nbytes = bucket_nbytes(self._specs)
+        self._method = resolve_weight_sync(weight_sync, nbytes, bucket_cap_mb)
         log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(self._specs),
-                 bucket_nbytes(self._specs), self._method, weight_sync)
+                 nbytes, self._method, weight_sync)
 
         self._lock = threading.Lock()
         # flat gradient buckets only when they are all-reduced; on a single device gradients
         # stay autograd's tensors (no bucket copy at all)
-        if flat_grads is not None and not isinstance(flat_grads, bool):
-            raise ValueError(f"flat_grads must be True, False or None, got {flat_grads!r}")
-        if flat_grads is False and process_group is not None:
-            raise ValueError("flat_grads must not be False when a process_group is set "
-                             "(buckets are all-reduced from flat buffers)")
         self._flat_grads = process_group is not None if flat_grads is None else flat_grads
         self._lanes = Lanes(self.device)
         self._pool = VSWThreadPool(0)
@@ -293,14 +295,12 @@ class IIDPWorker:
         current weights and buffers) or removed; the optimizer and its state are kept.
         Collective when a process group is set: all ranks must call it (all-reduce of the
         decoupled-worker count)."""
-        check_int("num_vsw", num_vsw, min_value=1)
-        check_int("num_ga", num_ga, min_value=0)
-        check_int("local_batch_size", local_batch_size, min_value=1)
-        num_vsw, num_ga, local_batch_size = int(num_vsw), int(num_ga), int(local_batch_size)
+        num_vsw = check_int("num_vsw", num_vsw, min_value=1)
+        num_ga = check_int("num_ga", num_ga, min_value=0)
+        local_batch_size = check_int("local_batch_size", local_batch_size, min_value=1)
         workers = num_vsw * (num_ga + 1)
         if self.process_group is not None:
-            t = torch.tensor([workers], dtype=torch.int64,
-                             device=self.device if self._comm_on_device() else "cpu")
+            t = torch.tensor([workers], dtype=torch.int64, device=self._comm_device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
             self._global_num_workers = int(t.item())
         else:
@@ -316,10 +316,6 @@ class IIDPWorker:
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
         log.debug("IIDP configured: n_vsw=%d n_ga=%d B_L=%d (global workers %d)",
                   num_vsw, num_ga, local_batch_size, self._global_num_workers)
-
-    def _comm_on_device(self) -> bool:
-        """NCCL needs device tensors; gloo takes CPU tensors (and CUDA ones)."""
-        return self.device.type == "cuda"
 
     def _new_replica(self, index: int) -> _VSW:
         main = self._vsws[0].module
@@ -487,8 +483,7 @@ class IIDPWorker:
         count_work = None
         count_t = None
         if ragged:
-            count_t = torch.tensor([sum(weights)], dtype=torch.float64,
-                                   device=self.device if self._comm_on_device() else "cpu")
+            count_t = torch.tensor([sum(weights)], dtype=torch.float64, device=self._comm_device)
             if pg is not None:
                 count_work = dist.all_reduce(count_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         start_ev = lanes.record()
@@ -520,9 +515,7 @@ class IIDPWorker:
         with lanes.context(lanes.update):
             for v in self._vsws:
                 lanes.wait(lanes.update, lanes.record(lanes.vsw[v.index]))
-            loss_t = torch.stack(losses).sum().reshape(1)
-            if not self._comm_on_device():
-                loss_t = loss_t.cpu()
+            loss_t = torch.stack(losses).sum().reshape(1).to(self._comm_device)
             loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                          if pg is not None else None)
             if ragged:

@@ -250,7 +250,8 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 class _Job:
     """Runtime state of one task: data cursor, pacer, graph, status."""
 
-    def __init__(self, task: BackgroundTask, device: torch.device, batch_size: int) -> None:
+    def __init__(self, task: BackgroundTask, device: torch.device, batch_size: int,
+                 max_outstanding: int | None) -> None:
         self.task = task
         self.device = device
         self.batch_size = batch_size
@@ -263,7 +264,7 @@ class _Job:
         self.perm: torch.Tensor | None = None
         self.paused = False
         self.cancel = False
-        self.pacer: LaunchPacer | None = None
+        self.pacer = LaunchPacer(max_outstanding)
         self.graph: Any = None
         self.graph_failed = False
         self.loss_t: torch.Tensor | None = None
@@ -272,6 +273,11 @@ class _Job:
         task.model.to(device)
         if task.checkpoint_path and Path(task.checkpoint_path).exists():
             self.load(task.checkpoint_path)
+
+    @property
+    def runnable(self) -> bool:
+        """Not finished, not paused, not cancelled: the runner may issue its next step."""
+        return not self.status.finished and not self.paused and not self.cancel
 
     # ---- data
     def _order(self) -> torch.Tensor:
@@ -391,8 +397,7 @@ class BackgroundRunner:
             log.info("background job %s: batch %d capped to %d (small background batches)",
                      task.name, bs, cap)
             bs = cap
-        job = _Job(task, self.device, bs)
-        job.pacer = LaunchPacer(self.policy.max_outstanding)
+        job = _Job(task, self.device, bs, self.policy.max_outstanding)
         if job.status.step >= job.status.total_steps:
             job.status.state = "done"
         with self._cv:
@@ -461,8 +466,7 @@ class BackgroundRunner:
         with self._cv:                      # never in the middle of one of its steps
             while self._busy:
                 self._cv.wait()
-            if job.pacer is not None:
-                job.pacer.drain()
+            job.pacer.drain()
             with job.lock:
                 return job.save(path)
 
@@ -586,8 +590,7 @@ class BackgroundRunner:
 
     # ---------------------------------------------------------------- background thread
     def _any_runnable(self) -> bool:
-        return any(not j.status.finished and not j.paused and not j.cancel
-                   for j in self._jobs.values())
+        return any(j.runnable for j in self._jobs.values())
 
     def _background_active(self) -> bool:
         return self._paused == 0 and self._any_runnable()
@@ -597,7 +600,7 @@ class BackgroundRunner:
         for k in range(n):
             name = self._order[(self._rr + k) % n]
             job = self._jobs.get(name)
-            if job is not None and not job.status.finished and not job.paused and not job.cancel:
+            if job is not None and job.runnable:
                 self._rr = (self._rr + k + 1) % n
                 return job
         return None
@@ -607,7 +610,7 @@ class BackgroundRunner:
             torch.cuda.set_device(self.device)
         while True:
             with self._cv:
-                while not self._stop and (self._paused > 0 or self._next_job_peek() is None):
+                while not self._stop and (self._paused > 0 or not self._any_runnable()):
                     self._cv.wait(timeout=0.1)
                 if self._stop:
                     return
@@ -617,11 +620,8 @@ class BackgroundRunner:
                 delay = self.controller.delay if self.policy.slowdown_target is not None else 0.0
             if delay > 0:
                 time.sleep(delay)
-                with self._cv:                    # re-check the gate after the throttle delay
-                    if self._paused > 0 or self._stop:
-                        continue
-            with self._cv:
-                if self._paused > 0 or job.paused or job.cancel:
+            with self._cv:                        # re-check the gates (after the throttle delay)
+                if self._stop or self._paused > 0 or job.paused or job.cancel:
                     continue
                 self._busy, self._current = True, job
             try:
@@ -630,13 +630,6 @@ class BackgroundRunner:
                 with self._cv:
                     self._busy, self._current = False, None
                     self._cv.notify_all()
-
-    def _next_job_peek(self) -> _Job | None:
-        for name in self._order:
-            j = self._jobs.get(name)
-            if j is not None and not j.status.finished and not j.paused and not j.cancel:
-                return j
-        return None
 
     def _run_one(self, job: _Job) -> None:
         """One training step of ``job``; errors are contained here (never reach the foreground)."""
@@ -675,35 +668,32 @@ class BackgroundRunner:
         """Issue one training step; returns a completion handle (CUDA event) or None (CPU)."""
         task = job.task
         if not self.is_cuda:
-            task.optimizer.zero_grad(set_to_none=True)
-            loss = task.loss_fn(task.model(x), y)
-            loss.backward()
-            task.optimizer.step()
-            job.loss_t = loss.detach()
+            job.loss_t = _eager_step(task, x, y)
             return None
         with torch.cuda.stream(self.bg_stream):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             if (self.policy.cuda_graphs and not job.graph_failed
-                    and len(y) == job.batch_size):
-                if job.graph is None:
-                    job.graph = _GraphedStep.capture(task, x, y, self.bg_stream)
-                    if job.graph is None:
-                        job.graph_failed = True
-                    job.status.graphed = job.graph is not None
-                if job.graph is not None:
-                    job.loss_t = job.graph.replay(x, y)
-                    ev = torch.cuda.Event()
-                    ev.record(self.bg_stream)
-                    return ev
-            task.optimizer.zero_grad(set_to_none=True)
-            loss = task.loss_fn(task.model(x), y)
-            loss.backward()
-            task.optimizer.step()
-            job.loss_t = loss.detach()
+                    and len(y) == job.batch_size and job.graph is None):
+                job.graph = _GraphedStep.capture(task, x, y, self.bg_stream)
+                job.graph_failed = job.graph is None
+                job.status.graphed = job.graph is not None
+            if job.graph is not None and len(y) == job.batch_size:
+                job.loss_t = job.graph.replay(x, y)
+            else:
+                job.loss_t = _eager_step(task, x, y)
             ev = torch.cuda.Event()
             ev.record(self.bg_stream)
             return ev
+
+
+def _eager_step(task: BackgroundTask, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One eager training step of ``task`` (zero_grad, forward, backward, step); its loss."""
+    task.optimizer.zero_grad(set_to_none=True)
+    loss = task.loss_fn(task.model(x), y)
+    loss.backward()
+    task.optimizer.step()
+    return loss.detach()
 
 
 def _priority_range() -> tuple[int, int]:

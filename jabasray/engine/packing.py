@@ -45,6 +45,7 @@ loop for every optimizer, mixed batch sizes and mixed architectures.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -306,7 +307,6 @@ def _build_folded(models: list[nn.Module], stacked: dict[str, torch.Tensor]) -> 
     template = models[0]
     if not _foldable(template):
         return None
-    import copy
     shadow = copy.deepcopy(template)
     ctx = _Ctx()
     for name, mod in list(shadow.named_modules()):
@@ -361,6 +361,12 @@ class _Run:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)        # per member (adam/adagrad)
     has_buf: bool = False                                 # sgd momentum buffers exist
+    row_has_buf: list[bool] | None = None                 # per member, once a run mixes sgd flavours
+
+    def row_flags(self) -> list[bool]:
+        """Per-member "momentum buffer exists" flags (``has_buf`` for every row until a
+        mixed SGD run tracked them one by one)."""
+        return self.row_has_buf if self.row_has_buf is not None else [self.has_buf] * (self.hi - self.lo)
 
 
 @dataclass
@@ -768,9 +774,12 @@ class PackedModel:
     def _sgd_mixed(run: _Run, p: torch.Tensor, grad: torch.Tensor, hp: list[dict]) -> None:
         """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time."""
         buf = run.state["buf"]
-        flags = run.__dict__.setdefault("row_has_buf", [run.has_buf] * len(hp))
+        flags = run.row_has_buf = run.row_flags()
+
+        def one(v: float) -> torch.Tensor:
+            return torch.tensor(v, dtype=p.dtype, device=p.device)
+
         for r, h in enumerate(hp):
-            one = lambda v: torch.tensor(v, dtype=p.dtype, device=p.device)  # noqa: E731
             wd = one(h["weight_decay"]) if h["weight_decay"] != 0 else None
             if h["momentum"] != 0:
                 _sgd_step(p[r], grad[r], buf[r], flags[r], one(h["lr"]), one(h["momentum"]),
@@ -787,7 +796,7 @@ class PackedModel:
                 if not g.batched:
                     continue
                 for run in g.runs:
-                    flags = run.__dict__.get("row_has_buf", [run.has_buf] * (run.hi - run.lo))
+                    flags = run.row_flags()
                     for r, k in enumerate(range(run.lo, run.hi)):
                         m = g.members[k]
                         named = dict(m.model.named_parameters())

@@ -24,16 +24,17 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from torch.utils.data import default_collate
 
 from ..validation import check_int
 
 
 def epoch_permutation(seed: int, epoch: int, dataset_size: int) -> np.ndarray:
     """The epoch's shuffled order of ``range(dataset_size)`` (int64)."""
-    check_int("seed", seed, min_value=0)
-    check_int("epoch", epoch, min_value=0)
-    check_int("dataset_size", dataset_size, min_value=1)
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(int(dataset_size)).astype(np.int64)
+    seed = check_int("seed", seed, min_value=0)
+    epoch = check_int("epoch", epoch, min_value=0)
+    dataset_size = check_int("dataset_size", dataset_size, min_value=1)
+    return np.random.default_rng([seed, epoch]).permutation(dataset_size).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -120,16 +121,18 @@ class IIDPSampler:
 def gather_micro_batches(dataset: Any, indices: Sequence[np.ndarray]) -> list[tuple[Any, Any]]:
     """``[(inputs, targets), ...]`` for each index array: direct tensor indexing for a
     ``TensorDataset`` of (inputs, targets), else ``default_collate`` over the items."""
-    out = []
     tensors = getattr(dataset, "tensors", None)
+    if tensors is not None and len(tensors) == 2:
+        inputs, targets = tensors
+        out = []
+        for idx in indices:
+            t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+            out.append((inputs[t], targets[t]))
+        return out
+    out = []
     for idx in indices:
-        t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        if tensors is not None and len(tensors) == 2:
-            out.append((tensors[0][t], tensors[1][t]))
-        else:
-            from torch.utils.data import default_collate
-            if len(t) == 0:
-                raise ValueError("gather_micro_batches: empty micro-batch needs a TensorDataset")
-            x, y = default_collate([dataset[int(i)] for i in t])
-            out.append((x, y))
+        if len(idx) == 0:
+            raise ValueError("gather_micro_batches: empty micro-batch needs a TensorDataset")
+        x, y = default_collate([dataset[int(i)] for i in idx])
+        out.append((x, y))
     return out

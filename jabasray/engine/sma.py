@@ -54,6 +54,7 @@ recursion is unstable on a quadratic (an eigenvalue below -1); the default mu = 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -64,6 +65,7 @@ import torch
 from torch import nn
 
 from ..validation import check_float, check_int
+from .iidp import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -170,52 +172,21 @@ def _clone_flat(src: FlatModule) -> FlatModule:
 
 
 # --------------------------------------------------------------------------------------------
-# Step statistics (compatible with the engine's StepStats).
+# Step statistics (the engine's StepStats plus SMA extras).
 # --------------------------------------------------------------------------------------------
 
 @dataclass
-class SMAStepStats:
-    """Result of one SMA iteration; the fields of the IIDP engine's ``StepStats`` plus SMA extras.
+class SMAStepStats(StepStats):
+    """Result of one SMA iteration: the IIDP engine's ``StepStats`` plus SMA extras.
 
-    Used when ``jabasray.engine.iidp.StepStats`` is absent or does not accept these fields.
+    ``loss`` is the mean loss (see module notes for CUDA overlap); ``num_workers`` counts the
+    micro-batches consumed on this device, m * (num_ga + 1); ``comm_time`` is the all-reduce of
+    corrections, ``update_time`` the local + global synchronisation.
     """
 
-    loss: float                          # mean loss (see module notes for CUDA overlap)
-    num_workers: int                     # micro-batches consumed on this device: m * (num_ga+1)
-    global_num_workers: int              # over all devices
-    local_grad: torch.Tensor | None      # sum over this device's micro-batches of their grads
-    compute_time: float                  # seconds in learning tasks (forward + backward)
-    comm_time: float                     # seconds in the all-reduce of corrections
-    update_time: float                   # seconds in local + global synchronisation
     num_learners: int = 1                # m on this device
     total_learners: int = 1              # k over all devices
     alpha: float = 1.0                   # correction rate used
-    num_samples: int = 0                 # samples consumed on this device
-    weight_sync: str = "sma"             # as IIDP's StepStats.weight_sync
-
-
-def make_step_stats(**fields: Any) -> Any:
-    """Build the engine's ``StepStats`` when it exists and accepts the fields, else ours."""
-    try:
-        from .iidp import StepStats  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - module absent or broken: fall back
-        return SMAStepStats(**fields)
-    try:
-        import dataclasses
-        if dataclasses.is_dataclass(StepStats):
-            names = {f.name for f in dataclasses.fields(StepStats)}
-            stats = StepStats(**{k: v for k, v in fields.items() if k in names})
-        else:
-            stats = StepStats(**fields)
-    except TypeError:
-        return SMAStepStats(**fields)
-    for k, v in fields.items():          # SMA extras as attributes when the class allows it
-        if not hasattr(stats, k):
-            try:
-                setattr(stats, k, v)
-            except (AttributeError, TypeError):
-                pass
-    return stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -352,13 +323,9 @@ class SMAWorker:
         if self.process_group is None:
             return value
         import torch.distributed as dist
-        t = torch.tensor([float(value)], device=self._comm_device())
+        t = torch.tensor([float(value)], device=self.device)   # gloo: CPU, NCCL: CUDA tensors
         dist.all_reduce(t, group=self.process_group)
         return int(round(float(t.item())))
-
-    def _comm_device(self) -> torch.device:
-        # gloo works on CPU tensors; NCCL needs CUDA tensors.
-        return self.device
 
     # ---------------------------------------------------------------- learning rate
     def get_lr(self) -> float:
@@ -390,7 +357,7 @@ class SMAWorker:
 
         Each learner's gradient is the mean of its micro-batches' mean-loss gradients
         (``ragged=True``: weighted by sample counts; a learner without samples has g = 0 and
-        only applies its correction). Returns ``StepStats`` (see ``SMAStepStats``).
+        only applies its correction). Returns :class:`SMAStepStats` (an engine ``StepStats``).
         """
         m, per = self.num_vsw, self._num_ga + 1
         if len(micro_batches) != m * per:
@@ -416,17 +383,21 @@ class SMAWorker:
         if self.process_group is not None:
             self._all_reduce_guarded(comm)
         t3 = time.perf_counter()
-        loss, global_workers = self._global_sync(comm)
+        self._global_sync(comm)
+        loss, global_workers = self._comm_stats(comm)
         t4 = time.perf_counter()
+        return self._finish_step(t4 - t0, loss=loss, global_num_workers=global_workers,
+                                 local_grad=local_grad, compute_time=t1 - t0, comm_time=t3 - t2,
+                                 update_time=(t2 - t1) + (t4 - t3), num_samples=samples)
+
+    def _finish_step(self, elapsed: float, **fields: Any) -> SMAStepStats:
+        """Count the iteration (and the autotune throughput window); build its stats."""
         self.iteration += 1
-        self._tp_samples += samples
-        self._tp_time += t4 - t0
-        return make_step_stats(loss=loss, num_workers=self.num_workers,
-                               global_num_workers=global_workers, local_grad=local_grad,
-                               compute_time=t1 - t0, comm_time=t3 - t2,
-                               update_time=(t2 - t1) + (t4 - t3), num_learners=m,
-                               total_learners=self._total_learners, alpha=self.alpha,
-                               num_samples=samples, weight_sync="sma")
+        self._tp_samples += fields["num_samples"]
+        self._tp_time += elapsed
+        return SMAStepStats(num_workers=self.num_workers, weight_sync="sma",
+                            num_learners=self.num_vsw, total_learners=self._total_learners,
+                            alpha=self.alpha, **fields)
 
     def _learning_task(self, learner: FlatModule, batches: Sequence[Batch], ragged: bool
                        ) -> tuple[torch.Tensor, int]:
@@ -474,21 +445,23 @@ class SMAWorker:
 
     def _all_reduce_guarded(self, comm: torch.Tensor) -> None:
         """SUM-all-reduce ``comm`` over the process group inside ``comm_guard("allreduce")``."""
-        import contextlib
-
         import torch.distributed as dist
         guard = self.comm_guard("allreduce") if self.comm_guard is not None else contextlib.nullcontext()
         with guard:
             dist.all_reduce(comm, group=self.process_group)
 
-    def _global_sync(self, comm: torch.Tensor) -> tuple[float, int]:
-        """Apply the all-reduced corrections to z (line 12); average buffers; return stats."""
+    def _global_sync(self, comm: torch.Tensor) -> None:
+        """Apply the all-reduced corrections ``comm`` (laid out as [sum_j c_j, buffer sums,
+        loss sum, samples, workers]) to z (line 12) and average the float buffers."""
         n = self._z.flat.numel()
         nb = self._z.buffer_numel
         sma_center_update_(self._z.flat, self._velocity, comm[:n], self.momentum)
         if nb:
             self._z.set_buffers_flat(comm[n:n + nb] / self._total_learners)
-        loss_sum, samples, workers = comm[n + nb:].tolist()
+
+    def _comm_stats(self, comm: torch.Tensor) -> tuple[float, int]:
+        """(global mean loss, global micro-batch count) from the tail of ``comm`` (host sync)."""
+        loss_sum, samples, workers = comm[-3:].tolist()
         return (loss_sum / samples if samples else 0.0), int(round(workers))
 
     # ---------------------------------------------------------------- CUDA path
@@ -546,11 +519,7 @@ class SMAWorker:
                                            loss_sum.new_tensor(float(self.num_workers))])])
             if self.process_group is not None:
                 self._all_reduce_guarded(comm)
-            n = z.numel()
-            nb = self._z.buffer_numel
-            sma_center_update_(z, self._velocity, comm[:n], self.momentum)
-            if nb:
-                self._z.set_buffers_flat(comm[n:n + nb] / self._total_learners)
+            self._global_sync(comm)
             self._z_ready = lanes.record(sync)
         if self.overlap_sync:
             # Wait for the learners only; the global sync keeps running on the sync stream.
@@ -560,18 +529,11 @@ class SMAWorker:
             global_workers = self._total_learners * per
         else:
             self._z_ready.synchronize()
-            stats = comm[n + nb:].tolist()
-            loss = stats[0] / stats[1] if stats[1] else 0.0
-            global_workers = int(round(stats[2]))
+            loss, global_workers = self._comm_stats(comm)
         t2 = time.perf_counter()
-        self.iteration += 1
-        self._tp_samples += int(samples)
-        self._tp_time += t2 - t0
-        return make_step_stats(loss=loss, num_workers=self.num_workers,
-                               global_num_workers=global_workers, local_grad=local_grad,
-                               compute_time=t1 - t0, comm_time=0.0, update_time=t2 - t1,
-                               num_learners=self.num_vsw, total_learners=self._total_learners,
-                               alpha=self.alpha, num_samples=int(samples), weight_sync="sma")
+        return self._finish_step(t2 - t0, loss=loss, global_num_workers=global_workers,
+                                 local_grad=local_grad, compute_time=t1 - t0, comm_time=0.0,
+                                 update_time=t2 - t1, num_samples=int(samples))
 
     def _sync_pending(self) -> None:
         """Wait for an in-flight global sync (CUDA) before touching z or the replicas."""

@@ -17,15 +17,12 @@ device-specific parts:
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class Lanes:
@@ -63,7 +60,7 @@ class Lanes:
         if not self.is_cuda:
             return None
         ev = torch.cuda.Event()
-        ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        ev.record(stream if stream is not None else self.current())
         return ev
 
     @staticmethod

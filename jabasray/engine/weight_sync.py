@@ -27,30 +27,14 @@ count) are independent. Optimizers that couple parameters (LBFGS, a global-norm 
 """
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
 
-from ..config import WEIGHT_SYNC_METHODS
-from ..validation import check_choice, check_float
-
-log = logging.getLogger(__name__)
-
-R_BUFFER = 0.5  # threshold of the paper's selection rule (section 4)
-
-
-def choose_weight_sync(bucket_nbytes: Sequence[int], bucket_cap_mb: float,
-                       r_buffer: float = R_BUFFER) -> str:
-    """The paper's rule: ``mean(bucket_nbytes) / (bucket_cap_mb MiB) > r_buffer`` -> ``"sws"``,
-    else ``"ows"``."""
-    check_float("bucket_cap_mb", bucket_cap_mb, min_value=0, min_exclusive=True)
-    check_float("r_buffer", r_buffer, min_value=0)
-    if not bucket_nbytes:
-        raise ValueError("bucket_nbytes must list at least one bucket size, got []")
-    ratio = (sum(bucket_nbytes) / len(bucket_nbytes)) / (bucket_cap_mb * 2 ** 20)
-    return "sws" if ratio > r_buffer else "ows"
-
+# The selection rule is pure arithmetic shared with the planners' perf model, so it lives in
+# config (torch-free); re-exported here as part of the engine's API.
+from ..config import R_BUFFER, WEIGHT_SYNC_METHODS, choose_weight_sync  # noqa: F401
+from ..validation import check_choice
 
 def resolve_weight_sync(method: str, bucket_nbytes: Sequence[int], bucket_cap_mb: float) -> str:
     """``"auto"`` -> :func:`choose_weight_sync`; ``"sws"``/``"ows"`` unchanged."""

@@ -38,14 +38,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..config import AUTOSCALE_OBJECTIVES
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, Plan
 from ..validation import check_choice, check_float, check_int
-from .config_solver import solve_configuration_detailed
+from .config_solver import SolverResult, solve_configuration_detailed
 
 log = logging.getLogger(__name__)
 
-OBJECTIVES = ("time", "cost", "time_under_budget")
+OBJECTIVES = AUTOSCALE_OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -170,28 +171,27 @@ def _retarget(model: Any, num_gpus: int, multi_node: bool) -> Any:
 
 def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int], dataset_size: int,
                adapt_interval: int, min_local_batch: int,
-               cache: dict[int, Plan | None] | None = None,
+               cache: dict[int, SolverResult] | None = None,
                max_deviation: float | None = None) -> EpochTime:
     """Predicted epoch time of group H for a B_G trajectory (module notes). ``model`` must already
-    describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> plan;
-    ``max_deviation`` is passed to the solver."""
+    describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> solver
+    result; ``max_deviation`` is passed to the solver."""
     traj = _check_trajectory(trajectory)
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
     check_int("min_local_batch", min_local_batch, min_value=1)
-    memo: dict[int, Plan | None] = {} if cache is None else cache
+    memo: dict[int, SolverResult] = {} if cache is None else cache
     plans: dict[int, Plan] = {}
     remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
     while remaining > 0:
         bg = traj[min(chunk, len(traj) - 1)]
-        if bg not in memo:
-            res = solve_configuration_detailed(bg, list(group_gpus), model, min_local_batch, max_deviation)
-            memo[bg] = res.plan
-            if res.plan is None:
-                return EpochTime(None, iters, plans, f"B_G={bg}: {res.reason}")
-        plan = memo[bg]
+        res = memo.get(bg)
+        if res is None:
+            res = memo[bg] = solve_configuration_detailed(bg, list(group_gpus), model, min_local_batch,
+                                                          max_deviation)
+        plan = res.plan
         if plan is None:
-            return EpochTime(None, iters, plans, f"B_G={bg}: no configuration on {list(group_gpus)}")
+            return EpochTime(None, iters, plans, f"B_G={bg}: {res.reason}")
         plans[bg] = plan
         n = min(adapt_interval, math.ceil(remaining / plan.global_batch_size))
         total += n * plan.iteration_time
@@ -223,7 +223,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_int("min_local_batch", min_local_batch, min_value=1)
     cl = cluster.validated_pairs(drop_odd_gpu)
     allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
-    memo: dict[tuple, dict[int, Plan | None]] = {}
+    memo: dict[tuple, dict[int, SolverResult]] = {}
     plans_of: dict[tuple, dict[int, Plan]] = {}
     cands: list[CandidateEstimate] = []
     for alloc in allocs:
@@ -239,17 +239,24 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     feasible = [c for c in cands if c.epoch_time is not None]
     if not feasible:
         raise ValueError(f"trajectory: no allocation can run it; e.g. {cands[-1].reason}")
+
+    def fastest(c: CandidateEstimate) -> tuple:
+        return (c.epoch_time, c.cost, c.allocation.num_gpus)
+
+    def cheapest(c: CandidateEstimate) -> tuple:
+        return (c.cost, c.epoch_time, c.allocation.num_gpus)
+
     within = True
     if objective == "time":
-        best = min(feasible, key=lambda c: (c.epoch_time, c.cost, c.allocation.num_gpus))
+        best = min(feasible, key=fastest)
     elif objective == "cost":
-        best = min(feasible, key=lambda c: (c.cost, c.epoch_time, c.allocation.num_gpus))
+        best = min(feasible, key=cheapest)
     else:
         ok = [c for c in feasible if c.cost <= cost_budget]
         if ok:
-            best = min(ok, key=lambda c: (c.epoch_time, c.cost, c.allocation.num_gpus))
+            best = min(ok, key=fastest)
         else:
-            best = min(feasible, key=lambda c: (c.cost, c.epoch_time, c.allocation.num_gpus))
+            best = min(feasible, key=cheapest)
             within = False
             log.warning("no allocation meets cost_budget %.4g (cheapest costs %.4g); using the cheapest",
                         cost_budget, best.cost)

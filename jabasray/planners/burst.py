@@ -222,6 +222,11 @@ def disjoint_fraction(g: np.ndarray | int, h: np.ndarray | int) -> np.ndarray:
     return np.maximum(1.0 / g, 1.0 / h)
 
 
+def _amp(t: float, g: int, comp1: float) -> float:
+    """``Amp = T * g / comp(i, 1)`` (0/0 counts as 0)."""
+    return t * g / comp1 if comp1 > 0 else (0.0 if t == 0 else _INF)
+
+
 # --------------------------------------------------------------------------- SP tree
 @dataclass
 class _Edge:
@@ -376,26 +381,26 @@ class BurstProblem:
         act = np.array([float(sp.activation_bytes) for sp in specs])
         stacked = []
         for disjoint in (False, True):
-            per_move = 2.0 * (self._frac[disjoint][None] * act[us, None, None] / bw + lat)
-            comm_e = np.where(self._moves[disjoint][None], per_move, 0.0)
+            comm_e = self._comm(act[us, None, None], disjoint)
             ok = (comm_e + work[vs, None, :]) * self.cs[None, None, :] <= budget[vs, None, None]
             stacked.append(np.where(ok, comm_e, _INF))
         self._edges = np.stack(stacked) if pairs else np.zeros((2, 0, self.n, self.n))
-        self._index = index
-        self._work_arr = work
         # _cap_mask[k]: 0 for the first k candidate counts, inf above (k = cap_index(cap))
         self._cap_mask = np.where(np.arange(self.n)[None, :] < np.arange(self.n + 1)[:, None], 0.0, _INF)
 
     # -- scalar helpers (evaluate_assignment) and matrices (search) share these formulas
+    def _comm(self, act: np.ndarray | float, disjoint: bool) -> np.ndarray:
+        """``2 (f A / B + d)`` over (g, h) where data moves, 0 elsewhere; ``act`` (activation
+        bytes A) broadcasts against the trailing (n, n) axes."""
+        per_move = 2.0 * (self._frac[disjoint] * act / self.network.bandwidth + self.network.latency)
+        return np.where(self._moves[disjoint], per_move, 0.0)
+
     def comm_matrix(self, u: str, disjoint: bool) -> np.ndarray:
         """``comm((u,g) -> (.,h))`` for all (g, h): ``2 (f A_u / B + d)`` where data moves."""
         key = (u, disjoint)
         mat = self._comm_cache.get(key)
         if mat is None:
-            a = self.specs[u].activation_bytes
-            per_move = 2.0 * (self._frac[disjoint] * a / self.network.bandwidth + self.network.latency)
-            mat = np.where(self._moves[disjoint], per_move, 0.0)
-            self._comm_cache[key] = mat
+            mat = self._comm_cache[key] = self._comm(float(self.specs[u].activation_bytes), disjoint)
         return mat
 
     def edge_matrix(self, u: str, v: str, disjoint: bool) -> np.ndarray:
@@ -410,7 +415,7 @@ class BurstProblem:
     def node_costs(self, name: str, caps: list[int]) -> np.ndarray:
         """``comp + sync`` of a layer for several lane caps (inf above the cap): (len(caps), n)."""
         ks = [self.cap_index(cap) for cap in caps]
-        return self._work_arr[self._index[name]][None, :] + self._cap_mask[ks]
+        return self.work[name][None, :] + self._cap_mask[ks]
 
     def blocks(self) -> list[tuple[str, str, list[list[str]]]]:
         """Every branch/join block as (branch layer, join layer, layers of each lane)."""
@@ -455,13 +460,12 @@ def _validate_graph(graph: LayerGraph, counts: Sequence[int]) -> tuple[list[str]
                 check_float(f"layers[{spec.name}].comp_time[{g}]", ct[g], min_value=0.0)
         check_float(f"layers[{spec.name}].activation_bytes", spec.activation_bytes, min_value=0.0)
         check_float(f"layers[{spec.name}].param_bytes", spec.param_bytes, min_value=0.0)
-    known = seen
     preds: dict[str, list[str]] = {}
     for spec in graph.layers:
         if not isinstance(spec.inputs, (list, tuple)):
             raise ValueError(f"layers[{spec.name}].inputs must be a list of layer names, got {spec.inputs!r}")
         for u in spec.inputs:
-            if u not in known:
+            if u not in seen:
                 raise ValueError(f"layers[{spec.name}].inputs names unknown layer {u!r}")
             if u == spec.name:
                 raise ValueError(f"graph contains a cycle: layer {u!r} feeds itself")
@@ -536,19 +540,6 @@ class _Search:
     def __init__(self, prob: BurstProblem) -> None:
         self.p = prob
         self.memo: dict[tuple, tuple[np.ndarray, _Rec]] = {}
-        self._capped: dict[tuple[str, int], np.ndarray] = {}
-
-    def node_cost(self, name: str, cap: int) -> np.ndarray:
-        """``comp + sync`` of a layer inside a lane, inf above the lane's GPU cap."""
-        w = self.p.work[name]
-        k = self.p.cap_index(cap)
-        if k == self.p.n:
-            return w
-        key = (name, k)
-        out = self._capped.get(key)
-        if out is None:
-            out = self._capped[key] = np.concatenate([w[:k], np.full(self.p.n - k, _INF)])
-        return out
 
     def lane(self, tree: _Tree, ef: bool, xf: bool, cap: int) -> tuple[np.ndarray, _Rec]:
         """Cost matrix ``M[g_s, g_t]`` of a lane (memoised per variant)."""
@@ -604,7 +595,7 @@ class _Search:
                 v, rec = self.propagate(part, v, ef and i == 0, xf and i == last, cap)
                 recs.append(rec)
                 if i < last:
-                    v = v + self.node_cost(tree.mids[i], cap)[None, :]
+                    v = v + self.p.node_costs(tree.mids[i], [cap])
             return v, _Rec(parts=recs)
         return self.parallel(tree, v, ef, xf, cap)
 
@@ -615,20 +606,19 @@ class _Search:
         options: list[tuple] = []
         values: list[np.ndarray] = []
         serial_key = (ef, xf, cap)
-        keys = [serial_key]
         max_side = (k - 1 if k <= _MAX_ENUMERATED_LANES else 1) if self.p.parallel_branches else 0
+        sub_caps: list[int] = []          # sub_caps[size - 1]: lane cap with size lanes moved
         for size in range(1, max_side + 1):
             sub_cap = self.p.split_cap(cap, size + 1)
-            if sub_cap is not None:
-                keys += [(ef, xf, sub_cap), (True, True, sub_cap)]
+            if sub_cap is None:           # cap // lanes only shrinks as lanes are added
+                break
+            sub_caps.append(sub_cap)
+        keys = [serial_key] + [key for sc in sub_caps for key in ((ef, xf, sc), (True, True, sc))]
         for lane in tree.lanes:
             self.lanes_for(lane, keys)
         options.append(tuple((serial_key, False) for _ in range(k)))
         values.append(sum(self.lane(lane, *serial_key)[0] for lane in tree.lanes))
-        for size in range(1, max_side + 1):
-            sub_cap = self.p.split_cap(cap, size + 1)
-            if sub_cap is None:
-                break
+        for size, sub_cap in enumerate(sub_caps, start=1):
             main_key, par_key = (ef, xf, sub_cap), (True, True, sub_cap)
             for par in itertools.combinations(range(k), size):
                 main = sum(self.lane(tree.lanes[i], *main_key)[0] for i in range(k) if i not in par)
@@ -763,10 +753,9 @@ def evaluate_assignment(problem: BurstProblem, counts: dict[str, int],
 
     def check_amp(v: str, comm: float) -> None:
         g = counts[v]
-        lhs = (comm + work(v)) * g
-        c1 = float(p.comp[v][0])
-        amp[v] = max(amp[v], lhs / c1 if c1 > 0 else (0.0 if lhs == 0 else _INF))
-        if enforce_limit and lhs > p.budget[v]:
+        t = comm + work(v)
+        amp[v] = max(amp[v], _amp(t, g, float(p.comp[v][0])))
+        if enforce_limit and t * g > p.budget[v]:
             problems.append(f"Amp({v}, {g}) exceeds {p.limit}")
 
     def lane_time(tree: _Tree, ef: bool, xf: bool, cap: int) -> float:
@@ -848,8 +837,3 @@ def search_linear_paper(comp: np.ndarray, comm: np.ndarray, sync: np.ndarray,
     for i in range(L - 1, 0, -1):
         path.append(int(back[i, path[-1]]))
     return float(S[L - 1, end]), path[::-1]
-
-
-def _amp(t: float, g: int, comp1: float) -> float:
-    """``Amp = T * g / comp(i, 1)`` (0/0 counts as 0)."""
-    return t * g / comp1 if comp1 > 0 else (0.0 if t == 0 else _INF)

@@ -26,7 +26,7 @@ So this tuner is Algorithm 2 as a small state machine that settles (our deviatio
                                              nothing, i.e. we stop at the plateau start)
         at l = 1 the first measurement compares with t' = 0 (line 1), so any throughput > tau
         probes a second learner.
-    SETTLED: observations are recorded, the count stays; ``reset(gpu)`` probes again
+    SETTLED: further observations are accepted and ignored, the count stays; ``reset(gpu)`` probes again
         (e.g. after the local batch size changed, which moves the optimum).
 
 Every GPU is tuned independently (heterogeneous GPUs peak at different counts). Pure Python:
@@ -99,10 +99,11 @@ class LearnerTuner(JsonMixin):
         key = self._key(gpu)
         t = check_float(f"throughput[{key}]", throughput, min_value=0.0)
         st = self.gpus.setdefault(key, GPULearnerState())
+        if st.settled:                                        # the count is final until reset
+            st.pending.clear()
+            return st.learners
         st.pending.append(t)
-        if st.settled or len(st.pending) < self.samples_per_decision:
-            if st.settled:
-                st.pending.clear()
+        if len(st.pending) < self.samples_per_decision:
             return st.learners
         t = sum(st.pending) / len(st.pending)
         st.pending.clear()

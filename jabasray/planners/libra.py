@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -121,7 +122,7 @@ def _check_layers(layers: Sequence[LayerProfile]) -> tuple[list[str], np.ndarray
         names.append(layer.name)
         b.append(check_float(f"layers[{i}].backward_time", layer.backward_time, min_value=0.0))
         c.append(check_float(f"layers[{i}].grad_bytes", layer.grad_bytes, min_value=0.0))
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, k in Counter(names).items() if k > 1)
     if dup:
         raise ValueError(f"layers names must be unique, got duplicates {dup}")
     if sum(b) <= 0:
@@ -144,6 +145,11 @@ def _bucket_bounds(buckets: Sequence[Sequence[str]], names: Sequence[str]) -> li
         bounds.append((start, start + len(bucket)))
         start += len(bucket)
     return bounds
+
+
+def _group_sums(x: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[float]:
+    """Per-group totals of a per-layer quantity (``b`` or ``c``) over index ranges [start, end)."""
+    return [float(x[s:e].sum()) for s, e in bounds]
 
 
 def _check_threads(model: ContentionModel, threads: Sequence[int], count: int, name: str) -> list[int]:
@@ -187,8 +193,7 @@ def evaluate_plan(model: ContentionModel, layers: Sequence[LayerProfile], bucket
     """:func:`backward_time` of a layer-level fusion (``buckets`` of layer names, backward order)."""
     names, b, c = _check_layers(layers)
     bounds = _bucket_bounds(buckets, names)
-    return backward_time(model, [float(b[s:e].sum()) for s, e in bounds],
-                         [float(c[s:e].sum()) for s, e in bounds], threads)
+    return backward_time(model, _group_sums(b, bounds), _group_sums(c, bounds), threads)
 
 
 # --------------------------------------------------------------------------- default fusion
@@ -241,8 +246,7 @@ def _fusion_dp(model: ContentionModel, b: np.ndarray, c: np.ndarray, R: np.ndarr
     n = np.concatenate([[0.0], np.cumsum(b)])                  # n(l): computation of units 1..l
     cc = np.concatenate([[0.0], np.cumsum(c)])
     # GetMinChunkID: first chunk edge at or after n(l) (tolerance for float round-off)
-    zmin = np.minimum(np.ceil(n / w - 1e-9).astype(int), Z)
-    zmin = np.maximum(zmin, 0)
+    zmin = np.clip(np.ceil(n / w - 1e-9).astype(int), 0, Z)
     windows = np.arange(Z + 1) * w
     zz = np.arange(Z + 1)
     gap = zz[None, :] - zz[:, None]                             # gap[z', z] = z - z'
@@ -343,9 +347,8 @@ def allocate_threads(model: ContentionModel, layers: Sequence[LayerProfile], buc
     names, b, c = _check_layers(layers)
     R = _check_dp_args(model, thread_choices, num_chunks)
     bounds = _bucket_bounds(buckets, names)
-    gb = np.array([b[s:e].sum() for s, e in bounds])
-    gc = np.array([c[s:e].sum() for s, e in bounds])
-    res = _fusion_dp(model, gb, gc, R, K=len(bounds), Z=num_chunks, fixed=True)
+    res = _fusion_dp(model, np.array(_group_sums(b, bounds)), np.array(_group_sums(c, bounds)), R,
+                     K=len(bounds), Z=num_chunks, fixed=True)
     threads = [int(R[j]) for j in res.thread_idx]
     buckets = [list(bk) for bk in buckets]
     t = evaluate_plan(model, layers, buckets, threads).total
@@ -391,9 +394,7 @@ def plan_buckets(model: ContentionModel, layers: Sequence[LayerProfile], thread_
     best = min(candidates, key=lambda p: p.backward_time)   # stable: prefers coopt on ties
     log.info("LIBRA plan: %s with %d buckets, predicted backward %.4gs (default %.4gs)",
              best.method, best.num_buckets, best.backward_time, base.backward_time)
-    return LibraPlan(buckets=best.buckets, threads=best.threads, backward_time=best.backward_time,
-                     method=best.method, dp_time=best.dp_time, max_groups=best.max_groups,
-                     num_chunks=best.num_chunks, baseline_time=base.backward_time)
+    return replace(best, baseline_time=base.backward_time)
 
 
 # --------------------------------------------------------------------------- exhaustive reference
@@ -421,8 +422,7 @@ def exhaustive_plan(model: ContentionModel, layers: Sequence[LayerProfile], thre
         fusions = all_fusions()
     best: tuple[float, list[tuple[int, int]], tuple[int, ...]] | None = None
     for bounds in fusions:
-        gb = [float(b[s:e].sum()) for s, e in bounds]
-        gc = [float(c[s:e].sum()) for s, e in bounds]
+        gb, gc = _group_sums(b, bounds), _group_sums(c, bounds)
         for alloc in itertools.product(R, repeat=len(bounds)):
             t = backward_time(model, gb, gc, alloc).total
             if best is None or t < best[0]:

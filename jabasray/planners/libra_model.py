@@ -106,6 +106,16 @@ def _fit_error(pred: np.ndarray, meas: np.ndarray) -> FitError:
 
 
 # --------------------------------------------------------------------------- the model
+def _ring_startup(num_workers: int, hop_latency: float) -> float:
+    """a = 2(N-1) * alpha (Eq. 4)."""
+    return 2.0 * (num_workers - 1) * hop_latency
+
+
+def _ring_bytes(num_workers: int, size: np.ndarray | float) -> np.ndarray:
+    """c_hat = 2(N-1)/N * c (Eq. 4)."""
+    return 2.0 * (num_workers - 1) / num_workers * np.asarray(size, dtype=float)
+
+
 @dataclass(frozen=True)
 class ContentionModel(JsonMixin):
     """g, p, q of Eq. 5-6 for one model on one cluster, plus the ring all-reduce geometry (Eq. 4).
@@ -128,11 +138,11 @@ class ContentionModel(JsonMixin):
     @property
     def startup(self) -> float:
         """a = 2(N-1) * alpha (Eq. 4)."""
-        return 2.0 * (self.num_workers - 1) * self.hop_latency
+        return _ring_startup(self.num_workers, self.hop_latency)
 
     def transmitted(self, size: np.ndarray | float) -> np.ndarray | float:
         """c_hat = 2(N-1)/N * c (Eq. 4)."""
-        return 2.0 * (self.num_workers - 1) / self.num_workers * np.asarray(size, dtype=float)
+        return _ring_bytes(self.num_workers, size)
 
     # Eq. 5-6 -----------------------------------------------------------------------------
     def g(self, b, r):
@@ -237,10 +247,9 @@ def fit_comm(rows: Sequence[CommRow], num_workers: int, hop_latency: float, *,
     check_float("hop_latency", hop_latency, min_value=0.0)
     if len(rows) < 3:
         raise ValueError(f"{name} must hold at least 3 rows (3 parameters gamma1..gamma3), got {len(rows)}")
-    a = 2.0 * (num_workers - 1) * hop_latency
-    c_hat = 2.0 * (num_workers - 1) / num_workers * np.array(
-        [check_float(f"{name}[{i}].size", row.size, min_value=0.0, min_exclusive=True)
-         for i, row in enumerate(rows)])
+    a = _ring_startup(num_workers, hop_latency)
+    c_hat = _ring_bytes(num_workers, [check_float(f"{name}[{i}].size", row.size, min_value=0.0,
+                                                  min_exclusive=True) for i, row in enumerate(rows)])
     t = np.array([check_float(f"{name}[{i}].time", row.time, min_value=a, min_exclusive=True)
                   for i, row in enumerate(rows)])
     r = np.array([check_int(f"{name}[{i}].threads", row.threads, min_value=1)
@@ -319,9 +328,9 @@ def synthetic_rows(model: ContentionModel, threads: Sequence[int], sizes: Sequen
     compute_rows = [ComputeRow(float(b), int(r), float(model.g(b, r)) * jitter())
                     for r in threads for b in compute_times]
     comm_rows = []
-    for overlapped, params in ((True, model.overlapped), (False, model.alone)):
+    for overlapped, transmission in ((True, model.p), (False, model.q)):
         for r in threads:
             for c in sizes:
-                t = model.startup + float(model.transmitted(c) / params.rate(r))
+                t = model.startup + float(transmission(c, r))
                 comm_rows.append(CommRow(float(c), int(r), t * jitter(), overlapped))
     return compute_rows, comm_rows

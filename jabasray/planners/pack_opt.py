@@ -202,6 +202,11 @@ def _memories(configs: Sequence[Config], memory_fn: MemoryFn, memory_budget: flo
     return mems
 
 
+def _pack_memory(packs: Sequence[Sequence[int]], mems: Sequence[float]) -> list[float]:
+    """Memory of each pack: the sum of its members' memories (section 4.5)."""
+    return [sum(mems[j] for j in p) for p in packs]
+
+
 def knn_packing(configs: Sequence[Config], space: SearchSpace, memory_fn: MemoryFn,
                 memory_budget: float, threshold: float | None = None, seed: int = 0,
                 max_pack_size: int | None = None, metric: str = "manhattan") -> PackingPlan:
@@ -225,13 +230,12 @@ def knn_packing(configs: Sequence[Config], space: SearchSpace, memory_fn: Memory
     while remaining:
         c = remaining[rng.randrange(len(remaining))]                 # 1. random centroid
         remaining.remove(c)
-        order = sorted(remaining, key=lambda j: (_combine(space._parts(idx[c], idx[j]), metric), j))
+        dist = {j: _combine(space._parts(idx[c], idx[j]), metric) for j in remaining}
         pack, used = [c], mems[c]
-        for j in order:                                              # 2. nearest first
+        for j in sorted(remaining, key=lambda j: (dist[j], j)):      # 2. nearest first
             if max_pack_size is not None and len(pack) >= max_pack_size:
                 break
-            d = _combine(space._parts(idx[c], idx[j]), metric)
-            if threshold is not None and not d < threshold:
+            if threshold is not None and not dist[j] < threshold:
                 break                                                # sorted: all further are too far
             if used + mems[j] <= memory_budget:
                 pack.append(j)
@@ -241,7 +245,7 @@ def knn_packing(configs: Sequence[Config], space: SearchSpace, memory_fn: Memory
         packs.append(pack)
         centroids.append(c)
     log.debug("knn_packing: %d configurations -> %d packs", len(configs), len(packs))
-    return PackingPlan("knn", packs, [sum(mems[j] for j in p) for p in packs], float(memory_budget),
+    return PackingPlan("knn", packs, _pack_memory(packs, mems), float(memory_budget),
                        None if threshold is None else float(threshold), centroids)
 
 
@@ -268,7 +272,7 @@ def random_packing(configs: Sequence[Config], memory_fn: MemoryFn, memory_budget
     order = list(range(len(configs)))
     random.Random(seed).shuffle(order)
     packs = _greedy_fill(order, mems, memory_budget, max_pack_size)
-    return PackingPlan("random", packs, [sum(mems[j] for j in p) for p in packs], float(memory_budget))
+    return PackingPlan("random", packs, _pack_memory(packs, mems), float(memory_budget))
 
 
 def batch_size_packing(configs: Sequence[Config], memory_fn: MemoryFn, memory_budget: float,
@@ -286,7 +290,7 @@ def batch_size_packing(configs: Sequence[Config], memory_fn: MemoryFn, memory_bu
     packs: list[list[int]] = []
     for members in by_bs.values():
         packs.extend(_greedy_fill(members, mems, memory_budget, max_pack_size))
-    return PackingPlan("batch_size", packs, [sum(mems[j] for j in p) for p in packs], float(memory_budget))
+    return PackingPlan("batch_size", packs, _pack_memory(packs, mems), float(memory_budget))
 
 
 def pack_opt(configs: Sequence[Config], space: SearchSpace, memory_fn: MemoryFn, memory_budget: float,
@@ -297,10 +301,10 @@ def pack_opt(configs: Sequence[Config], space: SearchSpace, memory_fn: MemoryFn,
     by ``method`` (``"knn"``, ``"random"`` or ``"batch_size"``). Every configuration is
     validated against ``space`` whatever the method."""
     check_choice("method", method, METHODS)
+    if method == "knn":                                   # validates the configurations itself
+        return knn_packing(configs, space, memory_fn, memory_budget, threshold, seed, max_pack_size, metric)
     for i, c in enumerate(configs):
         space.indices(c, f"configs[{i}]")
-    if method == "knn":
-        return knn_packing(configs, space, memory_fn, memory_budget, threshold, seed, max_pack_size, metric)
     if method == "random":
         return random_packing(configs, memory_fn, memory_budget, seed, max_pack_size)
     return batch_size_packing(configs, memory_fn, memory_budget, batch_size_key, max_pack_size)

@@ -37,6 +37,7 @@ No torch or ray import here: profiles are plain data (:mod:`jabasray.profiler.pr
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from dataclasses import dataclass
@@ -44,13 +45,13 @@ from typing import Mapping
 
 import numpy as np
 
+from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
 from ..profiler.profile import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
 from ..validation import check_choice, check_float, check_int
 
 log = logging.getLogger(__name__)
 
-WEIGHT_SYNC = ("auto", "sws", "ows")
 _WARNED_NO_INTER: set[str] = set()   # warn once per GPU type and process
 
 
@@ -104,8 +105,8 @@ class PerfModel:
     weight_sync : "auto" (IIDP's R_buffer rule), "sws" or "ows".
     r_buffer : threshold of the selection rule (paper: 0.5).
 
-    ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation; the
-    auto-scaler uses it. The object satisfies the solver's model protocol
+    ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation (sharing the
+    allocation-independent t_vsw memo); the auto-scaler uses it. The object satisfies the solver's model protocol
     (``iteration_time``, ``max_local_batch``, ``max_num_vsw``) and also offers the vectorised
     ``iteration_times`` the solver uses when present.
     """
@@ -120,14 +121,16 @@ class PerfModel:
         self.profiles = dict(profiles)
         self.num_gpus = check_int("num_gpus", num_gpus, min_value=1)
         self.multi_node = bool(multi_node)
-        self.weight_sync = check_choice("weight_sync", weight_sync, WEIGHT_SYNC)
+        self.weight_sync = check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
         self.r_buffer = check_float("r_buffer", r_buffer, min_value=0)
         self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._comm: dict[str, float] = {}
 
     def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
-        return PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
-                         weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+        m = PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
+                      weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+        m._cache = self._cache   # t_vsw and zeta depend on the profiles only, not the allocation
+        return m
 
     # ------------------------------------------------------------ profile look-up
     def profile(self, gpu: str) -> Profile:
@@ -144,18 +147,15 @@ class PerfModel:
     def _neighbours(self, prof: Profile, local_batch: int) -> tuple[BatchProfile, BatchProfile | None, float]:
         """(lower point, upper point or None, weight of the upper point) for interpolation."""
         sizes = prof.local_batches
-        if local_batch <= sizes[0]:
-            return prof.batches[0], None, 0.0
-        for a, b in zip(prof.batches, prof.batches[1:]):
-            if a.local_batch == local_batch:
-                return a, None, 0.0
-            if a.local_batch < local_batch <= b.local_batch:
-                if b.local_batch == local_batch:
-                    return b, None, 0.0
-                w = (local_batch - a.local_batch) / (b.local_batch - a.local_batch)
-                return a, b, w
-        raise ValueError(f"local_batch must be <= max local batch {sizes[-1]} of GPU type "
-                         f"{prof.gpu_type!r}, got {local_batch}")
+        i = bisect.bisect_left(sizes, local_batch)
+        if i == len(sizes):
+            raise ValueError(f"local_batch must be <= max local batch {sizes[-1]} of GPU type "
+                             f"{prof.gpu_type!r}, got {local_batch}")
+        b = prof.batches[i]
+        if i == 0 or b.local_batch == local_batch:   # a profiled size, or below the smallest one
+            return b, None, 0.0
+        a = prof.batches[i - 1]
+        return a, b, (local_batch - a.local_batch) / (b.local_batch - a.local_batch)
 
     def max_num_vsw(self, gpu: str, local_batch: int) -> int:
         """n_max for ``local_batch`` (0 when it exceeds max B_L^g)."""
@@ -216,8 +216,7 @@ class PerfModel:
         if self.weight_sync != "auto":
             return self.weight_sync
         prof = self.profile(gpu)
-        ratio = (sum(prof.bucket_sizes) / len(prof.bucket_sizes)) / (prof.bucket_cap_mb * 2 ** 20)
-        return "sws" if ratio > self.r_buffer else "ows"
+        return choose_weight_sync(prof.bucket_sizes, prof.bucket_cap_mb, self.r_buffer)
 
     def tau(self, gpu: str) -> float:
         """tau of Eq. 5: b_l / W for OWS, 1 for SWS."""

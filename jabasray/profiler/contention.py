@@ -113,6 +113,7 @@ def measure_hop_latency(comm_fn: Callable[[float, int], Any], num_workers: int, 
                         clock: Clock = time.perf_counter) -> float:
     """alpha of Eq. 4 from a tiny all-reduce: its time is ~ the startup a = 2(N-1) alpha."""
     check_int("num_workers", num_workers, min_value=2)
+    check_int("repeats", repeats, min_value=1)
     t = _median_time(lambda: comm_fn(tiny_bytes, threads), repeats, 1, clock)
     return t / (2.0 * (num_workers - 1))
 
@@ -128,8 +129,10 @@ def layer_profiles(model: Any, inputs: Any, targets: Any, loss_fn: Callable[[Any
     """
     import torch
 
+    from ..engine.buckets import trainable_parameters
+
     check_int("repeats", repeats, min_value=1)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    named = trainable_parameters(model)
     if not named:
         raise ValueError("model has no trainable parameters")
     layer_of = {n: layer for layer, names in group_params_by_layer([n for n, _ in named]).items()
@@ -139,50 +142,49 @@ def layer_profiles(model: Any, inputs: Any, targets: Any, loss_fn: Callable[[Any
         nbytes[layer_of[n]] = nbytes.get(layer_of[n], 0.0) + p.numel() * p.element_size()
     device = named[0][1].device
     cuda = device.type == "cuda"
+
+    def stamp() -> Any:
+        if not cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    # layer -> time its LAST gradient was ready; re-inserting keeps the dict in that order
+    stamps: dict[str, Any] = {}
+
+    def hook(name: str) -> None:
+        layer = layer_of[name]
+        stamps.pop(layer, None)
+        stamps[layer] = stamp()
+
     samples: dict[str, list[float]] = {layer: [] for layer in nbytes}
     order: list[str] = []
-    for rep in range(repeats + 1):                      # first pass is a warm-up
-        stamps: dict[str, Any] = {}
-        seq: list[str] = []
-
-        def hook(param: Any, name: str) -> None:
-            layer = layer_of[name]
-            if cuda:
-                ev = torch.cuda.Event(enable_timing=True)
-                ev.record()
-                stamps[layer] = ev
-            else:
-                stamps[layer] = time.perf_counter()
-            if layer in seq:
-                seq.remove(layer)
-            seq.append(layer)                           # order of each layer's LAST gradient
-        handles = [p.register_post_accumulate_grad_hook(lambda t, n=n: hook(t, n)) for n, p in named]
-        try:
+    handles = [p.register_post_accumulate_grad_hook(lambda t, n=n: hook(n)) for n, p in named]
+    try:
+        for rep in range(repeats + 1):                      # first pass is a warm-up
+            stamps.clear()
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model(inputs), targets)
-            if cuda:
-                start: Any = torch.cuda.Event(enable_timing=True)
-                start.record()
-            else:
-                start = time.perf_counter()
+            start = stamp()
             loss.backward()
             if cuda:
                 torch.cuda.synchronize(device)
-        finally:
-            for h in handles:
-                h.remove()
-        missing = [layer for layer in nbytes if layer not in stamps]
-        if missing:
-            raise ValueError(f"layers {missing} received no gradient; layer_profiles needs every "
-                             "trainable parameter to be used by loss_fn(model(inputs), targets)")
-        if rep == 0:
-            order = list(seq)
-            continue
-        prev = start
-        for layer in order:
-            cur = stamps[layer]
-            dt = prev.elapsed_time(cur) / 1000.0 if cuda else cur - prev
-            samples[layer].append(max(0.0, float(dt)))
-            prev = cur
+            missing = [layer for layer in nbytes if layer not in stamps]
+            if missing:
+                raise ValueError(f"layers {missing} received no gradient; layer_profiles needs every "
+                                 "trainable parameter to be used by loss_fn(model(inputs), targets)")
+            if rep == 0:
+                order = list(stamps)
+                continue
+            prev = start
+            for layer in order:
+                cur = stamps[layer]
+                dt = prev.elapsed_time(cur) / 1000.0 if cuda else cur - prev
+                samples[layer].append(max(0.0, float(dt)))
+                prev = cur
+    finally:
+        for h in handles:
+            h.remove()
     model.zero_grad(set_to_none=True)
     return [LayerProfile(layer, statistics.median(samples[layer]), nbytes[layer]) for layer in order]

@@ -24,6 +24,7 @@ tensors gets a zero-cost ``output`` layer joining them.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import time
@@ -77,7 +78,6 @@ def trace_module(module: nn.Module, example_input: torch.Tensor) -> fx.GraphModu
 
 
 def _placeholder_names(module: nn.Module) -> list[str]:
-    import inspect
     params = inspect.signature(module.forward).parameters.values()
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 

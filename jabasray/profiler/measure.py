@@ -199,8 +199,8 @@ def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size
 STATISTICS = {"median": statistics.median, "min": min}
 
 
-def _median_step(worker: Any, micro: list, warmup: int, repeats: int,
-                 stat: Callable = statistics.median) -> tuple[float, float, float]:
+def _step_stats(worker: Any, micro: list, warmup: int, repeats: int,
+                stat: Callable = statistics.median) -> tuple[float, float, float]:
     """``stat`` (median by default) of (compute_time, update_time, overhead) over ``repeats``
     engine steps after ``warmup``; overhead = wall - compute - comm - update (host bookkeeping)."""
     comp, upd, over = [], [], []
@@ -217,7 +217,7 @@ def _median_step(worker: Any, micro: list, warmup: int, repeats: int,
 
 def _forward_share(model: nn.Module, batch: tuple[Any, Any], loss_fn: Callable, device: torch.device,
                    repeats: int, stat: Callable = statistics.median) -> float:
-    """zeta = t_forward / t_(forward+backward), medians over ``repeats`` on a model copy."""
+    """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy."""
     m = copy.deepcopy(model).to(device)
     x, y = (t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
     fwd, full = [], []
@@ -281,8 +281,9 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
     ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
     other than the cap). ``statistic``: "median" (default) or "min" over the ``repeats`` timed
-    steps ("min" estimates the undisturbed time on a shared, noisy machine). ``allreduce=False`` skips the gloo measurement and uses
-    ``allreduce_fit`` (or a nominal fit: alpha 1, beta 0, flagged in the log).
+    steps ("min" estimates the undisturbed time on a shared, noisy machine).
+    ``allreduce=False`` skips the gloo measurement and uses ``allreduce_fit`` (or a nominal
+    fit: alpha 1, beta 0, flagged in the log).
     """
     from ..engine import IIDPWorker
 
@@ -335,13 +336,13 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         worker.sync_timing = True   # the engine synchronises the device around its timed phases
 
     def try_step(bl: int, n: int) -> tuple[float, float, float] | None:
-        """Medians (compute, update, overhead) at (B_L, n) or None when it does not fit."""
+        """``stat`` of (compute, update, overhead) at (B_L, n), or None when it does not fit."""
         if not fits_estimate(bl, n):
             return None
         x, y = sample(bl)
         try:
             worker.configure(n, 0, bl)
-            return _median_step(worker, [(x, y)] * n, warmup, repeats, stat)
+            return _step_stats(worker, [(x, y)] * n, warmup, repeats, stat)
         except RuntimeError as e:
             if dev.type == "cuda" and _is_oom(e):
                 worker.configure(1, 0, bl)
@@ -353,7 +354,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     update_times: list[float] = []
     overheads: list[float] = []
     bl = min_local_batch
-    while max_local_batch is None or bl <= max_local_batch:
+    while bl <= max_local_batch:
         one = try_step(bl, 1)
         if one is None:
             break

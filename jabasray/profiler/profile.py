@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-from ..serialization import JsonMixin
+from ..serialization import JsonMixin, atomic_write_text
 from ..validation import check_float, check_int
 
 PROFILE_VERSION = 1
@@ -222,7 +222,6 @@ def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:
 
 def save_profiles(profiles: Sequence[Profile], path: str | Path) -> Path:
     """Write several profiles into one JSON file (``{"profiles": [...]}``)."""
-    from ..serialization import atomic_write_text
     return atomic_write_text(path, json.dumps({"profiles": [p.to_dict() for p in profiles]}, indent=2))
 
 

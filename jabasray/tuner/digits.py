@@ -10,15 +10,12 @@ from torch import nn
 
 from jabasray.data import accuracy, load_digits_split
 from jabasray.models import MLP
+from jabasray.planners.pack_opt import TABLE3_SPACE
 from jabasray.tuner.training import TrainingSpec
 
-#: Table 3 of the Pack paper (activation names as in jabasray.models.ACTIVATIONS).
-TABLE3_PARAM_VALUES: dict[str, list[Any]] = {
-    "batch_size": [20, 25, 30, 35, 40, 45, 50, 55, 60, 65, 70],
-    "optimizer": ["adam", "sgd", "adagrad", "momentum"],
-    "lr": [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1],
-    "activation": ["sigmoid", "leaky_relu", "tanh", "relu"],
-}
+#: Table 3 of the Pack paper as ``{name: values}`` (activation names as in
+#: jabasray.models.ACTIVATIONS); the values of :data:`~jabasray.planners.pack_opt.TABLE3_SPACE`.
+TABLE3_PARAM_VALUES: dict[str, list[Any]] = {d.name: list(d.values) for d in TABLE3_SPACE.dimensions}
 
 OPTIMIZERS = ("adam", "sgd", "adagrad", "momentum")
 
@@ -48,7 +45,8 @@ def digits_data():
 
 
 def val_accuracy(model: nn.Module, val) -> float:
-    return accuracy(model, val)
+    """Validation accuracy on the model's own device (``spec.device`` may be a GPU)."""
+    return accuracy(model, val, device=next(model.parameters()).device)
 
 
 def digits_mlp_spec(steps_per_unit: int = 2, seed: int = 0, device: str = "cpu") -> TrainingSpec:

@@ -64,8 +64,8 @@ from jabasray.serialization import JsonMixin
 from jabasray.tuner.brackets import Bracket, hyperband_schedule
 from jabasray.tuner.state import ConfigRecord, PackedHyperbandResult, PackedHyperbandState
 from jabasray.tuner.space import search_space_from_param_space
-from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, load_member_state,
-                                     member_state, stream_batch_of, units_to_steps)
+from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, cached_data,
+                                     load_member_state, member_state, stream_batch_of, units_to_steps)
 from jabasray.validation import check_choice, check_float, check_int
 
 log = logging.getLogger(__name__)
@@ -107,18 +107,6 @@ class HyperbandConfig(JsonMixin):
 # arrive via tune.with_parameters (the data is loaded ONCE by the driver and read from Ray's
 # object store, instead of every trial process calling ``spec.data_fn()``).
 
-_DATA_CACHE: dict[tuple, Any] = {}
-
-
-def _data(spec: TrainingSpec):
-    """``spec.data_fn()`` once per process (the driver, or a worker given no data)."""
-    fn = spec.data_fn
-    key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), spec.seed)
-    if key not in _DATA_CACHE:
-        _DATA_CACHE.clear()
-        _DATA_CACHE[key] = spec.data_fn()
-    return _DATA_CACHE[key]
-
 
 def _pack_trial(config: dict, spec: TrainingSpec | None = None, data: tuple | None = None) -> None:
     """One Tune trial = one pack of configurations trained from ``start`` to their ``end`` step."""
@@ -127,7 +115,7 @@ def _pack_trial(config: dict, spec: TrainingSpec | None = None, data: tuple | No
     t_entry, wall_entry = time.perf_counter(), time.time()
     task = config["task"]
     torch.set_num_threads(int(task.get("threads", 1)))
-    train, val = data if data is not None else _data(spec)
+    train, val = data if data is not None else cached_data(spec)
     stream = SharedStream(train, task["stream_batch"], spec.seed, spec.device)
     members = task["members"]
     starts = {m["start"] for m in members}
@@ -150,7 +138,9 @@ def _pack_trial(config: dict, spec: TrainingSpec | None = None, data: tuple | No
     t0 = time.perf_counter()
     packed = pack(models, opts, sizes, loss_fn=spec.loss_fn)
     by_member = {mid: m for mid, m in zip(packed.member_ids, members)}
-    loss_sum = {mid: 0.0 for mid in by_member}
+    # summed train losses by member id, kept on the device: no host sync per step
+    loss_sum = torch.zeros(len(members), dtype=torch.float64, device=packed.device)
+    active, index = [], None                              # member ids in the pack, as a tensor
     step = start
 
     def finish(mid: int, freed: tuple | None = None) -> None:
@@ -162,15 +152,17 @@ def _pack_trial(config: dict, spec: TrainingSpec | None = None, data: tuple | No
         path = os.path.join(ckpt_dir, "member.pt")
         torch.save(member_state(model, opt, m["end"]), path)
         n = m["end"] - start
-        results[str(m["id"])] = {spec.metric: metric, "train_loss": loss_sum[mid] / max(1, n),
+        results[str(m["id"])] = {spec.metric: metric, "train_loss": float(loss_sum[mid]) / max(1, n),
                                  "steps": m["end"], "checkpoint": path}
 
     for mid in [i for i, m in by_member.items() if m["end"] <= start]:
         finish(mid)
     while len(packed):
         x, y = stream.batch(step, packed.max_batch_size)
-        for mid, loss in zip(packed.member_ids, packed.train_step(x, y)):
-            loss_sum[mid] += loss
+        if packed.member_ids != active:                   # only after a member was freed
+            active = packed.member_ids
+            index = torch.tensor(active, device=loss_sum.device)
+        loss_sum.index_add_(0, index, packed.train_step_tensor(x, y).double())
         step += 1
         done = [i for i in packed.member_ids if by_member[i]["end"] <= step]
         if done and len(done) == len(packed):             # everyone is done: one write-back
@@ -325,7 +317,7 @@ class PackedHyperbandTuner:
         searcher = _make_searcher(state)
         max_trials = sum(r.n for b in self.brackets for r in b.rungs)   # all singletons: upper bound
         tuner = tune.Tuner(
-            tune.with_resources(tune.with_parameters(_pack_trial, spec=self.spec, data=_data(self.spec)),
+            tune.with_resources(tune.with_parameters(_pack_trial, spec=self.spec, data=cached_data(self.spec)),
                                 dict(self.hb.resources_per_pack)),
             tune_config=tune.TuneConfig(search_alg=searcher, num_samples=max_trials,
                                         max_concurrent_trials=self._max_concurrent(),

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from jabasray.planners.pack_opt import Dimension, SearchSpace, _infer_kind
 
-__all__ = ["search_space_from_param_space", "param_space_from_search_space"]
+__all__ = ["search_space_from_param_space"]
 
 
 def _values(key: str, spec: Any) -> list[Any]:
@@ -52,10 +52,3 @@ def search_space_from_param_space(param_space: Mapping[str, Any],
     if kinds:
         raise ValueError(f"kinds names keys not in param_space: {sorted(kinds)}")
     return SearchSpace(dims)
-
-
-def param_space_from_search_space(space: SearchSpace) -> dict[str, Any]:
-    """``{name: tune.choice(values)}`` (used for the per-configuration result rows)."""
-    from ray import tune
-
-    return {d.name: tune.choice(list(d.values)) for d in space.dimensions}

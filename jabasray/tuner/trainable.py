@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, load_member_state,
-                                     member_state)
+from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, cached_data,
+                                     load_member_state, member_state)
 from jabasray.validation import check_int
 
 __all__ = ["make_trainable"]
@@ -47,8 +47,7 @@ def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
         from ray import tune
 
         torch.set_num_threads(threads)
-        from jabasray.tuner.packed_hyperband import _data   # per-process data cache
-        train, val = data if data is not None else _data(spec)
+        train, val = data if data is not None else cached_data(spec)
         stream = SharedStream(train, stream_batch, spec.seed, spec.device)
         hp = {k: v for k, v in config.items() if k != "config_id"}
         model, opt = build_member(spec, hp)
@@ -60,20 +59,20 @@ def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
                 step = load_member_state(model, opt, torch.load(os.path.join(d, "member.pt"), weights_only=False))
         unit = step // spec.steps_per_unit
         while unit < max_units:
-            total = 0.0
+            total = 0.0                          # becomes a float64 tensor: no host sync per step
             for _ in range(spec.steps_per_unit):
                 x, y = stream.batch(step, b)
                 opt.zero_grad()
                 loss = spec.loss_fn(model(x), y)
                 loss.backward()
                 opt.step()
-                total += loss.item()
+                total += loss.detach().double()
                 step += 1
             unit += 1
             if report_at is not None and unit not in report_at:
                 continue
             metrics = {spec.metric: float(spec.metric_fn(model, val)),
-                       "train_loss": total / spec.steps_per_unit, "steps": step, "units": unit}
+                       "train_loss": float(total) / spec.steps_per_unit, "steps": step, "units": unit}
             if ckpt_at is None or unit in ckpt_at:
                 with tempfile.TemporaryDirectory() as d:
                     torch.save(member_state(model, opt, step), os.path.join(d, "member.pt"))

@@ -33,8 +33,8 @@ from jabasray.validation import check_choice, check_int
 
 Config = Mapping[str, Any]
 
-__all__ = ["TrainingSpec", "SharedStream", "config_seed", "build_member", "member_state",
-           "load_member_state", "units_to_steps", "stream_batch_of"]
+__all__ = ["TrainingSpec", "SharedStream", "config_seed", "build_member", "cached_data",
+           "member_state", "load_member_state", "units_to_steps", "stream_batch_of"]
 
 
 @dataclass
@@ -106,6 +106,20 @@ def build_member(spec: TrainingSpec, config: Config) -> tuple[nn.Module, torch.o
     finally:
         torch.random.set_rng_state(state)
     return model, spec.optimizer_fn(config, model)
+
+
+_DATA_CACHE: dict[tuple, Any] = {}
+
+
+def cached_data(spec: TrainingSpec) -> tuple[TensorDataset, TensorDataset]:
+    """``spec.data_fn()`` once per process (the driver, or a trial worker given no data);
+    only the latest spec's data is kept."""
+    fn = spec.data_fn
+    key = (getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)), spec.seed)
+    if key not in _DATA_CACHE:
+        _DATA_CACHE.clear()
+        _DATA_CACHE[key] = fn()
+    return _DATA_CACHE[key]
 
 
 def member_state(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> dict:
