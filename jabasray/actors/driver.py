@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
+from ..planners.correction import CorrectedModel, OnlineCorrection
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
@@ -72,6 +73,7 @@ class _EpochTally:
     samples: int = 0
     loss_sum: float = 0.0
     train_time: float = 0.0
+    predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
 
 
 class JabasDriver:
@@ -126,6 +128,9 @@ class JabasDriver:
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
         self._learners: RankLearners | None = None    # SMA: learners per rank (Crossbow Alg. 2)
+        self.correction = OnlineCorrection(self.options.correction_smoothing,
+                                           self.options.reprofile_threshold)
+        self._reprofiles = 0
         if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.options.sma_max_learners}), got {job.sma_learners}")
@@ -187,22 +192,26 @@ class JabasDriver:
         return reply.samples / reply.wall_time if reply.wall_time > 0 else 0.0
 
     # ------------------------------------------------------------------ setup
-    def _build_model(self) -> Any:
-        """The iteration-time model: given, from given profiles, or profiled (cached)."""
+    def _build_model(self, refresh: bool = False) -> Any:
+        """The iteration-time model: given, from given profiles, or profiled (cached; ``refresh``
+        re-measures), wrapped in the online correction unless ``options.online_correction`` is off."""
         from functools import partial
 
         from ..planners.plan_policy import check_min_local_batch
-        from ..profiler import cluster_perf_model, cluster_profiles
+        from ..profiler.cluster import cluster_perf_model, cluster_profiles, emulation_host_devices
 
         opts, job = self.options, self.job
+        host = emulation_host_devices(opts.torch_threads, _ray_cpus()) if opts.emulate else None
         model = self._given_model or cluster_perf_model(self.cluster, job.weight_sync, self._profiles, partial(
             cluster_profiles, self.model_fn, self.dataset, self.cluster, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             min_local_batch=job.min_local_batch, weight_sync=job.weight_sync,
             bucket_cap_mb=opts.bucket_cap_mb,
-            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles")))
+            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"), refresh=refresh),
+            host_devices=host)
         check_min_local_batch(model, self.cluster.gpu_types, job.min_local_batch)
-        return model
+        self.correction.reset()
+        return CorrectedModel(model, self.correction) if opts.online_correction else model
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         cp = latest_checkpoint(self.run_dir)
@@ -248,11 +257,8 @@ class JabasDriver:
         every interval of the epoch."""
         if not self.job.autoscale:
             return full_allocation(cluster)
-        if not forecast:
-            n = max(1, math.ceil(len(self.dataset) /
-                                 (self.job.adapt_interval * self.job.initial_global_batch)))
-            forecast = [float(self.job.initial_global_batch)] * n
-        return autoscale_allocation(cluster, self._model, list(forecast), len(self.dataset), self.job)
+        return autoscale_allocation(cluster, self._model, list(forecast or self._initial_trajectory()),
+                                    len(self.dataset), self.job)
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
         """The plan policy (:func:`jabasray.planners.solve_for_batch`) on the GPUs of ``slots``
@@ -329,11 +335,29 @@ class JabasDriver:
             self.last_checkpoint = save_checkpoint(self.run_dir, replace(
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
+        predicted = self._predict_epoch(state.forecast)
         tally, cursor, interval = _EpochTally(), 0, 0
         while cursor < len(self.dataset):
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
-        return self._end_epoch(state, ctl, tally, replaced, t_epoch)
+        return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+
+    def _initial_trajectory(self) -> list[float]:
+        """Initial phase (no forecast yet): B_G^init for every interval of the epoch."""
+        job = self.job
+        n = max(1, math.ceil(len(self.dataset) / (job.adapt_interval * job.initial_global_batch)))
+        return [float(job.initial_global_batch)] * n
+
+    def _predict_epoch(self, forecast: Sequence[float]) -> float | None:
+        """The auto-scaler's epoch-time estimate for the placed allocation on the forecast (the
+        same function and plans it chose the allocation with); None when it has no plan."""
+        from ..planners.autoscale import epoch_time
+
+        slots = self.pool.slots
+        model = self._alloc_model(len(slots), len({s.node for s in slots}) > 1)
+        traj = [max(1, int(round(b))) for b in (forecast or self._initial_trajectory())]
+        return epoch_time(group_gpus(slots), model, traj, len(self.dataset), self.job.adapt_interval,
+                          self.job.min_local_batch, tolerance=plan_tolerance(self.job)).epoch_time
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
                       tally: _EpochTally) -> int:
@@ -367,8 +391,13 @@ class JabasDriver:
                              loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
                              phi=first.phi, lr=first.lr, time_s=dt, samples=done,
                              learners=[m for m, _, _ in configs] if self._learners else [],
-                             layout=list(layout))
+                             layout=list(layout),
+                             predicted_time_s=plan.iteration_time * first.num_iterations)
         self.metrics.intervals.append(rec)
+        if self.options.online_correction and first.num_iterations > 0:
+            self.correction.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
+                                    dt / first.num_iterations)
+            self._plan_cache.clear()     # plans were made with the old factors
         if self._learners is not None and min(end) < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)
@@ -380,17 +409,20 @@ class JabasDriver:
         tally.samples += done
         tally.loss_sum += first.loss * first.num_iterations
         tally.train_time += dt
+        tally.predicted_time += rec.predicted_time_s
         return end.pop()
 
     def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
-                   t_epoch: float) -> tuple[DriverState, dict]:
-        """Validation, forecast, auto-scaling decision, checkpoint and metrics of the epoch."""
+                   t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
+        """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
+        metrics of the epoch."""
         job, epoch, slots = self.job, state.epochs_done, self.pool.slots
         acc = None
         if self.options.evaluate and self._val_ref is not None:
             acc = float(self._call_all("evaluate", self._val_ref, ranks=[0])[0])
         trajectory = ctl.end_epoch()
         forecast = self._forecast(ctl.completed_trajectories)
+        self._maybe_reprofile()
         allocation = self._choose_allocation(state.cluster, forecast) if job.autoscale \
             else full_allocation(state.cluster)
         if allocation != state.allocation:
@@ -402,7 +434,8 @@ class JabasDriver:
                              train_loss=tally.loss_sum / max(1, tally.iterations), val_accuracy=acc,
                              time_s=0.0, gpu_seconds=0.0, samples=tally.samples,
                              throughput=tally.samples / tally.train_time if tally.train_time > 0 else 0.0,
-                             replaced=replaced)
+                             replaced=replaced, train_time_s=tally.train_time,
+                             predicted_train_time_s=tally.predicted_time, predicted_time_s=predicted)
         self.metrics.epochs.append(record)
         state = replace(state, epochs_done=epoch + 1, allocation=allocation,
                         adaptive=ctl.state_dict(), forecast=[float(x) for x in forecast],
@@ -415,6 +448,20 @@ class JabasDriver:
         for cb in self.callbacks:
             cb.on_epoch(self, record)
         return state, worker_state
+
+    def _maybe_reprofile(self) -> None:
+        """Re-measure a profile the measurements contradict (correction factor beyond
+        ``reprofile_threshold``), at most ``max_reprofiles`` times; given models/profiles are kept."""
+        opts = self.options
+        if not (opts.online_correction and self.correction.needs_reprofile()) or \
+                self._given_model is not None or self._profiles or self._reprofiles >= opts.max_reprofiles:
+            return
+        self._reprofiles += 1
+        factors = ", ".join(f"{g} x{f:.2f}" for g, f in sorted(self.correction.state_dict().items()))
+        self._event(f"model off by more than x{opts.reprofile_threshold:g} ({factors}): re-profiling")
+        self._model = self._build_model(refresh=True)
+        self._alloc_models.clear()
+        self._plan_cache.clear()
 
     def _forecast(self, trajectories: list[list[int]]) -> list[float]:
         """GBS forecast of the next epoch (JABAS 6.2): GPR + ESM ensemble on all trajectories."""
@@ -463,6 +510,12 @@ def start_remote_driver(*args: Any, **kwargs: Any) -> Any:
     MetricsHistory. Arguments as for :class:`JabasDriver`; callbacks then run inside the actor."""
     import ray
     return ray.remote(num_cpus=0)(JabasDriver).remote(*args, **kwargs)
+
+
+def _ray_cpus() -> float | None:
+    """CPUs of the running Ray cluster (None without Ray)."""
+    import ray
+    return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 
 def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: list[float],

@@ -31,6 +31,10 @@ class DriverOptions(JsonMixin):
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
     sma_max_learners: int = 8           # upper bound of learners per GPU (memory)
+    online_correction: bool = True      # measured interval times correct the model (planners.correction)
+    correction_smoothing: float = 0.5   # weight of one interval in the per-GPU-type factor (log EWMA)
+    reprofile_threshold: float = 2.0    # a type's factor beyond this (either way): re-measure the profile
+    max_reprofiles: int = 1             # re-profilings per run (each costs a profiling run)
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -42,7 +46,11 @@ class DriverOptions(JsonMixin):
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
-        for f in ("sma_autotune", "sma_tuner_relative"):
+        check_int("max_reprofiles", self.max_reprofiles, min_value=0)
+        check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
+                    min_exclusive=True)
+        check_float("reprofile_threshold", self.reprofile_threshold, min_value=1, min_exclusive=True)
+        for f in ("sma_autotune", "sma_tuner_relative", "online_correction"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):

@@ -38,6 +38,7 @@ class IntervalRecord(JsonMixin):
     samples: int = 0                 # samples trained in the interval (all actors)
     learners: list[int] = field(default_factory=list)  # sync="sma": learners per rank (else [])
     layout: list[int] = field(default_factory=list)    # decoupled workers per rank (sampler layout)
+    predicted_time_s: float | None = None  # model's prediction of time_s: plan.iteration_time x iterations
 
 
 @dataclass
@@ -57,6 +58,16 @@ class EpochRecord(JsonMixin):
     throughput: float                         # samples / training second
     replaced: bool = False                    # actors were re-placed before this epoch
     note: str = ""                            # e.g. "restarted after actor failure"
+    train_time_s: float = 0.0                 # measured: sum of the intervals' time_s
+    predicted_train_time_s: float | None = None   # model: sum of the intervals' predicted_time_s
+    predicted_time_s: float | None = None     # auto-scaler's estimate for the epoch (forecast B_G)
+
+    @property
+    def prediction_error(self) -> float | None:
+        """(predicted - measured) / measured training time of the epoch (model error)."""
+        if self.predicted_train_time_s is None or self.train_time_s <= 0:
+            return None
+        return (self.predicted_train_time_s - self.train_time_s) / self.train_time_s
 
 
 @dataclass

@@ -208,6 +208,9 @@ class _Progress:
         line = (f"epoch {record.epoch + 1}: B_G {min(traj)}-{max(traj)}, allocation {alloc} "
                 f"({len(record.gpu_types)} GPUs), {record.throughput:.0f} samples/s, "
                 f"val acc {acc}, {record.time_s:.1f}s")
+        if record.prediction_error is not None:
+            line += (f", train {record.train_time_s:.1f}s vs predicted {record.predicted_train_time_s:.1f}s "
+                     f"(error {100 * record.prediction_error:+.0f}%)")
         if self.bar is not None:
             self.bar.write(line, file=sys.stdout)
         else:

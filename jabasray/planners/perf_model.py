@@ -30,6 +30,12 @@ neighbour's limit is the safe one). Below the smallest profiled size the through
 smallest size is assumed (t_vsw proportional to B_L). Above max B_L^g there is no
 configuration (``max_num_vsw`` returns 0, ``iteration_time`` raises).
 
+Emulation on one host (ours): ``host_devices`` is how many emulated GPUs the host can run at
+once (its cores / torch threads per actor). With N_G > host_devices the emulated GPUs time-share
+the cores, so compute terms (t_vsw, t_update, t_overhead) are multiplied by N_G / host_devices;
+the auto-scaler then no longer sees 4 actors on 2 cores as twice the compute of 2. None (real
+GPUs): no such term.
+
 The weight-sync method follows IIDP's selection rule (section 4): with ``weight_sync="auto"``
 SWS is predicted when mean bucket size / bucket cap > R_buffer (0.5), OWS otherwise.
 
@@ -112,7 +118,7 @@ class PerfModel:
     """
 
     def __init__(self, profiles: Mapping[str, Profile], num_gpus: int = 2, multi_node: bool = False,
-                 weight_sync: str = "auto", r_buffer: float = 0.5) -> None:
+                 weight_sync: str = "auto", r_buffer: float = 0.5, host_devices: int | None = None) -> None:
         if not isinstance(profiles, Mapping) or not profiles:
             raise ValueError(f"profiles must be a non-empty mapping gpu_type -> Profile, got {profiles!r}")
         for k, v in profiles.items():
@@ -123,12 +129,13 @@ class PerfModel:
         self.multi_node = bool(multi_node)
         self.weight_sync = check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
         self.r_buffer = check_float("r_buffer", r_buffer, min_value=0)
+        self.host_devices = None if host_devices is None else check_int("host_devices", host_devices, min_value=1)
         self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._comm: dict[str, float] = {}
 
     def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
         m = PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
-                      weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+                      weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices)
         m._cache = self._cache   # t_vsw and zeta depend on the profiles only, not the allocation
         return m
 
@@ -230,14 +237,24 @@ class PerfModel:
         prof = self.profile(gpu)
         return self.tau(gpu) * (prof.optimizer_time + prof.copy_time * (num_vsw - 1))
 
+    @property
+    def host_share(self) -> float:
+        """Emulation: compute slows by N_G / host_devices when the allocation has more emulated
+        GPUs than the host can run at once (they share its cores); 1 otherwise."""
+        if self.host_devices is None:
+            return 1.0
+        return max(1.0, self.num_gpus / self.host_devices)
+
     # ------------------------------------------------------------ Eq. 6
     def breakdown(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> IterationBreakdown:
         check_int("num_ga", num_ga, min_value=0)
         t_vsw, zeta = self._vsw_and_zeta(gpu, local_batch, num_vsw)
+        share = self.host_share
+        t_vsw *= share
         t_fwd, t_bwd = zeta * t_vsw, (1 - zeta) * t_vsw
         t_comm = self.comm_time(gpu) if self.num_gpus > 1 else 0.0
-        t_update = self.update_time(gpu, num_vsw)
-        t_over = self.profile(gpu).step_overhead
+        t_update = self.update_time(gpu, num_vsw) * share
+        t_over = self.profile(gpu).step_overhead * share
         total = t_vsw * num_ga + t_fwd + max(t_bwd, t_comm) + t_update + t_over
         return IterationBreakdown(t_vsw=t_vsw, t_fwd=t_fwd, t_bwd=t_bwd, t_comm=t_comm,
                                   t_update=t_update, num_ga=num_ga, total=total, t_overhead=t_over)
@@ -253,7 +270,7 @@ class PerfModel:
 
     def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
         return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
-                         weight_sync=self.weight_sync, r_buffer=self.r_buffer)
+                         weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices)
 
     def __repr__(self) -> str:
         return (f"PerfModel(types={sorted(self.profiles)}, num_gpus={self.num_gpus}, "

@@ -20,15 +20,16 @@ from ..types import ClusterSpec
 def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, loss_fn: Callable,
                      optimizer_fn: Callable | None, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, cache_dir: str | Path,
-                     warmup: int = 2, repeats: int = 5) -> dict[str, Profile]:
-    """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes)."""
+                     warmup: int = 2, repeats: int = 5, refresh: bool = False) -> dict[str, Profile]:
+    """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes); ``refresh``
+    re-measures even when a cached profile exists."""
     from .measure import profile_model
 
     base = profile_model(model_fn, dataset, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                          device=device, gpu_type="cpu" if emulate else None,
                          min_local_batch=min_local_batch, weight_sync=weight_sync,
                          bucket_cap_mb=bucket_cap_mb, cache_dir=Path(cache_dir),
-                         warmup=warmup, repeats=repeats)
+                         warmup=warmup, repeats=repeats, refresh=refresh)
     if emulate:
         if base.allreduce_inter is None:
             base = replace(base, allreduce_inter=base.allreduce_intra)
@@ -36,15 +37,26 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
     return {t: base.scaled(1.0, t) for t in cluster.gpu_types}
 
 
+def emulation_host_devices(torch_threads: int = 1, cpus: float | None = None) -> int:
+    """Emulated GPUs this host runs at once: its cores (or ``cpus``, e.g. Ray's CPU resource,
+    when smaller) divided by the torch threads of one actor, at least 1."""
+    import os
+    cores = os.cpu_count() or 1
+    if cpus is not None:
+        cores = min(cores, int(cpus))
+    return max(1, cores // max(1, torch_threads))
+
+
 def cluster_perf_model(cluster: ClusterSpec, weight_sync: str, profiles: dict[str, Profile] | None,
-                       measure: Callable[[], dict[str, Profile]]) -> PerfModel:
+                       measure: Callable[[], dict[str, Profile]], host_devices: int | None = None) -> PerfModel:
     """The iteration-time model of a job: from the given ``profiles``, else from ``measure()``
-    (e.g. :func:`cluster_profiles` bound to the job); every GPU type of the cluster needs one."""
+    (e.g. :func:`cluster_profiles` bound to the job); every GPU type of the cluster needs one.
+    ``host_devices``: see ``PerfModel`` (emulation on one host)."""
     profiles = profiles or measure()
     missing = [t for t in cluster.gpu_types if t not in profiles]
     if missing:
         raise ValueError(f"profiles must cover every GPU type of the cluster; missing {missing}")
-    return PerfModel(profiles, weight_sync=weight_sync)
+    return PerfModel(profiles, weight_sync=weight_sync, host_devices=host_devices)
 
 
-__all__ = ["cluster_profiles", "cluster_perf_model"]
+__all__ = ["cluster_profiles", "cluster_perf_model", "emulation_host_devices"]
