@@ -176,15 +176,16 @@ class Profile(JsonMixin):
                        step_overhead=self.step_overhead / speed,
                        speed=self.speed * speed)
 
-    @property
-    def cache_key(self) -> str:
-        return profile_cache_key(self.model_signature, self.gpu_type)
 
-
-def profile_cache_key(model_signature: str, gpu_type: str) -> str:
-    """File stem of a cached profile: model signature and device type."""
+def profile_cache_key(model_signature: str, gpu_type: str, settings: dict | None = None) -> str:
+    """File stem of a cached profile: model signature, device type and (if given) a hash of the
+    measurement settings (``profiler.measure.measurement_settings``: torch version, device, ...)."""
+    import hashlib
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_type)
-    return f"{model_signature}-{safe}-v{PROFILE_VERSION}"
+    tag = ""
+    if settings:
+        tag = "-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{model_signature}-{safe}{tag}-v{PROFILE_VERSION}"
 
 
 def load_profiles(paths: Sequence[str | Path]) -> dict[str, Profile]:

@@ -15,7 +15,8 @@ from actors_helpers import profile
 from jabasray.cli import main
 from jabasray.data import load_digits_split
 from jabasray.models import DigitsCNN
-from jabasray.profiler import model_signature, profile_cache_key
+from jabasray.profiler import model_signature
+from jabasray.profiler.cluster import driver_cache_key
 
 
 def _prefill_profile_cache(storage, min_local_batch: int = 8) -> None:
@@ -24,7 +25,9 @@ def _prefill_profile_cache(storage, min_local_batch: int = 8) -> None:
     sig = model_signature(DigitsCNN())
     p = replace(profile("cpu", 1.0, min_local_batch=min_local_batch, max_local_batch=32),
                 model_signature=sig)
-    p.save(storage / ".profiles" / f"{profile_cache_key(sig, 'cpu')}.json")
+    key = driver_cache_key(sig, device="cpu", emulate=True, min_local_batch=min_local_batch,
+                           weight_sync="auto", bucket_cap_mb=25.0)
+    p.save(storage / ".profiles" / f"{key}.json")
 
 
 def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):

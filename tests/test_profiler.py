@@ -65,15 +65,20 @@ def test_profile_respects_memory_budget_and_caches(digits, tmp_path, monkeypatch
         def __init__(self, *a, **k):
             raise AssertionError("engine used despite the cache")
     monkeypatch.setattr(engine, "IIDPWorker", Boom)
-    again = profile_model(model, digits, optimizer_fn=sgd, min_local_batch=8, memory_budget_gb=budget_gb,
+    again = profile_model(model, digits, optimizer_fn=sgd, min_local_batch=8, max_local_batch=48,
+                          memory_budget_gb=budget_gb, max_num_vsw=3, warmup=0, repeats=1,
                           allreduce=False, cache_dir=tmp_path, gpu_type="cpu-test")
     assert again == prof == Profile.load(files[0])
     with pytest.raises(AssertionError, match="despite the cache"):
         profile_model(model, digits, min_local_batch=8, memory_budget_gb=budget_gb, allreduce=False,
                       cache_dir=tmp_path, gpu_type="cpu-test", refresh=True)
-    with pytest.raises(AssertionError, match="despite the cache"):   # other settings: re-profile
-        profile_model(model, digits, min_local_batch=8, memory_budget_gb=2 * budget_gb, allreduce=False,
-                      cache_dir=tmp_path, gpu_type="cpu-test")
+    for other in (dict(memory_budget_gb=2 * budget_gb), dict(repeats=2), dict(statistic="min"),
+                  dict(max_num_vsw=2)):      # any other measurement setting: re-profile
+        kw = dict(min_local_batch=8, max_local_batch=48, memory_budget_gb=budget_gb, max_num_vsw=3,
+                  warmup=0, repeats=1, allreduce=False, cache_dir=tmp_path, gpu_type="cpu-test")
+        kw.update(other)
+        with pytest.raises(AssertionError, match="despite the cache"):
+            profile_model(model, digits, **kw)
     # the profile drives the planner
     plan = solve_configuration(64, ["cpu-test"], PerfModel({"cpu-test": prof}), 8)
     assert plan is not None and plan.requested_global_batch_size == 64
@@ -110,3 +115,29 @@ def test_bad_arguments(digits, kw, field):
     args.update(kw)
     with pytest.raises(ValueError, match=field):
         profile_model(MLP(), digits, **args)
+
+
+def test_monotonicity_check_remeasures_then_clips():
+    """A point slower than the next B_L (noise inflated it) is re-measured; a measurement that
+    stays non-monotone is clipped up to the running maximum. Fake try_step: deterministic times."""
+    from jabasray.profiler.measure import _make_monotone, lower_median, monotone_violations
+
+    assert monotone_violations([1.0, 2.0, 1.5, 2.5]) == [2]
+    assert monotone_violations([1.0, 2.0, 1.85, 2.5]) == []          # within 10 %
+    assert lower_median([5.0, 1.0, 1.2, 9.0, 1.1]) == 1.1            # median of the faster half
+    calls = []
+    truth = {8: 1.0, 16: 2.0, 24: 3.0}
+
+    def try_step(bl, n, reps):
+        calls.append((bl, n, reps))
+        return (truth[bl] * n, 0.1, 0.01)
+    noisy = [(8, 2, (1.0, .1, .01), (2.0, .1, .01)), (16, 2, (9.0, .1, .01), (18.0, .1, .01)),
+             (24, 2, (3.0, .1, .01), (6.0, .1, .01))]
+    fixed = _make_monotone(noisy, try_step, repeats=3)
+    assert [p[2][0] for p in fixed] == [1.0, 2.0, 3.0] and [p[3][0] for p in fixed] == [2.0, 4.0, 6.0]
+    assert {(bl, reps) for bl, _, reps in calls} == {(16, 6), (24, 6)}   # the pair, twice the repeats
+
+    def stuck(bl, n, reps):       # the re-measurement keeps the anomaly
+        return {8: (1.0,), 16: (3.0,), 24: (2.0,)}[bl] + (0.1, 0.01)
+    clipped = _make_monotone([(bl, 1, stuck(bl, 1, 1), stuck(bl, 1, 1)) for bl in (8, 16, 24)], stuck, 3)
+    assert [p[2][0] for p in clipped] == [1.0, 3.0, 3.0]

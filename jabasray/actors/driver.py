@@ -162,7 +162,7 @@ class JabasDriver:
 
         self._data_ref = ray.put(self.dataset)
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self._model = self._build_model()
+        self._model = self._build_model(refresh=self.options.reprofile)
         self._alloc_models.clear()   # both derive from self._model
         self._plan_cache.clear()
         ctl = AdaptiveBatchController(self.job)

@@ -36,12 +36,16 @@ def register(subparsers: Any) -> None:
                    help="CPU: memory bound per device used to find max B_L and n_max")
     p.add_argument("--max-num-vsw", type=int, default=4, help="cap on n_max")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per point (median)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per point (see --statistic)")
+    p.add_argument("--statistic", default="trimmed", choices=["trimmed", "median", "min"],
+                   help="statistic of the timed steps (trimmed: median of the faster half)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads while profiling (default 1: one core per emulated device)")
     p.add_argument("--model-script", default=None, help="Python file with build_model() and dataset()")
     p.add_argument("--no-allreduce", action="store_true", help="skip the gloo all-reduce measurement")
-    p.add_argument("--cache-dir", default=None, help="reuse/keep profiles keyed by model and device")
+    p.add_argument("--cache-dir", default=None,
+                   help="reuse/keep profiles keyed by model, device, torch version and these settings")
+    p.add_argument("--reprofile", action="store_true", help="measure again even if the cache has it")
     p.add_argument("--emulate", action="append", default=[], metavar="TYPE=SPEED",
                    help="write scaled profiles for emulated GPU types (repeatable)")
     p.set_defaults(func=run)
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     prof = profile_model(build, data, device=args.device, gpu_type=args.gpu_type,
                          min_local_batch=args.min_local_batch, max_local_batch=args.max_local_batch,
                          memory_budget_gb=args.memory_budget_gb, max_num_vsw=args.max_num_vsw,
-                         repeats=args.repeats, allreduce=not args.no_allreduce,
-                         cache_dir=args.cache_dir)
+                         repeats=args.repeats, statistic=args.statistic, allreduce=not args.no_allreduce,
+                         cache_dir=args.cache_dir, refresh=args.reprofile)
     if emulate:
         profiles = [prof.scaled(s, t) for t, s in emulate.items()]
         save_profiles(profiles, args.out)

@@ -68,6 +68,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
+    p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
-                            force_replacement=args.force_replacement)
+                            force_replacement=args.force_replacement, reprofile=args.reprofile)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            callbacks=[progress])

@@ -13,14 +13,29 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..planners.perf_model import PerfModel, emulated_profiles
-from ..profiles import Profile
+from ..profiles import Profile, profile_cache_key
 from ..types import ClusterSpec
+
+
+DRIVER_WARMUP = 1    # untimed steps before each timed point
+DRIVER_REPEATS = 3   # timed steps per point ("trimmed" statistic; non-monotone points re-measured)
+
+
+def driver_cache_key(model_signature: str, *, device: str, emulate: bool, min_local_batch: int,
+                     weight_sync: str, bucket_cap_mb: float) -> str:
+    """The cache file stem :func:`cluster_profiles` uses (e.g. to pre-fill a cache)."""
+    from .measure import _default_gpu_type, measurement_settings
+    import torch
+    gpu_type = "cpu" if emulate else _default_gpu_type(torch.device(device))
+    return profile_cache_key(model_signature, gpu_type, measurement_settings(
+        torch.device(device).type, min_local_batch, None, 4, None, bucket_cap_mb, weight_sync,
+        DRIVER_WARMUP, DRIVER_REPEATS, "trimmed"))
 
 
 def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, loss_fn: Callable,
                      optimizer_fn: Callable | None, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, cache_dir: str | Path,
-                     warmup: int = 2, repeats: int = 5, refresh: bool = False) -> dict[str, Profile]:
+                     refresh: bool = False) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes); ``refresh``
     re-measures even when a cached profile exists."""
     from .measure import profile_model
@@ -29,7 +44,8 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
                          device=device, gpu_type="cpu" if emulate else None,
                          min_local_batch=min_local_batch, weight_sync=weight_sync,
                          bucket_cap_mb=bucket_cap_mb, cache_dir=Path(cache_dir),
-                         warmup=warmup, repeats=repeats, refresh=refresh)
+                         warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
+                         refresh=refresh)
     if emulate:
         if base.allreduce_inter is None:
             base = replace(base, allreduce_inter=base.allreduce_intra)
@@ -59,4 +75,4 @@ def cluster_perf_model(cluster: ClusterSpec, weight_sync: str, profiles: dict[st
     return PerfModel(profiles, weight_sync=weight_sync, host_devices=host_devices)
 
 
-__all__ = ["cluster_profiles", "cluster_perf_model", "emulation_host_devices"]
+__all__ = ["driver_cache_key", "cluster_profiles", "cluster_perf_model", "emulation_host_devices"]

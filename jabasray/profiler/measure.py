@@ -20,7 +20,14 @@ What is measured (JABAS section 5.1):
   intra-node fit can be measured from one machine; an inter-node fit measured elsewhere can be
   passed in (``inter_node_fit``).
 
-Profiles are cached as JSON in ``cache_dir`` under ``<model signature>-<gpu type>-v<version>``.
+Profiles are cached as JSON in ``cache_dir`` under ``<model signature>-<gpu type>-<settings hash>-v<version>``
+(:func:`measurement_settings`: device, torch version, profiler revision and every measurement
+setting), so a change of any of them re-measures.
+
+Robust and fast (issue 15): only n_vsw = 1 and n_max are timed (intermediate n are probed with
+one untimed step where memory must be probed, skipped on CPU without a memory budget); each
+point is the "trimmed" statistic (median of the faster half) of ``repeats`` steps; compute times
+that fall as B_L grows are re-measured and, if still non-monotone, clipped.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -41,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..serialization import atomic_write_text
 from ..validation import check_choice, check_float, check_int
 from ..profiles import AllReduceFit, BatchProfile, Profile, profile_cache_key
 
@@ -195,8 +204,65 @@ def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size
     return fit, data["times"]
 
 
+def cached_allreduce_fit(cache_dir: str | Path | None, sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
+                         world_size: int = 2, refresh: bool = False) -> AllReduceFit:
+    """:func:`measure_allreduce`, cached in ``cache_dir`` per host: the fit depends on the host,
+    the torch (gloo) version, the world size and the sizes, not on the model, so one measurement
+    serves every model profiled on this host (key: ``allreduce-<host>-<hash>.json``)."""
+    import socket
+    if cache_dir is None:
+        return measure_allreduce(sizes, world_size)[0]
+    key = json.dumps({"host": socket.gethostname(), "torch": torch.__version__, "world": world_size,
+                      "sizes": [int(x) for x in sizes], "revision": PROFILER_REVISION}, sort_keys=True)
+    path = Path(cache_dir) / f"allreduce-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    if path.exists() and not refresh:
+        try:
+            return AllReduceFit.from_json(path.read_text())
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("ignoring unusable cached all-reduce fit %s: %s", path, e)
+    fit = measure_allreduce(sizes, world_size)[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, fit.to_json())
+    return fit
+
+
 # ---------------------------------------------------------------------------- compute
-STATISTICS = {"median": statistics.median, "min": min}
+def lower_median(samples: Sequence[float]) -> float:
+    """Median of the faster half of the samples (a trimmed median): load on a shared machine
+    only ever slows a step down, so the slow tail is noise, while the plain minimum is one
+    lucky sample."""
+    xs = sorted(samples)
+    return statistics.median(xs[:max(1, (len(xs) + 1) // 2)])
+
+
+STATISTICS = {"median": statistics.median, "min": min, "trimmed": lower_median}
+MONOTONE_TOLERANCE = 0.10   # t(B_L) may fall below t(previous B_L) by this fraction before re-measuring
+MONOTONE_RETRIES = 2        # re-measurements of a non-monotone point (then it is clipped, with a warning)
+PROFILER_REVISION = 2       # bump when the measurement procedure changes (part of the cache key)
+
+
+def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
+                         max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
+                         weight_sync: str, warmup: int, repeats: int, statistic: str) -> dict:
+    """What a profile depends on besides the model and the device type: the cache key's settings."""
+    return {"device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
+            "min_local_batch": int(min_local_batch),
+            "max_local_batch": None if max_local_batch is None else int(max_local_batch),
+            "max_num_vsw": int(max_num_vsw),
+            "memory_budget_gb": None if memory_budget_gb is None else float(memory_budget_gb),
+            "bucket_cap_mb": float(bucket_cap_mb), "weight_sync": weight_sync,
+            "warmup": int(warmup), "repeats": int(repeats), "statistic": statistic}
+
+
+def monotone_violations(times: Sequence[float], tolerance: float = MONOTONE_TOLERANCE) -> list[int]:
+    """Indices i > 0 whose time is below the largest earlier time by more than ``tolerance``:
+    the compute time of a larger local batch (same n_vsw) cannot be smaller."""
+    out, top = [], -math.inf
+    for i, t in enumerate(times):
+        if i and t < top * (1 - tolerance):
+            out.append(i)
+        top = max(top, t)
+    return out
 
 
 def _step_stats(worker: Any, micro: list, warmup: int, repeats: int,
@@ -265,12 +331,47 @@ def _default_gpu_type(device: torch.device) -> str:
     return "cpu"
 
 
+def _make_monotone(points: list, try_step: Callable, repeats: int) -> list:
+    """Monotonicity across B_L: t(1) and t(n_max) (same n_max) must not fall as B_L grows.
+    A point below an earlier one by more than MONOTONE_TOLERANCE is re-measured with twice the
+    repeats (up to MONOTONE_RETRIES times; noise usually inflated the EARLIER point, so both
+    neighbours are re-measured); what is still non-monotone is clipped up to the running maximum
+    and logged."""
+    points = list(points)
+    for attempt in range(MONOTONE_RETRIES + 1):
+        bad = set(monotone_violations([p[2][0] for p in points]))
+        same_n = [i for i in range(1, len(points)) if points[i][1] == points[i - 1][1]]
+        tmax = monotone_violations([p[3][0] for p in points])
+        bad |= {i for i in tmax if i in same_n}
+        if not bad:
+            return points
+        if attempt == MONOTONE_RETRIES:
+            break
+        redo = sorted(bad | {i - 1 for i in bad})
+        log.info("profile: non-monotone compute time at B_L %s; re-measuring %s",
+                 [points[i][0] for i in sorted(bad)], [points[i][0] for i in redo])
+        for i in redo:
+            bl, n_max, _, _ = points[i]
+            one = try_step(bl, 1, 2 * repeats)
+            at_max = try_step(bl, n_max, 2 * repeats) if n_max > 1 else one
+            points[i] = (bl, n_max, one, at_max)
+    log.warning("profile: compute time still non-monotone at B_L %s after %d re-measurements; "
+                "clipping to the running maximum", [points[i][0] for i in sorted(bad)], MONOTONE_RETRIES)
+    out, top1, topm, prev_n = [], 0.0, 0.0, None
+    for bl, n_max, one, at_max in points:
+        top1 = max(top1, one[0])
+        topm = max(topm, at_max[0]) if n_max == prev_n else at_max[0]
+        out.append((bl, n_max, (top1,) + tuple(one[1:]), (topm,) + tuple(at_max[1:])))
+        prev_n = n_max
+    return out
+
+
 def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   loss_fn: Callable[[Any, Any], torch.Tensor] = F.cross_entropy,
                   optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                   device: str = "cpu", gpu_type: str | None = None, min_local_batch: int = 8,
                   max_local_batch: int | None = None, memory_budget_gb: float | None = None,
-                  max_num_vsw: int = 4, warmup: int = 1, repeats: int = 3, statistic: str = "median",
+                  max_num_vsw: int = 4, warmup: int = 1, repeats: int = 3, statistic: str = "trimmed",
                   weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
@@ -280,8 +381,12 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``.
     ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
     ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
-    other than the cap). ``statistic``: "median" (default) or "min" over the ``repeats`` timed
-    steps ("min" estimates the undisturbed time on a shared, noisy machine).
+    other than the cap). ``statistic`` over the ``repeats`` timed steps: "trimmed" (default, the
+    median of the faster half: robust to load spikes on a shared machine), "median" or "min".
+    Compute times must grow with B_L; points that do not are re-measured (see
+    :func:`_make_monotone`). The cache key holds the model signature, the device type and every
+    measurement setting incl. the torch version (:func:`measurement_settings`); ``refresh``
+    re-measures regardless.
     ``allreduce=False`` skips the gloo measurement and uses ``allreduce_fit`` (or a nominal
     fit: alpha 1, beta 0, flagged in the log).
     """
@@ -310,15 +415,15 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     gpu_type = gpu_type or _default_gpu_type(dev)
     sig = model_signature(base)
 
-    cache_path = Path(cache_dir) / f"{profile_cache_key(sig, gpu_type)}.json" if cache_dir else None
+    settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
+                                    memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic)
+    key = profile_cache_key(sig, gpu_type, settings)
+    cache_path = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
         try:
             cached = Profile.load(cache_path)
-            if (cached.min_local_batch, cached.memory_budget_gb, cached.bucket_cap_mb) == \
-                    (min_local_batch, memory_budget_gb, float(bucket_cap_mb)):
-                log.info("profile cache hit: %s", cache_path)
-                return cached
-            log.info("cached profile %s was made with other settings; re-profiling", cache_path)
+            log.info("profile cache hit: %s", cache_path)
+            return cached
         except ValueError as e:
             log.warning("ignoring unusable cached profile %s: %s", cache_path, e)
 
@@ -335,14 +440,18 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if dev.type == "cuda" and hasattr(worker, "sync_timing"):
         worker.sync_timing = True   # the engine synchronises the device around its timed phases
 
-    def try_step(bl: int, n: int) -> tuple[float, float, float] | None:
-        """``stat`` of (compute, update, overhead) at (B_L, n), or None when it does not fit."""
+    def try_step(bl: int, n: int, reps: int = repeats) -> tuple[float, float, float] | None:
+        """``stat`` of (compute, update, overhead) at (B_L, n) over ``reps`` steps, or None when
+        it does not fit (``reps=0``: one untimed probe step)."""
         if not fits_estimate(bl, n):
             return None
         x, y = sample(bl)
         try:
             worker.configure(n, 0, bl)
-            return _step_stats(worker, [(x, y)] * n, warmup, repeats, stat)
+            if reps == 0:
+                worker.train_step([(x, y)] * n)
+                return (0.0, 0.0, 0.0)
+            return _step_stats(worker, [(x, y)] * n, warmup, reps, stat)
         except RuntimeError as e:
             if dev.type == "cuda" and _is_oom(e):
                 worker.configure(1, 0, bl)
@@ -350,20 +459,35 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                 return None
             raise
 
-    batches: list[BatchProfile] = []
-    update_times: list[float] = []
-    overheads: list[float] = []
+    def find_n_max(bl: int) -> int:
+        """The most VSWs that fit. Without a memory bound to probe (CPU without a budget) that is
+        ``max_num_vsw`` at once; otherwise one untimed probe step per n (CUDA: until OOM)."""
+        if dev.type == "cpu" and mem is None:
+            return max_num_vsw
+        n_max = 1
+        for n in range(2, max_num_vsw + 1):
+            if try_step(bl, n, reps=0) is None:
+                break
+            n_max = n
+        return n_max
+
+    # Eq. 1 needs only n = 1 and n = n_max per B_L: intermediate n are probed (fit or not),
+    # never timed.
+    points: list[tuple[int, int, tuple, tuple]] = []      # (B_L, n_max, stats at 1, stats at n_max)
     bl = min_local_batch
     while bl <= max_local_batch:
         one = try_step(bl, 1)
         if one is None:
             break
-        n_max, at_max = 1, one
-        for n in range(2, max_num_vsw + 1):            # n_max: grow until it no longer fits
-            r = try_step(bl, n)
-            if r is None:
-                break
-            n_max, at_max = n, r
+        n_max = find_n_max(bl)
+        at_max = try_step(bl, n_max) if n_max > 1 else one
+        points.append((bl, n_max, one, at_max))
+        bl += min_local_batch
+    points = _make_monotone(points, try_step, repeats)
+    batches: list[BatchProfile] = []
+    update_times: list[float] = []
+    overheads: list[float] = []
+    for bl, n_max, one, at_max in points:
         zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat)
         batches.append(BatchProfile(local_batch=bl, max_num_vsw=n_max, compute_time_1=one[0],
                                     compute_time_max=at_max[0], zeta=zeta))
@@ -371,7 +495,6 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         overheads.append(one[2])
         log.info("profiled B_L=%d: t(1)=%.4gs n_max=%d t(n_max)=%.4gs zeta=%.2f",
                  bl, one[0], n_max, at_max[0], zeta)
-        bl += min_local_batch
     if not batches:
         raise ValueError(f"min_local_batch {min_local_batch} does not fit on {device} "
                          f"(memory_budget_gb={memory_budget_gb})")
@@ -381,7 +504,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
     if allreduce_fit is None:
         if allreduce:
-            allreduce_fit, _ = measure_allreduce(allreduce_sizes)
+            allreduce_fit = cached_allreduce_fit(cache_dir, allreduce_sizes, refresh=refresh)
         else:
             log.warning("all-reduce not measured: using a nominal Eq. 3 fit (alpha=1, beta=0)")
             allreduce_fit = AllReduceFit(alpha=1.0, beta=0.0)
