@@ -218,6 +218,8 @@ class Plan(JsonMixin):
     iteration_time: float                  # predicted seconds per iteration (max over GPUs)
     requested_global_batch_size: int = 0   # the B_G the solver was asked for
     weight_sync: str = "auto"              # "sws" | "ows" | "auto" as predicted
+    bucket_plan: list[list[str]] | None = None  # gradient buckets (param names, backward order) the
+                                                # actors run; None: the engine's size-capped default
 
     @property
     def throughput(self) -> float:

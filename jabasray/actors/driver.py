@@ -122,6 +122,7 @@ class JabasDriver:
                               opts.collective_timeout_s, opts.failure_grace_s)
         self._placed_epoch = -1
         self._plan_cache: dict[tuple, Plan] = {}
+        self._bucket_plans: dict[int, list[list[str]]] = {}   # world size -> LIBRA bucket plan
         self._alloc_models: dict[tuple[int, bool], Any] = {}   # of self._model
         self._data_ref: Any = None
         self._val_ref: Any = None
@@ -269,10 +270,28 @@ class JabasDriver:
         multi_node = len({s.node for s in slots}) > 1   # the model depends on it (all-reduce)
         key = (global_batch, tuple(gg), multi_node)
         if key not in self._plan_cache:
-            self._plan_cache[key] = solve_for_batch(
-                global_batch, gg, self._alloc_model(len(slots), multi_node), self.job.min_local_batch,
-                tolerance=plan_tolerance(self.job))
+            plan = solve_for_batch(global_batch, gg, self._alloc_model(len(slots), multi_node),
+                                   self.job.min_local_batch, tolerance=plan_tolerance(self.job))
+            self._plan_cache[key] = replace(plan, bucket_plan=self._bucket_plans.get(len(slots)))
         return self._plan_cache[key]
+
+    def _bucket_plan(self, world_size: int) -> list[list[str]] | None:
+        """The gradient buckets for ``world_size`` actors: LIBRA's (``bucket_planner="libra"``,
+        :mod:`jabasray.profiler.buckets`) or None (the engine's size-capped buckets)."""
+        if self.options.bucket_planner != "libra" or self.job.sync == "sma":
+            return None
+        if world_size not in self._bucket_plans:
+            from ..profiler.buckets import libra_bucket_plan
+            from ..profiler.measure import _batch_fn
+
+            profiles = getattr(self._model, "profiles", None)
+            if not profiles:
+                raise ValueError("bucket_planner 'libra' needs profiles (the model has none); "
+                                 "pass profiles or let the driver profile")
+            self._bucket_plans[world_size] = libra_bucket_plan(
+                self.model_fn, _batch_fn(self.dataset), self.loss_fn,
+                next(iter(profiles.values())), world_size, self.options.bucket_cap_mb)
+        return self._bucket_plans[world_size]
 
     def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int]]:
         """(num_vsw, num_ga, B_L) of every rank: its pair's WorkerConfig; in SMA mode num_vsw is
@@ -311,7 +330,8 @@ class JabasDriver:
         placed_before = self.pool.placement is not None
         if placed_before:
             self._event(f"epoch {epoch}: re-placing actors for allocation {state.allocation}")
-        self.pool.place(slots, ray.put(worker_state) if worker_state is not None else None, fresh=force)
+        self.pool.place(slots, ray.put(worker_state) if worker_state is not None else None, fresh=force,
+                        bucket_plan=self._bucket_plan(len(slots)))
         self._placed_epoch = epoch
         job, opts = self.job, self.options
         self._learners = None if job.sync != "sma" else RankLearners(

@@ -25,6 +25,7 @@ class DriverOptions(JsonMixin):
     max_restarts: int = 3               # actor failures tolerated per run
     torch_threads: int = 1              # torch threads inside each actor
     bucket_cap_mb: float = 25.0         # engine gradient bucket cap
+    bucket_planner: str = "size"        # "size" (cap-sized buckets) or "libra" (LIBRA fusion, profiler.buckets)
     evaluate: bool = True               # validation accuracy at every epoch end
     profile_cache_dir: str | None = None  # where profiles are cached (default: <storage>/.profiles)
     reprofile: bool = False             # measure the profile again even if the cache has it
@@ -40,6 +41,7 @@ class DriverOptions(JsonMixin):
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
         check_choice("device", self.device, ("cpu", "cuda"))
+        check_choice("bucket_planner", self.bucket_planner, ("size", "libra"))
         if self.emulate is None:
             self.emulate = self.device == "cpu"
         check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)

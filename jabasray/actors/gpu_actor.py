@@ -150,10 +150,12 @@ class GPUActor(BackgroundHostMixin):
     def ping(self) -> dict:
         return {"rank": self.slot.rank, "pid": os.getpid(), "gpu_type": self.slot.gpu_type}
 
-    def setup(self, rdv: Rendezvous, slot: Slot | None = None) -> int:
+    def setup(self, rdv: Rendezvous, slot: Slot | None = None,
+              bucket_plan: list[list[str]] | None = None) -> int:
         """Join the process group and (re)build the worker (same seed on every rank, so every
         rank starts from the same weights; a restored state replaces them anyway). A kept actor
-        of an earlier placement is set up again with its new ``slot`` (rank and group)."""
+        of an earlier placement is set up again with its new ``slot`` (rank and group).
+        ``bucket_plan``: the plan's gradient buckets (None: size-capped by bucket_cap_mb)."""
         import torch
 
         if slot is not None:
@@ -177,7 +179,7 @@ class GPUActor(BackgroundHostMixin):
             from ..engine.iidp import IIDPWorker
             self.worker = IIDPWorker(model, self.optimizer_fn, self.loss_fn, device=self.device,
                                      process_group=self.group, weight_sync=self.job.weight_sync,
-                                     bucket_cap_mb=self.bucket_cap_mb)
+                                     bucket_cap_mb=self.bucket_cap_mb, bucket_plan=bucket_plan)
         return self.slot.rank
 
     def shutdown(self) -> None:

@@ -53,9 +53,11 @@ class ActorPool:
         return (self.placement is not None and
                 [(s.pair_key, s.rank) for s in self.placement.slots] == [(s.pair_key, s.rank) for s in slots])
 
-    def place(self, slots: list[Slot], worker_state_ref: Any = None, fresh: bool = False) -> None:
+    def place(self, slots: list[Slot], worker_state_ref: Any = None, fresh: bool = False,
+              bucket_plan: list[list[str]] | None = None) -> None:
         """Place actors for ``slots`` (pairs that stay keep their actors unless ``fresh``), join
-        them in a new process group and load ``worker_state_ref`` (a Ray object) if given."""
+        them in a new process group (workers built with ``bucket_plan``; None: size-capped
+        buckets) and load ``worker_state_ref`` (a Ray object) if given."""
         if fresh:
             self.shutdown()
         elif self._rdv:
@@ -68,7 +70,7 @@ class ActorPool:
         self._generation += 1
         self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
                                      timeout_s=self.collective_timeout_s)
-        self.call_all("setup", per_rank=[(self._rdv.info, s) for s in slots])
+        self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])
         if worker_state_ref is not None:
             self.call_all("load_state_dict", worker_state_ref)
         self._applied = None
