@@ -6,7 +6,8 @@ per-parameter tensors, independently of ``jabasray.engine.sma`` (G GPUs, m_g lea
 local reference models r_g, central model z; alpha_l = 1/m_g, alpha_g = 1/G)::
 
     c_gj = alpha_l (w_gj - r_g);   w_gj <- w_gj - lr (grad l(w_gj) + wd w_gj) - c_gj
-    C_g  = alpha_g (r_g - z);      r_g  <- r_g + sum_j c_gj - C_g
+    r_g^ = r_g + sum_j c_gj        (the reference model incorporates its learners' differences)
+    C_g  = alpha_g (r_g^ - z);     r_g  <- r_g^ - C_g
     z    <- z + sum_g C_g + mu (z - z_prev);   z_prev <- z (before the update)
 """
 from __future__ import annotations
@@ -67,8 +68,7 @@ def transcription(model: nn.Module, counts, steps: int, lr=LR, mu=MU, wd=WD):
     for s in range(steps):
         batches = step_batches(s, sum(counts))
         loss = 0.0
-        C = [[(1.0 / G) * (ri - zi) for ri, zi in zip(refs[g], z)] for g in range(G)]
-        new_ws, new_refs, off = [], [], 0
+        C, new_ws, new_refs, off = [], [], [], 0
         for g, m in enumerate(counts):
             cs, mine = [], []
             for j in range(m):
@@ -84,7 +84,9 @@ def transcription(model: nn.Module, counts, steps: int, lr=LR, mu=MU, wd=WD):
                         p.copy_(w)
                     loss += float(nn.functional.cross_entropy(probe(b[0]), b[1]))
             new_ws.append(mine)
-            new_refs.append([ri + sum(c[i] for c in cs) - C[g][i] for i, ri in enumerate(refs[g])])
+            r_hat = [ri + sum(c[i] for c in cs) for i, ri in enumerate(refs[g])]
+            C.append([(1.0 / G) * (ri - zi) for ri, zi in zip(r_hat, z)])
+            new_refs.append([ri - ci for ri, ci in zip(r_hat, C[g])])
             off += m
         z_old = [t.clone() for t in z]
         z = [zi + sum(C[g][i] for g in range(G)) + (mu * (zi - zp) if z_prev is not None else 0)
@@ -112,12 +114,13 @@ def test_functional_hierarchical_core_matches_the_equations_on_random_tensors():
     # reference: the module docstring's equations, written out
     z, z_prev, refs, ws = z0.clone(), None, [r.clone() for r in refs0], [[w.clone() for w in g] for g in reps0]
     for gs in grads:
-        C = [a_g * (r - z) for r in refs]
-        new_refs, new_ws = [], []
+        C, new_refs, new_ws = [], [], []
         for g, m in enumerate(counts):
             cs = [(1.0 / m) * (w - refs[g]) for w in ws[g]]
             new_ws.append([w - LR * gr - c for w, gr, c in zip(ws[g], gs[g], cs)])
-            new_refs.append(refs[g] + sum(cs) - C[g])
+            r_hat = refs[g] + sum(cs)
+            C.append(a_g * (r_hat - z))
+            new_refs.append(r_hat - C[g])
         z_new = z + sum(C) + (MU * (z - z_prev) if z_prev is not None else 0)
         z_prev, z, refs, ws = z, z_new, new_refs, new_ws
     ez, v = z0.clone(), torch.zeros(n)
@@ -130,6 +133,27 @@ def test_functional_hierarchical_core_matches_the_equations_on_random_tensors():
         assert_close_lists(a, b)
     with pytest.raises(ValueError, match="one entry per device"):
         sma_hierarchical_iteration_(ews, grads[0], erefs[:1], ez, v, LR, 0.5, a_g, MU)
+
+
+@pytest.mark.parametrize("mu", [0.0, MU])
+@pytest.mark.parametrize("counts", [(1, 1), (2, 2), (2, 3), (4, 4)])
+def test_without_gradients_the_two_levels_reach_consensus(counts, mu):
+    """Zero gradients from scattered replicas and reference models: the recursion contracts
+    to one model (every learner = every r_g = z) instead of oscillating (module notes: the
+    order of the global correction: with the iteration-start r_g this diverges for (1, 1),
+    (2, 2) and, without momentum, for every case here)."""
+    gen = torch.Generator().manual_seed(4)
+    n = 6
+    z, v = torch.randn(n, generator=gen), torch.zeros(n)
+    refs = [torch.randn(n, generator=gen) for _ in counts]
+    ws = [[torch.randn(n, generator=gen) for _ in range(m)] for m in counts]
+    zero = [[torch.zeros(n) for _ in range(m)] for m in counts]
+    start = max(float((t - z).abs().max()) for t in refs + [w for g in ws for w in g])
+    for _ in range(300):
+        sma_hierarchical_iteration_(ws, zero, refs, z, v, LR, [1.0 / m for m in counts],
+                                    1.0 / len(counts), mu)
+    spread = max(float((t - z).abs().max()) for t in refs + [w for g in ws for w in g])
+    assert start > 1.0 and spread < 1e-4 and float(z.abs().max()) < 10 * start
 
 
 # ---------------------------------------------------------------- 2 processes x 2-3 learners

@@ -35,19 +35,23 @@ Synchronisation across devices (``sma_sync``), two algorithms:
   (lines 8-10 with r_g in place of z; alpha_l = 1/m_g), and r_g incorporates their differences.
   Inter-GPU level: "the SMA algorithm is executed ... all reference models (one per GPU) are
   the replicas w_j in Alg. 1" - Alg. 1 over the G reference models, where the move of r_g
-  caused by its learners plays the role of the replica's gradient step (alpha_g = 1/G)::
+  caused by its learners plays the role of the replica's learning step (alpha_g = 1/G)::
 
       c_gj = alpha_l (w_gj - r_g);   w_gj <- w_gj - lr grad l(w_gj) - c_gj      (local 8-10)
-      C_g  = alpha_g (r_g - z);      r_g  <- r_g + sum_j c_gj - C_g             (global 9-10)
+      r_g^ = r_g + sum_j c_gj                               (r_g incorporates the differences)
+      C_g  = alpha_g (r_g^ - z);     r_g  <- r_g^ - C_g                         (global 9-10)
       z    <- z + sum_g C_g + mu (z - z_prev)                                  (global 11-13)
 
-  Both corrections read the iteration-start r_g and z (line 9 reads the replica before its
-  update), so the intra-GPU step needs no communication and the one all-reduce per iteration
-  carries only C_g. The paper says one reference model "is used as" z; we keep z as its own
-  copy on every device (identical everywhere, like the flat variant) so no rank is special and
-  a re-placement cannot lose it. With one GPU (G = 1) z trails r by one iteration; with one
-  learner per GPU the replica restarts from r_g each iteration (the same one-learner closed
-  form as Alg. 1 with k = 1, see the note at the end), so ``"flat"`` is the better choice there.
+  Order (our reading, explicit): the global correction reads r_g *after* its local step, as
+  Fig. 7's data dependency has it (a global synchronisation task starts once the local ones it
+  depends on are done). Reading the iteration-start r_g instead (line 9's literal position
+  relative to the replica's own step) makes the recursion unstable: on a quadratic with
+  identical learners the iteration matrix has spectral radius 1.5 (m = 1, G = 2) and 1.2
+  (m = 2) even without gradients and without momentum; with this order it is 1 (consensus)
+  and < 1 with gradients. The paper says one reference model "is used as" z; we keep z as
+  its own copy on every device (identical everywhere, like the flat variant) so that no rank
+  is special and a re-placement cannot lose it. With one learner per GPU the replica restarts
+  from r_g every iteration (the one-learner closed form of Alg. 1, see the note at the end).
   Float buffers (BatchNorm running stats): r_g's are the mean of its learners', z's the mean of
   the reference models' (piggy-backed on the same all-reduce).
 
@@ -165,12 +169,15 @@ def sma_hierarchical_iteration_(replicas: Sequence[Sequence[torch.Tensor]],
                          f"{len(replicas)}, {len(grads)} and {len(refs)}")
     rates = ([float(alpha_local)] * len(refs) if isinstance(alpha_local, (int, float))
              else [float(a) for a in alpha_local])
-    global_corrections = [ref_correction(r, z, alpha_global) for r in refs]   # global line 9
-    for ws, gs, r, c_g, a in zip(replicas, grads, refs, global_corrections, rates):
+    global_corrections = []
+    for ws, gs, r, a in zip(replicas, grads, refs, rates):
         local = torch.zeros_like(r)
         for w, g in zip(ws, gs):                                            # local lines 8-10
             local += sma_learner_update_(w, g, r, lr, a, weight_decay)
-        r.add_(local).sub_(c_g)                                             # global line 10
+        r.add_(local)                                          # r_g incorporates the differences
+        c_g = ref_correction(r, z, alpha_global)                            # global line 9
+        r.sub_(c_g)                                                         # global line 10
+        global_corrections.append(c_g)
     total = torch.stack(global_corrections).sum(0)
     sma_center_update_(z, velocity, total, momentum)                       # global lines 11-13
     return total
@@ -543,8 +550,6 @@ class SMAWorker:
     def _local_sync(self) -> torch.Tensor:
         """Every learner's update (lines 8-10); returns what this device sends to the others:
         flat: ``sum_j c_j``; hierarchical: ``C_g`` (r_g is updated here, module notes)."""
-        if self._ref is not None:       # C_g reads the iteration-start r_g (global line 9)
-            ref_correction(self._ref.flat, self._z.flat, self.alpha_global, out=self._ref_correction)
         for j in range(self.num_vsw):
             self._learner_update(j)
         return self._finish_local_sync()
@@ -553,7 +558,10 @@ class SMAWorker:
         total = torch.stack(self._corrections).sum(0)
         if self._ref is None:
             return total
-        self._ref.flat.add_(total).sub_(self._ref_correction)        # global line 10
+        ref = self._ref.flat
+        ref.add_(total)                                   # r_g incorporates its learners' differences
+        ref_correction(ref, self._z.flat, self.alpha_global, out=self._ref_correction)  # global 9
+        ref.sub_(self._ref_correction)                                                 # global 10
         return self._ref_correction
 
     def _learner_buffer_sum(self) -> torch.Tensor:
@@ -623,14 +631,6 @@ class SMAWorker:
         counts: list[int] = []
         has_buffers = self._z.buffer_numel > 0
         sync = lanes.comm
-        if self._ref is not None:
-            # C_g reads the iteration-start r_g and z: taken on the sync stream (after the
-            # previous global sync) before any learner's local sync below moves r_g.
-            sync.wait_stream(issuer)
-            with torch.cuda.stream(sync):
-                ref_correction(self._ref.flat, self._z.flat, self.alpha_global,
-                               out=self._ref_correction)
-            self._z_ready = lanes.record(sync)
         for j, learner in enumerate(self._learners):
             stream = lanes.vsw[j]
             stream.wait_stream(issuer)
