@@ -30,10 +30,12 @@ def ids(states):
 
 
 def test_same_gpus_give_every_rank_its_own_state_counts_and_tuner():
-    ws = pack_sma(rank_states([2, 3]), [2, 3], ["a", "a"], '{"tau": 0.05}')
+    """The next counts (the tuner's decision, [3, 3]) are returned for the driver to apply;
+    each rank's state keeps the learners it ran with ([2, 3]), so nothing is re-split."""
+    ws = pack_sma(rank_states([2, 3]), [3, 3], ["a", "a"], '{"tau": 0.05}')
     assert is_packed_sma(ws) and not is_packed_sma(ws["sma_ranks"][0])
     got = restore_sma(ws, ["a", "a"], default_learners=1)
-    assert got.learners == [2, 3] and got.tuner_json == '{"tau": 0.05}'
+    assert got.learners == [3, 3] and got.tuner_json == '{"tau": 0.05}'
     assert ids(got.states) == [[0, 1], [2, 3, 4]]
     assert [float(s["ref"]["flat"][0]) for s in got.states] == [100.0, 101.0]
     # loading a rank's state restores exactly its learners

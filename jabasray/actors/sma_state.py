@@ -7,15 +7,17 @@ every rank would silently turn every rank's learners into rank 0's. So in SMA mo
 checkpoint's (opaque) ``worker_state`` is::
 
     {"sma_ranks":     [state of rank 0, state of rank 1, ...],   # SMAWorker.state_dict()
-     "sma_learners":  [m_0, m_1, ...],                           # learners per rank
+     "sma_learners":  [m_0, m_1, ...],                           # learners per rank next
      "sma_gpu_types": ["a", "a", ...],                           # GPU type per rank
      "sma_tuner":     "<LearnerTuner JSON>" or ""}               # Alg. 2 state ("" = none)
 
 :func:`restore_sma` turns it into one state per rank of a (possibly different) placement:
 
 * the same GPU types in the same rank order (e.g. a re-placement onto the same GPUs, or a
-  resume): every rank gets its own state back, the learner counts and the tuner's state are
-  kept - the run continues as if it had not stopped;
+  resume): every rank gets its own state back as saved (with the learners it ran), and the
+  counts for the next interval (``sma_learners``, the tuner's latest decision, applied by the
+  driver's next ``configure`` exactly as without the stop) and the tuner's state are kept -
+  the run continues as if it had not stopped;
 * anything else: every rank starts at ``JobConfig.sma_learners`` learners with a fresh tuner
   (the old counts were tuned for other GPUs), and the learners are mapped by identity with
   :func:`jabasray.engine.sma.redistribute_sma_states` (a learner keeps its global position, so
@@ -41,7 +43,7 @@ class SMARestore:
     """What a placement loads: one worker state per rank, the learner counts, the tuner."""
 
     states: list[dict]          # SMAWorker.load_state_dict input of each rank
-    learners: list[int]         # learners per rank
+    learners: list[int]         # learners per rank for the next interval
     tuner_json: str             # LearnerTuner JSON to continue with ("" = start a fresh tuner)
 
 
@@ -67,8 +69,7 @@ def restore_sma(worker_state: dict, gpu_types: Sequence[str], default_learners: 
         states = list(worker_state["sma_ranks"])
         same = list(worker_state["sma_gpu_types"]) == list(gpu_types)
         if same:
-            learners = [int(m) for m in worker_state["sma_learners"]]
-            return SMARestore(redistribute_sma_states(states, learners), learners,
+            return SMARestore(states, [int(m) for m in worker_state["sma_learners"]],
                               str(worker_state.get("sma_tuner") or ""))
         log.info("SMA state of %d ranks (%s) mapped onto %d ranks (%s) by learner identity",
                  len(states), worker_state["sma_gpu_types"], len(gpu_types), list(gpu_types))
