@@ -62,7 +62,8 @@ class JobConfig(JsonMixin):
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
-    sma_sync: str = "hierarchical"      # SMA across GPUs: "hierarchical" (Crossbow 3.3) | "flat"
+    sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
+                                        # "hierarchical" (Crossbow 3.3; slower to converge on digits)
     seed: int = 0                       # seeds data order, model init and search
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ class CurveDriver(JabasDriver):
 
 def run(tmp_path, name, epochs, force=False):
     ds, _ = tiny_data(96)
-    job = JobConfig(epochs=epochs, sync="sma", sma_learners=1, initial_global_batch=8,
+    job = JobConfig(epochs=epochs, sync="sma", sma_sync="hierarchical", sma_learners=1,
+                    initial_global_batch=8,
                     min_global_batch=8, max_global_batch=8, min_local_batch=4, adapt_interval=2,
                     autoscale=False, lr=0.05, seed=5)
     drv = CurveDriver(model_fn, ds, optimizer_fn, loss_fn, job,
