@@ -65,3 +65,12 @@ def test_older_single_state_checkpoint_is_rank_zero_only():
 def test_pack_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match="one entry per rank"):
         pack_sma(rank_states([1]), [1, 1], ["a"])
+
+
+def test_packed_state_loads_with_weights_only(tmp_path):
+    """The checkpoint stays loadable without unpickling code (torch.load weights_only=True)."""
+    ws = pack_sma(rank_states([1, 2]), [1, 2], ["a", "a"], '{"tau": 0.05}')
+    torch.save(ws, tmp_path / "worker.pt")
+    back = torch.load(tmp_path / "worker.pt", weights_only=True)
+    assert back["sma_learners"] == [1, 2] and back["sma_tuner"] == '{"tau": 0.05}'
+    assert ids(restore_sma(back, ["a", "a"], 1).states) == [[0], [1, 2]]
