@@ -15,6 +15,7 @@ from .validation import check_choice, check_float, check_int
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
+SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 
 R_BUFFER = 0.5  # threshold of IIDP's SWS/OWS selection rule (JABAS section 4)
@@ -60,7 +61,9 @@ class JobConfig(JsonMixin):
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
-    sma_alpha: float | None = None      # SMA correction rate; None -> 1/k (k = total learners)
+    sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
+    sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
+                                        # "hierarchical" (Crossbow 3.3; slower to converge on digits)
     seed: int = 0                       # seeds data order, model init and search
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class JobConfig(JsonMixin):
         check_int("sma_learners", self.sma_learners, min_value=1)
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
+        check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
         check_int("seed", self.seed, min_value=0)
 
 

@@ -3,6 +3,7 @@ session Ray instance: a forced throughput curve makes the tuner's decisions dete
 from __future__ import annotations
 
 import pytest
+import torch
 
 from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.driver import DriverOptions, JabasDriver
@@ -27,14 +28,15 @@ class CurveDriver(JabasDriver):
         return CURVES[rank][learners - 1]
 
 
-def test_driver_tunes_learners_per_rank_and_serves_every_sample_once(ray_session, tmp_path):
+def test_driver_tunes_learners_per_pair_and_serves_every_sample_once(ray_session, tmp_path):
     """One pair, B_G pinned at 8 (B_L = 4, n_GA = 0), p = 1, tau = 5% relative (defaults).
 
-    Expected per Alg. 2 with the settling rule (both ranks start at sma_learners = 1):
-      rank 0: t(1)=10 -> 2 (gain over t'=0), t(2)=20 -> 3 (+100%), t(3)=30 -> 4 (+50%),
-              t(4)=30 (+0%: no gain) -> settled at 3;
-      rank 1: t(1)=10 -> 2, t(2)=15 -> 3 (+50%), t(3)=15 (+0%) -> settled at 2.
-    So the intervals run [1,1], [2,2], [3,3], [4,2], then [3,2] until the epoch ends; every
+    Both GPUs of the pair are tuned as one unit on the sum of their throughputs (symmetric
+    similarity groups; per rank they would settle at 3 and 2). Expected per Alg. 2 with the
+    settling rule (start at sma_learners = 1):
+      pair 0: t(1)=20 -> 2 (gain over t'=0), t(2)=35 -> 3 (+75%), t(3)=45 -> 4 (+29%),
+              t(4)=45 (+0%: no gain) -> settled at 3.
+    So the intervals run [1,1], [2,2], [3,3], [4,4], then [3,3] until the epoch ends; every
     interval's layout is m_r * (n_GA + 1), and the sampler serves every sample exactly once.
     With lr_scaling="sqrt" the LR stays at the base (plan B_G* = base batch) while the run
     batch grows with the learners.
@@ -51,10 +53,10 @@ def test_driver_tunes_learners_per_rank_and_serves_every_sample_once(ray_session
 
     recs = hist.intervals
     learners = [r.learners for r in recs]
-    expected = [[1, 1], [2, 2], [3, 3], [4, 2]] + [[3, 2]] * (len(recs) - 4)
+    expected = [[1, 1], [2, 2], [3, 3], [4, 4]] + [[3, 3]] * (len(recs) - 4)
     assert learners == expected
-    assert drv.learner_tuner.is_settled("rank0") and drv.learner_tuner.learners("rank0") == 3
-    assert drv.learner_tuner.is_settled("rank1") and drv.learner_tuner.learners("rank1") == 2
+    assert drv.learner_tuner.is_settled("pair0") and drv.learner_tuner.learners("pair0") == 3
+    assert list(drv.learner_tuner.gpus) == ["pair0"]
     # every interval but the epoch's last one was fed to the tuner, with the counts it ran
     assert drv.seen == [(r, m) for rec in recs[:-1] for r, m in enumerate(rec.learners)]
 
@@ -75,8 +77,12 @@ def test_driver_tunes_learners_per_rank_and_serves_every_sample_once(ray_session
         covered += idx
         cursor = served[0].next_cursor
     assert cursor == len(ds) and sorted(covered) == list(range(len(ds)))
-    # the actors really ran the tuned counts: rank 0's SMA worker ends with 3 learners
-    assert drv.last_checkpoint.load_worker_state()["num_vsw"] == 3
+    # the actors really ran the tuned counts, and the checkpoint holds every rank's own state
+    ws = drv.last_checkpoint.load_worker_state()
+    assert [st["num_vsw"] for st in ws["sma_ranks"]] == [3, 3] and ws["sma_learners"] == [3, 3]
+    assert [st["rank"] for st in ws["sma_ranks"]] == [0, 1]
+    assert not torch.equal(ws["sma_ranks"][0]["replicas"][0]["flat"],
+                           ws["sma_ranks"][1]["replicas"][0]["flat"])   # rank 1's own learners
 
 
 def test_sma_learners_above_the_tuner_bound_is_a_one_line_error(tmp_path):

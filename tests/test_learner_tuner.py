@@ -141,3 +141,69 @@ def test_bad_observation():
         tuner.observe("g", -1.0)
     with pytest.raises(ValueError, match="gpu"):
         tuner.observe(3, 10.0)
+
+
+# ---------------------------------------------------------------- symmetric pairs (JABAS groups)
+
+def test_pair_tuning_keeps_both_gpus_of_a_pair_at_one_count():
+    """Two pairs of GPUs; the GPUs of pair A have different curves (one peaks at 2 learners,
+    the other at 4). Tuned per GPU they would end at 2 and 4 (unequal similarity groups);
+    tuned per pair they move together on the sum of their throughputs, and at every step
+    group 0 (first GPU of each pair) and group 1 hold the same number of learners."""
+    curves = {"a0": lambda m: {1: 100.0, 2: 150.0}.get(m, 140.0),       # peak at 2
+              "a1": peak_at_4,                                           # peak at 4
+              "b0": peak_at_4, "b1": peak_at_4}
+    per_gpu = LearnerTuner(tau=5.0)
+    assert drive(per_gpu, curves) == {"a0": 2, "a1": 4, "b0": 4, "b1": 4}
+
+    pairs = {"pairA": ["a0", "a1"], "pairB": ["b0", "b1"]}
+    tuner = LearnerTuner(tau=5.0)
+    counts = {g: 1 for g in curves}
+    seen = []
+    for _ in range(20):
+        seen.append(dict(counts))
+        counts = tuner.observe_pairs({g: curves[g](counts[g]) for g in curves}, pairs)
+    assert all(c["a0"] == c["a1"] and c["b0"] == c["b1"] for c in seen + [counts])
+    assert all(c["a0"] + c["b0"] == c["a1"] + c["b1"] for c in seen)
+    # pair A's sum: m=1 200, 2 330, 3 380 (140 + 240), 4 410 (140 + 270), 5 390 -> settles at 4
+    assert counts == {"a0": 4, "a1": 4, "b0": 4, "b1": 4}
+    assert [m for m, _ in tuner.gpus["pairA"].history] == [1, 2, 3, 4, 5]
+    assert tuner.gpus["pairA"].history[1] == (2, 330.0)
+    assert tuner.all_settled and LearnerTuner.from_json(tuner.to_json()) == tuner
+
+
+def test_pair_tuning_rejects_gpus_outside_or_in_two_pairs():
+    tuner = LearnerTuner()
+    with pytest.raises(ValueError, match="pairs must list every GPU"):
+        tuner.observe_pairs({"a": 1.0, "b": 1.0}, {"p": ["a"]})
+    with pytest.raises(ValueError, match="pairs must list every GPU"):
+        tuner.observe_pairs({"a": 1.0, "b": 1.0}, {"p": ["a", "b"], "q": ["b"]})
+    with pytest.raises(ValueError, match=r"throughput\[b\]"):
+        tuner.observe_pairs({"a": 1.0, "b": -1.0}, {"p": ["a", "b"]})
+
+
+def test_unequal_groups_bias_the_similarity_low_as_the_docstring_derives():
+    """The reasoning behind symmetric pairs, checked by simulation (fixed seed): gradients
+    mu + noise, |mu|^2 = 1, sigma^2 = 4; groups of 1 and 7 micro-batches give a clearly lower
+    mean cosine than 4 and 4 (same batch), close to the closed form of the module notes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    dim, trials = 64, 4000
+    mu = np.zeros(dim)
+    mu[0] = 1.0
+    sigma = np.sqrt(4.0 / dim)
+
+    def mean_phi(n0, n1):
+        g0 = n0 * mu + rng.normal(0, sigma, (trials, n0, dim)).sum(1)
+        g1 = n1 * mu + rng.normal(0, sigma, (trials, n1, dim)).sum(1)
+        cos = (g0 * g1).sum(1) / np.linalg.norm(g0, axis=1) / np.linalg.norm(g1, axis=1)
+        return float(cos.mean())
+
+    def closed_form(n0, n1):
+        return 1.0 / np.sqrt((1 + 4.0 / n0) * (1 + 4.0 / n1))
+
+    equal, unequal = mean_phi(4, 4), mean_phi(1, 7)
+    assert equal == pytest.approx(closed_form(4, 4), abs=0.03)       # 0.50
+    assert unequal == pytest.approx(closed_form(1, 7), abs=0.03)     # 0.36
+    assert equal - unequal > 0.1

@@ -298,7 +298,7 @@ def _gloo_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         worker = SMAWorker(tiny_model(11, bn=True), nn.functional.cross_entropy, lr=LR,
-                           momentum=MU, process_group=dist.group.WORLD)
+                           momentum=MU, process_group=dist.group.WORLD, sma_sync="flat")
         worker.configure(2, 0, 4)
         losses = []
         for s in range(3):
@@ -312,7 +312,7 @@ def _gloo_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_hierarchical_gloo_equals_flat_algorithm(tmp_path):
+def test_flat_sync_over_two_ranks_equals_alg1_over_all_learners(tmp_path):
     import torch.multiprocessing as mp
     mp.spawn(_gloo_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     flat = SMAWorker(tiny_model(11, bn=True), nn.functional.cross_entropy, lr=LR, momentum=MU)

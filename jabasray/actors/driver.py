@@ -23,7 +23,9 @@ cluster, reloads the last checkpoint (the start of the failed epoch), re-chooses
 on the remaining GPUs and redoes the epoch; no completed epoch is lost.
 
 SMA (``JobConfig.sync == "sma"``): the number of Crossbow learners of each rank is tuned per
-rank (Alg. 2), see :mod:`.sma_learners`. ``IntervalRecord.learners``/``layout`` record the counts.
+pair of GPUs (Alg. 2), see :mod:`.sma_learners`. ``IntervalRecord.learners``/``layout`` record
+the counts. Every rank's SMA state (its own learners) is checkpointed and each rank gets its
+own back on restore (:mod:`.sma_state`), not rank 0's as in IIDP mode.
 
 Structure: this module only orchestrates. The plan for a B_G is
 :func:`jabasray.planners.solve_for_batch` (the policy the auto-scaler also assumes), the
@@ -56,6 +58,7 @@ from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
 from .placement import Slot, drop_pair, full_allocation, group_gpus, normalize_allocation, slots_for
 from .pool import ActorPool
 from .sma_learners import RankLearners
+from .sma_state import pack_sma, restore_sma
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,7 @@ class JabasDriver:
 
     @property
     def learner_tuner(self) -> Any:
-        """SMA: the per-rank Crossbow learner tuner of the current placement (else None)."""
+        """SMA: the per-pair Crossbow learner tuner of the current placement (else None)."""
         return self._learners.tuner if self._learners else None
 
     def attach_background(self, scheduler: Any) -> None:
@@ -330,16 +333,33 @@ class JabasDriver:
         placed_before = self.pool.placement is not None
         if placed_before:
             self._event(f"epoch {epoch}: re-placing actors for allocation {state.allocation}")
-        self.pool.place(slots, ray.put(worker_state) if worker_state is not None else None, fresh=force,
-                        bucket_plan=self._bucket_plan(len(slots)))
-        self._placed_epoch = epoch
         job, opts = self.job, self.options
+        sma = None
+        if job.sync == "sma" and worker_state is not None:
+            # every rank gets its own learners back (sma_state), not rank 0's
+            sma = restore_sma(worker_state, [s.gpu_type for s in slots], job.sma_learners)
+        shared = worker_state if worker_state is not None and sma is None else None
+        self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,
+                        bucket_plan=self._bucket_plan(len(slots)))
+        if sma is not None:
+            self._call_all("load_state_dict", per_rank=[(ray.put(st),) for st in sma.states])
+        self._placed_epoch = epoch
         self._learners = None if job.sync != "sma" else RankLearners(
-            len(slots), job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
-            opts.sma_max_learners, opts.sma_tuner_relative)
+            [s.pair for s in slots], job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
+            opts.sma_max_learners, opts.sma_tuner_relative,
+            counts=sma.learners if sma is not None else None,
+            tuner_json=sma.tuner_json if sma is not None else "")
         if self.background is not None:
             self.background.rebalance(self.gpu_actors())
         return placed_before
+
+    def _worker_state(self) -> dict:
+        """What a checkpoint keeps of the actors: rank 0's state (IIDP: every rank holds the
+        same), or in SMA mode every rank's own state, the learner counts and the tuner."""
+        if self._learners is None:
+            return self._call_all("state_dict", ranks=[0])[0]
+        return pack_sma(self._call_all("state_dict"), self._learners.counts,
+                        [s.gpu_type for s in self.pool.slots], self._learners.tuner_json())
 
     def _call_all(self, method: str, *args: Any, per_rank: list[tuple] | None = None,
                   ranks: list[int] | None = None) -> list:
@@ -351,7 +371,7 @@ class JabasDriver:
         t_epoch = time.perf_counter()
         replaced = self._ensure_placement(state, worker_state, state.epochs_done)
         if self.last_checkpoint is None:   # fresh run: checkpoint the initial state (epoch 0)
-            worker_state = self._call_all("state_dict", ranks=[0])[0]
+            worker_state = self._worker_state()
             self.last_checkpoint = save_checkpoint(self.run_dir, replace(
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
@@ -447,7 +467,7 @@ class JabasDriver:
             else full_allocation(state.cluster)
         if allocation != state.allocation:
             self._event(f"epoch {epoch}: auto-scaling {state.allocation} -> {allocation}")
-        worker_state = self._call_all("state_dict", ranks=[0])[0]
+        worker_state = self._worker_state()
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),

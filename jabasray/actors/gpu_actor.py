@@ -174,7 +174,8 @@ class GPUActor(BackgroundHostMixin):
             from ..engine.sma import SMAWorker
             # Crossbow SMA has its own update rule (no user optimizer): lr and alpha from the job.
             self.worker = SMAWorker(model, self.loss_fn, lr=self.job.lr, device=self.device,
-                                    process_group=self.group, alpha=self.job.sma_alpha)
+                                    process_group=self.group, alpha=self.job.sma_alpha,
+                                    sma_sync=self.job.sma_sync)
         else:
             from ..engine.iidp import IIDPWorker
             self.worker = IIDPWorker(model, self.optimizer_fn, self.loss_fn, device=self.device,

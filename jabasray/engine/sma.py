@@ -20,15 +20,40 @@ We keep the Polyak term in *velocity* form, ``v = z - z_prev``:
 A fresh start (line 2, ``z_prev = {}``) is ``v = 0``. ``weight_decay`` adds the L2 term to the
 gradient (``g_j = lr * (grad + wd * w_j)``), as ``torch.optim.SGD`` does; 0 by default.
 
-Hierarchical synchronisation (section 3.3, Fig. 5/7). Every device keeps one *reference
-model*: its copy of ``z``. Its local learners compute their corrections against it (line 9,
-a read-only use of z, all learners concurrently); the device sums its corrections (intra-GPU
-step), and one ``all_reduce(SUM)`` over the process group (inter-GPU step) gives ``sum_j c_j``
-over all k learners, which every device applies to its reference model (line 12). All
-reference models therefore stay bit-identical up to float summation order, and the result
-equals the flat algorithm over all learners (tested with a 2-process gloo group). Float
-buffers (e.g. BatchNorm running stats) of ``z`` are the average over all learners' buffers,
-piggy-backed on the same all-reduce (one collective per iteration).
+Synchronisation across devices (``sma_sync``), two algorithms:
+
+* ``"flat"`` - Alg. 1 over all k learners of all devices. Every device keeps a copy of the
+  central model z; its learners correct against it (line 9); the device sums its corrections
+  and one ``all_reduce(SUM)`` gives ``sum_j c_j`` over all k learners, applied by every device
+  to its copy of z (line 12). The copies stay identical up to float summation order, and the
+  result equals Alg. 1 over k learners in one process (tested with a 2-process gloo group).
+  alpha = 1/k. (Crossbow's released code synchronises this way: one base model per GPU, the
+  replicas' differences summed per GPU and accumulated across GPUs.)
+
+* ``"hierarchical"`` - the two levels of section 3.3 / Fig. 5. GPU g keeps a *local reference
+  model* r_g beside its copy of z. Intra-GPU level: its m_g learners correct against r_g
+  (lines 8-10 with r_g in place of z; alpha_l = 1/m_g), and r_g incorporates their differences.
+  Inter-GPU level: "the SMA algorithm is executed ... all reference models (one per GPU) are
+  the replicas w_j in Alg. 1" - Alg. 1 over the G reference models, where the move of r_g
+  caused by its learners plays the role of the replica's learning step (alpha_g = 1/G)::
+
+      c_gj = alpha_l (w_gj - r_g);   w_gj <- w_gj - lr grad l(w_gj) - c_gj      (local 8-10)
+      r_g^ = r_g + sum_j c_gj                               (r_g incorporates the differences)
+      C_g  = alpha_g (r_g^ - z);     r_g  <- r_g^ - C_g                         (global 9-10)
+      z    <- z + sum_g C_g + mu (z - z_prev)                                  (global 11-13)
+
+  Order (our reading, explicit): the global correction reads r_g *after* its local step, as
+  Fig. 7's data dependency has it (a global synchronisation task starts once the local ones it
+  depends on are done). Reading the iteration-start r_g instead (line 9's literal position
+  relative to the replica's own step) makes the recursion unstable: on a quadratic with
+  identical learners the iteration matrix has spectral radius 1.5 (m = 1, G = 2) and 1.2
+  (m = 2) even without gradients and without momentum; with this order it is 1 (consensus)
+  and < 1 with gradients. The paper says one reference model "is used as" z; we keep z as
+  its own copy on every device (identical everywhere, like the flat variant) so that no rank
+  is special and a re-placement cannot lose it. With one learner per GPU the replica restarts
+  from r_g every iteration (the one-learner closed form of Alg. 1, see the note at the end).
+  Float buffers (BatchNorm running stats): r_g's are the mean of its learners', z's the mean of
+  the reference models' (piggy-backed on the same all-reduce).
 
 On CUDA every learner issues its learning task on its own stream; its local sync (line 9-10)
 waits (event) for the previous iteration's global sync only, and the global sync (sum of
@@ -36,6 +61,22 @@ corrections, all-reduce, update of z) runs on a separate sync stream, so it over
 iteration's learning tasks (Fig. 7). To keep that overlap, ``train_step`` on CUDA only waits
 for the learner streams, so ``StepStats.loss`` is this device's mean loss (``overlap_sync``;
 pass ``overlap_sync=False`` for the exact global loss). On CPU the same steps run in order.
+
+Communication critical section (``comm_guard``, DeepPool section 5: background work pauses
+while the foreground communicates): the guard must cover the collective's *execution*, not
+only its launch. On CUDA a NCCL all-reduce returns once it is enqueued, so with a guard the
+worker first waits (host) until the collective's inputs are ready, enters the guard, launches
+the all-reduce (``async_op=True``), makes the sync stream wait for the work and blocks the host
+on an event recorded after it, then leaves the guard. Without a guard nothing blocks (the
+overlap above is kept). On CPU (gloo) ``work.wait()`` returns when the reduction is done.
+
+Per-rank state and re-placement: every rank's ``state_dict`` holds its own learners'
+replicas, its reference model (hierarchical) and the shared z and momentum; a checkpoint keeps
+one per rank. :func:`redistribute_sma_states` maps them onto a new number of GPUs: learners
+keep their identity - global learner id = position in rank order, the same numbering the
+sampler uses for decoupled workers, so a learner keeps its data shard - and move to the rank
+that now holds their id; reference models stay with their rank index; anything new starts
+from z (section 4.4).
 
 Restart on learning-rate change (section 3.2): ``set_lr(lr)`` with a value different from the
 current one restarts Alg. 1 from the latest ``z``: every replica is reset to ``z`` and the
@@ -64,7 +105,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..validation import check_float, check_int
+from ..config import SMA_SYNC_MODES
+from ..validation import check_choice, check_float, check_int
 from .iidp import StepStats
 
 log = logging.getLogger(__name__)
@@ -109,6 +151,43 @@ def sma_iteration_(replicas: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         total += sma_learner_update_(w, g, z, lr, alpha, weight_decay)
     sma_center_update_(z, velocity, total, momentum)
     return total
+
+
+def sma_hierarchical_iteration_(replicas: Sequence[Sequence[torch.Tensor]],
+                                grads: Sequence[Sequence[torch.Tensor]],
+                                refs: Sequence[torch.Tensor], z: torch.Tensor,
+                                velocity: torch.Tensor, lr: float,
+                                alpha_local: float | Sequence[float], alpha_global: float,
+                                momentum: float, weight_decay: float = 0.0) -> torch.Tensor:
+    """One iteration of the two-level scheme (module notes) over G devices in one process.
+
+    ``replicas[g][j]``/``grads[g][j]`` are learner j of device g, ``refs[g]`` its reference
+    model r_g; ``alpha_local`` is one rate or one per device. Returns ``sum_g C_g``.
+    """
+    if len(replicas) != len(refs) or len(grads) != len(refs):
+        raise ValueError(f"replicas, grads and refs must list one entry per device, got "
+                         f"{len(replicas)}, {len(grads)} and {len(refs)}")
+    rates = ([float(alpha_local)] * len(refs) if isinstance(alpha_local, (int, float))
+             else [float(a) for a in alpha_local])
+    global_corrections = []
+    for ws, gs, r, a in zip(replicas, grads, refs, rates):
+        local = torch.zeros_like(r)
+        for w, g in zip(ws, gs):                                            # local lines 8-10
+            local += sma_learner_update_(w, g, r, lr, a, weight_decay)
+        r.add_(local)                                          # r_g incorporates the differences
+        c_g = ref_correction(r, z, alpha_global)                            # global line 9
+        r.sub_(c_g)                                                         # global line 10
+        global_corrections.append(c_g)
+    total = torch.stack(global_corrections).sum(0)
+    sma_center_update_(z, velocity, total, momentum)                       # global lines 11-13
+    return total
+
+
+def ref_correction(ref: torch.Tensor, z: torch.Tensor, alpha_global: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``C_g = alpha_global * (r_g - z)``: line 9 of Alg. 1 at the inter-GPU level."""
+    c = torch.sub(ref, z, out=out) if out is not None else ref - z
+    return c.mul_(alpha_global)
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,7 +265,7 @@ class SMAStepStats(StepStats):
 
     num_learners: int = 1                # m on this device
     total_learners: int = 1              # k over all devices
-    alpha: float = 1.0                   # correction rate used
+    alpha: float = 1.0                   # correction rate of the learners (flat: 1/k, hierarchical: 1/m)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,21 +286,26 @@ class SMAWorker:
         weight_decay: L2 coefficient added to each learner's gradient (>= 0).
         device: where learners and z live.
         process_group: ``torch.distributed`` group over the devices (None: this device only).
-        alpha: correction rate in (0, 1]; None -> 1/k with k the total number of learners.
+        alpha: correction rate in (0, 1] of every level; None -> 1/(learners averaged at that
+            level): flat 1/k; hierarchical 1/m on the device and 1/G across devices.
         overlap_sync: CUDA only - do not wait for the global sync at the end of ``train_step``.
+        comm_guard: ``comm_guard("allreduce") -> context manager`` held around each iteration's
+            all-reduce, from its launch to its completion (module notes); None: no guard.
+        sma_sync: ``"flat"`` or ``"hierarchical"`` (module notes).
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  device: str | torch.device = "cpu", process_group: Any = None,
                  alpha: float | None = None, overlap_sync: bool = True,
-                 comm_guard: Callable[[str], Any] | None = None) -> None:
+                 comm_guard: Callable[[str], Any] | None = None, sma_sync: str = "flat") -> None:
         if comm_guard is not None and not callable(comm_guard):
             raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
                              f"got {comm_guard!r}")
         # comm_guard("allreduce") wraps each iteration's global all-reduce (as in IIDPWorker):
         # a background runner pauses low-priority work while it is in flight (DeepPool 5).
         self.comm_guard = comm_guard
+        self.sma_sync = check_choice("sma_sync", sma_sync, SMA_SYNC_MODES)
         self._lr = check_float("lr", lr, min_value=0, min_exclusive=True)
         self.momentum = check_float("momentum", momentum, min_value=0, max_value=1, max_exclusive=True)
         self.weight_decay = check_float("weight_decay", weight_decay, min_value=0)
@@ -233,8 +317,16 @@ class SMAWorker:
         self.device = torch.device(device)
         self.process_group = process_group
         self.overlap_sync = bool(overlap_sync)
+        self._world_size, self._rank = 1, 0
+        if process_group is not None:
+            import torch.distributed as dist
+            self._world_size = dist.get_world_size(process_group)
+            self._rank = dist.get_rank(process_group)
         self._z = FlatModule(model.to(self.device))
         self._velocity = torch.zeros_like(self._z.flat)
+        # hierarchical: this device's reference model r_g and its global correction C_g
+        self._ref = _clone_flat(self._z) if self.sma_sync == "hierarchical" else None
+        self._ref_correction = torch.zeros_like(self._z.flat) if self._ref is not None else None
         self._learners: list[FlatModule] = []
         self._corrections: list[torch.Tensor] = []
         self._num_ga = 0
@@ -250,10 +342,16 @@ class SMAWorker:
     # ---------------------------------------------------------------- configuration
     @property
     def model(self) -> nn.Module:
-        """The central average model z (this device's reference model); on CUDA it waits
-        for an in-flight global sync first, so the caller never reads a half-updated z."""
+        """The central average model z (this device's copy); on CUDA it waits for an in-flight
+        global sync first, so the caller never reads a half-updated z."""
         self._sync_pending()
         return self._z.module
+
+    @property
+    def reference_model(self) -> nn.Module | None:
+        """This device's local reference model r_g (hierarchical), else None."""
+        self._sync_pending()
+        return self._ref.module if self._ref is not None else None
 
     @property
     def num_vsw(self) -> int:
@@ -282,8 +380,16 @@ class SMAWorker:
 
     @property
     def alpha(self) -> float:
-        """The correction rate in use: the user's, else 1/k (section 3.2, alpha ~ 1/k)."""
-        return self._alpha_user if self._alpha_user is not None else 1.0 / self._total_learners
+        """The learners' correction rate: the user's, else 1/k (flat; section 3.2, alpha ~ 1/k)
+        or 1/m (hierarchical: the learners average against this device's reference model)."""
+        if self._alpha_user is not None:
+            return self._alpha_user
+        return 1.0 / (self.num_vsw if self._ref is not None else self._total_learners)
+
+    @property
+    def alpha_global(self) -> float:
+        """Hierarchical: the reference models' correction rate (the user's alpha, else 1/G)."""
+        return self._alpha_user if self._alpha_user is not None else 1.0 / self._world_size
 
     @property
     def weight_sync_method(self) -> str:
@@ -317,7 +423,8 @@ class SMAWorker:
         self._total_learners = self._all_reduce_int(m) if collective else m
         if self._lanes is not None:
             self._lanes.resize(m)
-        log.debug("SMA: %d learners here, %d in total, alpha=%.4g", m, self._total_learners, self.alpha)
+        log.debug("SMA (%s): %d learners here, %d in total, alpha=%.4g", self.sma_sync, m,
+                  self._total_learners, self.alpha)
 
     def _all_reduce_int(self, value: int) -> int:
         if self.process_group is None:
@@ -343,10 +450,11 @@ class SMAWorker:
             self.restart()
 
     def restart(self) -> None:
-        """Run Alg. 1 again with the latest z as w_0: every replica = z, no momentum history."""
+        """Run Alg. 1 again with the latest z as w_0: every replica (and reference model) = z,
+        no momentum history."""
         self._sync_pending()
-        for learner in self._learners:
-            learner.copy_from(self._z)
+        for fm in self._learners + ([self._ref] if self._ref is not None else []):
+            fm.copy_from(self._z)
         self._velocity.zero_()
         log.info("SMA restarted from the central average model at iteration %d", self.iteration)
 
@@ -375,11 +483,11 @@ class SMAWorker:
             samples += n
         local_grad = self._local_grad() if keep_local_grad else None
         t1 = time.perf_counter()
-        # Local synchronisation tasks (lines 8-10), then the intra-device sum of corrections.
-        total = self._local_sync()
+        # Local synchronisation tasks (lines 8-10), then what goes to the other devices.
+        outgoing = self._local_sync()
         t2 = time.perf_counter()
-        comm = torch.cat([total, self._buffer_sum(),
-                          total.new_tensor([loss_sum, float(samples), float(self.num_workers)])])
+        comm = torch.cat([outgoing, self._outgoing_buffers(),
+                          outgoing.new_tensor([loss_sum, float(samples), float(self.num_workers)])])
         if self.process_group is not None:
             self._all_reduce_guarded(comm)
         t3 = time.perf_counter()
@@ -429,35 +537,75 @@ class SMAWorker:
             out.add_(learner.grad, alpha=float(per))
         return out
 
-    def _local_sync(self) -> torch.Tensor:
-        z = self._z.flat
-        total = torch.zeros_like(z)
-        for learner, c in zip(self._learners, self._corrections):
-            sma_learner_update_(learner.flat, learner.grad, z, self._lr, self.alpha,
-                                self.weight_decay, out_correction=c)
-            total.add_(c)
-        return total
+    def _center(self) -> torch.Tensor:
+        """What the learners correct against: r_g (hierarchical) or z (flat)."""
+        return self._ref.flat if self._ref is not None else self._z.flat
 
-    def _buffer_sum(self) -> torch.Tensor:
+    def _learner_update(self, j: int) -> None:
+        """Lines 8-10 for learner j against :meth:`_center`; c_j lands in ``_corrections[j]``."""
+        learner = self._learners[j]
+        sma_learner_update_(learner.flat, learner.grad, self._center(), self._lr, self.alpha,
+                            self.weight_decay, out_correction=self._corrections[j])
+
+    def _local_sync(self) -> torch.Tensor:
+        """Every learner's update (lines 8-10); returns what this device sends to the others:
+        flat: ``sum_j c_j``; hierarchical: ``C_g`` (r_g is updated here, module notes)."""
+        for j in range(self.num_vsw):
+            self._learner_update(j)
+        return self._finish_local_sync()
+
+    def _finish_local_sync(self) -> torch.Tensor:
+        total = torch.stack(self._corrections).sum(0)
+        if self._ref is None:
+            return total
+        ref = self._ref.flat
+        ref.add_(total)                                   # r_g incorporates its learners' differences
+        ref_correction(ref, self._z.flat, self.alpha_global, out=self._ref_correction)  # global 9
+        ref.sub_(self._ref_correction)                                                 # global 10
+        return self._ref_correction
+
+    def _learner_buffer_sum(self) -> torch.Tensor:
         if not self._z.buffer_numel:
             return self._z.flat.new_zeros(0)
         return torch.stack([learner.buffers_flat() for learner in self._learners]).sum(0)
 
-    def _all_reduce_guarded(self, comm: torch.Tensor) -> None:
-        """SUM-all-reduce ``comm`` over the process group inside ``comm_guard("allreduce")``."""
+    def _outgoing_buffers(self) -> torch.Tensor:
+        """Float buffers sent for z's average: the learners' sum (flat), or r_g's buffers set to
+        the mean of its learners' (hierarchical)."""
+        total = self._learner_buffer_sum()
+        if self._ref is None or not total.numel():
+            return total
+        self._ref.set_buffers_flat(total / self.num_vsw)
+        return self._ref.buffers_flat()
+
+    def _all_reduce_guarded(self, comm: torch.Tensor, stream: Any = None) -> None:
+        """SUM-all-reduce ``comm`` over the process group; with a ``comm_guard`` the guard is
+        held from the launch to the collective's completion (module notes). ``stream``: the
+        CUDA stream ``comm`` was produced on (the current one, on CUDA)."""
         import torch.distributed as dist
-        guard = self.comm_guard("allreduce") if self.comm_guard is not None else contextlib.nullcontext()
-        with guard:
+        if self.comm_guard is None:
             dist.all_reduce(comm, group=self.process_group)
+            return
+        if stream is not None:
+            # the section starts at the launch: first let the inputs finish (host wait)
+            stream.synchronize()
+        with self.comm_guard("allreduce"):
+            work = dist.all_reduce(comm, group=self.process_group, async_op=True)
+            work.wait()            # gloo: done; NCCL: ``stream`` now waits for the collective
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+                done.synchronize()   # the collective has executed, not only been launched
 
     def _global_sync(self, comm: torch.Tensor) -> None:
-        """Apply the all-reduced corrections ``comm`` (laid out as [sum_j c_j, buffer sums,
-        loss sum, samples, workers]) to z (line 12) and average the float buffers."""
+        """Apply the all-reduced ``comm`` (laid out as [sum of corrections, buffer sums, loss
+        sum, samples, workers]) to z (line 12) and average the float buffers."""
         n = self._z.flat.numel()
         nb = self._z.buffer_numel
         sma_center_update_(self._z.flat, self._velocity, comm[:n], self.momentum)
         if nb:
-            self._z.set_buffers_flat(comm[n:n + nb] / self._total_learners)
+            divisor = self._world_size if self._ref is not None else self._total_learners
+            self._z.set_buffers_flat(comm[n:n + nb] / divisor)
 
     def _comm_stats(self, comm: torch.Tensor) -> tuple[float, int]:
         """(global mean loss, global micro-batch count) from the tail of ``comm`` (host sync)."""
@@ -476,13 +624,13 @@ class SMAWorker:
             self._lanes.resize(self.num_vsw)
         lanes = self._lanes
         per = self._num_ga + 1
-        z = self._z.flat
         issuer = torch.cuda.current_stream(self.device)
         t0 = time.perf_counter()
         done_events = []
         losses: list[torch.Tensor] = []
         counts: list[int] = []
         has_buffers = self._z.buffer_numel > 0
+        sync = lanes.comm
         for j, learner in enumerate(self._learners):
             stream = lanes.vsw[j]
             stream.wait_stream(issuer)
@@ -492,12 +640,11 @@ class SMAWorker:
             with torch.cuda.stream(stream):
                 loss_acc, total = self._learning_task(learner, micro_batches[j * per:(j + 1) * per],
                                                       ragged)
-                # Local sync task: needs z of the previous global sync (read-only).
+                # Local sync task: needs z / r_g of the previous global sync (read-only).
                 if self._z_ready is not None:
                     stream.wait_event(self._z_ready)
-                sma_learner_update_(learner.flat, learner.grad, z, self._lr, self.alpha,
-                                    self.weight_decay, out_correction=self._corrections[j])
-                loss_acc.record_stream(lanes.comm)   # read by the sync stream below
+                self._learner_update(j)
+                loss_acc.record_stream(sync)   # read by the sync stream below
                 losses.append(loss_acc)
                 counts.append(total)
                 done_events.append(lanes.record(stream))
@@ -507,18 +654,17 @@ class SMAWorker:
                 issuer.wait_event(ev)
             local_grad = self._local_grad()
         t1 = time.perf_counter()
-        sync = lanes.comm
         for ev in done_events:
             sync.wait_event(ev)
         with torch.cuda.stream(sync):
-            total_c = torch.stack(self._corrections).sum(0)
+            outgoing = self._finish_local_sync()
             loss_sum = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
             samples = float(sum(counts))
-            comm = torch.cat([total_c, self._buffer_sum(),
+            comm = torch.cat([outgoing, self._outgoing_buffers(),
                               torch.stack([loss_sum, loss_sum.new_tensor(samples),
                                            loss_sum.new_tensor(float(self.num_workers))])])
             if self.process_group is not None:
-                self._all_reduce_guarded(comm)
+                self._all_reduce_guarded(comm, stream=sync)
             self._global_sync(comm)
             self._z_ready = lanes.record(sync)
         if self.overlap_sync:
@@ -580,21 +726,27 @@ class SMAWorker:
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """z, momentum history, all replicas, hyper-parameters and configuration."""
+        """This rank's SMA state: z and its momentum history (the same on every rank), this
+        rank's learners' replicas, its reference model (hierarchical, else None), the
+        hyper-parameters and configuration. A checkpoint keeps one per rank
+        (:func:`redistribute_sma_states` maps them onto another number of ranks)."""
         self._sync_pending()
         return {
             "z": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "velocity": self._velocity.detach().clone(),
-            "replicas": [{"flat": fm.flat.detach().clone(),
-                          "buffers": [b.detach().clone() for b in fm.module.buffers()]}
-                         for fm in self._learners],
+            "replicas": [_flat_state(fm) for fm in self._learners],
+            "ref": _flat_state(self._ref) if self._ref is not None else None,
+            "sma_sync": self.sma_sync, "rank": self._rank, "world_size": self._world_size,
             "lr": self._lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
             "alpha": self._alpha_user, "num_vsw": self.num_vsw, "num_ga": self._num_ga,
             "local_batch_size": self._local_batch_size, "iteration": self.iteration,
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore what ``state_dict`` saved (the learner count is re-configured collectively)."""
+        """Restore what ``state_dict`` saved (collective: the learner count is re-configured).
+
+        Learners beyond the saved replicas start from z, as does a missing reference model
+        (section 4.4; e.g. a rank added by :func:`redistribute_sma_states`)."""
         self._sync_pending()
         self.model.load_state_dict(sd["z"])
         self._velocity.copy_(sd["velocity"])
@@ -602,9 +754,67 @@ class SMAWorker:
         self.momentum = float(sd["momentum"])
         self.weight_decay = float(sd["weight_decay"])
         self._alpha_user = sd["alpha"]
+        replicas = list(sd["replicas"])
+        if len(replicas) > int(sd["num_vsw"]):
+            raise ValueError(f"state holds {len(replicas)} learner replicas for num_vsw = "
+                             f"{sd['num_vsw']}; redistribute_sma_states maps states to ranks")
+        # drop every learner first, so that those not restored below start from the new z
+        self._learners.clear()
+        self._corrections.clear()
         self.configure(int(sd["num_vsw"]), int(sd["num_ga"]), int(sd["local_batch_size"]))
-        for fm, rep in zip(self._learners, sd["replicas"]):
-            fm.flat.copy_(rep["flat"])
-            for b, sb in zip(fm.module.buffers(), rep["buffers"]):
-                b.copy_(sb)
+        for fm, rep in zip(self._learners, replicas):
+            _load_flat_state(fm, rep)
+        if self._ref is not None:
+            if sd.get("ref") is not None:
+                _load_flat_state(self._ref, sd["ref"])
+            else:
+                self._ref.copy_from(self._z)
         self.iteration = int(sd["iteration"])
+
+
+def _flat_state(fm: FlatModule) -> dict:
+    return {"flat": fm.flat.detach().clone(), "buffers": [b.detach().clone() for b in fm.module.buffers()]}
+
+
+def _load_flat_state(fm: FlatModule, state: dict) -> None:
+    fm.flat.copy_(state["flat"])
+    for b, sb in zip(fm.module.buffers(), state["buffers"]):
+        b.copy_(sb)
+
+
+def redistribute_sma_states(states: Sequence[dict], learners_per_rank: Sequence[int]) -> list[dict]:
+    """Map the per-rank SMA states of one placement onto ``len(learners_per_rank)`` ranks.
+
+    The rule (pure, deterministic; the identity when the counts are unchanged):
+
+    * learners keep their identity: global learner id = position in rank order (rank 0's
+      learners first), the numbering the sampler gives decoupled workers, so a learner keeps
+      its place in the global micro-batch order (its data shard). New rank r gets the ids
+      ``sum(learners_per_rank[:r]) ..`` + ``learners_per_rank[r]``; ids beyond the old total
+      start from z (section 4.4), ids beyond the new total are dropped;
+    * reference models (hierarchical) stay with their rank index; a new rank starts from z;
+    * z, its momentum history, the learning rate and the iteration count are shared state, the
+      same on every rank: taken from rank 0.
+
+    ``states`` are :meth:`SMAWorker.state_dict` results in rank order; returns one state per
+    new rank, to be loaded with :meth:`SMAWorker.load_state_dict` (which fills the learners
+    and reference models not given from z).
+    """
+    if not states:
+        raise ValueError("states must hold at least one rank's SMA state, got none")
+    counts = [check_int(f"learners_per_rank[{r}]", m, min_value=1)
+              for r, m in enumerate(learners_per_rank)]
+    if not counts:
+        raise ValueError("learners_per_rank must list at least one rank, got []")
+    learners = [rep for st in states for rep in st["replicas"]]        # global learner ids
+    out = []
+    offset = 0
+    for r, m in enumerate(counts):
+        st = dict(states[0])
+        st["replicas"] = learners[offset:offset + m]
+        st["ref"] = states[r].get("ref") if r < len(states) else None
+        st["num_vsw"] = m
+        st["rank"], st["world_size"] = r, len(counts)
+        out.append(st)
+        offset += m
+    return out

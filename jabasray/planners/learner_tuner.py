@@ -29,14 +29,40 @@ So this tuner is Algorithm 2 as a small state machine that settles (our deviatio
     SETTLED: further observations are accepted and ignored, the count stays; ``reset(gpu)`` probes again
         (e.g. after the local batch size changed, which moves the optimum).
 
-Every GPU is tuned independently (heterogeneous GPUs peak at different counts). Pure Python:
-no torch, no ray. State is a dataclass with a JSON round trip (``to_json``/``from_json``).
+Every GPU is tuned independently (heterogeneous GPUs peak at different counts) - except the
+two GPUs of a JABAS adaptive-batching pair, which ``observe_pairs`` tunes as ONE unit, so both
+always run the same count (the reasoning follows). Pure Python: no torch, no ray. State is a
+dataclass with a JSON round trip (``to_json``/``from_json``).
+
+Why the two GPUs of a pair share one count (symmetric groups)
+---------------------------------------------------------------
+JABAS adapts B_G from the gradient similarity Phi = cos(G_0, G_1) of the two GPU groups (every
+pair puts one GPU in each group); each G_i is the sum of the mean-loss gradients of the
+micro-batches its GPUs processed in the iteration. In SMA mode a GPU's micro-batch count is
+m * (n_GA + 1), so tuning the GPUs of a pair separately gives the groups different sizes n_0,
+n_1. The rule's threshold gamma assumes two halves of one batch. Model each micro-batch
+gradient as mu + noise (covariance sigma^2 I, independent): G_i = n_i mu + e_i with
+|e_i|^2 ~ n_i sigma^2, so
+
+    E[Phi] ~ |mu|^2 / sqrt((|mu|^2 + sigma^2/n_0) (|mu|^2 + sigma^2/n_1)).
+
+Cosine is scale-invariant, so "normalising" the groups (dividing by n_i) changes nothing; what
+differs is the noise each group carries. f(n) = log(|mu|^2 + sigma^2/n) is convex in n, so for
+a fixed total n_0 + n_1 = 2n Jensen gives f(n_0) + f(n_1) >= 2 f(n): unequal groups make Phi
+*lower* than equal halves of the same batch, and the rule (Phi < gamma grows B_G) would grow the
+batch because of the learner tuner, not because of the gradients. A correction would need
+sigma^2/|mu|^2, which Phi alone does not give. Keeping the groups symmetric removes the bias
+instead: ``observe_pairs`` runs Alg. 2 once per pair on the pair's throughput (the sum of its
+two GPUs' samples/s: both GPUs of a pair are of one type and run in lock-step, so the pair
+gains or loses as one) and gives both GPUs its count. Different pairs may still settle at
+different counts; group 0 and group 1 then still hold the same number of micro-batches, since
+each pair contributes the same count to both.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..serialization import JsonMixin
 from ..validation import check_float, check_int
@@ -130,6 +156,28 @@ class LearnerTuner(JsonMixin):
     def observe_all(self, throughputs: Mapping[str, float]) -> dict[str, int]:
         """One measurement per GPU (the ``for g`` loop of Alg. 2); returns the next counts."""
         return {self._key(g): self.observe(g, t) for g, t in throughputs.items()}
+
+    def observe_pairs(self, throughputs: Mapping[str, float],
+                      pairs: Mapping[str, Sequence[str]]) -> dict[str, int]:
+        """Alg. 2 once per adaptive-batching pair (module notes): the pair's throughput is the
+        sum of its GPUs' and every GPU of the pair gets the pair's count.
+
+        ``throughputs`` maps each GPU key to its samples/s; ``pairs`` maps a pair key (the
+        tuner's key for the pair's state) to its GPU keys. Every GPU must be in exactly one
+        pair. Returns the next count of every GPU.
+        """
+        members = [g for gs in pairs.values() for g in gs]
+        if sorted(members) != sorted(throughputs) or len(set(members)) != len(members):
+            raise ValueError(f"pairs must list every GPU of throughputs exactly once, got pairs "
+                             f"{dict(pairs)!r} for GPUs {sorted(throughputs)!r}")
+        out: dict[str, int] = {}
+        for key, gpus in pairs.items():
+            if not gpus:
+                raise ValueError(f"pairs[{key!r}] must list at least one GPU, got []")
+            m = self.observe(key, sum(check_float(f"throughput[{g}]", throughputs[g], min_value=0.0)
+                                      for g in gpus))
+            out.update({g: m for g in gpus})
+        return out
 
     def reset(self, gpu: str | None = None) -> None:
         """Probe again from one learner (one GPU, or all when ``gpu`` is None)."""
