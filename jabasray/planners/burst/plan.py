@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from ...serialization import JsonMixin
 
+
 @dataclass
 class LayerPlan(JsonMixin):
     """Per-layer outcome: the GPU count and the terms of ``T[i][g]``."""
@@ -47,6 +48,39 @@ class BurstPlan(JsonMixin):
     @property
     def max_amplification(self) -> float:
         return max(lp.amplification for lp in self.layers)
+
+    def placement(self) -> dict[str, tuple[int, int]]:
+        """Where each layer runs: ``name -> (first, count)``, ranks ``first .. first+count-1`` of
+        the job's ``total_gpus`` ranks.
+
+        The layout the planner's costs assume: a layer uses the first ``count`` ranks of its
+        lane (so consecutive layers re-shard over the same first ranks, ``rescale_fraction``);
+        in a block whose lanes run in parallel, the k-th lane moved to its own GPUs (k = 1, 2,
+        ... in lane order) is shifted by ``k * lane_gpu_cap`` ranks, disjoint from the lanes
+        that stay (``disjoint_fraction``).  Blocks are listed outer first, so the shifts of
+        nested blocks add up.
+        """
+        first = {lp.name: 0 for lp in self.layers}
+        for block in self.blocks:
+            moved = 0
+            for lane, is_parallel in zip(block.lanes, block.parallel):
+                if is_parallel:
+                    moved += 1
+                    for name in lane:
+                        first[name] += moved * block.lane_gpu_cap
+        out = {lp.name: (first[lp.name], lp.gpus) for lp in self.layers}
+        for name, (start, count) in out.items():
+            if start + count > self.total_gpus:
+                raise ValueError(f"plan places layer {name!r} on ranks {start}..{start + count - 1}, "
+                                 f"beyond total_gpus={self.total_gpus}")
+        return out
+
+    @classmethod
+    def uniform(cls, names: list[str], gpus: int) -> "BurstPlan":
+        """Every layer on all ``gpus`` ranks: plain data parallelism as a burst plan (no
+        prediction attached: times 0, limit inf)."""
+        layers = [LayerPlan(name, gpus, 0.0, 0.0, 0.0, 0.0) for name in names]
+        return cls(0.0, 0.0, gpus, float("inf"), [gpus], layers, [])
 
 
 @dataclass
