@@ -427,3 +427,23 @@ def test_zero_compute_joins_match_exhaustive_search(name):
         assert_plan_consistent(plan, prob)
         any_parallel |= any(any(b.parallel) for b in plan.blocks)
     assert any_parallel, "test should exercise parallel lanes into a zero-compute join"
+
+
+def test_plan_cache_plans_each_global_batch_once():
+    """Per-GPU work shrinks with B_G / g: the cache asks for one graph per distinct B_G and
+    returns the same plan as planning that graph directly."""
+    from jabasray.planners.burst import BurstPlanCache
+    counts = candidate_gpu_counts(4)
+    asked = []
+
+    def graph_for(batch):
+        asked.append(batch)
+        return LayerGraph([LayerSpec(f"l{i}", {g: batch / g * 1e-3 + 1e-3 for g in counts}, batch * 10.0,
+                                     1e3 * i, [f"l{i - 1}"] if i else []) for i in range(3)])
+    net = NetworkModel(1e5, 1e-4)
+    cache = BurstPlanCache(graph_for, net, 4, 2.0)
+    for batch in (32, 64, 32, 64, 128):
+        assert cache.plan(batch) == plan_burst(graph_for(batch), net, 4, 2.0)
+    assert cache.misses == 3 and asked.count(32) == 3   # 1 miss + 2 direct calls in the test
+    with pytest.raises(ValueError, match="global_batch"):
+        cache.plan(0)

@@ -8,7 +8,8 @@ chains fork and join (Inception, residual blocks).  Pure Python + numpy, no torc
 Modules: :mod:`.graph` (the input layer DAG and its series-parallel decomposition),
 :mod:`.costs` (network model, transfer fractions, :class:`BurstProblem` with every cost
 precomputed), :mod:`.search` (the DP, :func:`plan_burst`), :mod:`.plan` (the outputs),
-:mod:`.reference` (scalar evaluation of one assignment, the paper's literal Algorithm 1).
+:mod:`.reference` (scalar evaluation of one assignment, the paper's literal Algorithm 1),
+:mod:`.cache` (plans per global batch).
 
 Implementation notes
 --------------------
@@ -89,6 +90,7 @@ Table 3 limits the search to powers of two (``powers_of_two=True``, the default)
 """
 from __future__ import annotations
 
+from .cache import BurstPlanCache
 from .costs import (BurstProblem, NetworkModel, amplification, candidate_gpu_counts,
                     disjoint_fraction, rescale_fraction)
 from .graph import LayerGraph, LayerSpec
@@ -99,4 +101,4 @@ from .search import plan_burst
 __all__ = ["LayerSpec", "LayerGraph", "NetworkModel", "LayerPlan", "BlockPlan", "BurstPlan",
            "Evaluation", "BurstProblem", "candidate_gpu_counts", "rescale_fraction",
            "disjoint_fraction", "amplification", "plan_burst", "evaluate_assignment",
-           "search_linear_paper"]
+           "search_linear_paper", "BurstPlanCache"]
