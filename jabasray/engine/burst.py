@@ -32,6 +32,9 @@ module runs one training iteration of such a plan on the G ranks of a process gr
   so each parameter is updated (identically) on exactly the ranks that run its layer, and its
   optimizer state lives there.  ``state_dict()`` collects every parameter and buffer from the
   first rank of its layer (a broadcast per layer: for checkpoints and plan changes, not per step).
+* A short last batch (an epoch's remainder, ``train_step(..., batch=n)``) uses the same
+  placement; a placed rank left without rows skips the layer's compute but still joins its
+  all-reduce (with zero gradients), so parameters stay identical on the layer's ranks.
 * Deadlock freedom: every rank walks the same global sequence of transfers and all-reduces and
   takes part in those that involve it, posting all its sends and receives of one transfer
   before waiting; a total order whose every operation is joined by all its participants at the
@@ -166,8 +169,8 @@ class BurstExecutor:
                         else r for r in range(self.world)]
         edges = [(u, layer.name) for layer in self.layers for u in layer.inputs]
         self._tags = {edge: 2 * i for i, edge in enumerate(edges)}   # backward: tag + 1
-        self._pieces = {edge: transfer_pieces(self._span(edge[0]), self._span(edge[1]),
-                                              self.global_batch) for edge in edges}
+        self._batch = self.global_batch        # samples of the current iteration
+        self._piece_cache: dict[tuple[tuple[str, str], int], list] = {}
         self._make_groups()
         self._attrs = {n.name: fetch_attr(self.gm, str(n.target))
                        for n in self.gm.graph.nodes if n.op == "get_attr"}
@@ -272,18 +275,35 @@ class BurstExecutor:
                 layer.group = groups[span]
 
     # ------------------------------------------------------------------ data
-    def shards(self, rank: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
-        """``((lo, hi), (lo, hi))``: the rows of the global batch whose inputs and whose
-        targets ``rank`` (default: this one) reads; empty ``(0, 0)`` if it reads none."""
+    def shards(self, rank: int | None = None, batch: int | None = None
+               ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((lo, hi), (lo, hi))``: the rows of an iteration's ``batch`` samples (default:
+        the global batch) whose inputs and whose targets ``rank`` (default: this one) reads;
+        an empty range ``(k, k)`` if it reads none."""
         rank = self.rank if rank is None else rank
-        return self._rows(self.source, rank), self._rows(self.sink, rank)
+        batch = self.global_batch if batch is None else batch
+        return self._rows(self.source, rank, batch), self._rows(self.sink, rank, batch)
 
-    def _rows(self, layer: _Layer, rank: int) -> tuple[int, int]:
+    def _rows(self, layer: _Layer, rank: int, batch: int | None = None) -> tuple[int, int]:
         if not layer.runs_on(rank):
             return (0, 0)
-        bounds = shard_bounds(self.global_batch, layer.count)
+        bounds = shard_bounds(self._batch if batch is None else batch, layer.count)
         k = rank - layer.first
         return bounds[k], bounds[k + 1]
+
+    def _active(self, layer: _Layer) -> bool:
+        """This rank computes the layer in this iteration (placed there and has rows; a short
+        last batch can leave a placed rank without rows: it then only joins the all-reduce)."""
+        lo, hi = self._rows(layer, self.rank)
+        return hi > lo
+
+    def _pieces(self, edge: tuple[str, str]) -> list[tuple[int, int, int, int]]:
+        key = (edge, self._batch)
+        hit = self._piece_cache.get(key)
+        if hit is None:
+            hit = self._piece_cache[key] = transfer_pieces(self._span(edge[0]), self._span(edge[1]),
+                                                           self._batch)
+        return hit
 
     # ------------------------------------------------------------------ background hand-off
     @contextlib.contextmanager
@@ -307,7 +327,7 @@ class BurstExecutor:
         reverse).  ``local[(lo, hi)]`` holds the rows this rank sends/keeps; returns the
         ``(lo, piece)`` it receives or keeps for ``want``'s rows, in sample order."""
         ops, received = [], []
-        for src, dst, lo, hi in self._pieces[edge]:
+        for src, dst, lo, hi in self._pieces(edge):
             if backward:
                 src, dst = dst, src
             if src == self.rank and dst == self.rank:
@@ -332,19 +352,23 @@ class BurstExecutor:
                       tensor: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
         """Slices of ``tensor`` (this rank's ``rows``) for the pieces it sends or keeps."""
         out = {}
-        for src, dst, lo, hi in self._pieces[edge]:
+        for src, dst, lo, hi in self._pieces(edge):
             if (dst if backward else src) == self.rank:
                 out[(lo, hi)] = tensor[lo - rows[0]:hi - rows[0]]
         return out
 
     # ------------------------------------------------------------------ one iteration
-    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> BurstStepStats:
-        """One iteration: ``inputs`` are this rank's rows of the global batch for the input
-        layer, ``targets`` its rows for the output layer (``shards()``; None where it reads
-        none).  Runs forward, backward, the per-layer gradient all-reduces and the optimizer."""
+    def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
+                   batch: int | None = None) -> BurstStepStats:
+        """One iteration: ``inputs`` are this rank's rows of the iteration's samples for the
+        input layer, ``targets`` its rows for the output layer (``shards()``; None where it
+        reads none).  ``batch``: samples in this iteration (default: the global batch; a short
+        last batch of an epoch is allowed).  Runs forward, backward, the per-layer gradient
+        all-reduces and the optimizer."""
         stats = BurstStepStats(loss=0.0)
         t_step = time.perf_counter()
-        in_rows, out_rows = self.shards()
+        self._batch = check_int("batch", self.global_batch if batch is None else batch, min_value=1)
+        in_rows, out_rows = self.shards(batch=self._batch)
         for rows, value, what in ((in_rows, inputs, "inputs"), (out_rows, targets, "targets")):
             if rows[1] > rows[0] and (value is None or len(value) != rows[1] - rows[0]):
                 got = "None" if value is None else f"{len(value)} rows"
@@ -377,7 +401,7 @@ class BurstExecutor:
         leaves: dict[tuple[str, str], torch.Tensor] = {}
         loss = None
         for layer in self.layers:
-            mine = layer.runs_on(self.rank)
+            mine = self._active(layer)
             if layer.node is None:
                 if mine:
                     outputs[layer.name] = inputs.to(self.device)
@@ -387,7 +411,7 @@ class BurstExecutor:
                 edge = (u, layer.name)
                 src = self.by_name[u]
                 local = (self._local_pieces(edge, False, self._rows(src, self.rank), outputs[u])
-                         if src.runs_on(self.rank) else {})
+                         if self._active(src) else {})
                 got = self._exchange(edge, self._tags[edge], False, local,
                                      self._rows(layer, self.rank), src.feature_shape, src.dtype, stats)
                 if mine:
@@ -402,7 +426,7 @@ class BurstExecutor:
             t0 = time.perf_counter()
             out = self._run_node(layer.node, args)
             if layer is self.sink:
-                loss = self.loss_fn(out, targets.to(self.device)) * (len(out) / self.global_batch)
+                loss = self.loss_fn(out, targets.to(self.device)) * (len(out) / self._batch)
             stats.compute_s += time.perf_counter() - t0
             outputs[layer.name] = out
         return outputs, leaves, loss
@@ -422,7 +446,7 @@ class BurstExecutor:
                   stats: BurstStepStats) -> None:
         grads: dict[str, torch.Tensor] = {}
         for layer in reversed(self.layers):
-            mine = layer.runs_on(self.rank)
+            mine = self._active(layer)
             if layer.node is None:
                 continue
             if mine:
@@ -433,8 +457,8 @@ class BurstExecutor:
                 elif layer.name in grads and out.requires_grad:
                     torch.autograd.backward(out, grads.pop(layer.name))
                 stats.compute_s += time.perf_counter() - t0
-                if layer.group is not None:
-                    self._allreduce(layer, stats)
+            if layer.group is not None and layer.runs_on(self.rank):
+                self._allreduce(layer, stats)
             for u in reversed(layer.inputs):
                 if u == self.source.name:
                     continue                       # nobody needs the gradient of the data
@@ -447,7 +471,7 @@ class BurstExecutor:
                     local = self._local_pieces(edge, True, self._rows(layer, self.rank), g)
                 got = self._exchange(edge, self._tags[edge] + 1, True, local,
                                      self._rows(src, self.rank), src.feature_shape, src.dtype, stats)
-                if src.runs_on(self.rank):
+                if self._active(src):
                     lo0 = self._rows(src, self.rank)[0]
                     acc = grads.get(u)
                     if acc is None:
