@@ -3,8 +3,8 @@
 On 4 CPU processes (gloo on 127.0.0.1, one thread each) for a VGG-like chain CNN and a residual
 CNN (``burst_models.py``):
 
-1. The network is measured (ping-pong of 4 KiB and 1 MiB between ranks 0 and 1 -> latency and
-   bandwidth of the planner's ``NetworkModel``); rank 0 profiles the model's layer graph
+1. The network is measured (ping-pong of 64 KiB and 4 MiB between ranks 0 and 1, minimum of
+   30 -> latency and bandwidth of the planner's ``NetworkModel``); rank 0 profiles the model's layer graph
    (``build_layer_graph``, one thread, per-GPU batch B/g for g = 1, 2, 4) and plans it at two
    amplification limits (``plan_burst``); the data-parallel prediction is the same cost model
    with every layer on 4 GPUs (``evaluate_assignment``, limit not enforced).
@@ -65,10 +65,12 @@ def build_model(name: str) -> nn.Module:
     return burst_models.ResidualNet(width=16, blocks=3, size=SIZE)
 
 
-def measure_network(rank: int, repeats: int = 20) -> NetworkModel:
-    """Ping-pong between ranks 0 and 1: one-way time t(n) = d + n / B from n = 4 KiB and 1 MiB."""
+def measure_network(rank: int, repeats: int = 30) -> NetworkModel:
+    """Ping-pong between ranks 0 and 1: one-way time t(n) = d + n / B from n = 64 KiB and
+    4 MiB, the minimum over ``repeats`` (robust to other processes on a shared machine)."""
+    small, big = 64 << 10, 4 << 20
     times = {}
-    for nbytes in (4096, 1 << 20):
+    for nbytes in (small, big):
         buf = torch.zeros(nbytes // 4)
         dist.barrier()
         if rank in (0, 1):
@@ -82,12 +84,11 @@ def measure_network(rank: int, repeats: int = 20) -> NetworkModel:
                     dist.recv(buf, 0)
                     dist.send(buf, 0)
                 samples.append((time.perf_counter() - t0) / 2)
-            times[nbytes] = statistics.median(samples)
+            times[nbytes] = min(samples)
     got = [None]
     if rank == 0:
-        small, big = times[4096], times[1 << 20]
-        bandwidth = ((1 << 20) - 4096) / max(big - small, 1e-9)
-        got = [(bandwidth, max(small - 4096 / bandwidth, 0.0))]
+        bandwidth = (big - small) / max(times[big] - times[small], 1e-9)
+        got = [(bandwidth, max(times[small] - small / bandwidth, 0.0))]
     dist.broadcast_object_list(got, src=0)
     return NetworkModel(*got[0])
 
