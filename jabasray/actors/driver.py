@@ -47,6 +47,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
+from .burst_host import BurstPlans, burst_record
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
@@ -126,6 +127,10 @@ class JabasDriver:
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
         self._learners: RankLearners | None = None    # SMA: learners per rank (Crossbow Alg. 2)
+        self._burst = job.parallelism == "burst"      # DeepPool burst parallelism (burst_host)
+        self._burst_plans = BurstPlans(model_fn, dataset, job.amp_limit, self.options.device) \
+            if self._burst else None
+        self._burst_applied: int | None = None        # B_G whose plan the placed actors run
         if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.options.sma_max_learners}), got {job.sma_learners}")
@@ -157,7 +162,7 @@ class JabasDriver:
 
         self._data_ref = ray.put(self.dataset)
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self._model = self._build_model()
+        self._model = None if self._burst else self._build_model()
         self._alloc_models.clear()   # both derive from self._model
         self._plan_cache.clear()
         ctl = AdaptiveBatchController(self.job)
@@ -246,7 +251,7 @@ class JabasDriver:
         """Auto-scaling (JABAS 6.3) over all candidate allocations of ``cluster``; without
         ``job.autoscale`` every pair is used. ``forecast=None``: initial phase, B_G^init for
         every interval of the epoch."""
-        if not self.job.autoscale:
+        if not self.job.autoscale or self._burst:   # burst: DeepPool's fixed G (all GPUs)
             return full_allocation(cluster)
         if not forecast:
             n = max(1, math.ceil(len(self.dataset) /
@@ -307,6 +312,7 @@ class JabasDriver:
             self._event(f"epoch {epoch}: re-placing actors for allocation {state.allocation}")
         self.pool.place(slots, ray.put(worker_state) if worker_state is not None else None, fresh=force)
         self._placed_epoch = epoch
+        self._burst_applied = None            # new actors run no burst plan yet
         job, opts = self.job, self.options
         self._learners = None if job.sync != "sma" else RankLearners(
             len(slots), job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
@@ -325,7 +331,7 @@ class JabasDriver:
         t_epoch = time.perf_counter()
         replaced = self._ensure_placement(state, worker_state, state.epochs_done)
         if self.last_checkpoint is None:   # fresh run: checkpoint the initial state (epoch 0)
-            worker_state = self._call_all("state_dict", ranks=[0])[0]
+            worker_state = self._worker_state()
             self.last_checkpoint = save_checkpoint(self.run_dir, replace(
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
@@ -339,6 +345,8 @@ class JabasDriver:
                       tally: _EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
+        if self._burst:
+            return self._run_burst_interval(state, ctl, interval, cursor, tally)
         job, n = self.job, len(self.dataset)
         target = ctl.global_batch
         plan = self._plan(self.pool.slots, target)
@@ -382,10 +390,55 @@ class JabasDriver:
         tally.train_time += dt
         return end.pop()
 
+    def _worker_state(self) -> dict:
+        """The workers' state for a checkpoint: rank 0's (burst mode: a collective call)."""
+        return self._call_all("state_dict", ranks=None if self._burst else [0])[0]
+
+    def _run_burst_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
+                            tally: _EpochTally) -> int:
+        """Burst mode: the plan for B_G on all placed GPUs, p iterations, Phi to the rule."""
+        job, n, slots = self.job, len(self.dataset), self.pool.slots
+        target = ctl.global_batch
+        plan = self._burst_plans.plan(target, len(slots))
+        if self._burst_applied != target:
+            self._call_all("configure_burst", plan.to_dict(), target)
+            self._burst_applied = target
+        t0 = time.perf_counter()
+        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
+                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / target)),
+                              local_batch=target, layout=[1], iteration=state.iteration,
+                              base_lr=job.lr, base_batch=job.initial_global_batch,
+                              lr_scaling=job.lr_scaling, warmup_iterations=job.warmup_iterations,
+                              similarity=job.adaptive)
+        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        dt = time.perf_counter() - t0
+        end = {r.end_cursor for r in replies}
+        if len(end) != 1:
+            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
+        done, first = sum(r.samples for r in replies), replies[0]
+        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
+        rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
+                             num_iterations=first.num_iterations, cursor=cursor,
+                             requested_global_batch=target, global_batch=target, local_batch=0,
+                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
+                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
+                             burst=burst_record(plan, measured))
+        self.metrics.intervals.append(rec)
+        for cb in self.callbacks:
+            cb.on_interval(self, rec)
+        ctl.update(first.phi if first.phi is not None else job.gamma)
+        state.iteration += first.num_iterations
+        tally.iterations += first.num_iterations
+        tally.samples += done
+        tally.loss_sum += first.loss * first.num_iterations
+        tally.train_time += dt
+        return end.pop()
+
     def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
                    t_epoch: float) -> tuple[DriverState, dict]:
         """Validation, forecast, auto-scaling decision, checkpoint and metrics of the epoch."""
         job, epoch, slots = self.job, state.epochs_done, self.pool.slots
+        worker_state = self._worker_state()   # burst: also completes every rank's model
         acc = None
         if self.options.evaluate and self._val_ref is not None:
             acc = float(self._call_all("evaluate", self._val_ref, ranks=[0])[0])
@@ -395,7 +448,6 @@ class JabasDriver:
             else full_allocation(state.cluster)
         if allocation != state.allocation:
             self._event(f"epoch {epoch}: auto-scaling {state.allocation} -> {allocation}")
-        worker_state = self._call_all("state_dict", ranks=[0])[0]
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),

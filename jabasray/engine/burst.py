@@ -107,6 +107,7 @@ class BurstStepStats:
     allreduce_s: float = 0.0    # parameter-gradient all-reduces among a layer's ranks
     wait_s: float = 0.0         # blocked in transfers: idle for layers run elsewhere (+ copies)
     layers_run: int = 0         # layers placed on this rank
+    local_grad: torch.Tensor | None = None   # keep_local_grad: see BurstExecutor.train_step
 
 
 @dataclass
@@ -150,9 +151,10 @@ class BurstExecutor:
         self.global_batch = check_int("global_batch", global_batch, min_value=1)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.group = process_group if process_group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world = dist.get_world_size(self.group)
+        distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group if process_group is not None else (dist.group.WORLD if distributed else None)
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
         self.background = background
         self.device = next((p.device for p in model.parameters()), example_input.device)
         self.gm = trace_module(model, example_input)
@@ -165,11 +167,12 @@ class BurstExecutor:
         self.by_name = {layer.name: layer for layer in self.layers}
         self.source, self.sink = self.layers[0], self.layers[-1]
         self._runner = fx.Interpreter(self.gm)
-        self._global = [dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD
-                        else r for r in range(self.world)]
+        self._global = [dist.get_global_rank(self.group, r)
+                        if self.group not in (None, dist.group.WORLD) else r for r in range(self.world)]
         edges = [(u, layer.name) for layer in self.layers for u in layer.inputs]
         self._tags = {edge: 2 * i for i, edge in enumerate(edges)}   # backward: tag + 1
         self._batch = self.global_batch        # samples of the current iteration
+        self._keep_local: dict[str, torch.Tensor] | None = None
         self._piece_cache: dict[tuple[tuple[str, str], int], list] = {}
         self._make_groups()
         self._attrs = {n.name: fetch_attr(self.gm, str(n.target))
@@ -359,13 +362,17 @@ class BurstExecutor:
 
     # ------------------------------------------------------------------ one iteration
     def train_step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None,
-                   batch: int | None = None) -> BurstStepStats:
+                   batch: int | None = None, keep_local_grad: bool = False) -> BurstStepStats:
         """One iteration: ``inputs`` are this rank's rows of the iteration's samples for the
         input layer, ``targets`` its rows for the output layer (``shards()``; None where it
         reads none).  ``batch``: samples in this iteration (default: the global batch; a short
         last batch of an epoch is allowed).  Runs forward, backward, the per-layer gradient
-        all-reduces and the optimizer."""
+        all-reduces and the optimizer.  ``keep_local_grad``: ``stats.local_grad`` is this rank's
+        gradient sum before the all-reduces, flattened over the parameters of the layers that
+        run on 2 or more ranks (zeros where this rank has no rows), the same layout on every
+        rank (JABAS's two-group similarity; single-rank layers have no second group)."""
         stats = BurstStepStats(loss=0.0)
+        self._keep_local = {} if keep_local_grad else None
         t_step = time.perf_counter()
         self._batch = check_int("batch", self.global_batch if batch is None else batch, min_value=1)
         in_rows, out_rows = self.shards(batch=self._batch)
@@ -381,12 +388,18 @@ class BurstExecutor:
                 p.grad = None
             outputs, leaves, loss = self._forward(inputs, targets, stats)
             self._backward(outputs, leaves, loss, stats)
+            if self._keep_local is not None:
+                parts = [self._keep_local.get(layer.name) if layer.name in self._keep_local else
+                         torch.zeros(sum(p.numel() for p in layer.params), device=self.device)
+                         for layer in self.layers if layer.group is not None]
+                stats.local_grad = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
             t0 = time.perf_counter()
             self.optimizer.step()
             stats.compute_s += time.perf_counter() - t0
             total = torch.tensor([float(loss.detach()) if loss is not None else 0.0],
                                  dtype=torch.float64, device=self.device)
-            dist.all_reduce(total, group=self.group)
+            if self.world > 1:
+                dist.all_reduce(total, group=self.group)
             stats.loss = float(total)
         finally:
             if self.background is not None:
@@ -484,6 +497,8 @@ class BurstExecutor:
         t0 = time.perf_counter()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layer.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._keep_local is not None:
+            self._keep_local[layer.name] = flat.clone()
         dist.all_reduce(flat, group=layer.group)
         offset = 0
         for p in layer.params:
@@ -515,6 +530,28 @@ class BurstExecutor:
                 dist.broadcast(buf, self._global[root], group=self.group)
                 state[key] = buf
         return state
+
+    def consolidated_state(self) -> dict[str, Any]:
+        """``{"model": state_dict(), "optimizer": the optimizer's state_dict}`` with every
+        parameter's optimizer state taken from the first rank of its layer, the same on every
+        rank (collective; for checkpoints and plan changes: each rank can then run any layer)."""
+        model = self.state_dict()
+        opt = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        mine = {}
+        for layer in self.layers:
+            if layer.first == self.rank:
+                for p in layer.params:
+                    i = index.get(id(p))
+                    if i is not None and i in opt["state"]:
+                        mine[i] = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                   for k, v in opt["state"][i].items()}
+        everyone = [mine]
+        if self.world > 1:
+            everyone = [None] * self.world
+            dist.all_gather_object(everyone, mine, group=self.group)
+        opt["state"] = {i: s for part in everyone for i, s in part.items()}
+        return {"model": model, "optimizer": opt}
 
     def layer_ranks(self) -> dict[str, tuple[int, int]]:
         """``name -> (first rank, count)`` of every layer (the plan's placement)."""
