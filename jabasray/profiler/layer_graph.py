@@ -105,9 +105,13 @@ def build_layer_graph(module: nn.Module, example_input: torch.Tensor, global_bat
 def _measure(gm: fx.GraphModule, input_name: str, example_input: torch.Tensor, global_batch: int,
              counts: list[int], repeats: int, device: torch.device
              ) -> tuple[dict[str, LayerMeasurement], dict[str, float]]:
-    """Run the graph once per per-GPU batch ``ceil(global_batch / g)`` and time every layer."""
+    """Run the graph once per per-GPU batch ``ceil(global_batch / g)`` and time every layer
+    (after one untimed warm-up pass at the largest per-GPU batch: the first run of a graph pays
+    one-time costs - allocator growth, kernel selection - that no training iteration pays)."""
     timings: dict[str, LayerMeasurement] = {}
     out_bytes: dict[str, float] = {input_name: tensor_bytes(example_input[:1]) * global_batch}
+    warm = torch.arange(math.ceil(global_batch / counts[0])) % len(example_input)
+    _TimingInterpreter(gm, 1, device).run(example_input[warm].to(device))
     for g in counts:
         b = math.ceil(global_batch / g)
         idx = torch.arange(b) % len(example_input)
