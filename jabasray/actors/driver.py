@@ -362,11 +362,8 @@ class JabasDriver:
                               base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
                               warmup_iterations=job.warmup_iterations, similarity=True,
                               lr_batch=plan.global_batch_size if self._learners else None)
-        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        replies, end = self._train(req)
         dt = time.perf_counter() - t0
-        end = {r.end_cursor for r in replies}
-        if len(end) != 1:
-            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
         done, first = sum(r.samples for r in replies), replies[0]
         rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
                              num_iterations=first.num_iterations, cursor=cursor,
@@ -377,18 +374,31 @@ class JabasDriver:
                              learners=[m for m, _, _ in configs] if self._learners else [],
                              layout=list(layout))
         self.metrics.intervals.append(rec)
-        if self._learners is not None and min(end) < n:
+        if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)
+        self._finish_interval(state, ctl, rec, tally)
+        return end
+
+    def _train(self, req: IntervalRequest) -> tuple[list[IntervalReply], int]:
+        """``run_interval`` on every actor; returns the replies and the common end cursor."""
+        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        end = {r.end_cursor for r in replies}
+        if len(end) != 1:
+            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
+        return replies, end.pop()
+
+    def _finish_interval(self, state: DriverState, ctl: Any, rec: IntervalRecord,
+                         tally: _EpochTally) -> None:
+        """Callbacks, Phi to the adaptive rule, iteration count and the epoch's tally."""
         for cb in self.callbacks:
             cb.on_interval(self, rec)
-        ctl.update(first.phi if first.phi is not None else job.gamma)
-        state.iteration += first.num_iterations
-        tally.iterations += first.num_iterations
-        tally.samples += done
-        tally.loss_sum += first.loss * first.num_iterations
-        tally.train_time += dt
-        return end.pop()
+        ctl.update(rec.phi if rec.phi is not None else self.job.gamma)
+        state.iteration += rec.num_iterations
+        tally.iterations += rec.num_iterations
+        tally.samples += rec.samples
+        tally.loss_sum += rec.loss * rec.num_iterations
+        tally.train_time += rec.time_s
 
     def _worker_state(self) -> dict:
         """The workers' state for a checkpoint: rank 0's (burst mode: a collective call)."""
@@ -410,11 +420,8 @@ class JabasDriver:
                               base_lr=job.lr, base_batch=job.initial_global_batch,
                               lr_scaling=job.lr_scaling, warmup_iterations=job.warmup_iterations,
                               similarity=job.adaptive)
-        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        replies, end = self._train(req)
         dt = time.perf_counter() - t0
-        end = {r.end_cursor for r in replies}
-        if len(end) != 1:
-            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
         done, first = sum(r.samples for r in replies), replies[0]
         measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
         rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
@@ -424,15 +431,8 @@ class JabasDriver:
                              phi=first.phi, lr=first.lr, time_s=dt, samples=done,
                              burst=burst_record(plan, measured))
         self.metrics.intervals.append(rec)
-        for cb in self.callbacks:
-            cb.on_interval(self, rec)
-        ctl.update(first.phi if first.phi is not None else job.gamma)
-        state.iteration += first.num_iterations
-        tally.iterations += first.num_iterations
-        tally.samples += done
-        tally.loss_sum += first.loss * first.num_iterations
-        tally.train_time += dt
-        return end.pop()
+        self._finish_interval(state, ctl, rec, tally)
+        return end
 
     def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
                    t_epoch: float) -> tuple[DriverState, dict]:
