@@ -41,8 +41,9 @@ module runs one training iteration of such a plan on the G ranks of a process gr
   same position cannot deadlock.  Ranks with no work in a layer wait in the blocking
   ``wait()`` of their next transfer (no spinning).
 * Freed time (DeepPool section 5): with a :class:`~jabasray.engine.multiplex.BackgroundRunner`
-  the background is held while this rank computes, all-reduces or runs the optimizer, and let
-  go while the rank waits for a transfer (the gaps of layers it does not run).
+  the background is held while this rank computes, all-reduces gradients or runs the
+  optimizer, and let go while the rank waits for a transfer or for the end of the step (the
+  gaps of layers it does not run).
 
 Restrictions (checked up front by ``BurstExecutor.__init__``, one-line ``ValueError`` naming the
 layer): one tensor input, one tensor output; every layer maps a batch of n samples to n samples
@@ -105,7 +106,7 @@ class BurstStepStats:
     step_s: float = 0.0         # the whole iteration, optimizer included
     compute_s: float = 0.0      # forward + backward of the layers this rank runs
     allreduce_s: float = 0.0    # parameter-gradient all-reduces among a layer's ranks
-    wait_s: float = 0.0         # blocked in transfers: idle for layers run elsewhere (+ copies)
+    wait_s: float = 0.0         # blocked in transfers and the end-of-step loss sum: idle time
     layers_run: int = 0         # layers placed on this rank
     local_grad: torch.Tensor | None = None   # keep_local_grad: see BurstExecutor.train_step
 
@@ -398,8 +399,11 @@ class BurstExecutor:
             stats.compute_s += time.perf_counter() - t0
             total = torch.tensor([float(loss.detach()) if loss is not None else 0.0],
                                  dtype=torch.float64, device=self.device)
-            if self.world > 1:
-                dist.all_reduce(total, group=self.group)
+            if self.world > 1:          # also where ranks without work wait for the step's end
+                t0 = time.perf_counter()
+                with self._waiting():
+                    dist.all_reduce(total, group=self.group)
+                stats.wait_s += time.perf_counter() - t0
             stats.loss = float(total)
         finally:
             if self.background is not None:
