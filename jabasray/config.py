@@ -16,6 +16,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
+PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 
 R_BUFFER = 0.5  # threshold of IIDP's SWS/OWS selection rule (JABAS section 4)
@@ -65,6 +66,9 @@ class JobConfig(JsonMixin):
     sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
                                         # "hierarchical" (Crossbow 3.3; slower to converge on digits)
     seed: int = 0                       # seeds data order, model init and search
+    parallelism: str = "data"           # "data" (IIDP) or "burst" (DeepPool: per-layer GPU counts
+                                        # on all allocated GPUs; the auto-scaler is not applied)
+    amp_limit: float = 2.0              # burst: GPU-sec amplification limit of every layer (>= 1)
 
     def __post_init__(self) -> None:
         check_int("initial_global_batch", self.initial_global_batch, min_value=1)
@@ -101,6 +105,10 @@ class JobConfig(JsonMixin):
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
         check_int("seed", self.seed, min_value=0)
+        check_choice("parallelism", self.parallelism, PARALLELISM)
+        check_float("amp_limit", self.amp_limit, min_value=1.0)
+        if self.parallelism == "burst" and self.sync != "iidp":
+            raise ValueError(f"sync must be 'iidp' when parallelism is 'burst', got {self.sync!r}")
 
 
 @dataclass(frozen=True)

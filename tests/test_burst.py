@@ -336,3 +336,114 @@ def test_benchmark_graphs_have_torchvision_parameter_counts_and_plan():
         uniform = min(evaluate_assignment(prob, {n: g for n in prob.order}).iteration_time
                       for g in prob.counts)
         assert plan.iteration_time <= uniform * (1 + 1e-12)
+
+
+# --------------------------------------------------------------------------- zero-compute layers
+def inception_like(branch_times: dict[int, float], counts: list[int], act: float = 1.0) -> LayerGraph:
+    """stem -> four branches (two of them two layers deep) -> concat (comp 0) -> head; the
+    stem and head scale perfectly, every branch layer takes ``branch_times[g]``."""
+    zero = {g: 0.0 for g in counts}
+    ideal = {g: 1.0 / g for g in counts}
+    layers = [LayerSpec("stem", ideal, act), LayerSpec("b1", dict(branch_times), act, 0.0, ["stem"]),
+              LayerSpec("b2a", dict(branch_times), act, 0.0, ["stem"]),
+              LayerSpec("b2b", dict(branch_times), act, 0.0, ["b2a"]),
+              LayerSpec("b3", dict(branch_times), act, 0.0, ["stem"]),
+              LayerSpec("b4a", dict(branch_times), act, 0.0, ["stem"]),
+              LayerSpec("b4b", dict(branch_times), act, 0.0, ["b4a"]),
+              LayerSpec("cat", zero, 4 * act, 0.0, ["b1", "b2b", "b3", "b4b"]),
+              LayerSpec("head", ideal, act, 0.0, ["cat"])]
+    return LayerGraph(layers)
+
+
+def test_zero_compute_concat_lets_branches_run_on_their_own_gpus():
+    """Branch layers that do not scale (1 s at any g) on a fast network: running the four
+    branches side by side on their own GPUs pays off (about 2 s of branches instead of 6 s).
+    The concat costs 0: under the literal Amp = T g / comp(cat, 1) every transfer into it is
+    infinitely amplified and no branch could move; with the reference-work rule the transfers
+    into the concat are judged against the branch layers' 1 s, well within limit 4."""
+    counts = candidate_gpu_counts(8)
+    graph = inception_like({g: 1.0 for g in counts}, counts)
+    net = NetworkModel(1e6, 1e-6)
+    plan = plan_burst(graph, net, 8, 4.0)
+    (block,) = plan.blocks
+    assert block.parallel.count(True) == 3 and block.lane_gpu_cap == 2
+    assert plan.iteration_time < 2.0 + 2 * 0.125 + 0.01
+    serial = plan_burst(graph, net, 8, 4.0, parallel_branches=False)
+    assert serial.iteration_time > 6.0
+    prob = BurstProblem(graph, net, 8, 4.0)
+    assert_plan_consistent(plan, prob)
+    # the concat's amplification is reported against the branch layers' work (1 s)
+    cat = next(lp for lp in plan.layers if lp.name == "cat")
+    assert math.isfinite(cat.amplification) and cat.amplification <= 4.0
+    assert prob.edge_reference("b1", "cat") == 1.0 and prob.edge_reference(None, "stem") == 1.0
+
+
+def test_zero_compute_concat_keeps_branches_serial_where_parallel_does_not_pay():
+    """Branches that scale perfectly gain nothing from their own GPUs (the disjoint transfers
+    only add time): every lane stays on the shared GPUs and bursts to all 8."""
+    counts = candidate_gpu_counts(8)
+    graph = inception_like({g: 1.0 / g for g in counts}, counts)
+    plan = plan_burst(graph, NetworkModel(50.0, 1e-3), 8, 4.0)
+    (block,) = plan.blocks
+    assert not any(block.parallel)
+    assert {plan.gpu_counts[n] for n in ("b1", "b2a", "b2b", "b3", "b4a", "b4b")} == {8}
+
+
+def test_zero_compute_reference_work_hand_computed():
+    """in (0) -> a (comp 2) -> cat (0) -> out (0) on G=2, B=1 B/s, d=0, A_a=1: moving a's data
+    from 2 GPUs to 1 costs comm = 2 * (1/2 * 1 / 1) = 1; T(cat, 1) = 1, judged against
+    comp(a, 1) = 2: Amp(cat) = 1 * 1 / 2 = 0.5.  ``out`` (zero, fed by cat) inherits a's 2."""
+    graph = LayerGraph([LayerSpec("in", {1: 0.0, 2: 0.0}, 1.0),
+                        LayerSpec("a", {1: 2.0, 2: 1.0}, 1.0, 0.0, ["in"]),
+                        LayerSpec("cat", {1: 0.0, 2: 0.0}, 1.0, 0.0, ["a"]),
+                        LayerSpec("out", {1: 0.0, 2: 0.0}, 0.0, 0.0, ["cat"])])
+    prob = BurstProblem(graph, NetworkModel(1.0, 0.0), 2, 1.0)
+    assert prob.reference_work == {"in": 0.0, "a": 2.0, "cat": 2.0, "out": 2.0}
+    ev = evaluate_assignment(prob, {"in": 2, "a": 2, "cat": 1, "out": 1})
+    amps = {lp.name: lp.amplification for lp in ev.layers}
+    assert amps == pytest.approx({"in": 0.0, "a": 1.0, "cat": 0.5, "out": 0.0})
+    assert ev.feasible and ev.iteration_time == pytest.approx(1.0 + 1.0)
+
+
+@pytest.mark.parametrize("name", ["three_lanes", "fork_into_join", "nested"])
+def test_zero_compute_joins_match_exhaustive_search(name):
+    """Random graphs whose joins (and the input layer) cost 0 at every count: the DP still
+    finds the exhaustive optimum under the same rule, and some plans do run lanes in parallel."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 99)
+    counts = candidate_gpu_counts(4)
+    joins = {v for v in {e[1] for e in GRAPHS[name]} if sum(1 for e in GRAPHS[name] if e[1] == v) > 1}
+    any_parallel = False
+    for trial in range(2 if name == "nested" else 4):
+        graph = random_graph(rng, GRAPHS[name], counts)
+        for spec in graph.layers:
+            if spec.name in joins or spec.name == "a":
+                spec.comp_time = {g: 0.0 for g in counts}
+                spec.param_bytes = 0.0
+        net = NetworkModel(float(rng.uniform(20.0, 200.0)), float(rng.uniform(0.0, 0.01)))
+        limit = float(rng.uniform(2.0, 6.0))
+        prob = BurstProblem(graph, net, 4, limit)
+        plan = plan_burst(graph, net, 4, limit)
+        assert plan.iteration_time == pytest.approx(exhaustive(prob)[0], rel=1e-12), trial
+        assert_plan_consistent(plan, prob)
+        any_parallel |= any(any(b.parallel) for b in plan.blocks)
+    assert any_parallel, "test should exercise parallel lanes into a zero-compute join"
+
+
+def test_plan_cache_plans_each_global_batch_once():
+    """Per-GPU work shrinks with B_G / g: the cache asks for one graph per distinct B_G and
+    returns the same plan as planning that graph directly."""
+    from jabasray.planners.burst import BurstPlanCache
+    counts = candidate_gpu_counts(4)
+    asked = []
+
+    def graph_for(batch):
+        asked.append(batch)
+        return LayerGraph([LayerSpec(f"l{i}", {g: batch / g * 1e-3 + 1e-3 for g in counts}, batch * 10.0,
+                                     1e3 * i, [f"l{i - 1}"] if i else []) for i in range(3)])
+    net = NetworkModel(1e5, 1e-4)
+    cache = BurstPlanCache(graph_for, net, 4, 2.0)
+    for batch in (32, 64, 32, 64, 128):
+        assert cache.plan(batch) == plan_burst(graph_for(batch), net, 4, 2.0)
+    assert cache.misses == 3 and asked.count(32) == 3   # 1 miss + 2 direct calls in the test
+    with pytest.raises(ValueError, match="global_batch"):
+        cache.plan(0)

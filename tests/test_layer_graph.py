@@ -103,8 +103,8 @@ def test_branchy_module_structure_and_per_gpu_batches():
     inputs = {l.name: l.inputs for l in graph.layers}
     assert inputs == {"x": [], "stem": ["x"], "act": ["stem"], "a": ["act"], "b1": ["act"],
                       "b2": ["b1"], "add": ["a", "b2"], "cat": ["add", "act"], "head": ["cat"]}
-    # per-GPU batch = ceil(10 / g) = 10, 5, 3, each timed twice
-    assert seen == [10, 10, 5, 5, 3, 3]
+    # one untimed warm-up pass at 10, then per-GPU batch = ceil(10 / g) = 10, 5, 3, each timed twice
+    assert seen == [10, 10, 10, 5, 5, 3, 3]
     assert {l.name: l.param_bytes for l in graph.layers}["b1"] == _param_bytes(model.b1)
     prob = BurstProblem(graph, NetworkModel(1e8, 1e-5), 4, 3.0)
     blocks = {(s, t): lanes for s, t, lanes in prob.blocks()}

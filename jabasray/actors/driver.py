@@ -50,6 +50,7 @@ from typing import Any, Callable, Sequence
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import CorrectedModel, OnlineCorrection
+from .burst_host import BurstPlans, burst_record
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
@@ -135,6 +136,10 @@ class JabasDriver:
         self.correction = OnlineCorrection(self.options.correction_smoothing,
                                            self.options.reprofile_threshold)
         self._reprofiles = 0
+        self._burst = job.parallelism == "burst"      # DeepPool burst parallelism (burst_host)
+        self._burst_plans = BurstPlans(model_fn, dataset, job.amp_limit, self.options.device) \
+            if self._burst else None
+        self._burst_applied: int | None = None        # B_G whose plan the placed actors run
         if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.options.sma_max_learners}), got {job.sma_learners}")
@@ -166,7 +171,7 @@ class JabasDriver:
 
         self._data_ref = ray.put(self.dataset)
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self._model = self._build_model(refresh=self.options.reprofile)
+        self._model = None if self._burst else self._build_model(refresh=self.options.reprofile)
         self._alloc_models.clear()   # both derive from self._model
         self._plan_cache.clear()
         ctl = AdaptiveBatchController(self.job)
@@ -259,7 +264,7 @@ class JabasDriver:
         """Auto-scaling (JABAS 6.3) over all candidate allocations of ``cluster``; without
         ``job.autoscale`` every pair is used. ``forecast=None``: initial phase, B_G^init for
         every interval of the epoch."""
-        if not self.job.autoscale:
+        if not self.job.autoscale or self._burst:   # burst: DeepPool's fixed G (all GPUs)
             return full_allocation(cluster)
         return autoscale_allocation(cluster, self._model, list(forecast or self._initial_trajectory()),
                                     len(self.dataset), self.job)
@@ -344,6 +349,7 @@ class JabasDriver:
         if sma is not None:
             self._call_all("load_state_dict", per_rank=[(ray.put(st),) for st in sma.states])
         self._placed_epoch = epoch
+        self._burst_applied = None            # new actors run no burst plan yet
         self._learners = None if job.sync != "sma" else RankLearners(
             [s.pair for s in slots], job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
             opts.sma_max_learners, opts.sma_tuner_relative,
@@ -355,7 +361,9 @@ class JabasDriver:
 
     def _worker_state(self) -> dict:
         """What a checkpoint keeps of the actors: rank 0's state (IIDP: every rank holds the
-        same), or in SMA mode every rank's own state, the learner counts and the tuner."""
+        same; burst: rank 0's after the consolidating collective), or in SMA mode every rank's own state, the learner counts and the tuner."""
+        if self._burst:           # a collective call: completes every rank's model
+            return self._call_all("state_dict")[0]
         if self._learners is None:
             return self._call_all("state_dict", ranks=[0])[0]
         return pack_sma(self._call_all("state_dict"), self._learners.counts,
@@ -403,6 +411,8 @@ class JabasDriver:
                       tally: _EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
+        if self._burst:
+            return self._run_burst_interval(state, ctl, interval, cursor, tally)
         job, n = self.job, len(self.dataset)
         target = ctl.global_batch
         plan = self._plan(self.pool.slots, target)
@@ -418,11 +428,8 @@ class JabasDriver:
                               base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
                               warmup_iterations=job.warmup_iterations, similarity=True,
                               lr_batch=plan.global_batch_size if self._learners else None)
-        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        replies, end = self._train(req)
         dt = time.perf_counter() - t0
-        end = {r.end_cursor for r in replies}
-        if len(end) != 1:
-            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
         done, first = sum(r.samples for r in replies), replies[0]
         rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
                              num_iterations=first.num_iterations, cursor=cursor,
@@ -438,25 +445,70 @@ class JabasDriver:
             self.correction.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
                                     dt / first.num_iterations)
             self._plan_cache.clear()     # plans were made with the old factors
-        if self._learners is not None and min(end) < n:
+        if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)
+        self._finish_interval(state, ctl, rec, tally)
+        return end
+
+    def _train(self, req: IntervalRequest) -> tuple[list[IntervalReply], int]:
+        """``run_interval`` on every actor; returns the replies and the common end cursor."""
+        replies: list[IntervalReply] = self._call_all("run_interval", req)
+        end = {r.end_cursor for r in replies}
+        if len(end) != 1:
+            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
+        return replies, end.pop()
+
+    def _finish_interval(self, state: DriverState, ctl: Any, rec: IntervalRecord,
+                         tally: _EpochTally) -> None:
+        """Callbacks, Phi to the adaptive rule, iteration count and the epoch's tally."""
         for cb in self.callbacks:
             cb.on_interval(self, rec)
-        ctl.update(first.phi if first.phi is not None else job.gamma)
-        state.iteration += first.num_iterations
-        tally.iterations += first.num_iterations
-        tally.samples += done
-        tally.loss_sum += first.loss * first.num_iterations
-        tally.train_time += dt
-        tally.predicted_time += rec.predicted_time_s
-        return end.pop()
+        ctl.update(rec.phi if rec.phi is not None else self.job.gamma)
+        state.iteration += rec.num_iterations
+        tally.iterations += rec.num_iterations
+        tally.samples += rec.samples
+        tally.loss_sum += rec.loss * rec.num_iterations
+        tally.train_time += rec.time_s
+        if rec.predicted_time_s is not None:
+            tally.predicted_time += rec.predicted_time_s
+
+    def _run_burst_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
+                            tally: _EpochTally) -> int:
+        """Burst mode: the plan for B_G on all placed GPUs, p iterations, Phi to the rule."""
+        job, n, slots = self.job, len(self.dataset), self.pool.slots
+        target = ctl.global_batch
+        plan = self._burst_plans.plan(target, len(slots))
+        if self._burst_applied != target:
+            self._call_all("configure_burst", plan.to_dict(), target)
+            self._burst_applied = target
+        t0 = time.perf_counter()
+        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
+                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / target)),
+                              local_batch=target, layout=[1], iteration=state.iteration,
+                              base_lr=job.lr, base_batch=job.initial_global_batch,
+                              lr_scaling=job.lr_scaling, warmup_iterations=job.warmup_iterations,
+                              similarity=job.adaptive)
+        replies, end = self._train(req)
+        dt = time.perf_counter() - t0
+        done, first = sum(r.samples for r in replies), replies[0]
+        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
+        rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
+                             num_iterations=first.num_iterations, cursor=cursor,
+                             requested_global_batch=target, global_batch=target, local_batch=0,
+                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
+                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
+                             burst=burst_record(plan, measured))
+        self.metrics.intervals.append(rec)
+        self._finish_interval(state, ctl, rec, tally)
+        return end
 
     def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
                    t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
         metrics of the epoch."""
         job, epoch, slots = self.job, state.epochs_done, self.pool.slots
+        worker_state = self._worker_state()   # burst: also completes every rank's model
         acc = None
         if self.options.evaluate and self._val_ref is not None:
             acc = float(self._call_all("evaluate", self._val_ref, ranks=[0])[0])
@@ -467,7 +519,6 @@ class JabasDriver:
             else full_allocation(state.cluster)
         if allocation != state.allocation:
             self._event(f"epoch {epoch}: auto-scaling {state.allocation} -> {allocation}")
-        worker_state = self._worker_state()
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),

@@ -170,7 +170,11 @@ class GPUActor(BackgroundHostMixin):
             self.group = join_process_group(rdv, self.slot.rank)
         torch.manual_seed(self.job.seed)
         model = self.model_fn()
-        if self.job.sync == "sma":
+        if self.job.parallelism == "burst":
+            from .burst_host import BurstWorker     # DeepPool: per-layer GPU counts (burst_host)
+            self.worker = BurstWorker(model, self.optimizer_fn, self.loss_fn, self.device, self.group,
+                                      self.dataset)
+        elif self.job.sync == "sma":
             from ..engine.sma import SMAWorker
             # Crossbow SMA has its own update rule (no user optimizer): lr and alpha from the job.
             self.worker = SMAWorker(model, self.loss_fn, lr=self.job.lr, device=self.device,
@@ -193,8 +197,14 @@ class GPUActor(BackgroundHostMixin):
         even those whose own part did not change - the global worker count is exchanged)."""
         self.worker.configure(num_vsw, num_ga, local_batch)
 
+    def configure_burst(self, plan: dict, global_batch: int) -> None:
+        """Burst mode: run the ``BurstPlan`` (as a dict) for B_G = ``global_batch`` (collective)."""
+        from ..planners.burst import BurstPlan
+        self.worker.configure(BurstPlan.from_dict(plan), global_batch)
+
     def state_dict(self) -> dict:
-        """The worker's state (weights, optimizer state, configuration), on CPU."""
+        """The worker's state (weights, optimizer state, configuration), on CPU (burst mode:
+        collective, call it on every actor)."""
         return _to_cpu(self.worker.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
@@ -227,6 +237,8 @@ class GPUActor(BackgroundHostMixin):
         """Train ``req.num_iterations`` iterations from ``req.cursor``; see module docstring."""
         from ..adaptive import scaled_lr
 
+        if self.job.parallelism == "burst":
+            return self.worker.run_interval(req, self)
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor

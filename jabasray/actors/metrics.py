@@ -29,7 +29,7 @@ class IntervalRecord(JsonMixin):
     requested_global_batch: int      # B_G asked for (adaptive rule output)
     global_batch: int                # B_G* the plan runs (Alg. 1 rounding)
     local_batch: int                 # B_L
-    plan: Plan                       # the solver's configuration on the current GPUs
+    plan: Plan | None                # the solver's configuration on the current GPUs (None: burst)
     loss: float                      # mean training loss over the interval
     throughput: float                # measured samples / second
     phi: float | None                # gradient similarity of the two groups at the interval end
@@ -39,6 +39,8 @@ class IntervalRecord(JsonMixin):
     learners: list[int] = field(default_factory=list)  # sync="sma": learners per rank (else [])
     layout: list[int] = field(default_factory=list)    # decoupled workers per rank (sampler layout)
     predicted_time_s: float | None = None  # model's prediction of time_s: plan.iteration_time x iterations
+    burst: dict | None = None        # parallelism="burst": per-layer GPU counts, planned vs measured
+                                     # iteration time (actors.burst_host.burst_record)
 
 
 @dataclass

@@ -24,17 +24,16 @@ tensors gets a zero-cost ``output`` layer joining them.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import math
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
 
+from ..engine.layer_trace import LAYER_OPS, layer_structure, tensor_bytes, trace_module
 from ..planners.burst import LayerGraph, LayerSpec
 from ..serialization import JsonMixin
 from ..validation import check_int
@@ -42,8 +41,6 @@ from ..validation import check_int
 log = logging.getLogger(__name__)
 
 __all__ = ["trace_module", "build_layer_graph", "LayerMeasurement"]
-
-_LAYER_OPS = ("call_module", "call_function", "call_method")
 
 
 @dataclass
@@ -55,31 +52,6 @@ class LayerMeasurement(JsonMixin):
     target: str
     fwd: dict[int, float] = field(default_factory=dict)
     bwd: dict[int, float] = field(default_factory=dict)
-
-
-def trace_module(module: nn.Module, example_input: torch.Tensor) -> fx.GraphModule:
-    """``torch.fx`` graph of ``module``; shape-dependent control flow is resolved for the shape
-    of ``example_input`` via fx's meta tracer when plain symbolic tracing fails."""
-    try:
-        return fx.symbolic_trace(module)
-    except Exception as plain_error:  # noqa: BLE001 - any trace failure -> try the meta tracer
-        from torch.fx.experimental import meta_tracer
-        names = _placeholder_names(module)
-        if len(names) != 1:
-            raise ValueError(f"module forward must take exactly one tensor input, got {names}") from None
-        meta = torch.empty(tuple(example_input.shape), dtype=example_input.dtype, device="meta")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return meta_tracer.symbolic_trace(module, meta_args={names[0]: meta})
-        except Exception as meta_error:  # noqa: BLE001
-            raise ValueError(f"module cannot be traced with torch.fx: {plain_error}; "
-                             f"meta tracer: {meta_error}") from None
-
-
-def _placeholder_names(module: nn.Module) -> list[str]:
-    params = inspect.signature(module.forward).parameters.values()
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def build_layer_graph(module: nn.Module, example_input: torch.Tensor, global_batch: int,
@@ -114,7 +86,7 @@ def build_layer_graph(module: nn.Module, example_input: torch.Tensor, global_bat
     saved = copy.deepcopy(module.state_dict())   # tracing and timing may update BatchNorm stats
     try:
         gm = trace_module(module, example_input)
-        structure = _structure(gm)
+        structure = layer_structure(gm)
         timings, out_bytes = _measure(gm, structure[0][0], example_input, global_batch, counts,
                                       repeats, device)
     finally:
@@ -133,9 +105,13 @@ def build_layer_graph(module: nn.Module, example_input: torch.Tensor, global_bat
 def _measure(gm: fx.GraphModule, input_name: str, example_input: torch.Tensor, global_batch: int,
              counts: list[int], repeats: int, device: torch.device
              ) -> tuple[dict[str, LayerMeasurement], dict[str, float]]:
-    """Run the graph once per per-GPU batch ``ceil(global_batch / g)`` and time every layer."""
+    """Run the graph once per per-GPU batch ``ceil(global_batch / g)`` and time every layer
+    (after one untimed warm-up pass at the largest per-GPU batch: the first run of a graph pays
+    one-time costs - allocator growth, kernel selection - that no training iteration pays)."""
     timings: dict[str, LayerMeasurement] = {}
-    out_bytes: dict[str, float] = {input_name: _tensor_bytes(example_input[:1]) * global_batch}
+    out_bytes: dict[str, float] = {input_name: tensor_bytes(example_input[:1]) * global_batch}
+    warm = torch.arange(math.ceil(global_batch / counts[0])) % len(example_input)
+    _TimingInterpreter(gm, 1, device).run(example_input[warm].to(device))
     for g in counts:
         b = math.ceil(global_batch / g)
         idx = torch.arange(b) % len(example_input)
@@ -146,63 +122,6 @@ def _measure(gm: fx.GraphModule, input_name: str, example_input: torch.Tensor, g
             rec.fwd[g], rec.bwd[g] = fwd, bwd
             out_bytes.setdefault(name, nbytes / b * global_batch)
     return timings, out_bytes
-
-
-def _structure(gm: fx.GraphModule) -> list[tuple[str, list[str], float]]:
-    """(layer name, input layer names, parameter bytes) in graph order."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        raise ValueError(f"module forward must take exactly one tensor input, got "
-                         f"{[n.name for n in placeholders]}")
-    layer_names = {placeholders[0].name}
-    attr_bytes: dict[str, float] = {}
-    out: list[tuple[str, list[str], float]] = [(placeholders[0].name, [], 0.0)]
-    claimed: set[str] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = _fetch_attr(gm, str(node.target))
-            attr_bytes[node.name] = _tensor_bytes(value) if isinstance(value, nn.Parameter) else 0.0
-        elif node.op in _LAYER_OPS:
-            deps: list[str] = []
-            pbytes = 0.0
-            for dep in node.all_input_nodes:
-                if dep.name in layer_names and dep.name not in deps:
-                    deps.append(dep.name)
-                elif dep.op == "get_attr" and dep.name not in claimed:
-                    pbytes += attr_bytes.get(dep.name, 0.0)
-                    claimed.add(dep.name)
-            if node.op == "call_module":
-                sub = gm.get_submodule(str(node.target))
-                pbytes += sum(_tensor_bytes(p) for p in sub.parameters())
-            if not deps:   # e.g. a constant computed from attributes only: hang it on the input
-                deps = [placeholders[0].name]
-            out.append((node.name, deps, pbytes))
-            layer_names.add(node.name)
-        elif node.op == "output":
-            srcs = [d.name for d in node.all_input_nodes if d.name in layer_names]
-            if len(srcs) > 1:
-                out.append(("output", srcs, 0.0))
-    return _prune_dead(out)
-
-
-def _prune_dead(layers: list[tuple[str, list[str], float]]) -> list[tuple[str, list[str], float]]:
-    """Drop layers whose result never reaches the final layer (they would be extra sinks)."""
-    used = {layers[-1][0]}
-    for name, deps, _ in reversed(layers):
-        if name in used:
-            used.update(deps)
-    return [entry for entry in layers if entry[0] in used]
-
-
-def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
-def _tensor_bytes(t: torch.Tensor) -> float:
-    return float(t.numel() * t.element_size())
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -229,7 +148,7 @@ class _TimingInterpreter(fx.Interpreter):
             torch.cuda.synchronize()
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op not in _LAYER_OPS:
+        if n.op not in LAYER_OPS:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         fn = getattr(self, n.op)
@@ -268,7 +187,7 @@ class _TimingInterpreter(fx.Interpreter):
                 best_b = 0.0
             best_f = min(best_f, t1 - t0)
             result = out
-        nbytes = sum(_tensor_bytes(t) for t in _leaves(result))
+        nbytes = sum(tensor_bytes(t) for t in _leaves(result))
         self.results[n.name] = (best_f, best_b, nbytes, n.op, _target_name(n.target))
         return fx.node.map_aggregate(result, lambda v: v.detach() if isinstance(v, torch.Tensor) else v)
 

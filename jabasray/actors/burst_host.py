@@ -1,0 +1,197 @@
+"""Burst-parallel mode of a job (``JobConfig.parallelism == "burst"``, DeepPool): the driver's
+plans per B_G and the GPU actor's host of :class:`jabasray.engine.burst.BurstExecutor`.
+
+Driver side (:class:`BurstPlans`): the model's layer graph is profiled once per B_G in the
+driver's process (``profiler.layer_graph.build_layer_graph``, per-GPU batch B_G / g for the
+power-of-two counts up to G), planned with the job's ``amp_limit`` and cached per (B_G, G)
+(``planners.burst.BurstPlanCache``).  The network model is ``DEFAULT_NETWORK`` unless given.
+
+Actor side (:class:`BurstWorker`, the actor's ``worker`` in burst mode): one executor per B_G
+(process subgroups are made once per plan); switching plans first consolidates weights and
+optimizer state on every rank (a rank may run layers it did not run before).  An interval walks
+the epoch's permutation like IIDP's sampler (iteration k takes the next B_G entries, the last
+iteration of an epoch the remainder): each rank reads the inputs of its input-layer rows and the
+targets of its output-layer rows, so every sample is read once per epoch.  ``state_dict`` is
+collective (every rank must call it) and leaves every rank with the full model.
+
+Deviations: the auto-scaler is not applied (it models IIDP iterations; DeepPool runs a fixed G),
+CPU emulation of slower GPU types is off (no sleep), and Phi (adaptive batching) is the
+two-group similarity over the parameters of the layers that run on 2 or more ranks (a layer on
+one rank has no second group).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable
+
+from ..planners.burst import BurstPlan, BurstPlanCache, NetworkModel, candidate_gpu_counts
+
+log = logging.getLogger(__name__)
+
+# Per-GPU bandwidth and latency assumed when none is given: 1 GB/s and 100 us, the order of
+# gloo on one host's loopback measured by benchmarks/burst_exec.py (see RESULTS.md).
+DEFAULT_NETWORK = NetworkModel(bandwidth=1e9, latency=1e-4)
+
+
+class BurstPlans:
+    """Driver side: the burst plan for (B_G, G), profiled and planned once each."""
+
+    def __init__(self, model_fn: Callable, dataset: Any, amp_limit: float, device: str = "cpu",
+                 network: NetworkModel | None = None, repeats: int = 3) -> None:
+        self.model_fn, self.dataset = model_fn, dataset
+        self.amp_limit = amp_limit
+        self.device = device
+        self.network = network or DEFAULT_NETWORK
+        self.repeats = repeats
+        self._caches: dict[int, BurstPlanCache] = {}
+
+    def plan(self, global_batch: int, total_gpus: int) -> BurstPlan:
+        cache = self._caches.get(total_gpus)
+        if cache is None:
+            cache = self._caches[total_gpus] = BurstPlanCache(
+                lambda b: self._graph(b, total_gpus), self.network, total_gpus, self.amp_limit)
+        return cache.plan(global_batch)
+
+    def _graph(self, global_batch: int, total_gpus: int) -> Any:
+        import torch
+
+        from ..profiler.layer_graph import build_layer_graph
+        from .gpu_actor import gather
+
+        torch.manual_seed(0)
+        example = example_inputs(self.dataset, gather)
+        counts = [g for g in candidate_gpu_counts(total_gpus) if g <= global_batch]
+        t0 = time.perf_counter()
+        graph = build_layer_graph(self.model_fn(), example, global_batch, counts, self.repeats,
+                                  device=self.device)
+        log.info("burst: profiled %d layers at B_G %d for G %d in %.1f s", len(graph.layers),
+                 global_batch, total_gpus, time.perf_counter() - t0)
+        return graph
+
+
+def burst_record(plan: BurstPlan, measured_iteration_s: float) -> dict:
+    """What metrics.json records of an interval in burst mode: the plan's per-layer GPU counts,
+    its predicted iteration time and the measured one (and their relative error)."""
+    predicted = plan.iteration_time
+    return {"gpu_counts": plan.gpu_counts, "amplification_limit": plan.amplification_limit,
+            "parallel_blocks": [b.branch + "->" + b.join for b in plan.blocks if any(b.parallel)],
+            "predicted_iteration_s": predicted, "measured_iteration_s": measured_iteration_s,
+            "error": measured_iteration_s / predicted - 1.0 if predicted > 0 else None}
+
+
+def example_inputs(dataset: Any, gather: Callable) -> Any:
+    """The inputs of the dataset's first two samples (tracing and checks)."""
+    return gather(dataset, list(range(min(2, len(dataset)))))[0]
+
+
+class BurstWorker:
+    """Actor side: burst-parallel training of this rank (hosted by ``GPUActor.worker``)."""
+
+    def __init__(self, model: Any, optimizer_fn: Callable, loss_fn: Callable, device: str,
+                 process_group: Any, dataset: Any) -> None:
+        from .gpu_actor import gather
+
+        self.model = model.to(device)
+        self.optimizer = optimizer_fn(list(self.model.parameters()))
+        self.loss_fn = loss_fn
+        self.device = device
+        self.group = process_group
+        self.example = example_inputs(dataset, gather)
+        self.executors: dict[int, Any] = {}
+        self.current: Any = None
+        self.current_batch: int | None = None
+        self._perm: tuple[int, Any] | None = None
+
+    # ------------------------------------------------------------------ plans
+    def configure(self, plan: BurstPlan, global_batch: int) -> None:
+        """Run ``plan`` for B_G = ``global_batch`` from now on (collective on a change)."""
+        from ..engine.burst import BurstExecutor
+
+        if global_batch == self.current_batch:
+            return
+        if self.current is not None:
+            self._load(self.current.consolidated_state())
+        ex = self.executors.get(global_batch)
+        if ex is None:
+            ex = self.executors[global_batch] = BurstExecutor(
+                self.model, plan, self.example.to(self.device), global_batch, self.loss_fn,
+                self.optimizer, process_group=self.group)
+        self.current, self.current_batch = ex, global_batch
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Weights and optimizer state of the whole model (collective in a placement)."""
+        if self.current is None:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        state = self.current.consolidated_state()
+        self._load(state)
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load(state)
+
+    def _load(self, state: dict) -> None:
+        own = self.model.state_dict()
+        own.update({k: v for k, v in state["model"].items() if k in own})
+        self.model.load_state_dict(own)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def get_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def close(self) -> None:
+        self.executors.clear()
+        self.current = None
+
+    # ------------------------------------------------------------------ training
+    def run_interval(self, req: Any, actor: Any) -> Any:
+        """``req.num_iterations`` iterations of B_G = ``req.local_batch`` from ``req.cursor``
+        (burst requests carry B_G in ``local_batch``); returns the actor's IntervalReply."""
+        from ..adaptive import scaled_lr
+        from .gpu_actor import IntervalReply, gather
+
+        if self.current is None or self.current_batch != req.local_batch:
+            raise RuntimeError(f"configure_burst for B_G {req.local_batch} must come before run_interval")
+        t_start = time.perf_counter()
+        ex, n_total, batch = self.current, actor.dataset_size, req.local_batch
+        if self._perm is None or self._perm[0] != req.epoch:
+            self._perm = (req.epoch, actor._sampler.permutation(req.epoch))
+        perm = self._perm[1]
+        hosting = getattr(actor, "_bg_runner_obj", None)
+        ex.background = hosting
+        cursor, losses, samples, phi = req.cursor, [], 0, None
+        compute = comm = 0.0
+        lr = self.get_lr()
+        for k in range(req.num_iterations):
+            if cursor >= n_total:
+                break
+            lr = scaled_lr(req.base_lr, req.base_batch, batch, req.lr_scaling,
+                           iteration=req.iteration + k, warmup_iterations=req.warmup_iterations)
+            self.set_lr(lr)
+            n = min(batch, n_total - cursor)
+            idx = perm[cursor:cursor + n]
+            (a, b), (c, d) = ex.shards(batch=n)
+            x = gather(actor.dataset, idx[a:b])[0] if b > a else None
+            y = gather(actor.dataset, idx[c:d])[1] if d > c else None
+            last = k == req.num_iterations - 1 or cursor + n >= n_total
+            keep = bool(req.similarity and last and actor.world_size > 1)
+            st = ex.train_step(x, y, batch=n, keep_local_grad=keep)
+            losses.append(st.loss)
+            samples += b - a
+            compute += st.compute_s
+            comm += st.wait_s + st.allreduce_s
+            if keep and st.local_grad is not None and st.local_grad.numel() > 0:
+                phi = actor._group_similarity(st.local_grad)
+            cursor += n
+        ex.background = None
+        return IntervalReply(rank=actor.slot.rank, num_iterations=len(losses), samples=samples,
+                             loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
+                             compute_time=compute, comm_time=comm, update_time=0.0,
+                             emulation_sleep=0.0, wall_time=time.perf_counter() - t_start,
+                             end_cursor=cursor, losses=losses)
