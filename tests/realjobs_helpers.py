@@ -25,7 +25,7 @@ def write_sample_files(root: str | Path, n: int, features: int = 64, classes: in
 def _rows(n, features, classes, seed):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, classes, n)
-    centers = rng.normal(size=(classes, features)).astype(np.float32)
+    centers = np.random.default_rng(12345).normal(size=(classes, features)).astype(np.float32)
     X = (centers[y] + 0.8 * rng.normal(size=(n, features))).astype(np.float32)
     return X, y.astype(np.int64)
 
@@ -59,6 +59,10 @@ class IndexedFileDataset(FileDataset):
     def __getitem__(self, i: int):
         x, y = super().__getitem__(i)
         return {"x": x, "y": y, "index": i}
+
+
+def cosine_scheduler(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
 
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -130,10 +130,11 @@ def epoch_line(record: EpochRecord) -> str:
     """The one line printed per epoch: B_G range, allocation, throughput, every metric."""
     alloc = ",".join(f"{k}:{v}" for k, v in record.allocation.items())
     traj = record.trajectory or [0]
-    metrics = [f"train_loss {record.train_loss:.4f}"]
-    metrics += [f"val_{k} {v:.4f}" for k, v in record.val_metrics.items()]
+    short = {"accuracy": "acc"}
+    metrics = [f"train loss {record.train_loss:.4f}"]
+    metrics += [f"val {short.get(k, k)} {v:.4f}" for k, v in record.val_metrics.items()]
     if not record.val_metrics and record.val_accuracy is not None:
-        metrics.append(f"val_accuracy {record.val_accuracy:.4f}")
+        metrics.append(f"val acc {record.val_accuracy:.4f}")
     if record.lr is not None:
         metrics.append(f"lr {record.lr:.4g}")
     return (f"epoch {record.epoch + 1}: B_G {min(traj)}-{max(traj)}, allocation {alloc} "
