@@ -83,7 +83,13 @@ class JabasDriver:
         job: :class:`JobConfig`.
         cluster: the GPUs the job may use.
         run_dir: folder of this run (checkpoints, metrics.json).
-        val_dataset: optional validation set (accuracy at every epoch end).
+        val_dataset: optional in-memory validation set (evaluated after every epoch, sharded
+            over the actors, ``hooks.eval_fn`` or loss + top-1 accuracy).
+        hooks: :class:`~jabasray.actors.hooks.JobHooks` for the actors (dataset_fn, step_fn,
+            eval_fn, LR scheduler, DataLoader options); None: the plain supervised job.
+        dataset_size: ``len`` of the training set (required when ``dataset`` is None: the
+            actors build it, the trainer's probe measured it).
+        profile_data: a few (inputs, targets) rows to profile with when ``dataset`` is None.
         perf_model: a ready iteration-time model (skips profiling); any object with the solver's
             protocol, optionally ``for_allocation(num_gpus, multi_node)``.
         profiles: ``{gpu_type: Profile}`` (skips profiling; a PerfModel is built from them).
@@ -96,13 +102,19 @@ class JabasDriver:
                  job: JobConfig, cluster: ClusterSpec, run_dir: str | Path,
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
-                 background: Any = None) -> None:
+                 background: Any = None, hooks: Any = None, dataset_size: int | None = None,
+                 profile_data: Any = None) -> None:
         if not isinstance(job, JobConfig):
             raise ValueError(f"job_config must be a JobConfig, got {type(job).__name__}")
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
-        if len(dataset) < 1:
+        # dataset=None: every actor builds it (hooks.dataset_fn); its size comes from the
+        # trainer's probe (jabasray.actors.hooks), the driver never reads a sample
+        self.dataset_size = int(dataset_size if dataset_size is not None else len(dataset))
+        if self.dataset_size < 1:
             raise ValueError("dataset must hold at least one sample, got an empty dataset")
+        self.hooks = hooks
+        self._profile_data = profile_data if profile_data is not None else dataset
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
@@ -155,7 +167,7 @@ class JabasDriver:
 
         from ..adaptive import AdaptiveBatchController
 
-        self._data_ref = ray.put(self.dataset)
+        self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self._model = self._build_model()
         self._alloc_models.clear()   # both derive from self._model
@@ -195,8 +207,11 @@ class JabasDriver:
         from ..profiler import cluster_perf_model, cluster_profiles
 
         opts, job = self.options, self.job
+        if self._given_model is None and self._profiles is None and self._profile_data is None:
+            raise ValueError("profiles or perf_model must be given when the batches are not "
+                             "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
         model = self._given_model or cluster_perf_model(self.cluster, job.weight_sync, self._profiles, partial(
-            cluster_profiles, self.model_fn, self.dataset, self.cluster, loss_fn=self.loss_fn,
+            cluster_profiles, self.model_fn, self._profile_data, self.cluster, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             min_local_batch=job.min_local_batch, weight_sync=job.weight_sync,
             bucket_cap_mb=opts.bucket_cap_mb,
@@ -249,10 +264,10 @@ class JabasDriver:
         if not self.job.autoscale:
             return full_allocation(cluster)
         if not forecast:
-            n = max(1, math.ceil(len(self.dataset) /
+            n = max(1, math.ceil(self.dataset_size /
                                  (self.job.adapt_interval * self.job.initial_global_batch)))
             forecast = [float(self.job.initial_global_batch)] * n
-        return autoscale_allocation(cluster, self._model, list(forecast), len(self.dataset), self.job)
+        return autoscale_allocation(cluster, self._model, list(forecast), self.dataset_size, self.job)
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
         """The plan policy (:func:`jabasray.planners.solve_for_batch`) on the GPUs of ``slots``
@@ -289,7 +304,8 @@ class JabasDriver:
         job, opts = self.job, self.options
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
-            self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb)
+            self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
+            self.hooks)
 
     def _ensure_placement(self, state: DriverState, worker_state: dict | None, epoch: int) -> bool:
         """Place actors for ``state.allocation`` unless they already run it. Returns True when
@@ -330,7 +346,7 @@ class JabasDriver:
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
         tally, cursor, interval = _EpochTally(), 0, 0
-        while cursor < len(self.dataset):
+        while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
         return self._end_epoch(state, ctl, tally, replaced, t_epoch)
@@ -339,7 +355,7 @@ class JabasDriver:
                       tally: _EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
-        job, n = self.job, len(self.dataset)
+        job, n = self.job, self.dataset_size
         target = ctl.global_batch
         plan = self._plan(self.pool.slots, target)
         t0 = time.perf_counter()
@@ -386,9 +402,7 @@ class JabasDriver:
                    t_epoch: float) -> tuple[DriverState, dict]:
         """Validation, forecast, auto-scaling decision, checkpoint and metrics of the epoch."""
         job, epoch, slots = self.job, state.epochs_done, self.pool.slots
-        acc = None
-        if self.options.evaluate and self._val_ref is not None:
-            acc = float(self._call_all("evaluate", self._val_ref, ranks=[0])[0])
+        val_metrics = self._evaluate()
         trajectory = ctl.end_epoch()
         forecast = self._forecast(ctl.completed_trajectories)
         allocation = self._choose_allocation(state.cluster, forecast) if job.autoscale \
@@ -399,10 +413,12 @@ class JabasDriver:
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
-                             train_loss=tally.loss_sum / max(1, tally.iterations), val_accuracy=acc,
+                             train_loss=tally.loss_sum / max(1, tally.iterations),
+                             val_accuracy=val_metrics.get("accuracy"),
                              time_s=0.0, gpu_seconds=0.0, samples=tally.samples,
                              throughput=tally.samples / tally.train_time if tally.train_time > 0 else 0.0,
-                             replaced=replaced)
+                             replaced=replaced, val_metrics=val_metrics,
+                             lr=self.metrics.intervals[-1].lr if self.metrics.intervals else None)
         self.metrics.epochs.append(record)
         state = replace(state, epochs_done=epoch + 1, allocation=allocation,
                         adaptive=ctl.state_dict(), forecast=[float(x) for x in forecast],
@@ -416,6 +432,16 @@ class JabasDriver:
             cb.on_epoch(self, record)
         return state, worker_state
 
+    def _evaluate(self) -> dict[str, float]:
+        """Validation after an epoch: every actor evaluates its shard (the user's eval_fn), the
+        shards' means are combined weighted by their sample counts (exact for per-sample
+        means). ``{}`` without a validation set or with ``options.evaluate`` off."""
+        has_val_fn = self.hooks is not None and self.hooks.val_dataset_fn is not None
+        if not self.options.evaluate or (self._val_ref is None and not has_val_fn):
+            return {}
+        from .metrics import reduce_metrics
+        return reduce_metrics(self._call_all("evaluate", self._val_ref))
+
     def _forecast(self, trajectories: list[list[int]]) -> list[float]:
         """GBS forecast of the next epoch (JABAS 6.2): GPR + ESM ensemble on all trajectories."""
         from ..adaptive import GBSForecaster
@@ -425,7 +451,7 @@ class JabasDriver:
         f = GBSForecaster("ensemble", min_batch=self.job.min_global_batch,
                           max_batch=self.job.max_global_batch, random_state=self.job.seed)
         f.fit(trajectories)
-        return [float(x) for x in f.predict_epoch(len(self.dataset), self.job.adapt_interval)]
+        return [float(x) for x in f.predict_epoch(self.dataset_size, self.job.adapt_interval)]
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
