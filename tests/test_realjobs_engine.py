@@ -162,3 +162,37 @@ def test_fp16_grad_scaler_skips_inf_steps_and_is_checkpointed():
     fresh = IIDPWorker(make_model(3), sgd, F.cross_entropy, precision="fp16")
     fresh.load_state_dict(state)
     assert fresh.state_dict()["grad_scaler"]["scale"] == scale / 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_fp16_grad_scaler_and_pinned_loader_match_the_plain_amp_loop():
+    """CUDA: batches from a pinned-memory DataLoader, fp16 autocast + GradScaler, 2 VSWs x 1 GA
+    and clipping: the same weights as the plain torch.amp loop on the union batch."""
+    from jabasray.engine.loader import LoaderBatches
+
+    dev = torch.device("cuda")
+    X, y = make_data(0, 64)
+    ds = torch.utils.data.TensorDataset(X, y)
+    loader = LoaderBatches(ds, num_workers=1, pin_memory=True)
+    w = IIDPWorker(make_model(0), sgd, F.cross_entropy, device=dev, precision="fp16", grad_clip_norm=1.0)
+    w.configure(2, 1, 8)
+    ref = make_model(0).to(dev)
+    opt = sgd(list(ref.parameters()))
+    scaler = torch.amp.GradScaler("cuda")
+    plan = [torch.arange(k * 32, (k + 1) * 32) for k in range(2)]
+    for batch in loader.batches(plan):
+        assert batch[0].is_pinned()
+        xb, yb = (t.to(dev, non_blocking=True) for t in batch)
+        w.train_step(split(xb, yb, [8] * 4))
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = sum(F.cross_entropy(ref(xb[i:i + 8]), yb[i:i + 8]) for i in range(0, 32, 8)) / 4
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    loader.close()
+    assert max_rel_diff(w.model, ref) < 2e-3
+    assert w.state_dict()["grad_scaler"]["scale"] == scaler.get_scale()
