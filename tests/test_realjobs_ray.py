@@ -173,3 +173,25 @@ def test_sma_learners_run_the_users_step_fn(tmp_path):
     init = model_fn().state_dict()
     assert any(not torch.allclose(za[k], init[k]) for k in init)
     assert sum(i.samples for i in b.history.intervals) == len(ds)
+
+
+def test_file_dataset_survives_actor_loss_without_losing_or_repeating_samples(ray_session, folders, tmp_path):
+    """Two pairs read the files through DataLoaders; rank 3 is killed mid-epoch 0 (interval 1
+    of >= 3). The driver restarts epoch 0 from the initial checkpoint on the remaining pair:
+    the failed attempt's intervals are dropped, each epoch is trained once, completely."""
+    from actors_helpers import KillOnce
+    from jabasray.actors.driver import JabasDriver
+    from jabasray.actors.hooks import JobHooks
+
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
+    pid = os.getpid()
+    hooks = JobHooks(dataset_fn=lambda: FileDataset(folders[0], forbidden_pid=pid), num_data_workers=1)
+    drv = JabasDriver(model_fn, None, optimizer_fn, loss_fn, job(2), cluster, tmp_path / "run",
+                      perf_model=perf_model(), hooks=hooks, dataset_size=N,
+                      options=DriverOptions(failure_grace_s=10), callbacks=[KillOnce(epoch=0, rank=3)])
+    hist = drv.run()
+    assert [len(e.gpu_types) for e in hist.epochs] == [2, 2]
+    assert sum("failure" in m for m in hist.events) == 1
+    for e in (0, 1):
+        ep = [r for r in hist.intervals if r.epoch == e]
+        assert sum(r.samples for r in ep) == N and [r.interval for r in ep] == list(range(len(ep)))
