@@ -148,8 +148,8 @@ class GPUActor(BackgroundHostMixin):
         self.device = device
         h = self.hooks
         if h.dataset_fn is not None:
-            from .hooks import build_datasets
-            train, _ = build_datasets(JobHooks(dataset_fn=h.dataset_fn), None, None)
+            from .hooks import build_dataset
+            train = build_dataset(h.dataset_fn, "dataset_fn")
             self.data = LoaderBatches(train, h.num_data_workers, h.collate_fn,
                                       pin_memory=device.startswith("cuda"),
                                       prefetch_factor=h.prefetch_factor)
@@ -269,8 +269,8 @@ class GPUActor(BackgroundHostMixin):
         h = self.hooks
         if self._val is None or (val_dataset is not None and self._val.dataset is not val_dataset):
             if h.val_dataset_fn is not None:
-                from .hooks import build_datasets, JobHooks
-                _, val = build_datasets(JobHooks(val_dataset_fn=h.val_dataset_fn), [0], None)
+                from .hooks import build_dataset
+                val = build_dataset(h.val_dataset_fn, "val_dataset_fn")
                 self._val = LoaderBatches(val, h.num_data_workers, h.collate_fn,
                                           pin_memory=self.device.startswith("cuda"),
                                           prefetch_factor=h.prefetch_factor)

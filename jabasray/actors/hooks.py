@@ -63,15 +63,26 @@ class ProbeReport:
     profile_rows: Any = None      # up to PROFILE_SAMPLES training rows (TensorDataset) or None
 
 
+def build_dataset(dataset_fn: Callable[[], Any], hook: str = "dataset_fn") -> Any:
+    """``dataset_fn()``, checked: a non-empty map-style dataset, else a one-line ValueError
+    naming ``hook`` and what it returned."""
+    ds = dataset_fn()
+    _check_dataset(ds, hook)
+    return ds
+
+
 def build_datasets(hooks: JobHooks, dataset: Any, val_dataset: Any) -> tuple[Any, Any]:
-    """(train, val) on this process: the in-memory ones, or built by the hooks. ValueError
-    naming the hook when a built dataset is not a non-empty map-style dataset."""
-    train = hooks.dataset_fn() if hooks.dataset_fn is not None else dataset
-    _check_dataset(train, "dataset_fn" if hooks.dataset_fn is not None else "dataset")
-    val = hooks.val_dataset_fn() if hooks.val_dataset_fn is not None else val_dataset
-    if val is not None:
-        _check_dataset(val, "val_dataset_fn" if hooks.val_dataset_fn is not None else "val_dataset")
-    return train, val
+    """(train, val) on this process: the in-memory ones, or built by the hooks (checked)."""
+    if hooks.dataset_fn is not None:
+        train = build_dataset(hooks.dataset_fn, "dataset_fn")
+    else:
+        train = dataset
+        _check_dataset(train, "dataset")
+    if hooks.val_dataset_fn is not None:
+        return train, build_dataset(hooks.val_dataset_fn, "val_dataset_fn")
+    if val_dataset is not None:
+        _check_dataset(val_dataset, "val_dataset")
+    return train, val_dataset
 
 
 def _check_dataset(ds: Any, hook: str) -> None:
