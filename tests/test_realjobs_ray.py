@@ -1,4 +1,4 @@
-"""Real jobs end to end on the session Ray instance: a dataset of 720 sample files built on each
+"""Real jobs end to end on the session Ray instance: a dataset of 1000 sample files built on each
 actor and read by DataLoader workers trains EXACTLY like the same samples in memory - through
 forced re-placement every epoch and through an interruption + resume - while the driver never
 reads a sample; Ray Train's Result conventions; the user's LR and hooks checked before training."""
@@ -20,7 +20,7 @@ from realjobs_helpers import FileDataset, cosine_scheduler as scheduler, in_memo
 pytestmark = pytest.mark.ray
 
 CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
-N, NVAL = 720, 200
+N, NVAL = 1000, 200
 
 
 def job(epochs: int, **kw) -> JobConfig:
