@@ -18,6 +18,7 @@ SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
 PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 R_BUFFER = 0.5  # threshold of IIDP's SWS/OWS selection rule (JABAS section 4)
 
@@ -56,7 +57,10 @@ class JobConfig(JsonMixin):
     autoscale_objective: str = "time"   # "time" | "cost" | "time_under_budget"
     cost_budget: float | None = None    # price budget per epoch for "time_under_budget"
     epochs: int = 5                     # training epochs
-    lr: float = 0.05                    # learning rate at initial_global_batch
+    lr: float | None = None             # optional check: must equal the optimizer's LR (the LR at
+                                        # initial_global_batch); None: the optimizer's LR as it is
+    precision: str = "fp32"             # "fp32" | "bf16" | "fp16" (autocast; fp16: GradScaler)
+    grad_clip_norm: float | None = None # clip the global (all-reduced) gradient to this L2 norm
     lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
@@ -95,12 +99,21 @@ class JobConfig(JsonMixin):
         if self.cost_budget is not None:
             check_float("cost_budget", self.cost_budget, min_value=0, min_exclusive=True)
         check_int("epochs", self.epochs, min_value=1)
-        check_float("lr", self.lr, min_value=0, min_exclusive=True)
+        if self.lr is not None:
+            check_float("lr", self.lr, min_value=0, min_exclusive=True)
+        check_choice("precision", self.precision, PRECISIONS)
+        if self.grad_clip_norm is not None:
+            check_float("grad_clip_norm", self.grad_clip_norm, min_value=0, min_exclusive=True)
         check_choice("lr_scaling", self.lr_scaling, LR_SCALING_RULES)
         check_int("warmup_iterations", self.warmup_iterations, min_value=0)
         check_choice("weight_sync", self.weight_sync, WEIGHT_SYNC_METHODS)
         check_choice("sync", self.sync, SYNC_METHODS)
         check_int("sma_learners", self.sma_learners, min_value=1)
+        if self.sync == "sma" and (self.precision == "fp16" or self.grad_clip_norm is not None):
+            raise ValueError(f"sync='sma' supports precision 'fp32' or 'bf16' without grad_clip_norm "
+                             f"(SMA learners step their own replicas: no global gradient to clip "
+                             f"or unscale), got precision={self.precision!r}, "
+                             f"grad_clip_norm={self.grad_clip_norm!r}")
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)

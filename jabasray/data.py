@@ -1,11 +1,16 @@
-"""Datasets that ship with a package: scikit-learn's bundled digits (1797 8x8 images)."""
+"""Datasets that ship with a package: scikit-learn's bundled digits (1797 8x8 images), and a
+generated CIFAR-sized image dataset written to disk as PNG files (:func:`write_image_files`,
+read back by :class:`ImageFiles`) for jobs, examples and benchmarks that read files."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from .validation import check_float
+import math
+from pathlib import Path
+
+from .validation import check_float, check_int
 
 
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0, image: bool = True
@@ -48,3 +53,46 @@ def accuracy(model: torch.nn.Module, dataset: TensorDataset, batch_size: int = 5
         correct += int((out.argmax(1).cpu() == y[i:i + batch_size]).sum())
     model.train(was_training)
     return correct / max(1, len(y))
+
+
+MEAN, STD = 0.5, 0.25
+
+
+def write_image_files(root: str | Path, n: int, seed: int = 0) -> Path:
+    """``n`` 32x32 RGB PNG files ``<root>/<i>_c<label>.png`` of 10 classes (colour and stripe
+    pattern per class, Gaussian noise), deterministic in ``seed``; a folder that already holds
+    ``n`` PNG files is kept. Returns ``root``."""
+    from PIL import Image
+
+    check_int("n", n, min_value=1)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if len(list(root.glob("*.png"))) == n:
+        return root
+    rng = np.random.default_rng(seed)
+    colours = np.random.default_rng(1234).uniform(40, 215, size=(10, 3))
+    yy, xx = np.mgrid[0:32, 0:32]
+    for i in range(n):
+        c = int(rng.integers(10))
+        angle, freq = c * math.pi / 10, 2 + c % 3
+        stripes = np.sin(freq * 2 * math.pi * (xx * math.cos(angle) + yy * math.sin(angle)) / 32)
+        img = colours[c][None, None, :] + 30 * stripes[..., None] + rng.normal(0, 30, (32, 32, 3))
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / f"{i:06d}_c{c}.png")
+    return root
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """One PNG per sample; the label is in the file name. Opening the folder only lists it."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.files = sorted(Path(root).glob("*.png"))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+        path = self.files[i]
+        with Image.open(path) as im:
+            x = torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0)
+        return (x.permute(2, 0, 1) - MEAN) / STD, int(path.stem.split("_c")[1])

@@ -31,7 +31,7 @@ def fit(tmp_path, name: str, epochs: int, **opts) -> Result:
 
 
 def weights(result: Result) -> dict:
-    return result.checkpoint.load_worker_state()
+    return result.run_checkpoint.load_worker_state()
 
 
 def assert_same_training(a: Result, b: Result) -> None:
@@ -52,7 +52,7 @@ def reference(tmp_path_factory):
 def test_reference_run_writes_metrics_plot_and_checkpoint(reference):
     r = reference
     assert r.metrics_path.exists() and r.plot_path.read_bytes()[:4] == b"\x89PNG"
-    assert r.checkpoint.epochs_done == 2
+    assert r.run_checkpoint.epochs_done == 2
     assert len(r.history.epochs) == 2 and r.metrics["epoch"] == 1
     # B_G adapted (gamma=0.9 -> it grows) and every interval ran a plan on one pair
     assert r.history.epochs[1].trajectory[-1] > 24
@@ -82,7 +82,7 @@ def test_forced_replacement_every_epoch_is_exact(reference, tmp_path):
 
 def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
     first = fit(tmp_path, "resumed", epochs=1)
-    assert first.checkpoint.epochs_done == 1
+    assert first.run_checkpoint.epochs_done == 1
     second = fit(tmp_path, "resumed", epochs=2)
     assert any("resumed" in m for m in second.history.events)
     assert [e.epoch for e in second.history.epochs] == [0, 1]
@@ -109,6 +109,6 @@ def test_sma_sync_hosts_crossbow_learners(tmp_path):
     torch.manual_seed(2)
     init = model_fn().state_dict()
     # SMA checkpoints hold every rank's SMAWorker.state_dict() (actors/sma_state.py); z is shared
-    z = r.checkpoint.load_worker_state()["sma_ranks"][0]["z"]
+    z = r.run_checkpoint.load_worker_state()["sma_ranks"][0]["z"]
     assert set(z) == set(init)
     assert all(not torch.equal(z[k], init[k]) for k in init), "the SMA central model did not train"

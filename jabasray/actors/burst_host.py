@@ -95,6 +95,7 @@ class BurstWorker:
 
         self.model = model.to(device)
         self.optimizer = optimizer_fn(list(self.model.parameters()))
+        self.base_lr = float(self.optimizer.param_groups[0]["lr"])   # the LR at B_G^init
         self.loss_fn = loss_fn
         self.device = device
         self.group = process_group
@@ -153,7 +154,7 @@ class BurstWorker:
     def run_interval(self, req: Any, actor: Any) -> Any:
         """``req.num_iterations`` iterations of B_G = ``req.local_batch`` from ``req.cursor``
         (burst requests carry B_G in ``local_batch``); returns the actor's IntervalReply."""
-        from ..adaptive import scaled_lr
+        from ..adaptive import lr_factor
         from .gpu_actor import IntervalReply, gather
 
         if self.current is None or self.current_batch != req.local_batch:
@@ -171,8 +172,10 @@ class BurstWorker:
         for k in range(req.num_iterations):
             if cursor >= n_total:
                 break
-            lr = scaled_lr(req.base_lr, req.base_batch, batch, req.lr_scaling,
-                           iteration=req.iteration + k, warmup_iterations=req.warmup_iterations)
+            # the user's optimizer LR is the LR at B_G^init; the batch-size rule multiplies it
+            lr = self.base_lr * lr_factor(req.base_batch, batch, req.lr_scaling,
+                                          iteration=req.iteration + k,
+                                          warmup_iterations=req.warmup_iterations)
             self.set_lr(lr)
             n = min(batch, n_total - cursor)
             idx = perm[cursor:cursor + n]

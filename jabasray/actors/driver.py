@@ -89,7 +89,13 @@ class JabasDriver:
         job: :class:`JobConfig`.
         cluster: the GPUs the job may use.
         run_dir: folder of this run (checkpoints, metrics.json).
-        val_dataset: optional validation set (accuracy at every epoch end).
+        val_dataset: optional in-memory validation set (evaluated after every epoch, sharded
+            over the actors, ``hooks.eval_fn`` or loss + top-1 accuracy).
+        hooks: :class:`~jabasray.actors.hooks.JobHooks` for the actors (dataset_fn, step_fn,
+            eval_fn, LR scheduler, DataLoader options); None: the plain supervised job.
+        dataset_size: ``len`` of the training set (required when ``dataset`` is None: the
+            actors build it, the trainer's probe measured it).
+        profile_data: a few (inputs, targets) rows to profile with when ``dataset`` is None.
         perf_model: a ready iteration-time model (skips profiling); any object with the solver's
             protocol, optionally ``for_allocation(num_gpus, multi_node)``.
         profiles: ``{gpu_type: Profile}`` (skips profiling; a PerfModel is built from them).
@@ -102,13 +108,19 @@ class JabasDriver:
                  job: JobConfig, cluster: ClusterSpec, run_dir: str | Path,
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
-                 background: Any = None) -> None:
+                 background: Any = None, hooks: Any = None, dataset_size: int | None = None,
+                 profile_data: Any = None) -> None:
         if not isinstance(job, JobConfig):
             raise ValueError(f"job_config must be a JobConfig, got {type(job).__name__}")
         if not isinstance(cluster, ClusterSpec):
             raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
-        if len(dataset) < 1:
+        # dataset=None: every actor builds it (hooks.dataset_fn); its size comes from the
+        # trainer's probe (jabasray.actors.hooks), the driver never reads a sample
+        self.dataset_size = int(dataset_size if dataset_size is not None else len(dataset))
+        if self.dataset_size < 1:
             raise ValueError("dataset must hold at least one sample, got an empty dataset")
+        self.hooks = hooks
+        self._profile_data = profile_data if profile_data is not None else dataset
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
@@ -137,6 +149,8 @@ class JabasDriver:
                                            self.options.reprofile_threshold)
         self._reprofiles = 0
         self._burst = job.parallelism == "burst"      # DeepPool burst parallelism (burst_host)
+        if self._burst:
+            _check_burst_job(dataset, hooks, job)
         self._burst_plans = BurstPlans(model_fn, dataset, job.amp_limit, self.options.device) \
             if self._burst else None
         self._burst_applied: int | None = None        # B_G whose plan the placed actors run
@@ -169,7 +183,7 @@ class JabasDriver:
 
         from ..adaptive import AdaptiveBatchController
 
-        self._data_ref = ray.put(self.dataset)
+        self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self._model = None if self._burst else self._build_model(refresh=self.options.reprofile)
         self._alloc_models.clear()   # both derive from self._model
@@ -211,8 +225,11 @@ class JabasDriver:
 
         opts, job = self.options, self.job
         host = emulation_host_devices(opts.torch_threads, _ray_cpus()) if opts.emulate else None
+        if self._given_model is None and self._profiles is None and self._profile_data is None:
+            raise ValueError("profiles or perf_model must be given when the batches are not "
+                             "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
         model = self._given_model or cluster_perf_model(self.cluster, job.weight_sync, self._profiles, partial(
-            cluster_profiles, self.model_fn, self.dataset, self.cluster, loss_fn=self.loss_fn,
+            cluster_profiles, self.model_fn, self._profile_data, self.cluster, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             min_local_batch=job.min_local_batch, weight_sync=job.weight_sync,
             bucket_cap_mb=opts.bucket_cap_mb,
@@ -267,7 +284,7 @@ class JabasDriver:
         if not self.job.autoscale or self._burst:   # burst: DeepPool's fixed G (all GPUs)
             return full_allocation(cluster)
         return autoscale_allocation(cluster, self._model, list(forecast or self._initial_trajectory()),
-                                    len(self.dataset), self.job)
+                                    self.dataset_size, self.job)
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
         """The plan policy (:func:`jabasray.planners.solve_for_batch`) on the GPUs of ``slots``
@@ -297,7 +314,7 @@ class JabasDriver:
                 raise ValueError("bucket_planner 'libra' needs profiles (the model has none); "
                                  "pass profiles or let the driver profile")
             self._bucket_plans[world_size] = libra_bucket_plan(
-                self.model_fn, _batch_fn(self.dataset), self.loss_fn,
+                self.model_fn, _batch_fn(self._profile_data), self.loss_fn,
                 next(iter(profiles.values())), world_size, self.options.bucket_cap_mb)
         return self._bucket_plans[world_size]
 
@@ -322,7 +339,8 @@ class JabasDriver:
         job, opts = self.job, self.options
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
-            self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb)
+            self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
+            self.hooks)
 
     def _ensure_placement(self, state: DriverState, worker_state: dict | None, epoch: int) -> bool:
         """Place actors for ``state.allocation`` unless they already run it. Returns True when
@@ -385,7 +403,7 @@ class JabasDriver:
                 keep=self.options.keep_checkpoints)
         predicted = self._predict_epoch(state.forecast)
         tally, cursor, interval = _EpochTally(), 0, 0
-        while cursor < len(self.dataset):
+        while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
@@ -393,7 +411,7 @@ class JabasDriver:
     def _initial_trajectory(self) -> list[float]:
         """Initial phase (no forecast yet): B_G^init for every interval of the epoch."""
         job = self.job
-        n = max(1, math.ceil(len(self.dataset) / (job.adapt_interval * job.initial_global_batch)))
+        n = max(1, math.ceil(self.dataset_size / (job.adapt_interval * job.initial_global_batch)))
         return [float(job.initial_global_batch)] * n
 
     def _predict_epoch(self, forecast: Sequence[float]) -> float | None:
@@ -404,7 +422,7 @@ class JabasDriver:
         slots = self.pool.slots
         model = self._alloc_model(len(slots), len({s.node for s in slots}) > 1)
         traj = [max(1, int(round(b))) for b in (forecast or self._initial_trajectory())]
-        return epoch_time(group_gpus(slots), model, traj, len(self.dataset), self.job.adapt_interval,
+        return epoch_time(group_gpus(slots), model, traj, self.dataset_size, self.job.adapt_interval,
                           self.job.min_local_batch, tolerance=plan_tolerance(self.job)).epoch_time
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
@@ -413,7 +431,7 @@ class JabasDriver:
         new epoch cursor."""
         if self._burst:
             return self._run_burst_interval(state, ctl, interval, cursor, tally)
-        job, n = self.job, len(self.dataset)
+        job, n = self.job, self.dataset_size
         target = ctl.global_batch
         plan = self._plan(self.pool.slots, target)
         t0 = time.perf_counter()
@@ -476,7 +494,7 @@ class JabasDriver:
     def _run_burst_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
                             tally: _EpochTally) -> int:
         """Burst mode: the plan for B_G on all placed GPUs, p iterations, Phi to the rule."""
-        job, n, slots = self.job, len(self.dataset), self.pool.slots
+        job, n, slots = self.job, self.dataset_size, self.pool.slots
         target = ctl.global_batch
         plan = self._burst_plans.plan(target, len(slots))
         if self._burst_applied != target:
@@ -509,9 +527,7 @@ class JabasDriver:
         metrics of the epoch."""
         job, epoch, slots = self.job, state.epochs_done, self.pool.slots
         worker_state = self._worker_state()   # burst: also completes every rank's model
-        acc = None
-        if self.options.evaluate and self._val_ref is not None:
-            acc = float(self._call_all("evaluate", self._val_ref, ranks=[0])[0])
+        val_metrics = self._evaluate()
         trajectory = ctl.end_epoch()
         forecast = self._forecast(ctl.completed_trajectories)
         self._maybe_reprofile()
@@ -522,11 +538,14 @@ class JabasDriver:
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
-                             train_loss=tally.loss_sum / max(1, tally.iterations), val_accuracy=acc,
+                             train_loss=tally.loss_sum / max(1, tally.iterations),
+                             val_accuracy=val_metrics.get("accuracy"),
                              time_s=0.0, gpu_seconds=0.0, samples=tally.samples,
                              throughput=tally.samples / tally.train_time if tally.train_time > 0 else 0.0,
                              replaced=replaced, train_time_s=tally.train_time,
-                             predicted_train_time_s=tally.predicted_time, predicted_time_s=predicted)
+                             predicted_train_time_s=tally.predicted_time, predicted_time_s=predicted,
+                             val_metrics=val_metrics,
+                             lr=self.metrics.intervals[-1].lr if self.metrics.intervals else None)
         self.metrics.epochs.append(record)
         state = replace(state, epochs_done=epoch + 1, allocation=allocation,
                         adaptive=ctl.state_dict(), forecast=[float(x) for x in forecast],
@@ -554,6 +573,16 @@ class JabasDriver:
         self._alloc_models.clear()
         self._plan_cache.clear()
 
+    def _evaluate(self) -> dict[str, float]:
+        """Validation after an epoch: every actor evaluates its shard (the user's eval_fn), the
+        shards' means are combined weighted by their sample counts (exact for per-sample
+        means). ``{}`` without a validation set or with ``options.evaluate`` off."""
+        has_val_fn = self.hooks is not None and self.hooks.val_dataset_fn is not None
+        if not self.options.evaluate or (self._val_ref is None and not has_val_fn):
+            return {}
+        from .metrics import reduce_metrics
+        return reduce_metrics(self._call_all("evaluate", self._val_ref))
+
     def _forecast(self, trajectories: list[list[int]]) -> list[float]:
         """GBS forecast of the next epoch (JABAS 6.2): GPR + ESM ensemble on all trajectories."""
         from ..adaptive import GBSForecaster
@@ -563,7 +592,7 @@ class JabasDriver:
         f = GBSForecaster("ensemble", min_batch=self.job.min_global_batch,
                           max_batch=self.job.max_global_batch, random_state=self.job.seed)
         f.fit(trajectories)
-        return [float(x) for x in f.predict_epoch(len(self.dataset), self.job.adapt_interval)]
+        return [float(x) for x in f.predict_epoch(self.dataset_size, self.job.adapt_interval)]
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:

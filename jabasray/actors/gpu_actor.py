@@ -5,7 +5,16 @@ timings and the gradient similarity Phi of the two GPU groups (JABAS section 6.1
 
 * micro-batches come from the deterministic, communication-free sampler
   (:mod:`jabasray.engine.sampler`): the driver sends (epoch, cursor, B_L, layout); the actor
-  computes its own indices and reads them from the dataset it got through the Ray object store;
+  computes its own indices for the whole interval and reads them (:mod:`jabasray.engine.loader`)
+  from the in-memory dataset it got through the Ray object store, or through a DataLoader over
+  the dataset it built itself with the user's ``dataset_fn`` (workers, prefetch, pinned memory);
+* the LR of every update is the user's optimizer's LR (as the user's LR scheduler moves it,
+  stepped per iteration or per epoch here) times the batch-size rule's factor
+  (``JobConfig.lr_scaling`` for the plan's B_G*, and the warm-up), applied around the
+  optimizer step only (``IIDPWorker.lr_factor``), so the optimizer and scheduler states stay
+  the user's;
+* ``evaluate`` runs the user's ``eval_fn`` on this rank's contiguous shard of the validation
+  set (rank 0's BatchNorm statistics broadcast first), the driver reduces the shards;
 * on the interval's last iteration every actor keeps its local gradient (the SUM over its
   decoupled workers, before the global all-reduce) and the actors build both group sums with ONE
   collective: an all-reduce of a ``[2, P]`` tensor in which each actor fills only its group's row;
@@ -32,6 +41,8 @@ from __future__ import annotations
 
 import logging
 import math
+
+import numpy as np
 import os
 import time
 from dataclasses import dataclass, field
@@ -56,7 +67,7 @@ class IntervalRequest(JsonMixin):
     local_batch: int            # B_L
     layout: list[int]           # decoupled workers per rank (sum * B_L = B_G*)
     iteration: int              # global index of the first iteration (LR warm-up)
-    base_lr: float              # LR at base_batch
+    base_lr: float | None       # unused: the LR at base_batch is the user's optimizer's own
     base_batch: int             # JobConfig.initial_global_batch
     lr_scaling: str             # "linear" | "sqrt" | "none"
     warmup_iterations: int      # linear warm-up length
@@ -73,7 +84,7 @@ class IntervalReply(JsonMixin):
     samples: int                # samples this actor processed
     loss: float                 # mean over iterations of the global mean loss
     phi: float | None           # Phi of the two groups at the interval's last iteration
-    lr: float                   # LR of the last iteration
+    lr: float                   # LR of the last iteration (user's LR x batch-size factor)
     compute_time: float         # seconds, summed over iterations (engine StepStats)
     comm_time: float
     update_time: float
@@ -81,22 +92,13 @@ class IntervalReply(JsonMixin):
     wall_time: float            # seconds of the whole call
     end_cursor: int
     losses: list[float] = field(default_factory=list)   # per iteration
+    lrs: list[float] = field(default_factory=list)      # LR of each iteration's update
 
 
 def gather(dataset: Any, indices: Any) -> tuple:
-    """Rows ``indices`` of ``dataset`` as a batch: TensorDatasets are indexed directly, other
-    map-style datasets go through ``default_collate`` (an empty index list gives empty tensors)."""
-    import torch
-    from torch.utils.data import TensorDataset, default_collate
-
-    idx = torch.as_tensor(list(indices) if not hasattr(indices, "dtype") else indices,
-                          dtype=torch.long)
-    if isinstance(dataset, TensorDataset):
-        return tuple(t[idx] for t in dataset.tensors)
-    if len(idx) == 0:
-        first = default_collate([dataset[0]])
-        return tuple(t[:0] for t in first)
-    return tuple(default_collate([dataset[int(i)] for i in idx]))
+    """Rows ``indices`` of an in-memory dataset as a tuple batch (:func:`engine.loader.gather_rows`)."""
+    from ..engine.loader import gather_rows
+    return tuple(gather_rows(dataset, np.asarray(list(indices), dtype=np.int64)))
 
 
 def emulation_sleep(compute_time: float, speed: float) -> float:
@@ -115,29 +117,51 @@ class GPUActor(BackgroundHostMixin):
         world_size: number of actors in the placement.
         job: the job configuration (sync method, weight sync, seed ...).
         model_fn, optimizer_fn, loss_fn: user callables (``optimizer_fn(params) -> Optimizer``).
-        dataset: the training dataset (passed as an object-store ref, resolved by Ray).
+        dataset: the in-memory training dataset (passed as an object-store ref, resolved by
+            Ray), or None when ``hooks.dataset_fn`` builds it here.
         device: "cpu" (emulation) or "cuda".
         emulate: sleep to emulate ``slot.speed`` on CPU.
         torch_threads: intra-op threads of this process (1: many actors on few cores).
+        hooks: :class:`~jabasray.actors.hooks.JobHooks` (dataset_fn, step_fn, eval_fn, LR
+            scheduler, DataLoader options); None: the plain supervised job.
     """
 
     def __init__(self, slot: Slot, world_size: int, job: JobConfig, model_fn: Callable,
                  optimizer_fn: Callable, loss_fn: Callable, dataset: Any, device: str = "cpu",
-                 emulate: bool = True, torch_threads: int = 1, bucket_cap_mb: float = 25.0) -> None:
+                 emulate: bool = True, torch_threads: int = 1, bucket_cap_mb: float = 25.0,
+                 hooks: Any = None) -> None:
         import torch
 
+        from ..engine.loader import InMemoryBatches, LoaderBatches
+        from ..engine.sampler import IIDPSampler
+        from .hooks import JobHooks
+
         torch.set_num_threads(torch_threads)
+        self.hooks = hooks if hooks is not None else JobHooks()
+        _configure_logging(self.hooks.log_level)
         self.slot = slot
         self.world_size = world_size
         self.job = job
         self.model_fn, self.optimizer_fn, self.loss_fn = model_fn, optimizer_fn, loss_fn
-        self.dataset = dataset
-        self.dataset_size = len(dataset)
-        from ..engine.sampler import IIDPSampler
-        self._sampler = IIDPSampler(self.dataset_size, seed=job.seed)
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"  # Ray sets CUDA_VISIBLE_DEVICES
         self.device = device
+        h = self.hooks
+        if h.dataset_fn is not None:
+            from .hooks import build_dataset
+            train = build_dataset(h.dataset_fn, "dataset_fn")
+            self.data = LoaderBatches(train, h.num_data_workers, h.collate_fn,
+                                      pin_memory=device.startswith("cuda"),
+                                      prefetch_factor=h.prefetch_factor)
+        else:
+            self.data = InMemoryBatches(dataset, h.collate_fn)
+        self.dataset = self.data.dataset
+        self.dataset_size = len(self.data)
+        self._val: Any = None            # validation batch source, built on first use
+        self._sampler = IIDPSampler(self.dataset_size, seed=job.seed)
+        self.lr_scheduler: Any = None
+        self._lr_holder: Any = None      # SMA: the user's optimizer, only as the LR's carrier
+        self._bg_factor: float | None = None
         self.emulate = emulate
         self.bucket_cap_mb = bucket_cap_mb
         self.worker: Any = None
@@ -170,26 +194,49 @@ class GPUActor(BackgroundHostMixin):
             self.group = join_process_group(rdv, self.slot.rank)
         torch.manual_seed(self.job.seed)
         model = self.model_fn()
-        if self.job.parallelism == "burst":
+        job, h = self.job, self.hooks
+        self._bg_factor = None
+        if job.parallelism == "burst":
             from .burst_host import BurstWorker     # DeepPool: per-layer GPU counts (burst_host)
             self.worker = BurstWorker(model, self.optimizer_fn, self.loss_fn, self.device, self.group,
                                       self.dataset)
-        elif self.job.sync == "sma":
+            optimizer = self.worker.optimizer
+        elif job.sync == "sma":
+            import warnings
+
             from ..engine.sma import SMAWorker
-            # Crossbow SMA has its own update rule (no user optimizer): lr and alpha from the job.
-            self.worker = SMAWorker(model, self.loss_fn, lr=self.job.lr, device=self.device,
-                                    process_group=self.group, alpha=self.job.sma_alpha,
-                                    sma_sync=self.job.sma_sync)
+            from ..engine.step import autocast, supervised_step
+            # Crossbow SMA has its own update rule; the user's optimizer only carries the LR
+            # (its param_groups[0]["lr"], moved by the user's scheduler); alpha from the job.
+            self._lr_holder = self.optimizer_fn([p for p in model.parameters() if p.requires_grad])
+            self.worker = SMAWorker(model, self.loss_fn or _unused_loss, lr=self._lr_holder.param_groups[0]["lr"],
+                                    device=self.device, process_group=self.group,
+                                    alpha=job.sma_alpha, sma_sync=job.sma_sync)
+            step, dev, precision = h.step_fn or supervised_step(self.loss_fn), self.worker.device, job.precision
+
+            def sma_step(module: Any, batch: Any) -> Any:
+                with autocast(dev, precision):
+                    return step(module, batch)
+            self.worker.step_fn = sma_step
+            optimizer = self._lr_holder
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
         else:
             from ..engine.iidp import IIDPWorker
             self.worker = IIDPWorker(model, self.optimizer_fn, self.loss_fn, device=self.device,
-                                     process_group=self.group, weight_sync=self.job.weight_sync,
-                                     bucket_cap_mb=self.bucket_cap_mb, bucket_plan=bucket_plan)
+                                     process_group=self.group, weight_sync=job.weight_sync,
+                                     bucket_cap_mb=self.bucket_cap_mb, step_fn=h.step_fn,
+                                     precision=job.precision, grad_clip_norm=job.grad_clip_norm,
+                                     bucket_plan=bucket_plan)
+            optimizer = self.worker.optimizer
+        self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank
 
     def shutdown(self) -> None:
         leave_process_group()
         self.worker = None
+        self.data.close()
+        if self._val is not None:
+            self._val.close()
 
     # ------------------------------------------------------------------ state
     def configure(self, num_vsw: int, num_ga: int, local_batch: int) -> None:
@@ -203,67 +250,118 @@ class GPUActor(BackgroundHostMixin):
         self.worker.configure(BurstPlan.from_dict(plan), global_batch)
 
     def state_dict(self) -> dict:
-        """The worker's state (weights, optimizer state, configuration), on CPU (burst mode:
-        collective, call it on every actor)."""
-        return _to_cpu(self.worker.state_dict())
+        """The worker's state (weights, optimizer state, configuration; burst mode: collective,
+        call it on every actor) plus the user's LR
+        scheduler (``"lr_scheduler"``) and, in SMA mode, the LR-carrying optimizer
+        (``"lr_optimizer"``), on CPU."""
+        state = dict(self.worker.state_dict())
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self._lr_holder is not None:
+            state["lr_optimizer"] = self._lr_holder.state_dict()
+        return _to_cpu(state)
 
     def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        sched, holder = state.pop("lr_scheduler", None), state.pop("lr_optimizer", None)
         self.worker.load_state_dict(state)
+        if holder is not None and self._lr_holder is not None:
+            self._lr_holder.load_state_dict(holder)
+        if sched is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(sched)
 
-    def evaluate(self, val_dataset: Any, batch_size: int = 512) -> float:
-        """Top-1 accuracy of the worker's model on ``val_dataset``."""
-        from torch.utils.data import TensorDataset
+    def evaluate(self, val_dataset: Any = None, batch_size: int | None = None
+                 ) -> tuple[dict[str, float], int]:
+        """(metrics, samples) of the user's ``eval_fn`` (default: loss and top-1 accuracy) on
+        this rank's shard ``[r N / W, (r + 1) N / W)`` of the validation set: ``val_dataset``
+        (in memory) or the one ``hooks.val_dataset_fn`` builds here. Collective when W > 1
+        (rank 0's buffers, e.g. BatchNorm statistics, are broadcast first, so every shard is
+        evaluated with the checkpointed model)."""
+        from ..engine.evaluation import default_eval_fn, evaluate_shard
+        from ..engine.loader import InMemoryBatches, LoaderBatches
 
-        from ..data import accuracy
-        if not isinstance(val_dataset, TensorDataset):
-            idx = list(range(len(val_dataset)))
-            val_dataset = TensorDataset(*gather(val_dataset, idx))
-        return accuracy(self.worker.model, val_dataset, batch_size=batch_size, device=self.device)
+        h = self.hooks
+        if self._val is None or (val_dataset is not None and self._val.dataset is not val_dataset):
+            if h.val_dataset_fn is not None:
+                from .hooks import build_dataset
+                val = build_dataset(h.val_dataset_fn, "val_dataset_fn")
+                self._val = LoaderBatches(val, h.num_data_workers, h.collate_fn,
+                                          pin_memory=self.device.startswith("cuda"),
+                                          prefetch_factor=h.prefetch_factor)
+            elif val_dataset is not None:
+                self._val = InMemoryBatches(val_dataset, h.collate_fn)
+            else:
+                raise ValueError("evaluate needs a val_dataset or hooks.val_dataset_fn")
+        self._broadcast_buffers()
+        n, r, w = len(self._val), self.slot.rank, self.world_size
+        shard = np.arange(r * n // w, (r + 1) * n // w)
+        bs = batch_size or h.eval_batch_size
+        chunks = [shard[i:i + bs] for i in range(0, len(shard), bs)]
+        eval_fn = h.eval_fn or default_eval_fn(self.loss_fn)
+        model = self.worker.model
+        return evaluate_shard(model, self._val.batches(chunks), eval_fn,
+                              next(model.parameters()).device, self.job.precision,
+                              hook="eval_fn" if h.eval_fn is not None else "the default eval_fn")
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's module buffers (BatchNorm statistics) to every rank (collective)."""
+        import torch.distributed as dist
+
+        if self.group is None or self.world_size <= 1:
+            return
+        for b in self.worker.model.buffers():
+            if b.is_floating_point():
+                dist.broadcast(b.data, src=0, group=self.group)
 
     # ------------------------------------------------------------------ training
     def micro_batches(self, epoch: int, cursor: int, local_batch: int, layout: list[int]
                       ) -> tuple[list, Any]:
-        """This rank's micro-batches of the iteration that starts at ``cursor``: one gather and
-        one device copy for all of them, then split into per-worker views."""
-        import numpy as np
+        """This rank's micro-batches of the iteration that starts at ``cursor``."""
+        return next(self.interval_batches(epoch, cursor, 1, local_batch, layout))
 
-        it = self._sampler.iteration(epoch, cursor, local_batch, layout, rank=self.slot.rank)
-        sizes = [len(idx) for idx in it.micro_batches]
-        rows = gather(self.dataset, np.concatenate(it.micro_batches))
-        batches = list(zip(*(t.to(self.device).split(sizes) for t in rows)))
-        return batches, it
+    def interval_batches(self, epoch: int, cursor: int, num_iterations: int, local_batch: int,
+                         layout: list[int]):
+        """``(micro_batches, IterationIndices)`` of up to ``num_iterations`` iterations from
+        ``cursor`` (stopping at the epoch end): the sampler plans the whole interval, the data
+        source reads one batch per iteration (concatenated micro-batch indices; a DataLoader
+        prefetches them), each batch goes to the device once and is split per worker."""
+        import torch
+
+        from ..engine.loader import split_batch, to_device
+
+        its = []
+        for _ in range(num_iterations):
+            if cursor >= self.dataset_size:
+                break
+            it = self._sampler.iteration(epoch, cursor, local_batch, layout, rank=self.slot.rank)
+            its.append(it)
+            cursor = it.next_cursor
+        device = torch.device(self.device)
+        for it, batch in zip(its, self.data.batches([np.concatenate(it.micro_batches) for it in its])):
+            sizes = [len(idx) for idx in it.micro_batches]
+            yield split_batch(to_device(batch, device), sizes), it
 
     def run_interval(self, req: IntervalRequest) -> IntervalReply:
         """Train ``req.num_iterations`` iterations from ``req.cursor``; see module docstring."""
-        from ..adaptive import scaled_lr
-
         if self.job.parallelism == "burst":
             return self.worker.run_interval(req, self)
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor
         losses: list[float] = []
+        lrs: list[float] = []
         compute = comm = update = slept = 0.0
         samples = 0
         phi = None
-        lr = self.worker.get_lr()
+        lr = self._effective_lr()
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
         if hasattr(self.worker, "comm_guard"):
             self.worker.comm_guard = self.bg_foreground_critical if hosting else None
-        for k in range(req.num_iterations):
-            if cursor >= self.dataset_size:
-                break
-            lr = scaled_lr(req.base_lr, req.base_batch, global_batch, req.lr_scaling,
-                           iteration=req.iteration + k, warmup_iterations=req.warmup_iterations)
-            if lr != self.worker.get_lr():
-                if self.job.sync == "sma":
-                    # Crossbow 3.2: restart SMA from z when the LR schedule changes (a new B_G
-                    # rescales the LR); the per-iteration ramp of a warm-up is no such change.
-                    warming_up = req.iteration + k < req.warmup_iterations
-                    self.worker.set_lr(lr, restart=not warming_up)
-                else:
-                    self.worker.set_lr(lr)
-            batches, it = self.micro_batches(req.epoch, cursor, req.local_batch, req.layout)
+        batches_iter = self.interval_batches(req.epoch, cursor, req.num_iterations,
+                                             req.local_batch, req.layout)
+        for k, (batches, it) in enumerate(batches_iter):
+            lr = self._apply_lr(req, global_batch, req.iteration + k)
+            lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
             keep = bool(req.similarity and last and self.world_size > 1)
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
@@ -281,11 +379,53 @@ class GPUActor(BackgroundHostMixin):
             if keep:
                 phi = self._group_similarity(stats.local_grad)
             cursor = it.next_cursor
+            self._step_scheduler(epoch_end=it.epoch_end)
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
                              emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
-                             end_cursor=cursor, losses=losses)
+                             end_cursor=cursor, losses=losses, lrs=lrs)
+
+    # ------------------------------------------------------------------ learning rate
+    def _user_lr(self) -> float:
+        """The user's LR now: their optimizer's first param group (as their scheduler set it)."""
+        opt = self._lr_holder if self._lr_holder is not None else self.worker.optimizer
+        return float(opt.param_groups[0]["lr"])
+
+    def _effective_lr(self) -> float:
+        if self._lr_holder is not None:
+            return self.worker.get_lr()
+        return self.worker.effective_lr()
+
+    def _apply_lr(self, req: IntervalRequest, global_batch: int, iteration: int) -> float:
+        """Set this iteration's LR = user's LR x ``lr_factor`` (B_G rule and warm-up)."""
+        from ..adaptive import lr_factor
+
+        f = lr_factor(req.base_batch, global_batch, req.lr_scaling, iteration=iteration,
+                      warmup_iterations=req.warmup_iterations)
+        if self._lr_holder is None:
+            self.worker.lr_factor = f
+            return self.worker.effective_lr()
+        # SMA: Crossbow 3.2 restarts from z when the LR schedule changes. A new B_G rescales
+        # the LR (restart); the warm-up's per-iteration ramp and the user's scheduler's moves
+        # are no such change (restarting every iteration of a cosine schedule would discard
+        # SMA's momentum at every step) - deviation documented in the report.
+        bg = lr_factor(req.base_batch, global_batch, req.lr_scaling)
+        lr = self._user_lr() * f
+        if lr != self.worker.get_lr():
+            restart = self._bg_factor is not None and bg != self._bg_factor and \
+                iteration >= req.warmup_iterations
+            self.worker.set_lr(lr, restart=restart)
+        self._bg_factor = bg
+        return lr
+
+    def _step_scheduler(self, epoch_end: bool) -> None:
+        """The user's scheduler: ``step()`` after every iteration, or after the epoch's last
+        one (``hooks.lr_scheduler_interval``)."""
+        if self.lr_scheduler is None:
+            return
+        if self.hooks.lr_scheduler_interval == "iteration" or epoch_end:
+            self.lr_scheduler.step()
 
     def _group_similarity(self, local_grad: Any) -> float:
         """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
@@ -301,6 +441,21 @@ class GPUActor(BackgroundHostMixin):
         with self.bg_foreground_critical("allreduce"):
             dist.all_reduce(buf, group=self.group)
         return float(cosine_similarity(buf[0], buf[1]))
+
+
+def _unused_loss(outputs: Any, targets: Any) -> Any:
+    raise RuntimeError("loss_fn is not used when a step_fn is given")
+
+
+def _configure_logging(level: str) -> None:
+    """This actor process's ``jabasray`` log level (its lines reach the driver's console
+    through Ray's ``log_to_driver``)."""
+    logger = logging.getLogger("jabasray")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 def _to_cpu(obj: Any) -> Any:

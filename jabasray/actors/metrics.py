@@ -2,14 +2,22 @@
 
 Per interval (p iterations, one Ray call): B_G requested/used, B_L, the plan, mean loss, measured
 throughput, the gradient similarity Phi and the LR. Per epoch: the allocation, the actual B_G
-trajectory and the one the forecaster predicted for it, validation accuracy, wall time and
+trajectory and the one the forecaster predicted for it, the validation metrics of the user's
+``eval_fn`` (``val_metrics``; ``val_accuracy`` is its ``"accuracy"``), wall time and
 GPU-seconds (sum over allocated GPUs of the epoch's wall time).
+
+Files: ``metrics.json`` (everything), ``metrics.csv`` (one row per epoch, flat columns - what
+``pandas.read_csv`` and ``Result.metrics_dataframe`` read), and the PNG of :func:`plot_history`.
 """
 from __future__ import annotations
 
+import csv
+import io
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ..serialization import JsonMixin, atomic_write_text
 from ..types import Plan
@@ -70,6 +78,21 @@ class EpochRecord(JsonMixin):
         if self.predicted_train_time_s is None or self.train_time_s <= 0:
             return None
         return (self.predicted_train_time_s - self.train_time_s) / self.train_time_s
+    val_metrics: dict[str, float] = field(default_factory=dict)  # eval_fn's means, all shards
+    lr: float | None = None                   # LR of the epoch's last iteration
+
+    def flat(self) -> dict[str, float | int | str | None]:
+        """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
+        row: dict = {"epoch": self.epoch, "train_loss": self.train_loss}
+        row.update({f"val_{k}": v for k, v in self.val_metrics.items()})
+        if "val_accuracy" not in row:
+            row["val_accuracy"] = self.val_accuracy
+        traj = self.trajectory or [0]
+        row.update({"lr": self.lr, "global_batch_min": min(traj), "global_batch_max": max(traj),
+                    "num_gpus": len(self.gpu_types), "samples": self.samples,
+                    "throughput": self.throughput, "time_s": self.time_s,
+                    "gpu_seconds": self.gpu_seconds, "replaced": self.replaced})
+        return row
 
 
 @dataclass
@@ -99,20 +122,75 @@ class MetricsHistory(JsonMixin):
                               events=list(self.events))
 
 
+def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Combine per-shard means: ``sum_s n_s m_s / sum_s n_s`` for every metric (shards without
+    samples are skipped). Exact for any per-sample mean (loss, accuracy, top-k)."""
+    total = sum(n for _, n in shards if n > 0)
+    if total == 0:
+        return {}
+    names = [k for m, n in shards if n > 0 for k in m]
+    out = {}
+    for k in dict.fromkeys(names):
+        missing = [i for i, (m, n) in enumerate(shards) if n > 0 and k not in m]
+        if missing:
+            raise ValueError(f"eval_fn must return the same metric names on every shard; "
+                             f"{k!r} is missing on shard(s) {missing}")
+        out[k] = sum(m[k] * n for m, n in shards if n > 0) / total
+    return out
+
+
+def epoch_line(record: EpochRecord) -> str:
+    """The one line printed per epoch: B_G range, allocation, throughput, every metric, and the
+    iteration-time model's error on the epoch's training time."""
+    alloc = ",".join(f"{k}:{v}" for k, v in record.allocation.items())
+    traj = record.trajectory or [0]
+    short = {"accuracy": "acc"}
+    metrics = [f"train loss {record.train_loss:.4f}"]
+    metrics += [f"val {short.get(k, k)} {v:.4f}" for k, v in record.val_metrics.items()]
+    if not record.val_metrics and record.val_accuracy is not None:
+        metrics.append(f"val acc {record.val_accuracy:.4f}")
+    if record.lr is not None:
+        metrics.append(f"lr {record.lr:.4g}")
+    line = (f"epoch {record.epoch + 1}: B_G {min(traj)}-{max(traj)}, allocation {alloc} "
+            f"({len(record.gpu_types)} GPUs), {record.throughput:.0f} samples/s, "
+            f"{', '.join(metrics)}, {record.time_s:.1f}s")
+    if record.prediction_error is not None:
+        line += (f", train {record.train_time_s:.1f}s vs predicted "
+                 f"{record.predicted_train_time_s:.1f}s (error {100 * record.prediction_error:+.0f}%)")
+    return line
+
+
+def metrics_csv(history: MetricsHistory) -> str:
+    """One row per epoch (:meth:`EpochRecord.flat`), columns = union in first-seen order."""
+    rows = [e.flat() for e in history.epochs]
+    cols = list(dict.fromkeys(k for r in rows for k in r)) or ["epoch"]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
+    return buf.getvalue()
+
+
 def save_metrics(history: MetricsHistory, path: str | Path) -> Path:
+    """``metrics.json`` at ``path`` and ``metrics.csv`` next to it."""
+    path = Path(path)
+    atomic_write_text(path.with_suffix(".csv"), metrics_csv(history))
     return atomic_write_text(path, history.to_json(indent=1))
 
 
 def plot_history(history: MetricsHistory, path: str | Path) -> Path:
     """Write a PNG with (top) the B_G trajectory per interval, actual and forecast, epoch
-    boundaries dashed, and (bottom) the allocation per epoch as GPUs per type, stacked."""
+    boundaries dashed, (middle) the allocation per epoch as GPUs per type, stacked, and
+    (bottom) every numeric per-epoch metric (train loss, validation metrics)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 9.5),
+                                        gridspec_kw={"height_ratios": [3, 2, 2.5]})
     x0 = 0
     labelled = set()
     for e in history.epochs:
@@ -145,6 +223,17 @@ def plot_history(history: MetricsHistory, path: str | Path) -> Path:
     ax2.set_title("Allocation per epoch")
     if types:
         ax2.legend(loc="best")
+    rows = [e.flat() for e in history.epochs]
+    names = ["train_loss"] + list(dict.fromkeys(k for r in rows for k in r if k.startswith("val_")))
+    for i, k in enumerate(names):
+        pts = [(r["epoch"], r[k]) for r in rows if isinstance(r.get(k), (int, float))
+               and not isinstance(r.get(k), bool) and math.isfinite(r[k])]
+        if pts:
+            ax3.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=k, color=f"C{i}")
+    ax3.set_xlabel("epoch")
+    ax3.set_title("Metrics per epoch")
+    if ax3.lines:
+        ax3.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

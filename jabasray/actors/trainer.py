@@ -9,6 +9,7 @@ a run folder with a checkpoint resumes it (e.g. after raising ``epochs``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from ..config import JobConfig, RunConfig
 from ..types import ClusterSpec
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
+from .hooks import JobHooks, ProbeReport, run_probe
 from .metrics import MetricsHistory, plot_history, save_metrics
 from .placement import resource_name
 
@@ -26,26 +28,99 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Result:
-    """What ``fit()`` returns (Ray Train's ``Result`` shape plus the full history)."""
+    """What ``fit()`` returns, in Ray Train's ``Result`` shape.
 
-    metrics: dict                 # the last epoch's record (EpochRecord.to_dict())
+    ``checkpoint`` is a ``ray.train.Checkpoint`` (a directory) holding the user's own objects as
+    plain torch files, loadable without jabasray (:func:`export_checkpoint`): ``model.pt`` (the
+    model's ``state_dict``), ``optimizer.pt`` (the optimizer's ``state_dict``), and when present
+    ``lr_scheduler.pt`` / ``grad_scaler.pt``; ``metadata.json`` says which epoch it is.
+    ``metrics`` is the last epoch's flat row (``EpochRecord.flat``), ``metrics_dataframe`` all
+    of them (``metrics.csv``). The jabasray run checkpoint (driver + worker state, what resumes
+    a run) is ``run_checkpoint``.
+    """
+
+    metrics: dict                 # the last epoch's row (EpochRecord.flat())
     history: MetricsHistory       # per interval and per epoch
-    checkpoint: Checkpoint | None # the last checkpoint (epoch boundary)
-    path: Path                    # the run folder
+    checkpoint: Any               # ray.train.Checkpoint of the last epoch (None before any)
+    path: str                     # the run folder
     metrics_path: Path            # metrics.json
     plot_path: Path | None        # trajectory.png
+    run_checkpoint: Checkpoint | None = None   # jabasray's epoch checkpoint (resume)
 
     @property
     def val_accuracy(self) -> float | None:
         return self.history.final_val_accuracy
 
+    @property
+    def metrics_dataframe(self) -> Any:
+        """All epochs' rows as a ``pandas.DataFrame`` (read from ``metrics.csv``)."""
+        import pandas as pd
+        return pd.read_csv(Path(self.path) / "metrics.csv")
+
+    @property
+    def error(self) -> None:      # Ray Train's Result.error: fit() raises instead
+        return None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "Result":
+        """The Result of the run folder ``path`` (as ``fit()`` left it)."""
+        run_dir = Path(path)
+        metrics_path = run_dir / "metrics.json"
+        if not metrics_path.is_file():
+            raise ValueError(f"path {run_dir} is not a jabasray run folder (no metrics.json)")
+        history = MetricsHistory.load(metrics_path)
+        cp = latest_checkpoint(run_dir)
+        plot = run_dir / "trajectory.png"
+        return cls(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
+                   checkpoint=export_checkpoint(cp, run_dir) if cp is not None else None,
+                   path=str(run_dir), metrics_path=metrics_path,
+                   plot_path=plot if plot.exists() else None, run_checkpoint=cp)
+
+
+def export_checkpoint(run_checkpoint: Checkpoint, run_dir: str | Path) -> Any:
+    """The user-facing ``ray.train.Checkpoint`` of a run checkpoint: the folder
+    ``<run>/checkpoint_<epochs_done:06d>`` with ``model.pt``, ``optimizer.pt`` (and
+    ``lr_scheduler.pt``, ``grad_scaler.pt`` when the job has them) saved by ``torch.save`` as
+    plain state dicts - ``torch.load(..., weights_only=True)`` loads them without jabasray -
+    and ``metadata.json``. Written once per run checkpoint (kept if it exists)."""
+    import json
+
+    import torch
+    from ray.train import Checkpoint as RayCheckpoint
+
+    out = Path(run_dir) / f"checkpoint_{run_checkpoint.epochs_done:06d}"
+    if not (out / "metadata.json").exists():
+        state = run_checkpoint.load_worker_state()
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        model = state.get("model", state.get("z"))          # IIDP: "model"; SMA: central model z
+        torch.save(model, tmp / "model.pt")
+        optimizer = state.get("optimizer", state.get("lr_optimizer"))
+        if optimizer is not None:
+            torch.save(optimizer, tmp / "optimizer.pt")
+        for key in ("lr_scheduler", "grad_scaler"):
+            if state.get(key) is not None:
+                torch.save(state[key], tmp / f"{key}.pt")
+        (tmp / "metadata.json").write_text(json.dumps(
+            {"epochs_done": run_checkpoint.epochs_done, "run_checkpoint": str(run_checkpoint.path),
+             "files": sorted(p.name for p in tmp.iterdir())}, indent=1))
+        if out.exists():
+            import shutil
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return RayCheckpoint.from_directory(str(out))
+
 
 def default_optimizer_fn(lr: float) -> Callable:
-    """SGD with momentum 0.9 at ``lr`` (the driver rescales the LR with B_G)."""
+    """SGD with momentum 0.9 at ``lr`` (the LR at initial_global_batch; the batch-size rule
+    multiplies it)."""
     def make(params: Any) -> Any:
         import torch
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return make
+
+
+DEFAULT_LR = 0.05   # the default optimizer's LR when neither optimizer_fn nor JobConfig.lr is given
 
 
 def default_loss_fn(outputs: Any, targets: Any) -> Any:
@@ -76,19 +151,19 @@ def ensure_ray(cluster: ClusterSpec | None, emulate: bool = True, num_cpus: int 
         return False
     env = {"env_vars": {"OMP_NUM_THREADS": "1"}}
     if address and address != "local":
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
     if address is None and (os.environ.get("RAY_ADDRESS") or
                             os.path.exists("/tmp/ray/ray_current_cluster")):
         try:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env=env,
-                     log_to_driver=False)
+                     log_to_driver=True)
             return False
         except ConnectionError:
             log.info("no running Ray cluster found; starting a local one")
     resources = emulated_resources(cluster) if (cluster is not None and emulate) else {}
     ray.init(num_cpus=num_cpus, include_dashboard=False, resources=resources or None,
-             runtime_env=env, log_to_driver=False)
+             runtime_env=env, log_to_driver=True)
     return True
 
 
@@ -116,28 +191,51 @@ def detect_cluster() -> ClusterSpec:
 
 
 class JabasTrainer:
-    """Train ``model_fn()`` on ``dataset`` with JABAS (adaptive batching + auto-scaling).
+    """Train ``model_fn()`` with JABAS (adaptive batching + auto-scaling) on the user's own job.
 
-    Args:
+    Data - either in memory or built on every actor:
+        dataset: map-style training dataset in memory (a TensorDataset is fastest); shared
+            through the Ray object store.
+        dataset_fn: ``() -> Dataset`` called on every GPU actor instead (e.g. reading files from
+            local or shared disk); samples are read by a DataLoader per actor
+            (``num_data_workers``, ``collate_fn``, ``prefetch_factor``, pinned memory on CUDA) in
+            the order of the exactly-once sampler. The driver never reads a sample: it learns
+            ``len(dataset)`` from a one-off probe task (:mod:`jabasray.actors.hooks`).
+        val_dataset / val_dataset_fn: the same for validation (evaluated after every epoch,
+            sharded over the actors).
+
+    The job:
         model_fn: ``() -> torch.nn.Module``; called on every GPU actor (seeded with job.seed).
-        dataset: map-style training dataset (a TensorDataset is fastest); shared through the
-            Ray object store.
-        optimizer_fn: ``params -> torch.optim.Optimizer`` (None: SGD, momentum 0.9, job.lr).
-        loss_fn: ``(outputs, targets) -> mean loss`` (None: cross-entropy).
-        job_config: :class:`JobConfig`.
+        optimizer_fn: ``params -> torch.optim.Optimizer``. Its LR is the LR at
+            ``initial_global_batch``; ``JobConfig.lr_scaling`` multiplies it as B_G moves (None:
+            SGD, momentum 0.9, LR ``JobConfig.lr`` or 0.05). A ``JobConfig.lr`` that disagrees
+            with the optimizer's LR is an error naming both.
+        loss_fn: ``(outputs, targets) -> mean loss`` (None: cross-entropy) for the default step.
+        step_fn: ``(model, batch) -> scalar mean loss`` instead of the default step.
+        eval_fn: ``(model, batches) -> dict[str, float]`` of per-sample means (None: loss and
+            top-1 accuracy of a classifier).
+        lr_scheduler_fn: ``optimizer -> torch LR scheduler``, stepped every iteration or every
+            epoch (``lr_scheduler_interval``); the batch-size rule and warm-up multiply the LR
+            it sets. Its state is checkpointed.
+        job_config: :class:`JobConfig` (also ``precision`` and ``grad_clip_norm``).
         cluster: the GPUs to use (None: detected from the running Ray cluster).
         run_config: :class:`RunConfig` (storage_path, name).
-        val_dataset: optional; validation accuracy is measured after every epoch.
         perf_model / profiles: skip profiling (tests, pre-measured clusters).
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
         background: optional background scheduler (``rebalance(actor_handles)``).
+        verbose: actors log INFO lines to the console (else WARNING and above).
     """
 
-    def __init__(self, model_fn: Callable, dataset: Any, optimizer_fn: Callable | None = None,
+    def __init__(self, model_fn: Callable, dataset: Any = None, optimizer_fn: Callable | None = None,
                  loss_fn: Callable | None = None, job_config: JobConfig | None = None,
                  cluster: ClusterSpec | None = None, run_config: RunConfig | None = None,
-                 val_dataset: Any = None, *, perf_model: Any = None, profiles: dict | None = None,
+                 val_dataset: Any = None, *, dataset_fn: Callable | None = None,
+                 val_dataset_fn: Callable | None = None, step_fn: Callable | None = None,
+                 eval_fn: Callable | None = None, lr_scheduler_fn: Callable | None = None,
+                 lr_scheduler_interval: str = "iteration", collate_fn: Callable | None = None,
+                 num_data_workers: int = 0, prefetch_factor: int = 2, eval_batch_size: int = 256,
+                 verbose: bool = False, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None) -> None:
         if not callable(model_fn):
@@ -145,10 +243,25 @@ class JabasTrainer:
         self.job = job_config or JobConfig()
         if not isinstance(self.job, JobConfig):
             raise ValueError(f"job_config must be a JobConfig, got {type(self.job).__name__}")
+        if (dataset is None) == (dataset_fn is None):
+            raise ValueError("exactly one of dataset (in memory) and dataset_fn (built on each "
+                             f"actor) must be given, got dataset={type(dataset).__name__}, "
+                             f"dataset_fn={dataset_fn!r}")
+        if val_dataset is not None and val_dataset_fn is not None:
+            raise ValueError("at most one of val_dataset and val_dataset_fn may be given")
+        if optimizer_fn is not None and not callable(optimizer_fn):
+            raise ValueError(f"optimizer_fn must be callable params -> Optimizer, got {optimizer_fn!r}")
         self.model_fn = model_fn
         self.dataset = dataset
-        self.optimizer_fn = optimizer_fn or default_optimizer_fn(self.job.lr)
+        self.optimizer_fn = optimizer_fn or default_optimizer_fn(
+            self.job.lr if self.job.lr is not None else DEFAULT_LR)
         self.loss_fn = loss_fn or default_loss_fn
+        self.hooks = JobHooks(dataset_fn=dataset_fn, val_dataset_fn=val_dataset_fn, step_fn=step_fn,
+                              eval_fn=eval_fn, lr_scheduler_fn=lr_scheduler_fn,
+                              lr_scheduler_interval=lr_scheduler_interval, collate_fn=collate_fn,
+                              num_data_workers=num_data_workers, prefetch_factor=prefetch_factor,
+                              eval_batch_size=eval_batch_size,
+                              log_level="INFO" if verbose else "WARNING")
         self.cluster = cluster
         self.run_config = run_config or RunConfig()
         self.val_dataset = val_dataset
@@ -166,19 +279,40 @@ class JabasTrainer:
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
+        probe = self.probe()
         run_dir = self.run_config.path
         run_dir.mkdir(parents=True, exist_ok=True)
         self.driver = JabasDriver(self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn,
                                   self.job, cluster, run_dir, val_dataset=self.val_dataset,
                                   perf_model=self.perf_model, profiles=self.profiles,
                                   options=opts, callbacks=self.callbacks,
-                                  background=self.background)
+                                  background=self.background, hooks=self.hooks,
+                                  dataset_size=probe.dataset_size,
+                                  profile_data=probe.profile_rows)
         history = self.driver.run()
         metrics_path = save_metrics(history, run_dir / "metrics.json")
         plot_path = None
         if history.epochs:
-            plot_path = plot_history(history, run_dir / "trajectory.png")
-        last = history.epochs[-1].to_dict() if history.epochs else {}
-        return Result(metrics=last, history=history,
-                      checkpoint=self.driver.last_checkpoint or latest_checkpoint(run_dir),
-                      path=run_dir, metrics_path=metrics_path, plot_path=plot_path)
+            try:
+                plot_path = plot_history(history, run_dir / "trajectory.png")
+            except Exception as e:  # noqa: BLE001 - a plot must not fail the run
+                log.warning("could not write the plot: %s", e)
+        cp = self.driver.last_checkpoint or latest_checkpoint(run_dir)
+        return Result(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
+                      checkpoint=export_checkpoint(cp, run_dir) if cp is not None else None,
+                      path=str(run_dir), metrics_path=metrics_path, plot_path=plot_path,
+                      run_checkpoint=cp)
+
+    def probe(self) -> ProbeReport:
+        """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and
+        that ``JobConfig.lr``, when given, is the optimizer's LR. One-line ValueError."""
+        need_rows = (self.dataset is None and self.perf_model is None and self.profiles is None)
+        report = run_probe(self.model_fn, self.optimizer_fn, self.loss_fn, self.hooks,
+                           self.dataset, self.val_dataset, self.job.precision, need_rows)
+        if self.job.lr is not None and not math.isclose(report.optimizer_lr, self.job.lr,
+                                                        rel_tol=1e-12):
+            raise ValueError(f"lr: JobConfig.lr = {self.job.lr} disagrees with the LR of the "
+                             f"optimizer optimizer_fn builds ({report.optimizer_lr}); the "
+                             f"optimizer's LR is the LR at initial_global_batch - drop "
+                             f"JobConfig.lr or make them equal")
+        return report

@@ -6,10 +6,10 @@ functions, scikit-learn/statsmodels only when a forecaster is fitted.
 """
 from .batch_rule import AdaptiveBatchController, AdaptiveBatchState, next_global_batch
 from .forecast import FORECAST_METHODS, GBSForecaster
-from .lr_scaling import scaled_lr
+from .lr_scaling import lr_factor, scaled_lr
 from .similarity import cosine_similarity, group_similarity
 
 __all__ = [
     "AdaptiveBatchController", "AdaptiveBatchState", "FORECAST_METHODS", "GBSForecaster",
-    "cosine_similarity", "group_similarity", "next_global_batch", "scaled_lr",
+    "cosine_similarity", "group_similarity", "lr_factor", "next_global_batch", "scaled_lr",
 ]

@@ -14,6 +14,12 @@ epoch and writes ``metrics.json`` and ``trajectory.png`` into ``<storage-path>/<
 * ``optimizer_fn(params)`` -> ``torch.optim.Optimizer`` (optional; default SGD momentum 0.9),
 * ``loss_fn(outputs, targets)`` -> mean loss (optional; default cross-entropy).
 
+Instead of ``dataset()``/``val_dataset()`` a script may define ``dataset_fn()``/``val_dataset_fn()``:
+they build the datasets on every GPU actor (files on local or shared disk; read by a DataLoader).
+Optional hooks, as for ``JabasTrainer``: ``step_fn(model, batch)``, ``eval_fn(model, batches)``,
+``lr_scheduler_fn(optimizer)``, ``collate_fn(samples)``, and the values ``lr_scheduler_interval``
+("iteration" | "epoch") and ``num_data_workers``.
+
 Every :class:`jabasray.config.JobConfig` field is an option (``--epochs``, ``--initial-global-batch``,
 ``--adaptive/--no-adaptive`` ...).
 """
@@ -115,10 +121,20 @@ def load_script(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise ValueError(f"script {path} does not exist")
     ns = runpy.run_path(str(p), run_name="jabasray_user_script")
-    for required in ("model_fn", "dataset"):
-        if not callable(ns.get(required)):
-            raise ValueError(f"script {path} must define {required}() (see `jabasray train --help`)")
+    if not callable(ns.get("model_fn")):
+        raise ValueError(f"script {path} must define model_fn() (see `jabasray train --help`)")
+    if not (callable(ns.get("dataset")) or callable(ns.get("dataset_fn"))):
+        raise ValueError(f"script {path} must define dataset() or dataset_fn() (see `jabasray train --help`)")
     return ns
+
+
+SCRIPT_HOOKS = ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn",
+                "lr_scheduler_interval", "collate_fn", "num_data_workers")
+
+
+def script_hooks(ns: dict[str, Any]) -> dict[str, Any]:
+    """The optional JabasTrainer hooks a script defines (module docstring), as keyword arguments."""
+    return {k: ns[k] for k in SCRIPT_HOOKS if ns.get(k) is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,13 +153,15 @@ def run(args: argparse.Namespace) -> int:
                          f"it or choose another --name")
     if args.script:
         ns = load_script(args.script)
-        model_fn, train = ns["model_fn"], ns["dataset"]()
-        val = ns["val_dataset"]() if callable(ns.get("val_dataset")) else None
+        hooks = script_hooks(ns)
+        model_fn = ns["model_fn"]
+        train = ns["dataset"]() if "dataset_fn" not in hooks else None
+        val = ns["val_dataset"]() if callable(ns.get("val_dataset")) and "val_dataset_fn" not in hooks else None
         optimizer_fn, loss_fn = ns.get("optimizer_fn"), ns.get("loss_fn")
     else:
         from ..data import load_digits_split
         from ..models import DigitsCNN
-        model_fn, optimizer_fn, loss_fn = DigitsCNN, None, None
+        model_fn, optimizer_fn, loss_fn, hooks = DigitsCNN, None, None, {}
         train, val = load_digits_split(seed=job.seed)
     emulate = args.device == "cpu"
     if args.cluster == "ray":
@@ -155,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
     started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus, address=args.ray_address)
-    progress = _Progress(total=job.epochs * len(train), enabled=not args.no_progress)
+    progress = _Progress(total=job.epochs * len(train) if train is not None else None,
+                         enabled=not args.no_progress)
     if not getattr(args, "verbose", False):
         # the driver's events reach the user through _Progress.on_event; its INFO log lines
         # would print every event twice (-v shows them).
@@ -164,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
                             force_replacement=args.force_replacement, reprofile=args.reprofile)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
-                           callbacks=[progress])
+                           callbacks=[progress], verbose=bool(getattr(args, "verbose", False)),
+                           **hooks)
     try:
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
@@ -197,21 +217,15 @@ class _Progress:
     # DriverCallback protocol (duck-typed to keep the import light)
     def on_interval(self, driver: Any, record: Any) -> None:
         if self.bar is not None:
-            self.bar.update(min(self.total - self.bar.n, record.samples))
+            self.bar.update(record.samples if self.total is None
+                            else min(self.total - self.bar.n, record.samples))
             self.bar.set_postfix(B_G=record.global_batch, B_L=record.local_batch,
                                  phi=f"{record.phi:.2f}" if record.phi is not None else "-",
                                  loss=f"{record.loss:.3f}")
 
     def on_epoch(self, driver: Any, record: Any) -> None:
-        alloc = ",".join(f"{k}:{v}" for k, v in record.allocation.items())
-        traj = record.trajectory
-        acc = f"{record.val_accuracy:.4f}" if record.val_accuracy is not None else "-"
-        line = (f"epoch {record.epoch + 1}: B_G {min(traj)}-{max(traj)}, allocation {alloc} "
-                f"({len(record.gpu_types)} GPUs), {record.throughput:.0f} samples/s, "
-                f"val acc {acc}, {record.time_s:.1f}s")
-        if record.prediction_error is not None:
-            line += (f", train {record.train_time_s:.1f}s vs predicted {record.predicted_train_time_s:.1f}s "
-                     f"(error {100 * record.prediction_error:+.0f}%)")
+        from ..actors.metrics import epoch_line
+        line = epoch_line(record)
         if self.bar is not None:
             self.bar.write(line, file=sys.stdout)
         else:

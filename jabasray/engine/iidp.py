@@ -50,6 +50,7 @@ main VSW (weights and buffers).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -63,6 +64,8 @@ from torch import nn
 
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
+from .loader import batch_size, to_device
+from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, supervised_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .streams import Lanes, VSWThreadPool
@@ -70,7 +73,7 @@ from .weight_sync import ShardOptimizer, resolve_weight_sync
 
 log = logging.getLogger(__name__)
 
-MicroBatch = tuple[Any, Any]
+MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
 
 
 @dataclass
@@ -95,27 +98,6 @@ class _Timings:
     comm: float = 0.0
     optim: float = 0.0
     copy: float = 0.0
-
-
-def _num_samples(x: Any) -> int:
-    """Leading dimension of a micro-batch's inputs (tensor, or first tensor of a tuple/dict)."""
-    if isinstance(x, torch.Tensor):
-        return int(x.shape[0]) if x.dim() > 0 else 1
-    if isinstance(x, (list, tuple)) and x:
-        return _num_samples(x[0])
-    if isinstance(x, dict) and x:
-        return _num_samples(next(iter(x.values())))
-    raise ValueError(f"micro_batches inputs must be a tensor (or a tuple/dict of tensors), got {type(x).__name__}")
-
-
-def _to_device(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x if x.device == device else x.to(device, non_blocking=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    return x
 
 
 class _VSW:
@@ -153,7 +135,8 @@ class IIDPWorker:
         model: the main VSW's module (used in place; moved to ``device``).
         optimizer_fn: ``optimizer_fn(params) -> torch.optim.Optimizer``, called once with the
             trainable parameters (registration order); per-parameter optimizers only for OWS.
-        loss_fn: ``loss_fn(outputs, targets)`` -> mean loss of a micro-batch.
+        loss_fn: ``loss_fn(outputs, targets)`` -> mean loss of a micro-batch (the default
+            step, :func:`~jabasray.engine.step.supervised_step`; unused with ``step_fn``).
         device: ``"cpu"`` or ``"cuda[:i]"``.
         process_group: a ``torch.distributed`` group over the devices of the job (gloo on CPU,
             NCCL on CUDA), or ``None`` for a single device.
@@ -173,15 +156,33 @@ class IIDPWorker:
             entered on the VSW thread that launches bucket 0 and exited on the caller's
             thread. ``None`` (default): nothing is called. Settable as the attribute
             ``comm_guard`` between steps.
+        step_fn: ``step_fn(model, micro_batch) -> mean loss`` (0-d tensor) instead of the
+            supervised default (dict batches, several outputs, auxiliary losses).
+        precision: ``"fp32" | "bf16" | "fp16"`` (:mod:`~jabasray.engine.step`: autocast, and a
+            GradScaler for fp16).
+        grad_clip_norm: clip the GLOBAL gradient (all-reduced and averaged, i.e. the gradient of
+            the plain large-batch step) to this L2 norm before the update (None: no clipping).
+            The norm couples all parameters, so clipping (like fp16's inf check) runs the update
+            after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
+
+    The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
+    group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
+    ``lr_factor`` (attribute, default 1) is the batch-size rule's multiplier
+    (:func:`jabasray.adaptive.lr_factor`), applied only around the optimizer step.
     """
 
     def __init__(self, model: nn.Module, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 loss_fn: Callable[[Any, Any], torch.Tensor], device: str | torch.device = "cpu",
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, device: str | torch.device = "cpu",
                  process_group: Any = None, weight_sync: str = "auto",
                  bucket_plan: BucketPlan | None = None, bucket_cap_mb: float = 25.0,
                  flat_grads: bool | None = None,
-                 comm_guard: Callable[[str], ContextManager[Any]] | None = None) -> None:
+                 comm_guard: Callable[[str], ContextManager[Any]] | None = None,
+                 step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+                 precision: str = "fp32", grad_clip_norm: float | None = None) -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("precision", precision, PRECISIONS)
+        if grad_clip_norm is not None:
+            check_float("grad_clip_norm", grad_clip_norm, min_value=0, min_exclusive=True)
         if comm_guard is not None and not callable(comm_guard):
             raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
                              f"got {comm_guard!r}")
@@ -195,7 +196,9 @@ class IIDPWorker:
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not callable(optimizer_fn):
             raise ValueError(f"optimizer_fn must be callable (params -> Optimizer), got {optimizer_fn!r}")
-        if not callable(loss_fn):
+        if step_fn is not None and not callable(step_fn):
+            raise ValueError(f"step_fn must be callable (model, batch) -> loss, got {step_fn!r}")
+        if step_fn is None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable (outputs, targets) -> loss, got {loss_fn!r}")
         try:
             self.device = torch.device(device)
@@ -205,6 +208,11 @@ class IIDPWorker:
             raise ValueError("model must have at least one parameter with requires_grad=True")
         model.to(self.device)
         self.loss_fn = loss_fn
+        self.step_fn = step_fn if step_fn is not None else supervised_step(loss_fn)
+        self.precision = precision
+        self.grad_clip_norm = grad_clip_norm
+        self.lr_factor = 1.0
+        self._scaler = make_grad_scaler(self.device, precision)
         self.process_group = process_group
         # NCCL needs device tensors; gloo takes CPU tensors
         self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
@@ -216,6 +224,11 @@ class IIDPWorker:
         self.weight_sync = weight_sync
         nbytes = bucket_nbytes(self._specs)
         self._method = resolve_weight_sync(weight_sync, nbytes, bucket_cap_mb)
+        if self._method == "ows" and (grad_clip_norm is not None or self._scaler is not None):
+            # the global norm / inf check needs every bucket before any update
+            log.info("IIDP: SWS instead of OWS (grad_clip_norm or fp16 loss scaling needs the "
+                     "whole gradient before the update)")
+            self._method = "sws"
         log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(self._specs),
                  nbytes, self._method, weight_sync)
 
@@ -343,6 +356,10 @@ class IIDPWorker:
     def get_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def effective_lr(self) -> float:
+        """The LR of the first param group in the next update: ``lr * lr_factor``."""
+        return self.get_lr() * self.lr_factor
+
     # ------------------------------------------------------------------ hooks & launching
     def _make_hook(self, vsw: _VSW, bucket: int, k: int) -> Callable[[torch.Tensor], None]:
         buffers = vsw.buffers
@@ -427,16 +444,17 @@ class IIDPWorker:
         if self._local_batch_size is None:
             raise ValueError("configure(num_vsw, num_ga, local_batch_size) must be called before train_step")
         if not isinstance(micro_batches, (list, tuple)):
-            raise ValueError(f"micro_batches must be a list of (inputs, targets) pairs, got {type(micro_batches).__name__}")
+            raise ValueError(f"micro_batches must be a list of batches, got {type(micro_batches).__name__}")
         want = self.num_workers
         if len(micro_batches) != want:
             raise ValueError(f"micro_batches must hold num_vsw*(num_ga+1) = {self._num_vsw}*({self._num_ga}+1) "
-                             f"= {want} (inputs, targets) pairs, got {len(micro_batches)}")
+                             f"= {want} batches, got {len(micro_batches)}")
         sizes = []
         for i, mb in enumerate(micro_batches):
-            if not isinstance(mb, (list, tuple)) or len(mb) != 2:
-                raise ValueError(f"micro_batches[{i}] must be an (inputs, targets) pair, got {type(mb).__name__}")
-            n = _num_samples(mb[0])
+            try:
+                n = batch_size(mb)
+            except ValueError as e:
+                raise ValueError(f"micro_batches[{i}]: {e}") from None
             if ragged:
                 if not 0 <= n <= self._local_batch_size:
                     raise ValueError(f"micro_batches[{i}] must hold between 0 and local_batch_size = "
@@ -552,13 +570,14 @@ class IIDPWorker:
         """Forward + backward of VSW ``vsw``'s non-empty micro-batches ``idx`` (GA steps);
         the hooks count bucket completion during the last one."""
         for k, i in enumerate(idx):
-            x, y = micro_batches[i]
-            x, y = _to_device(x, self.device), _to_device(y, self.device)
+            batch = to_device(micro_batches[i], self.device)
             vsw.counting = k == len(idx) - 1
-            loss = self.loss_fn(vsw.module(x), y)
+            with autocast(self.device, self.precision):
+                loss = check_loss(self.step_fn(vsw.module, batch))
             w = weights[i]
             loss_sum += loss.detach().double() * w
-            (loss if w == 1.0 else loss * w).backward()
+            scaled = loss if w == 1.0 else loss * w
+            (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
 
     def _update(self, divisor: float) -> "_Timings":
         """Wait for the all-reduces, average, update and copy (SWS or OWS); runs on the
@@ -571,13 +590,14 @@ class IIDPWorker:
         clock = self._clock
         buckets = range(len(self._specs))
         if self._method == "ows":
-            for b in buckets:
+            for b in buckets:   # (OWS never runs with clipping / a GradScaler: see __init__)
                 t0 = clock()
                 self._wait_bucket(b)
                 t1 = clock()
                 if scale != 1.0:
                     main.scale_bucket(b, scale)
-                self._shard.step_shard(b)
+                with self._scaled_lr():
+                    self._shard.step_shard(b)
                 t2 = clock()
                 for o in others:
                     o.copy_params_from(main, b)
@@ -593,13 +613,46 @@ class IIDPWorker:
             if scale != 1.0:
                 for b in buckets:
                     main.scale_bucket(b, scale)
-            self._shard.step()
+            self._full_step()
             t2 = clock()
             for o in others:
                 o.copy_params_from(main)
             t3 = clock()
             tm.comm, tm.optim, tm.copy = t1 - t0, t2 - t1, t3 - t2
         return tm
+
+    def _full_step(self) -> None:
+        """SWS update of the averaged gradient: fp16 unscale, global-norm clip, optimizer step
+        at ``lr * lr_factor`` (skipped by the GradScaler on inf/NaN), scale update."""
+        opt, scaler = self.optimizer, self._scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if self.grad_clip_norm is not None:
+            params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+        with self._scaled_lr():
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                self._shard.step()
+
+    @contextlib.contextmanager
+    def _scaled_lr(self):
+        """Param groups' LR times ``lr_factor`` for the duration of an optimizer step."""
+        f = self.lr_factor
+        if f == 1.0:
+            yield
+            return
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr * f
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
 
     def _clock(self) -> float:
         if self.sync_timing:
@@ -617,6 +670,7 @@ class IIDPWorker:
             "config": {"num_vsw": self._num_vsw, "num_ga": self._num_ga,
                        "local_batch_size": self._local_batch_size},
             "weight_sync": self._method,
+            **({"grad_scaler": self._scaler.state_dict()} if self._scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -627,6 +681,8 @@ class IIDPWorker:
                              f"(from IIDPWorker.state_dict()), got {type(state).__name__}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self._scaler is not None and state.get("grad_scaler"):
+            self._scaler.load_state_dict(state["grad_scaler"])
         cfg = state["config"]
         if cfg.get("local_batch_size") is not None:
             self.configure(cfg["num_vsw"], cfg["num_ga"], cfg["local_batch_size"])

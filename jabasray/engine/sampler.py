@@ -23,9 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import default_collate
-
 from ..validation import check_int
 
 
@@ -118,21 +115,8 @@ class IIDPSampler:
         return -(-(self.dataset_size - cursor) // full)
 
 
-def gather_micro_batches(dataset: Any, indices: Sequence[np.ndarray]) -> list[tuple[Any, Any]]:
-    """``[(inputs, targets), ...]`` for each index array: direct tensor indexing for a
-    ``TensorDataset`` of (inputs, targets), else ``default_collate`` over the items."""
-    tensors = getattr(dataset, "tensors", None)
-    if tensors is not None and len(tensors) == 2:
-        inputs, targets = tensors
-        out = []
-        for idx in indices:
-            t = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-            out.append((inputs[t], targets[t]))
-        return out
-    out = []
-    for idx in indices:
-        if len(idx) == 0:
-            raise ValueError("gather_micro_batches: empty micro-batch needs a TensorDataset")
-        x, y = default_collate([dataset[int(i)] for i in idx])
-        out.append((x, y))
-    return out
+def gather_micro_batches(dataset: Any, indices: Sequence[np.ndarray]) -> list[Any]:
+    """One batch per index array (:func:`jabasray.engine.loader.gather_rows`: direct tensor
+    indexing for a ``TensorDataset``, else ``default_collate`` over the items)."""
+    from .loader import gather_rows
+    return [gather_rows(dataset, idx) for idx in indices]

@@ -294,6 +294,8 @@ class SMAWorker:
         sma_sync: ``"flat"`` or ``"hierarchical"`` (module notes).
     """
 
+    step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None   # (module, (x, y)) -> loss; set by the GPU actor (user's step, autocast)
+
     def __init__(self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  device: str | torch.device = "cpu", process_group: Any = None,
@@ -523,7 +525,8 @@ class SMAWorker:
                 continue
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            loss = self.loss_fn(learner.module(x), y)
+            loss = (self.step_fn(learner.module, (x, y)) if self.step_fn is not None
+                    else self.loss_fn(learner.module(x), y))
             weight = n / total if ragged else 1.0 / len(batches)
             (loss * weight).backward()
             loss_acc += loss.detach() * n

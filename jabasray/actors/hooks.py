@@ -1,0 +1,173 @@
+"""The user's job hooks beyond model/optimizer/loss, and the pre-flight probe that checks them.
+
+:class:`JobHooks` is plain data handed to every GPU actor: how the actor builds and reads its
+data (``dataset_fn``/``val_dataset_fn`` + DataLoader options), the training step, the
+evaluation, the LR scheduler. The in-memory ``dataset=`` path needs none of it.
+
+:func:`probe_job` runs ONCE before training, in a Ray task (so a ``dataset_fn``'s samples are
+never read in the driver's process): it builds the datasets, reads one tiny batch, runs the
+step (forward + backward on a fresh model) and the evaluation on it, and returns plain numbers
+- the dataset sizes the driver's plans need, the optimizer's LR - or a one-line error that
+names the hook and what it returned. A probe costs one model build and one small batch; the
+driver then never needs ``len(dataset)`` from anywhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..validation import check_choice, check_int
+
+LR_SCHEDULER_INTERVALS = ("iteration", "epoch")
+PROFILE_SAMPLES = 64       # rows the probe hands to the profiler (cycled to any batch size)
+
+
+@dataclass
+class JobHooks:
+    """User callables and data-loading options (all optional; defaults reproduce the plain
+    supervised job). Callables must be picklable (cloudpickle): they run on the actors."""
+
+    dataset_fn: Callable[[], Any] | None = None       # () -> map-style training Dataset, on each actor
+    val_dataset_fn: Callable[[], Any] | None = None   # () -> validation Dataset, on each actor
+    step_fn: Callable[[Any, Any], Any] | None = None  # (model, batch) -> scalar mean loss
+    eval_fn: Callable[[Any, Any], dict] | None = None  # (model, batches) -> {name: mean value}
+    lr_scheduler_fn: Callable[[Any], Any] | None = None  # optimizer -> torch LR scheduler
+    lr_scheduler_interval: str = "iteration"          # scheduler.step() per "iteration" | "epoch"
+    collate_fn: Callable[[list], Any] | None = None   # DataLoader collate (None: default_collate)
+    num_data_workers: int = 0                         # DataLoader worker processes per actor
+    prefetch_factor: int = 2                          # batches each DataLoader worker loads ahead
+    eval_batch_size: int = 256                        # validation batch size
+    log_level: str = "WARNING"                        # actors' jabasray log level ("INFO" with -v)
+
+    def __post_init__(self) -> None:
+        for name in ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn",
+                     "collate_fn"):
+            f = getattr(self, name)
+            if f is not None and not callable(f):
+                raise ValueError(f"{name} must be callable or None, got {f!r}")
+        check_choice("lr_scheduler_interval", self.lr_scheduler_interval, LR_SCHEDULER_INTERVALS)
+        check_int("num_data_workers", self.num_data_workers, min_value=0)
+        check_int("prefetch_factor", self.prefetch_factor, min_value=1)
+        check_int("eval_batch_size", self.eval_batch_size, min_value=1)
+        check_choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+@dataclass
+class ProbeReport:
+    """What :func:`probe_job` found (plain data)."""
+
+    dataset_size: int
+    val_size: int | None
+    optimizer_lr: float           # param_groups[0]["lr"] of the user's optimizer, as built
+    error: str | None = None      # one line; the driver raises ValueError(error)
+    profile_rows: Any = None      # up to PROFILE_SAMPLES training rows (TensorDataset) or None
+
+
+def build_dataset(dataset_fn: Callable[[], Any], hook: str = "dataset_fn") -> Any:
+    """``dataset_fn()``, checked: a non-empty map-style dataset, else a one-line ValueError
+    naming ``hook`` and what it returned."""
+    ds = dataset_fn()
+    _check_dataset(ds, hook)
+    return ds
+
+
+def build_datasets(hooks: JobHooks, dataset: Any, val_dataset: Any) -> tuple[Any, Any]:
+    """(train, val) on this process: the in-memory ones, or built by the hooks (checked)."""
+    if hooks.dataset_fn is not None:
+        train = build_dataset(hooks.dataset_fn, "dataset_fn")
+    else:
+        train = dataset
+        _check_dataset(train, "dataset")
+    if hooks.val_dataset_fn is not None:
+        return train, build_dataset(hooks.val_dataset_fn, "val_dataset_fn")
+    if val_dataset is not None:
+        _check_dataset(val_dataset, "val_dataset")
+    return train, val_dataset
+
+
+def _check_dataset(ds: Any, hook: str) -> None:
+    from ..engine.step import _short
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+        raise ValueError(f"{hook} must return a map-style Dataset (with __len__ and __getitem__), "
+                         f"got {type(ds).__name__}: {_short(ds)}")
+    if len(ds) < 1:
+        raise ValueError(f"{hook} returned an empty dataset (len 0)")
+
+
+def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | None,
+              hooks: JobHooks, dataset: Any = None, val_dataset: Any = None,
+              precision: str = "fp32", want_profile_rows: bool = False) -> ProbeReport:
+    """Build what each actor will build and run every hook once on a 2-sample batch (module
+    notes). Never raises for a bad hook: the error comes back as ``ProbeReport.error``."""
+    import torch
+
+    from ..engine.loader import batch_size, gather_rows, split_batch
+    from ..engine.step import autocast, check_loss, check_metrics, supervised_step
+    from ..engine.evaluation import default_eval_fn
+
+    try:
+        train, val = build_datasets(hooks, dataset, val_dataset)
+        rows = gather_rows(train, list(range(min(2, len(train)))), hooks.collate_fn)
+        model = model_fn()
+        opt = optimizer_fn([p for p in model.parameters() if p.requires_grad])
+        lr = float(opt.param_groups[0]["lr"])
+        if hooks.lr_scheduler_fn is not None:
+            sched = hooks.lr_scheduler_fn(opt)
+            if not (hasattr(sched, "step") and hasattr(sched, "state_dict")):
+                raise ValueError(f"lr_scheduler_fn must return a torch LR scheduler (with step() "
+                                 f"and state_dict()), got {type(sched).__name__}")
+        step = hooks.step_fn or supervised_step(loss_fn)
+        hook = "step_fn" if hooks.step_fn is not None else "loss_fn"
+        device = torch.device("cpu")
+        with autocast(device, precision):
+            loss = check_loss(step(model, rows), hook)
+        loss.backward()
+        if val is not None:
+            vrows = gather_rows(val, list(range(min(2, len(val)))), hooks.collate_fn)
+            eval_fn = hooks.eval_fn or default_eval_fn(loss_fn)
+            model.eval()
+            with torch.no_grad(), autocast(device, precision):
+                check_metrics(eval_fn(model, iter(split_batch(vrows, [batch_size(vrows)]))),
+                              "eval_fn" if hooks.eval_fn is not None else "the default eval_fn")
+        profile_rows = None
+        if want_profile_rows:
+            profile_rows = _profile_rows(train, hooks.collate_fn)
+        return ProbeReport(len(train), len(val) if val is not None else None, lr,
+                           profile_rows=profile_rows)
+    except Exception as e:  # noqa: BLE001 - reported as one line to the driver
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not isinstance(e, ValueError):
+            msg = f"{type(e).__name__}: {msg}"
+        return ProbeReport(0, None, 0.0, error=msg)
+
+
+def _profile_rows(train: Any, collate_fn: Callable | None) -> Any:
+    """Up to PROFILE_SAMPLES (inputs, targets) rows as a TensorDataset (the profiler cycles
+    them), or None when the batches are not (inputs, targets) tensor pairs."""
+    import torch
+
+    from ..engine.loader import gather_rows
+    rows = gather_rows(train, list(range(min(PROFILE_SAMPLES, len(train)))), collate_fn)
+    if (isinstance(rows, (list, tuple)) and len(rows) == 2
+            and all(isinstance(t, torch.Tensor) for t in rows)):
+        return torch.utils.data.TensorDataset(*rows)
+    return None
+
+
+def run_probe(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | None,
+              hooks: JobHooks, dataset: Any = None, val_dataset: Any = None,
+              precision: str = "fp32", want_profile_rows: bool = False) -> ProbeReport:
+    """:func:`probe_job` in a Ray task (no GPU, a small CPU share) when the job builds its data
+    with ``dataset_fn``/``val_dataset_fn``; in this process otherwise (the in-memory datasets
+    are here anyway). Raises the probe's one-line ValueError."""
+    if hooks.dataset_fn is not None or hooks.val_dataset_fn is not None:
+        import ray
+        task = ray.remote(num_cpus=0.01, max_retries=0)(probe_job)
+        report = ray.get(task.remote(model_fn, optimizer_fn, loss_fn, hooks, dataset, val_dataset,
+                                     precision, want_profile_rows))
+    else:
+        report = probe_job(model_fn, optimizer_fn, loss_fn, hooks, dataset, val_dataset,
+                           precision, want_profile_rows)
+    if report.error:
+        raise ValueError(report.error)
+    return report
