@@ -632,6 +632,23 @@ def start_remote_driver(*args: Any, **kwargs: Any) -> Any:
     return ray.remote(num_cpus=0)(JabasDriver).remote(*args, **kwargs)
 
 
+def _check_burst_job(dataset: Any, hooks: Any, job: JobConfig) -> None:
+    """Burst mode runs the planner's layer graph with the default supervised step on an
+    in-memory dataset (the executor shards (inputs, targets) rows per layer); anything else
+    fails here, before any actor starts."""
+    unsupported = [name for name in ("dataset_fn", "step_fn", "lr_scheduler_fn")
+                   if hooks is not None and getattr(hooks, name) is not None]
+    if dataset is None and "dataset_fn" not in unsupported:
+        unsupported.append("dataset_fn")
+    if job.precision != "fp32":
+        unsupported.append(f"precision={job.precision!r}")
+    if job.grad_clip_norm is not None:
+        unsupported.append("grad_clip_norm")
+    if unsupported:
+        raise ValueError(f"parallelism='burst' supports an in-memory dataset=, the default "
+                         f"supervised step, fp32 and no clipping; got {', '.join(unsupported)}")
+
+
 def _ray_cpus() -> float | None:
     """CPUs of the running Ray cluster (None without Ray)."""
     import ray
