@@ -401,7 +401,7 @@ class JabasDriver:
             self.last_checkpoint = save_checkpoint(self.run_dir, replace(
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
-        predicted = self._predict_epoch(state.forecast)
+        predicted = None if self._burst else self._predict_epoch(state.forecast)   # burst: no IIDP model
         tally, cursor, interval = _EpochTally(), 0, 0
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
