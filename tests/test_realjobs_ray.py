@@ -166,7 +166,8 @@ def test_sma_learners_run_the_users_step_fn(tmp_path):
                      run_config=RunConfig(str(tmp_path), "a"), **common).fit()
     b = JabasTrainer(model_fn, ds, optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.025),
                      step_fn=double_step, run_config=RunConfig(str(tmp_path), "b"), **common).fit()
-    za, zb = (r.run_checkpoint.load_worker_state()["z"] for r in (a, b))
+    # SMA checkpoints hold every rank's state (actors/sma_state.py); z is the same on every rank
+    za, zb = (r.run_checkpoint.load_worker_state()["sma_ranks"][0]["z"] for r in (a, b))
     for k in za:
         torch.testing.assert_close(za[k], zb[k], rtol=1e-5, atol=1e-6)
     torch.manual_seed(2)
