@@ -44,9 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jabasray {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:   # file-system problems (no permission, disk full ...): one line
+        print(f"jabasray {args.command}: error: {os_error_text(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"jabasray {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def os_error_text(e: OSError) -> str:
+    """``<path>: <reason>`` of an OSError (no ``[Errno N]`` noise)."""
+    reason = e.strerror or str(e)
+    return f"{e.filename}: {reason}" if e.filename else reason
 
 
 if __name__ == "__main__":
