@@ -9,13 +9,22 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 
 # name -> module under jabasray.commands; modules are imported only when present.
 SUBCOMMANDS = ("train", "plan", "profile", "tune")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``jabasray <command>: error: ...``, exit 2); sub-command
+    parsers inherit it. ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jabasray",
         description="Adaptive batching, auto-scaling and packed training on heterogeneous GPUs (Ray + PyTorch).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")

@@ -105,7 +105,7 @@ class JobConfig(JsonMixin):
         iteration's B_G samples are drawn without repetition from one epoch, so B_G can never be
         larger than the dataset (and the solver's work grows with B_G; this keeps it bounded)."""
         check_int("dataset size", num_samples, min_value=1)
-        for name in ("initial_global_batch", "min_global_batch", "max_global_batch"):
+        for name in ("min_global_batch", "initial_global_batch", "max_global_batch"):
             value = getattr(self, name)
             if value > num_samples:
                 raise ValueError(f"{name} must be <= the training set size ({num_samples} samples), "

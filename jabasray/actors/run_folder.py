@@ -137,6 +137,7 @@ class RunLock:
         host = socket.gethostname()
         for _ in range(10):   # the file can be replaced between open and flock: retry
             try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as e:
                 raise ValueError(f"cannot create the run lock {self.path}: {_reason(e)}") from None

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import math
 import runpy
 import sys
 import typing
@@ -96,7 +97,15 @@ def _parser_for(tp: Any, name: str) -> Any:
         try:
             return tp(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {tp.__name__}, got {text!r}") from None
+            pass
+        if tp is int:   # "1e8": an integer written in float notation
+            try:
+                f = float(text)
+            except ValueError:
+                f = math.nan
+            if math.isfinite(f) and f.is_integer():
+                return int(f)
+        raise argparse.ArgumentTypeError(f"{name} must be {tp.__name__}, got {text!r}")
     return parse
 
 
@@ -149,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     from ..actors.trainer import JabasTrainer, ensure_ray
 
     job = job_config_from_args(args, embedded=args.script is None)
-    name = args.name or datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
+    name = args.name if args.name is not None else datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
     run_config = RunConfig(storage_path=args.storage_path, name=name)
     check_run_folder(run_config.path, args.resume)
     if args.script:
@@ -194,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
               flush=True)
+        progress.start()
         result = trainer.fit()
     finally:
         lock.release()
@@ -242,9 +252,12 @@ class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled = total, enabled
         self.bar = None
-        if enabled:
+
+    def start(self) -> None:
+        """Show the bar (once the run has passed its checks)."""
+        if self.enabled and self.bar is None:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(total=self.total, unit="sample", file=sys.stderr, dynamic_ncols=True,
                             leave=False)
 
     # DriverCallback protocol (duck-typed to keep the import light)
