@@ -24,7 +24,7 @@ from pathlib import Path
 from common import write_json
 from jabasray.planners.config_solver import solve_configuration, solve_configuration_reference
 from jabasray.planners.perf_model import PerfModel
-from jabasray.profiler.profile import synthetic_profile
+from jabasray.profiles import synthetic_profile
 
 
 def build(gpus: int, batches: int, min_bl: int) -> tuple[PerfModel, list[str]]:

@@ -148,9 +148,10 @@ class ClusterSpec(JsonMixin):
         return cls(nodes=nodes)
 
     @classmethod
-    def from_ray(cls, nodes: list[dict] | None = None, speeds: dict[str, float] | None = None,
+    def from_ray(cls, nodes: list[dict], speeds: dict[str, float] | None = None,
                  memory_gb: dict[str, float] | None = None) -> "ClusterSpec":
-        """Build the spec from a running Ray cluster (``ray.nodes()``, or ``nodes`` in that format).
+        """Build the spec from Ray's node records (``nodes`` in the format of ``ray.nodes()``;
+        pure: the live call is :func:`jabasray.actors.placement.ray_cluster_spec`).
 
         One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``. GPU types
         come, in this order of precedence, from custom resources ``gpu_<type>`` (emulated or
@@ -160,12 +161,8 @@ class ClusterSpec(JsonMixin):
         without GPUs are skipped. ``speeds``/``memory_gb`` map GPU type -> NodeSpec field.
         Odd GPU counts are kept; ``validated_pairs`` checks them.
         """
-        if nodes is None:
-            import ray  # only here: types.py stays importable without ray
-            if not ray.is_initialized():
-                raise ValueError("ClusterSpec.from_ray needs a running Ray (call ray.init() first) "
-                                 "or an explicit nodes list")
-            nodes = ray.nodes()
+        if isinstance(nodes, (str, bytes, dict)) or not isinstance(nodes, (list, tuple)):
+            raise ValueError(f"nodes must be a list of ray.nodes() records, got {type(nodes).__name__}")
         speeds = speeds or {}
         memory_gb = memory_gb or {}
         specs: list[NodeSpec] = []

@@ -177,12 +177,25 @@ def test_driver_options_validation():
         DriverOptions(failure_grace_s=0)
 
 
+class _LocalBatchCap:
+    """An iteration-time model whose max B_L is capped (restricts Alg. 1 to one B_L)."""
+
+    def __init__(self, model, cap):
+        self._model, self._cap = model, cap
+
+    def max_local_batch(self, gpu):
+        return min(int(self._model.max_local_batch(gpu)), self._cap)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 @pytest.mark.parametrize("bg, pairs", [(64, 1), (70, 1), (77, 2), (200, 2), (96, 3)])
 def test_plan_stays_near_requested_batch(bg, pairs):
     """The driver's plan = the fastest per-B_L Alg. 1 plan with |B_G* - B_G| <= alpha/2 * B_G,
     else the closest B_G*; checked against solving every B_L separately (no Ray needed)."""
     from actors_helpers import perf_model
-    from jabasray.actors.driver import JabasDriver, _LocalBatchCap
+    from jabasray.actors.driver import JabasDriver
     from jabasray.config import JobConfig
     from jabasray.planners.config_solver import solve_configuration
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from jabasray.planners import autoscale as asc
-from jabasray.planners import solve_configuration
+from jabasray.planners import NoPlanError, solve_for_batch
 from jabasray.planners.autoscale import (Allocation, AutoscaleDecision, choose_allocation,
                                          enumerate_allocations, epoch_time)
 from jabasray.planners.perf_model import PerfModel
@@ -57,11 +57,11 @@ def test_epoch_time_bookkeeping_and_memo(monkeypatch):
     time = 3 t(64) + 7 t(128)."""
     m = model().for_allocation(2, False)
     calls = []
-    real = asc.solve_configuration_detailed
-    monkeypatch.setattr(asc, "solve_configuration_detailed",
+    real = asc.solve_for_batch
+    monkeypatch.setattr(asc, "solve_for_batch",
                         lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     est = epoch_time(["gA"], m, [64, 128], 1000, 3, 8)
-    p64, p128 = solve_configuration(64, ["gA"], m, 8), solve_configuration(128, ["gA"], m, 8)
+    p64, p128 = solve_for_batch(64, ["gA"], m, 8), solve_for_batch(128, ["gA"], m, 8)
     assert p64.global_batch_size == 64 and p128.global_batch_size == 128
     assert est.iterations == 10
     assert est.epoch_time == pytest.approx(3 * p64.iteration_time + 7 * p128.iteration_time)
@@ -75,15 +75,26 @@ def test_epoch_time_bookkeeping_and_memo(monkeypatch):
     assert bad.epoch_time is None and "too small" in bad.reason
 
 
+def _policy_plan(bg, gpus, m, mbl):
+    """The driver's plan for B_G, or None where the auto-scaler counts the group infeasible
+    (no plan, or B_G below what the group runs: the policy would raise it to the floor)."""
+    try:
+        plan = solve_for_batch(bg, gpus, m, mbl)
+    except NoPlanError:
+        return None
+    return plan if plan.requested_global_batch_size == bg else None
+
+
 def brute_force(cl, m, traj, n, p, mbl):
-    """Epoch time and cost of every allocation, computed without memo or the chooser."""
+    """Epoch time and cost of every allocation, computed without memo or the chooser, on the
+    plans the driver runs (the plan policy)."""
     out = []
     for a in enumerate_allocations(cl):
         mm = m.for_allocation(a.num_gpus, a.multi_node)
         remaining, t, c = n, 0.0, 0
         ok = True
         while remaining > 0:
-            plan = solve_configuration(traj[min(c, len(traj) - 1)], a.group_gpus(cl), mm, mbl)
+            plan = _policy_plan(traj[min(c, len(traj) - 1)], a.group_gpus(cl), mm, mbl)
             if plan is None:
                 ok = False
                 break

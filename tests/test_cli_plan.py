@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from jabasray import cli
-from jabasray.planners import PerfModel, solve_configuration
+from jabasray.planners import PerfModel, solve_for_batch
+from jabasray.planners.config_solver import solve_local_batch
 from jabasray.profiler.profile import load_profiles, save_profiles, synthetic_profile
 from jabasray.types import Plan
 
@@ -34,14 +35,15 @@ def run(argv, capsys):
     return rc, out, err
 
 
-def test_plan_table_and_json_agree_with_solver(files, capsys):
+def test_plan_table_and_json_agree_with_the_plan_policy(files, capsys):
+    """`jabasray plan` prints the plan policy's plan (what the driver runs), not plain Alg. 1."""
     args = ["plan", "--cluster", str(files / "cluster.yaml"), "--profile", str(files / "profiles.json"),
             "--global-batch", "512"]
     rc, out, err = run(args, capsys)
     assert rc == 0, err
     profiles = load_profiles([files / "profiles.json"])
     model = PerfModel(profiles).for_allocation(6, True)
-    want = solve_configuration(512, ["fast", "fast", "slow"], model, 8)
+    want = solve_for_batch(512, ["fast", "fast", "slow"], model, 8, tolerance=0.05)
     assert f"used {want.global_batch_size}" in out and f"B_L {want.local_batch_size}" in out
     rows = [line.split() for line in out.splitlines() if line.startswith(("n1 ", "n2 "))]
     assert [(r[1], int(r[2]), int(r[3])) for r in rows] == [tuple(w) for w in want.workers]
@@ -68,7 +70,9 @@ def test_plan_auto_allocation_and_emulate(files, capsys):
 
 @pytest.mark.parametrize("extra, message", [
     (["--global-batch", "0"], "global_batch must be an integer >= 1, got 0"),
-    (["--global-batch", "8"], "too small for 3 GPUs per group"),
+    (["--global-batch", "99999999999"], "global_batch: 99999999999 is too large for 3 GPU pair(s)"),
+    (["--global-batch", "100000000"], "global_batch: 100000000 is too large for 3 GPU pair(s)"),
+    (["--global-batch", "512", "--tolerance", "-1"], "tolerance must be"),
     (["--global-batch", "512", "--allocation", "n9=1"], "allocation must be"),
     (["--global-batch", "512", "--allocation", "n2=2"], r"node_pairs[n2] must be <= 1"),
     (["--global-batch", "512", "--min-local-batch", "0"], "min_local_batch must be"),
@@ -131,17 +135,33 @@ def test_profile_command_writes_emulated_profiles(tmp_path, capsys):
     assert rc == 2 and "model_script" in err
 
 
-def test_plan_max_deviation(files, capsys):
+def test_plan_tolerance(files, capsys):
+    """--tolerance is the policy's: 0 keeps B_G* = B_G when some B_L gives it exactly (192 =
+    2 * 8 * 12 on 3 pairs); 200 has no exact B_G* (B_G* = 2 B_L M, B_L a multiple of 8: 192 or
+    208 at best), so the closest wins. Both equal solve_for_batch with that tolerance, the driver's function."""
     base = ["plan", "--cluster", str(files / "cluster.yaml"), "--profile", str(files / "profiles.json"),
             "--json", "--global-batch"]
-    rc, out, err = run(base + ["192", "--max-deviation", "0"], capsys)
+    model = PerfModel(load_profiles([files / "profiles.json"])).for_allocation(6, True)
+    for bg in (192, 200):
+        rc, out, err = run(base + [str(bg), "--tolerance", "0"], capsys)
+        assert rc == 0, err
+        got = Plan.from_dict(json.loads(out)["plan"])
+        assert got == solve_for_batch(bg, ["fast", "fast", "slow"], model, 8, tolerance=0.0)
+        if bg == 192:
+            assert got.global_batch_size == 192
+        else:   # the closest B_G* any B_L reaches
+            per_bl = [p for bl in (8, 16, 24, 32)
+                      if (p := solve_local_batch(bg, ["fast", "fast", "slow"], model, bl)[0])]
+            assert abs(got.global_batch_size - bg) == min(abs(p.global_batch_size - bg) for p in per_bl)
+
+
+def test_plan_below_the_floor_runs_the_floor(files, capsys):
+    """B_G 8 on 3 pairs (min B_L 8): the driver runs the smallest B_G the GPUs can (2*3*8 = 48);
+    the CLI says so instead of failing."""
+    rc, out, err = run(["plan", "--cluster", str(files / "cluster.yaml"), "--profile",
+                        str(files / "profiles.json"), "--global-batch", "8"], capsys)
     assert rc == 0, err
-    assert json.loads(out)["plan"]["global_batch_size"] == 192
-    # 200 = 2 * B_L * M has no solution with B_L a multiple of 8 and 3 GPUs: reason printed
-    rc, out, err = run(base + ["200", "--max-deviation", "0"], capsys)
-    assert rc == 2 and "B_L=8: skipped: B_G*=208 deviates" in err and err.count("\n") == 1
-    rc, out, err = run(base + ["192", "--max-deviation", "-0.5"], capsys)
-    assert rc == 2 and "max_deviation must be" in err
+    assert "used 48" in out and "below the smallest global batch" in out
 
 
 def test_profile_command_with_model_script(tmp_path, capsys):

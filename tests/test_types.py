@@ -65,7 +65,8 @@ def test_from_ray_with_fake_nodes():
 
 @pytest.mark.ray
 def test_from_ray_live(ray_session):
-    cl = ClusterSpec.from_ray()
+    from jabasray.actors.placement import ray_cluster_spec
+    cl = ray_cluster_spec()
     assert sorted(n.gpu_type for n in cl.nodes) == ["a", "b", "fast", "slow"]
     assert all(n.num_gpus == 8 for n in cl.nodes)
     assert json.loads(cl.to_json())["nodes"][0]["num_gpus"] == 8

@@ -48,6 +48,16 @@ class Slot(JsonMixin):
         return (self.node, self.local_pair)
 
 
+def ray_cluster_spec(speeds: dict[str, float] | None = None,
+                     memory_gb: dict[str, float] | None = None) -> ClusterSpec:
+    """The running Ray cluster as a ClusterSpec: ``ClusterSpec.from_ray(ray.nodes(), ...)``."""
+    import ray
+    if not ray.is_initialized():
+        raise ValueError("the cluster is detected from a running Ray: call ray.init() first "
+                         "or pass a ClusterSpec")
+    return ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb)
+
+
 def normalize_allocation(cluster: ClusterSpec, allocation: dict[str, int]) -> dict[str, int]:
     """Validate ``{node name: number of GPU pairs}`` against ``cluster``; drop zero entries."""
     out: dict[str, int] = {}

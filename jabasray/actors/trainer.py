@@ -114,7 +114,8 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
 
 def detect_cluster() -> ClusterSpec:
     """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``); odd GPUs are left out."""
-    return ClusterSpec.from_ray().validated_pairs(drop_odd_gpu=True)
+    from .placement import ray_cluster_spec
+    return ray_cluster_spec().validated_pairs(drop_odd_gpu=True)
 
 
 class JabasTrainer:

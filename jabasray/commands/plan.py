@@ -10,15 +10,16 @@ from typing import Any
 
 from ..config import WEIGHT_SYNC_METHODS
 from ..planners.autoscale import OBJECTIVES, Allocation, choose_allocation
-from ..planners.config_solver import solve_configuration_detailed
+from ..planners.plan_policy import DEFAULT_TOLERANCE, solve_for_batch
 from ..planners.perf_model import PerfModel, emulated_profiles
-from ..profiler.profile import Profile, load_profiles
+from ..profiles import Profile, load_profiles
 from ..types import ClusterSpec, Plan
 from ..validation import check_float, check_int
 
 HELP = """\
 Predict the best IIDP configuration (local batch B_L, VSWs and GA steps per GPU; JABAS Alg. 1)
-for a global batch size on a cluster, from profiles made by `jabasray profile`.
+for a global batch size on a cluster, from profiles made by `jabasray profile`. The plan is the
+one the driver runs for that batch (the same policy, jabasray.planners.solve_for_batch).
 
 Profiles: --profile may be given several times, and each file may hold one profile or
 {"profiles": [...]} (as `jabasray profile --emulate ...` writes). Every GPU type of the cluster
@@ -47,9 +48,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dataset-size", type=int, default=50000, help="samples per epoch (auto-scaler)")
     p.add_argument("--adapt-interval", type=int, default=100, help="p: iterations per B_G (auto-scaler)")
     p.add_argument("--weight-sync", default="auto", choices=WEIGHT_SYNC_METHODS)
-    p.add_argument("--max-deviation", type=float, default=None,
-                   help="reject B_L whose rounded B_G* differs from --global-batch by more than this "
-                        "fraction (default: none, as in the paper's Alg. 1)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help="the plan policy's tolerance: the fastest B_L whose B_G* is within this fraction "
+                        "of --global-batch wins, else the closest B_G* (default %(default)s = alpha/2 of "
+                        "the default job; the driver uses its job's alpha/2)")
     p.add_argument("--emulate", action="store_true",
                    help="scale the first profile by each node's speed for every GPU type")
     p.add_argument("--drop-odd-gpu", action="store_true", help="leave out a node's odd GPU")
@@ -107,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("global_batch", args.global_batch, min_value=1)
     check_int("dataset_size", args.dataset_size, min_value=1)
     check_int("adapt_interval", args.adapt_interval, min_value=1)
+    check_float("tolerance", args.tolerance, min_value=0)
     if args.cost_budget is not None:
         check_float("cost_budget", args.cost_budget, min_value=0, min_exclusive=True)
     cluster = ClusterSpec.from_file(args.cluster).validated_pairs(args.drop_odd_gpu)
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.allocation == "auto":
         decision = choose_allocation(cluster, model, [args.global_batch], args.dataset_size,
                                      args.adapt_interval, min_bl, objective=args.objective,
-                                     cost_budget=args.cost_budget, max_deviation=args.max_deviation)
+                                     cost_budget=args.cost_budget, tolerance=args.tolerance)
         alloc = decision.allocation
     elif args.allocation == "all":
         alloc = Allocation({n.name: n.num_pairs for n in cluster.nodes})   # every pair
@@ -134,12 +137,10 @@ def run(args: argparse.Namespace) -> int:
     if decision is not None:   # the auto-scaler has already solved B_G on the chosen allocation
         plan = decision.plans[args.global_batch]
     else:
-        res = solve_configuration_detailed(args.global_batch, group, m, min_bl, args.max_deviation)
-        if res.plan is None:
-            raise ValueError(f"global_batch: {res.reason}")
-        plan = res.plan
+        plan = solve_for_batch(args.global_batch, group, m, min_bl, tolerance=args.tolerance)
     if args.json:
-        out = {"allocation": alloc.to_dict(), "group_gpus": group, "plan": plan.to_dict(),
+        out = {"requested_global_batch": args.global_batch,
+               "allocation": alloc.to_dict(), "group_gpus": group, "plan": plan.to_dict(),
                "throughput": plan.throughput}
         if decision is not None:
             out["autoscale"] = {"objective": decision.objective, "epoch_time": decision.epoch_time,
@@ -148,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(_table(plan, alloc, m))
+        if plan.requested_global_batch_size != args.global_batch:
+            print(f"note: global batch {args.global_batch} is below the smallest global batch these GPUs "
+                  f"run; the driver runs {plan.requested_global_batch_size}")
         if decision is not None:
             print(f"\nauto-scaler ({decision.objective}): predicted epoch {decision.epoch_time:.3f} s, "
                   f"cost {decision.cost:.4g}, {len(decision.candidates)} candidate allocations")

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..profiler.measure import profile_model
-    from ..profiler.profile import save_profiles
+    from ..profiles import save_profiles
 
     torch.set_num_threads(args.threads)
     if args.model_script:

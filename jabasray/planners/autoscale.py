@@ -13,7 +13,8 @@ Implementation notes
   (g_A, g_A), (g_B, g_B), (g_A x 4), (g_A, g_A, g_B, g_B), (g_A x 4, g_B, g_B).
 * Epoch time (``epoch_time``): the trajectory holds one global batch per p iterations. Walking
   through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
-  exhausted), the solver's plan for it (B_G* samples per iteration, predicted time t), and runs
+  exhausted), the plan policy's plan for it (``plan_policy.solve_for_batch``, the same plan
+  the driver runs) (B_G* samples per iteration, predicted time t), and runs
   min(p, ceil(remaining samples / B_G*)) iterations; the epoch time is the sum of t over all
   iterations. The epoch's last iteration may be ragged (fewer samples); it is charged a full
   iteration time (the model has no per-sample term for a partial step). Each distinct B_G is
@@ -42,7 +43,7 @@ from ..config import AUTOSCALE_OBJECTIVES
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, Plan
 from ..validation import check_choice, check_float, check_int
-from .config_solver import SolverResult, solve_configuration_detailed
+from .plan_policy import DEFAULT_TOLERANCE, NoPlanError, solve_for_batch
 
 log = logging.getLogger(__name__)
 
@@ -171,27 +172,28 @@ def _retarget(model: Any, num_gpus: int, multi_node: bool) -> Any:
 
 def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int], dataset_size: int,
                adapt_interval: int, min_local_batch: int,
-               cache: dict[int, SolverResult] | None = None,
-               max_deviation: float | None = None) -> EpochTime:
+               cache: dict[int, Plan | str] | None = None,
+               tolerance: float = DEFAULT_TOLERANCE) -> EpochTime:
     """Predicted epoch time of group H for a B_G trajectory (module notes). ``model`` must already
-    describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> solver
-    result; ``max_deviation`` is passed to the solver."""
+    describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> plan
+    (or the reason there is none). Plans come from :func:`.plan_policy.solve_for_batch` with
+    ``tolerance``: the plan the driver will run. A B_G below what the group can run (the policy
+    would raise it to its floor) makes the group infeasible here: the auto-scaler does not pick
+    an allocation that cannot run the forecast batch sizes."""
     traj = _check_trajectory(trajectory)
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
     check_int("min_local_batch", min_local_batch, min_value=1)
-    memo: dict[int, SolverResult] = {} if cache is None else cache
+    memo: dict[int, Plan | str] = {} if cache is None else cache
     plans: dict[int, Plan] = {}
     remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
     while remaining > 0:
         bg = traj[min(chunk, len(traj) - 1)]
-        res = memo.get(bg)
-        if res is None:
-            res = memo[bg] = solve_configuration_detailed(bg, list(group_gpus), model, min_local_batch,
-                                                          max_deviation)
-        plan = res.plan
+        plan = memo.get(bg)
         if plan is None:
-            return EpochTime(None, iters, plans, f"B_G={bg}: {res.reason}")
+            plan = memo[bg] = _plan_or_reason(bg, group_gpus, model, min_local_batch, tolerance)
+        if isinstance(plan, str):
+            return EpochTime(None, iters, plans, f"B_G={bg}: {plan}")
         plans[bg] = plan
         n = min(adapt_interval, math.ceil(remaining / plan.global_batch_size))
         total += n * plan.iteration_time
@@ -201,12 +203,24 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
     return EpochTime(total, iters, plans)
 
 
+def _plan_or_reason(bg: int, group_gpus: Sequence[str], model: Any, min_local_batch: int,
+                    tolerance: float) -> Plan | str:
+    try:
+        plan = solve_for_batch(bg, list(group_gpus), model, min_local_batch, tolerance=tolerance)
+    except NoPlanError as e:
+        return e.reason
+    if plan.requested_global_batch_size != bg:    # raised to the group's floor
+        return (f"global batch {bg} is too small for {len(group_gpus)} GPUs per group "
+                f"(the smallest it runs is {plan.requested_global_batch_size})")
+    return plan
+
+
 # ---------------------------------------------------------------------------- choice
 def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int], dataset_size: int,
                       adapt_interval: int, min_local_batch: int, objective: str = "time",
                       cost_budget: float | None = None, drop_odd_gpu: bool = False,
                       allocations: Sequence[Allocation] | None = None,
-                      max_deviation: float | None = None) -> AutoscaleDecision:
+                      tolerance: float = DEFAULT_TOLERANCE) -> AutoscaleDecision:
     """Evaluate every candidate allocation on the trajectory and pick one by ``objective``.
 
     Raises ValueError when no allocation can run the trajectory (the message gives the reason
@@ -223,7 +237,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_int("min_local_batch", min_local_batch, min_value=1)
     cl = cluster.validated_pairs(drop_odd_gpu)
     allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
-    memo: dict[tuple, dict[int, SolverResult]] = {}
+    memo: dict[tuple, dict[int, Plan | str]] = {}
     plans_of: dict[tuple, dict[int, Plan]] = {}
     cands: list[CandidateEstimate] = []
     for alloc in allocs:
@@ -231,7 +245,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         key = (tuple(group), alloc.num_gpus, alloc.multi_node)
         m = _retarget(model, alloc.num_gpus, alloc.multi_node)
         est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
-                         cache=memo.setdefault(key, {}), max_deviation=max_deviation)
+                         cache=memo.setdefault(key, {}), tolerance=tolerance)
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
         cands.append(CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations, est.reason))
         if est.epoch_time is not None:

@@ -28,6 +28,11 @@ Implementation notes (how this maps onto Algorithm 1)
   usually only one or two feasibility checks run per B_L. The assignment is recovered by
   backtracking through the stored reachability arrays. This is exact: the same optimum as the
   recurrence (checked against exhaustive enumeration in tests/test_config_solver.py).
+* Search bounds (ours): one GPU takes at most ``MAX_WORKERS_PER_GPU`` decoupled workers (a
+  B_L with M > N_H * MAX_WORKERS_PER_GPU is skipped: some GPU would need more), and at most
+  ``MAX_LOCAL_BATCH_CANDIDATES`` local batch sizes are searched (ValueError naming
+  min_local_batch otherwise). So the work per call is at most O(L * N_H * K log(N_H K)) with
+  K = MAX_WORKERS_PER_GPU, whatever B_G is asked (e.g. 10^11 answers "too large" at once).
 * Lines 24-25: a B_L replaces the incumbent only with strictly higher throughput (ties keep the
   smaller B_L). A B_L whose optimistic throughput B_L * M * 2 / T_lower_bound cannot beat the
   incumbent is skipped without solving (exact pruning).
@@ -54,6 +59,9 @@ from ..validation import check_float, check_int
 log = logging.getLogger(__name__)
 
 _FFT_MIN = 96  # below this length np.convolve is faster than FFT
+# Search bounds (ours, not the paper's): they make the solver's work bounded by construction.
+MAX_WORKERS_PER_GPU = 4096        # decoupled workers n_vsw * (n_GA + 1) one GPU may take
+MAX_LOCAL_BATCH_CANDIDATES = 4096  # B_L values searched (max B_L / min B_L)
 
 
 class IterationTimeModel(Protocol):
@@ -259,6 +267,68 @@ def _weight_sync_of(model: Any, gpus: Sequence[str]) -> str:
     return methods.pop() if len(methods) == 1 else "auto"
 
 
+def local_batch_candidates(min_local_batch: int, max_local_batch: int) -> range:
+    """Alg. 1 line 6: B_L = min B_L, 2 min B_L, ... <= max B_L; at most MAX_LOCAL_BATCH_CANDIDATES
+    of them (a ValueError naming min_local_batch otherwise: the search must stay bounded)."""
+    count = max(0, max_local_batch // min_local_batch)
+    if count > MAX_LOCAL_BATCH_CANDIDATES:
+        raise ValueError(f"min_local_batch must be >= {-(-max_local_batch // MAX_LOCAL_BATCH_CANDIDATES)} "
+                         f"so that at most {MAX_LOCAL_BATCH_CANDIDATES} local batch sizes up to the "
+                         f"largest one ({max_local_batch}) are searched, got {min_local_batch}")
+    return range(min_local_batch, max_local_batch + 1, min_local_batch)
+
+
+def max_global_batch(group_size: int, max_local_batch: int) -> int:
+    """The largest B_G any B_L can serve within the search bound: B_G* = 2 B_L M with
+    M <= N_H * MAX_WORKERS_PER_GPU at the largest B_L."""
+    return 2 * max_local_batch * group_size * MAX_WORKERS_PER_GPU
+
+
+def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, local_batch: int,
+                      incumbent: float | None = None) -> tuple[Plan | None, LocalBatchOutcome]:
+    """Alg. 1 lines 8-23 for ONE local batch size: the optimal (n_vsw, n_GA) per GPU of the group
+    at this B_L, or None with the reason in the outcome. ``incumbent``: a throughput to beat
+    (exact pruning, line 24); None solves unconditionally."""
+    gpus = list(gpus)
+    n_h = len(gpus)
+    types = list(dict.fromkeys(gpus))
+    m = num_workers_per_group(global_batch_size, local_batch)                 # line 8
+    if m < n_h:                                                                # line 9
+        return None, LocalBatchOutcome(local_batch, m, note="stop: M < N_H (line 9)")
+    if m > n_h * MAX_WORKERS_PER_GPU:   # search bound: some GPU would take > MAX_WORKERS_PER_GPU
+        return None, LocalBatchOutcome(local_batch, m, note=f"skipped: M={m} needs more than "
+                                       f"{MAX_WORKERS_PER_GPU} decoupled workers per GPU (search bound)")
+    max_workers = min(m - n_h + 1, MAX_WORKERS_PER_GPU)
+    tables: dict[str, _TypeTable] = {}
+    missing = []
+    for g in types:
+        nmax = int(model.max_num_vsw(g, local_batch))
+        if nmax < 1:
+            missing.append(g)
+            continue
+        tables[g] = fastest_per_worker_count(model, g, local_batch, max_workers, nmax)
+    if missing:
+        return None, LocalBatchOutcome(local_batch, m, note=f"no configuration: {missing} "
+                                       f"cannot run one VSW at this B_L")
+    arrays = [tables[g].best for g in gpus]
+    # Exact pruning: even the necessary lower bound of T cannot beat the incumbent.
+    lb = max(float(np.min(a[1:])) for a in arrays)
+    if incumbent is not None and local_batch * m * 2 / lb <= incumbent:
+        return None, LocalBatchOutcome(local_batch, m, note="pruned: cannot beat the incumbent")
+    res = min_max_assignment(arrays, m)
+    if res is None:
+        return None, LocalBatchOutcome(local_batch, m, note="no configuration: M workers "
+                                       "cannot be split over the group")
+    t_iter, ks = res
+    thp = local_batch * m * 2 / t_iter
+    workers = [WorkerConfig(g, int(tables[g].nvsw[k]), int(tables[g].nga[k])) for g, k in zip(gpus, ks)]
+    plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
+                workers=workers, iteration_time=t_iter,
+                requested_global_batch_size=global_batch_size,
+                weight_sync=_weight_sync_of(model, types))
+    return plan, LocalBatchOutcome(local_batch, m, t_iter, thp)
+
+
 def solve_configuration_detailed(global_batch_size: int, group_gpus: Sequence[str], model: Any,
                                  min_local_batch: int, max_deviation: float | None = None) -> SolverResult:
     """Algorithm 1 (exact, see module notes). Returns the plan and a reason when there is none.
@@ -282,57 +352,30 @@ def solve_configuration_detailed(global_batch_size: int, group_gpus: Sequence[st
     best_plan: Plan | None = None
     best_thp = 0.0
     stop_note = ""
-    for local_batch in range(min_local_batch, max_bl + 1, min_local_batch):   # line 6
-        m = num_workers_per_group(global_batch_size, local_batch)            # line 8
-        if m < n_h:                                                           # line 9
-            stop_note = (f"B_L={local_batch}: M={m} decoupled workers per group < N_H={n_h} GPUs")
-            outcomes.append(LocalBatchOutcome(local_batch, m, note="stop: M < N_H (line 9)"))
-            break
-        if max_deviation is not None and \
+    for local_batch in local_batch_candidates(min_local_batch, max_bl):      # line 6
+        m = num_workers_per_group(global_batch_size, local_batch)
+        if max_deviation is not None and m >= n_h and \
                 abs(2 * local_batch * m - global_batch_size) > max_deviation * global_batch_size:
             outcomes.append(LocalBatchOutcome(local_batch, m, note=f"skipped: B_G*={2 * local_batch * m} "
                                               f"deviates more than {max_deviation:g} from B_G"))
             continue
-        max_workers = m - n_h + 1
-        tables: dict[str, _TypeTable] = {}
-        missing = []
-        for g in types:
-            nmax = int(model.max_num_vsw(g, local_batch))
-            if nmax < 1:
-                missing.append(g)
-                continue
-            tables[g] = fastest_per_worker_count(model, g, local_batch, max_workers, nmax)
-        if missing:
-            outcomes.append(LocalBatchOutcome(local_batch, m, note=f"no configuration: {missing} "
-                                              f"cannot run one VSW at this B_L"))
-            continue
-        arrays = [tables[g].best for g in gpus]
-        # Exact pruning: even the necessary lower bound of T cannot beat the incumbent.
-        lb = max(float(np.min(a[1:])) for a in arrays)
-        if best_plan is not None and local_batch * m * 2 / lb <= best_thp:
-            outcomes.append(LocalBatchOutcome(local_batch, m, note="pruned: cannot beat the incumbent"))
-            continue
-        res = min_max_assignment(arrays, m)
-        if res is None:
-            outcomes.append(LocalBatchOutcome(local_batch, m, note="no configuration: M workers "
-                                              "cannot be split over the group"))
-            continue
-        t_iter, ks = res
-        thp = local_batch * m * 2 / t_iter
-        outcomes.append(LocalBatchOutcome(local_batch, m, t_iter, thp))
-        if thp > best_thp:                                                    # line 24
-            workers = [WorkerConfig(g, int(tables[g].nvsw[k]), int(tables[g].nga[k]))
-                       for g, k in zip(gpus, ks)]
-            best_thp = thp
-            best_plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
-                             workers=workers, iteration_time=t_iter,
-                             requested_global_batch_size=global_batch_size,
-                             weight_sync=_weight_sync_of(model, types))
+        plan, outcome = solve_local_batch(global_batch_size, gpus, model, local_batch,
+                                          incumbent=best_thp if best_plan is not None else None)
+        outcomes.append(outcome)
+        if outcome.note.startswith("stop"):
+            stop_note = f"B_L={local_batch}: M={m} decoupled workers per group < N_H={n_h} GPUs"
+            break
+        if plan is not None and outcome.throughput > best_thp:               # line 24
+            best_thp, best_plan = outcome.throughput, plan
     if best_plan is not None:
         return SolverResult(best_plan, "ok", global_batch_size, outcomes)
     if stop_note and len(outcomes) == 1:
         reason = (f"global batch {global_batch_size} is too small for {n_h} GPUs per group: "
                   f"{stop_note}; need B_G >= {min_local_batch * (2 * n_h - 1)}")
+    elif outcomes and all(o.note.startswith("skipped: M=") for o in outcomes):
+        reason = (f"global batch {global_batch_size} is too large for {n_h} GPUs per group: it must "
+                  f"be <= {max_global_batch(n_h, max_bl)} (at most {MAX_WORKERS_PER_GPU} decoupled "
+                  f"workers per GPU at B_L <= {max_bl})")
     else:
         notes = "; ".join(f"B_L={o.local_batch}: {o.note}" for o in outcomes if o.note)
         reason = f"no configuration for global batch {global_batch_size}: {notes}"
@@ -431,6 +474,7 @@ def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[s
 
 
 __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_configuration",
-           "solve_configuration_reference", "SolverResult", "LocalBatchOutcome",
+           "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
+           "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
            "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
            "IterationTimeModel"]

@@ -33,7 +33,7 @@ configuration (``max_num_vsw`` returns 0, ``iteration_time`` raises).
 The weight-sync method follows IIDP's selection rule (section 4): with ``weight_sync="auto"``
 SWS is predicted when mean bucket size / bucket cap > R_buffer (0.5), OWS otherwise.
 
-No torch or ray import here: profiles are plain data (:mod:`jabasray.profiler.profile`).
+No torch or ray import here: profiles are plain data (:mod:`jabasray.profiles`).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
-from ..profiler.profile import AllReduceFit, BatchProfile, Profile
+from ..profiles import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
 from ..validation import check_choice, check_float, check_int
 

@@ -1,6 +1,6 @@
 """Profiler: measures a model on one device and produces a :class:`Profile` (plain data, JSON).
 
-``Profile`` (and friends) live in :mod:`jabasray.profiler.profile`, which imports no torch, so
+``Profile`` (and friends) live in :mod:`jabasray.profiles` (plain data, no torch), so
 planners can use them. ``profile_model`` (in :mod:`jabasray.profiler.measure`, needs torch and the
 engine) is imported lazily on first access.
 """
@@ -8,17 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from .profile import (PROFILE_VERSION, AllReduceFit, BatchProfile, Profile, load_profiles,
+from ..profiles import (PROFILE_VERSION, AllReduceFit, BatchProfile, Profile, load_profiles,
                       profile_cache_key, save_profiles, synthetic_profile)
 
 __all__ = ["PROFILE_VERSION", "AllReduceFit", "BatchProfile", "Profile", "load_profiles",
            "profile_cache_key", "save_profiles", "synthetic_profile", "profile_model", "model_signature",
-           "measure_allreduce"]
+           "measure_allreduce", "cluster_profiles", "cluster_perf_model"]
 
 _LAZY = {"profile_model", "model_signature", "measure_allreduce", "estimate_memory"}
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: keep torch out of `import jabasray.profiler`
+    if name in ("cluster_profiles", "cluster_perf_model"):
+        from . import cluster
+        return getattr(cluster, name)
     if name in _LAZY:
         from . import measure
         return getattr(measure, name)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..validation import check_choice, check_float, check_int
-from .profile import AllReduceFit, BatchProfile, Profile, profile_cache_key
+from ..profiles import AllReduceFit, BatchProfile, Profile, profile_cache_key
 
 log = logging.getLogger(__name__)
 

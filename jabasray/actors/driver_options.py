@@ -1,0 +1,66 @@
+"""Driver options and callbacks (plain data and hooks of :class:`jabasray.actors.driver.JabasDriver`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..serialization import JsonMixin
+
+if TYPE_CHECKING:   # pragma: no cover
+    from .driver import JabasDriver
+    from .metrics import EpochRecord, IntervalRecord
+
+
+@dataclass
+class DriverOptions(JsonMixin):
+    """Advanced knobs of the driver (defaults suit CPU emulation)."""
+
+    device: str = "cpu"                 # "cpu" (emulated GPU types) or "cuda"
+    emulate: bool | None = None         # gpu_<type> resources + speed emulation; None: device == "cpu"
+    force_replacement: bool = False     # re-place all actors at every epoch boundary (tests/advanced)
+    keep_checkpoints: int = 2           # newest epoch checkpoints kept on disk
+    placement_timeout_s: float = 120.0  # wait for placement-group resources
+    collective_timeout_s: float = 300.0 # process-group timeout
+    failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
+    max_restarts: int = 3               # actor failures tolerated per run
+    torch_threads: int = 1              # torch threads inside each actor
+    bucket_cap_mb: float = 25.0         # engine gradient bucket cap
+    evaluate: bool = True               # validation accuracy at every epoch end
+    profile_cache_dir: str | None = None  # where profiles are cached (default: <storage>/.profiles)
+    sma_autotune: bool = True           # sync="sma": tune learners per rank (Crossbow Alg. 2)
+    sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
+    sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
+    sma_max_learners: int = 8           # upper bound of learners per GPU (memory)
+
+    def __post_init__(self) -> None:
+        from ..validation import check_choice, check_float, check_int
+        check_choice("device", self.device, ("cpu", "cuda"))
+        if self.emulate is None:
+            self.emulate = self.device == "cpu"
+        check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
+        check_int("max_restarts", self.max_restarts, min_value=0)
+        check_int("torch_threads", self.torch_threads, min_value=1)
+        check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
+        check_int("sma_max_learners", self.sma_max_learners, min_value=1)
+        for f in ("sma_autotune", "sma_tuner_relative"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
+        for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):
+            check_float(f, getattr(self, f), min_value=0, min_exclusive=True)
+
+
+class DriverCallback:
+    """Hooks the driver calls (override what you need). Progress bars and test fault injection
+    use them; they run in the driver's process between Ray calls."""
+
+    def on_interval(self, driver: "JabasDriver", record: "IntervalRecord") -> None:  # noqa: D401
+        pass
+
+    def on_epoch(self, driver: "JabasDriver", record: "EpochRecord") -> None:
+        pass
+
+    def on_event(self, driver: "JabasDriver", message: str) -> None:
+        pass
+
+
+__all__ = ["DriverOptions", "DriverCallback"]

@@ -1,0 +1,98 @@
+"""The placed GPU actors of a job: placement, process-group rendezvous, fan-out, configuration.
+
+:class:`ActorPool` owns what the driver needs to talk to its actors: the :class:`Placement`
+(actors and placement groups), the rendezvous server of the current process group (a new
+generation after every (re-)placement), the last configuration applied (``configure`` is a
+collective call, skipped when nothing changed) and the fault-tolerant fan-out
+(:func:`.fanout.call_all`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .fanout import call_all
+from .placement import Placement, Slot, place_actors, release
+from .rendezvous import RendezvousServer, backend_for
+
+log = logging.getLogger(__name__)
+
+
+class ActorPool:
+    """GPU actors of the current allocation (empty until :meth:`place`).
+
+    Args:
+        make_actor: ``(slot, world_size, ray_options) -> actor handle`` (starts one GPU actor).
+        device: "cpu" or "cuda" (process-group backend).
+        emulate: emulated GPU types (placement bundles).
+        placement_timeout_s, collective_timeout_s, failure_grace_s: see ``DriverOptions``.
+    """
+
+    def __init__(self, make_actor: Callable[[Slot, int, dict], Any], device: str, emulate: bool,
+                 placement_timeout_s: float, collective_timeout_s: float, failure_grace_s: float) -> None:
+        self._make = make_actor
+        self.device, self.emulate = device, emulate
+        self.placement_timeout_s = placement_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.failure_grace_s = failure_grace_s
+        self.placement: Placement | None = None
+        self._rdv: RendezvousServer | None = None
+        self._generation = 0
+        self._applied: tuple | None = None
+
+    @property
+    def actors(self) -> list:
+        return list(self.placement.actors) if self.placement else []
+
+    @property
+    def slots(self) -> list[Slot]:
+        return list(self.placement.slots) if self.placement else []
+
+    def runs(self, slots: list[Slot]) -> bool:
+        """True when the placed actors are exactly these slots (same pairs, same ranks)."""
+        return (self.placement is not None and
+                [(s.pair_key, s.rank) for s in self.placement.slots] == [(s.pair_key, s.rank) for s in slots])
+
+    def place(self, slots: list[Slot], worker_state_ref: Any = None, fresh: bool = False) -> None:
+        """Place actors for ``slots`` (pairs that stay keep their actors unless ``fresh``), join
+        them in a new process group and load ``worker_state_ref`` (a Ray object) if given."""
+        if fresh:
+            self.shutdown()
+        elif self._rdv:
+            self._rdv.close()
+        world = len(slots)
+        self.placement, new = place_actors(slots, lambda s, opts: self._make(s, world, opts),
+                                           emulate=self.emulate, timeout_s=self.placement_timeout_s,
+                                           reuse=self.placement)
+        log.debug("placement: %d actors, %d new", world, len(new))
+        self._generation += 1
+        self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
+                                     timeout_s=self.collective_timeout_s)
+        self.call_all("setup", per_rank=[(self._rdv.info, s) for s in slots])
+        if worker_state_ref is not None:
+            self.call_all("load_state_dict", worker_state_ref)
+        self._applied = None
+
+    def call_all(self, method: str, *args: Any, per_rank: list[tuple] | None = None,
+                 ranks: list[int] | None = None) -> list:
+        """:func:`.fanout.call_all` on the placed actors (raises ``ActorFailure``)."""
+        return call_all(self.placement.actors, method, *args, per_rank=per_rank, ranks=ranks,
+                        grace_s=self.failure_grace_s)
+
+    def configure(self, configs: list[tuple[int, int, int]]) -> None:
+        """``configure`` every rank (one collective call) unless nothing changed since the last."""
+        if tuple(configs) != self._applied:
+            self.call_all("configure", per_rank=list(configs))
+            self._applied = tuple(configs)
+
+    def shutdown(self) -> None:
+        """Release all actors, placement groups and the rendezvous server."""
+        release(self.placement)
+        self.placement = None
+        self._applied = None
+        if self._rdv:
+            self._rdv.close()
+            self._rdv = None
+
+
+__all__ = ["ActorPool"]

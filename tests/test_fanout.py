@@ -1,0 +1,133 @@
+"""The fault-tolerant fan-out (jabasray.actors.fanout.call_all) with fake actors and futures:
+no Ray, no cluster. A fake future is ready at a virtual time (or never: an actor hanging in a
+collective whose peer died); the fake ``wait`` hands out ready futures in time order and
+refuses to block forever, so a test fails instead of hanging if call_all waits wrongly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jabasray.actors.fanout import ActorFailure, call_all
+
+
+class Dead(Exception):
+    """Stands for RayActorError."""
+
+
+class Future:
+    def __init__(self, at: float, value=None, error: BaseException | None = None):
+        self.at, self.value, self.error = at, value, error
+
+
+class Clock:
+    """Virtual time; ``wait`` advances it to the next ready future within the timeout."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.waits: list[float | None] = []
+
+    def wait(self, pending, num_returns=1, timeout=None):
+        self.waits.append(timeout)
+        horizon = math.inf if timeout is None else self.now + timeout
+        ready = sorted((f for f in pending if f.at <= horizon), key=lambda f: f.at)[:num_returns]
+        if timeout is None and not ready:
+            raise AssertionError("call_all would block forever on hanging actors")
+        if ready and num_returns == 1:
+            self.now = max(self.now, ready[0].at)
+        elif timeout is not None:
+            ready = [f for f in pending if f.at <= self.now + timeout]
+            self.now = max([self.now] + [f.at for f in ready])
+        return ready, [f for f in pending if f not in ready]
+
+    @staticmethod
+    def get(f):
+        if f.error is not None:
+            raise f.error
+        return f.value
+
+
+class FakeActor:
+    """``actor.<method>.remote(*args)`` returns the future its behaviour gives for the call."""
+
+    def __init__(self, behave):
+        self.behave = behave
+        self.calls = []
+
+    def __getattr__(self, method):
+        actor = self
+
+        class _M:
+            @staticmethod
+            def remote(*args):
+                actor.calls.append((method, args))
+                return actor.behave(*args)
+        return _M
+
+
+def fan(actors, clock, *args, **kw):
+    return call_all(actors, "step", *args, wait=clock.wait, get=clock.get, dead_errors=(Dead,),
+                    grace_s=kw.pop("grace_s", 5.0), **kw)
+
+
+def test_results_in_rank_order_whatever_the_finish_order():
+    clock = Clock()
+    actors = [FakeActor(lambda x, r=r: Future(at=3 - r, value=(r, x))) for r in range(3)]
+    assert fan(actors, clock, "a") == [(0, "a"), (1, "a"), (2, "a")]
+    assert [a.calls for a in actors] == [[("step", ("a",))]] * 3
+
+
+def test_per_rank_arguments_and_a_subset_of_ranks():
+    clock = Clock()
+    actors = [FakeActor(lambda x, r=r: Future(at=1, value=r * 10 + x)) for r in range(3)]
+    assert fan(actors, clock, per_rank=[(1,), (2,), (3,)]) == [1, 12, 23]
+    assert fan(actors, clock, 7, ranks=[2]) == [27]
+    assert [len(a.calls) for a in actors] == [1, 1, 2]
+
+
+def test_a_dead_actor_stops_the_wait_at_once_and_names_its_rank():
+    """Rank 1 dies at t=2; ranks 0 and 2 hang in the collective (never ready). call_all must
+    raise at t=2 without waiting for them (no timeout=None wait on hanging futures)."""
+    clock = Clock()
+    dead = Dead("actor 1 died")
+    actors = [FakeActor(lambda: Future(at=math.inf)),
+              FakeActor(lambda: Future(at=2, error=dead)),
+              FakeActor(lambda: Future(at=math.inf))]
+    with pytest.raises(ActorFailure) as info:
+        fan(actors, clock)
+    assert info.value.dead_ranks == [1] and info.value.cause is dead
+    assert clock.now == 2
+
+
+def test_several_dead_actors_already_finished_are_all_named():
+    clock = Clock()
+    actors = [FakeActor(lambda: Future(at=1, error=Dead("0"))),
+              FakeActor(lambda: Future(at=1, error=Dead("1"))),
+              FakeActor(lambda: Future(at=1, error=RuntimeError("peer gone"))),
+              FakeActor(lambda: Future(at=math.inf))]
+    with pytest.raises(ActorFailure) as info:
+        fan(actors, clock)
+    assert info.value.dead_ranks == [0, 1]
+
+
+def test_a_survivor_error_waits_the_grace_period_for_the_dead_actor_behind_it():
+    """Rank 0's collective fails at t=1 (peer gone) before rank 2's death surfaces at t=4:
+    within grace_s=5 the death is seen, so the failure is an ActorFailure of rank 2."""
+    clock = Clock()
+    actors = [FakeActor(lambda: Future(at=1, error=RuntimeError("gloo: connection reset"))),
+              FakeActor(lambda: Future(at=math.inf)),
+              FakeActor(lambda: Future(at=4, error=Dead("2")))]
+    with pytest.raises(ActorFailure) as info:
+        fan(actors, clock, grace_s=5.0)
+    assert info.value.dead_ranks == [2]
+    assert clock.waits[1] == 5.0          # the wait after the first error is bounded by the grace
+
+
+def test_an_error_without_a_dead_actor_is_reraised_after_the_grace_period():
+    clock = Clock()
+    boom = ValueError("bad batch")
+    actors = [FakeActor(lambda: Future(at=1, error=boom)), FakeActor(lambda: Future(at=math.inf))]
+    with pytest.raises(ValueError) as info:
+        fan(actors, clock, grace_s=3.0)
+    assert info.value is boom
+    assert clock.waits == [None, 3.0]
