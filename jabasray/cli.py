@@ -48,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from .errors import JobFailed
+
     try:
         return int(args.func(args) or 0)
+    except JobFailed as e:   # not the user's input: exit 1, still one line
+        print(f"jabasray {args.command}: failed: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         print(f"jabasray {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -264,15 +264,17 @@ def list_checkpoints(run_dir: str | Path) -> list[Checkpoint]:
 
 def latest_checkpoint(run_dir: str | Path, skipped: list[str] | None = None) -> Checkpoint | None:
     """The newest checkpoint that passes :meth:`Checkpoint.verify`. Each newer one that fails is
-    logged in one line (and its message appended to ``skipped`` when given)."""
+    reported in one line: appended to ``skipped`` when given (the caller reports it), else
+    logged as a warning."""
     for cp in reversed(list_checkpoints(run_dir)):
         try:
             cp.verify()
         except CheckpointError as e:
             msg = f"checkpoint {cp.path.name} is unusable ({e}); trying the previous one"
-            log.warning(msg)
             if skipped is not None:
                 skipped.append(msg)
+            else:
+                log.warning(msg)
             continue
         return cp
     return None

@@ -222,15 +222,13 @@ def run(args: argparse.Namespace) -> int:
 def check_run_folder(run_dir: Path, resume: bool) -> None:
     """Before any work: a new run must not overwrite a run with checkpoints; ``--resume`` needs
     the run folder and reads (verified, ``weights_only``) the checkpoint it will resume from, so a
-    corrupt or crafted file is reported in one line before Ray starts. Corrupt newer checkpoints
-    are reported (stderr) and the newest intact one is used; a folder whose run died before its
+    corrupt or crafted file is reported in one line before Ray starts. The newest intact
+    checkpoint is used (the driver reports corrupt newer ones); a folder whose run died before its
     first checkpoint starts again from epoch 0."""
     from ..actors.checkpoint import latest_checkpoint
 
-    skipped: list[str] = []
+    skipped: list[str] = []   # reported by the driver when it resumes
     cp = latest_checkpoint(run_dir, skipped)
-    for line in skipped:
-        print(f"jabasray train: {line}", file=sys.stderr, flush=True)
     if not resume:
         if cp is not None or skipped:
             raise ValueError(f"name: run {run_dir} already exists; pass --resume to continue it "
