@@ -202,7 +202,7 @@ def main() -> None:
         for i in range(args.runs):
             runs.append(chaos_run(runner, f"run{i:02d}", rng, ref_time, ref))
             r = runs[-1]
-            print(f"run {i:2d}: faults {','.join(r['faults']) or '-':<22} finished {r['finished']!s:<5} "
+            print(f"run {i:2d}: faults {','.join(r['faults']) or '-':<28} finished {r['finished']!s:<5} "
                   f"lost {r['epochs_lost']} weights {r['weights_equal_reference']} "
                   f"({r['time_s']:.0f}s)  {'; '.join(r['log'])}", flush=True)
     finally:
@@ -245,7 +245,7 @@ def chaos_run(runner: Runner, name: str, rng: random.Random, ref_time: float, re
         before = epochs_recorded(run_dir)
         rc, err = runner.attempt(name, resume and run_dir.is_dir(), actor_at, driver_at, log)
         m = RESUMED.search(err) if resume else None
-        if resume:
+        if resume and (m or rc is not None):   # a resume killed before it resumed says nothing
             start = int(m.group(1)) if m else 0
             expected = before if corrupted_epoch is None or corrupted_epoch > before \
                 else corrupted_epoch - 1
@@ -267,9 +267,12 @@ def chaos_run(runner: Runner, name: str, rng: random.Random, ref_time: float, re
     if rc not in (0, None):
         tail = err.strip().splitlines()[-1:] if err.strip() else []
         log.append(f"exit {rc}: {tail[0][:200] if tail else ''}")
-    deterministic = "actor" not in kinds
+    done = [k for k, pat in (("actor", "actor killed"), ("driver", "driver killed"),
+                             ("corrupt", ("truncated", "flipped"))) for line in log
+            if line.startswith(pat)]
+    deterministic = "actor" not in done     # same GPUs throughout: the same arithmetic
     equal = same_weights(final_weights(run_dir), ref) if (deterministic and finished) else None
-    return {"name": name, "faults": kinds, "finished": finished, "epochs_lost": lost,
+    return {"name": name, "planned": kinds, "faults": done, "finished": finished, "epochs_lost": lost,
             "epochs_redone": redone, "attempts": attempts,
             "weights_equal_reference": equal, "time_s": time.monotonic() - t0, "log": log}
 
