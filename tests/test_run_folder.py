@@ -45,12 +45,21 @@ def _one_line(capsys) -> str:
     return err[0]
 
 
-def _no_ray_started():
-    import ray
-    return not ray.is_initialized()
+@pytest.fixture(autouse=True)
+def _ray_calls(monkeypatch):
+    """Records calls of ensure_ray (the first expensive step of `jabasray train`); the tests
+    here expect none. (Ray may be up from other test files, so ray.is_initialized() says nothing.)"""
+    calls = []
+    monkeypatch.setattr("jabasray.actors.trainer.ensure_ray",
+                        lambda *a, **k: calls.append(a) or False)
+    return calls
 
 
-def test_second_run_on_same_folder_is_refused_while_other_names_work(tmp_path, capsys):
+def _no_ray_started(calls):
+    return calls == []
+
+
+def test_second_run_on_same_folder_is_refused_while_other_names_work(tmp_path, capsys, _ray_calls):
     holder = _holder(tmp_path / "same")
     try:
         with pytest.raises(RunLockedError, match=rf"in use by pid {holder.pid} on "
@@ -64,7 +73,7 @@ def test_second_run_on_same_folder_is_refused_while_other_names_work(tmp_path, c
         assert main(["train", "--storage-path", str(tmp_path), "--name", "same"]) == 2
         line = _one_line(capsys)
         assert line.startswith(f"jabasray train: error: run folder {tmp_path / 'same'} is in use "
-                               f"by pid {holder.pid}") and _no_ray_started()
+                               f"by pid {holder.pid}") and _no_ray_started(_ray_calls)
     finally:
         holder.kill()
         holder.wait()
@@ -146,7 +155,7 @@ def test_run_names_are_plain_folder_names(name, tmp_path, capsys):
     ("file", [], "is a file, not a folder"),
     ("metrics_dir", ["--name", "r"], "metrics.json is a folder but must be a file"),
 ])
-def test_cli_file_system_errors_are_one_line_before_ray(setup, argv, message, tmp_path, capsys):
+def test_cli_file_system_errors_are_one_line_before_ray(setup, argv, message, tmp_path, capsys, _ray_calls):
     storage = tmp_path / "runs"
     if setup == "file":
         storage.write_text("not a folder")
@@ -154,7 +163,7 @@ def test_cli_file_system_errors_are_one_line_before_ray(setup, argv, message, tm
         (storage / "r" / "metrics.json").mkdir(parents=True)
     assert main(["train", "--storage-path", str(storage), *argv]) == 2
     line = _one_line(capsys)
-    assert line.startswith("jabasray train: error: ") and message in line and _no_ray_started()
+    assert line.startswith("jabasray train: error: ") and message in line and _no_ray_started(_ray_calls)
 
 
 def test_cli_disk_full_is_one_line(tmp_path, capsys, monkeypatch):
@@ -187,7 +196,7 @@ def test_cli_disk_full_is_one_line(tmp_path, capsys, monkeypatch):
      f"max_global_batch must be <= the training set size ({N_DIGITS} samples), got 100000000"),
     (["--max-global-batch", "2.5"], "argument --max-global-batch: max_global_batch must be int, got '2.5'"),
 ])
-def test_batch_bounds_beyond_the_dataset_fail_before_any_work(argv, message, tmp_path, capsys):
+def test_batch_bounds_beyond_the_dataset_fail_before_any_work(argv, message, tmp_path, capsys, _ray_calls):
     try:
         rc = main(["train", "--storage-path", str(tmp_path), *argv])
     except SystemExit as e:      # argparse's own errors
@@ -195,7 +204,7 @@ def test_batch_bounds_beyond_the_dataset_fail_before_any_work(argv, message, tmp
     assert rc == 2
     line = _one_line(capsys)
     assert line.startswith("jabasray train: error: ") and line.endswith(message)
-    assert _no_ray_started() and os.listdir(tmp_path) == []
+    assert _no_ray_started(_ray_calls) and os.listdir(tmp_path) == []
 
 
 def test_job_config_dataset_bound_names_the_field():
@@ -222,10 +231,10 @@ def test_script_errors_name_file_and_line(body, line, text, tmp_path, capsys):
     assert got.startswith(f"jabasray train: error: script {script} line {line}") and text in got
 
 
-def test_odd_gpu_count_needs_drop_odd_gpu(tmp_path, capsys):
+def test_odd_gpu_count_needs_drop_odd_gpu(tmp_path, capsys, _ray_calls):
     cluster = tmp_path / "c.yaml"
     cluster.write_text("nodes:\n  - {name: a0, gpu_type: fast, num_gpus: 3, speed: 1.0}\n")
     assert main(["train", "--cluster", str(cluster), "--storage-path", str(tmp_path)]) == 2
     line = _one_line(capsys)
     assert "nodes[a0].num_gpus must be even" in line and "--drop-odd-gpu" in line
-    assert _no_ray_started()
+    assert _no_ray_started(_ray_calls)
