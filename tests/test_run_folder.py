@@ -238,3 +238,28 @@ def test_odd_gpu_count_needs_drop_odd_gpu(tmp_path, capsys, _ray_calls):
     line = _one_line(capsys)
     assert "nodes[a0].num_gpus must be even" in line and "--drop-odd-gpu" in line
     assert _no_ray_started(_ray_calls)
+
+
+_WRITER = textwrap.dedent("""
+    import json, sys
+    from jabasray.serialization import atomic_write_text
+    for i in range(150):
+        atomic_write_text(sys.argv[1], json.dumps({"writer": sys.argv[2], "i": i,
+                                                   "pad": "x" * 200000}))
+""")
+
+
+def test_shared_profile_cache_file_is_never_seen_half_written(tmp_path):
+    """Two runs (different names, one storage path) writing the same profile cache entry while
+    a third reads it: every read parses (temp file + rename), never a torn file."""
+    path = tmp_path / ".profiles" / "model-cpu-v1.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"writer": "seed", "i": -1, "pad": ""}))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), w], env=env)
+               for w in ("a", "b")]
+    while any(w.poll() is None for w in writers):
+        assert json.loads(path.read_text())["writer"] in ("seed", "a", "b")   # never torn
+    assert [w.wait() for w in writers] == [0, 0]
+    assert json.loads(path.read_text())["i"] == 149
+    assert [p.name for p in path.parent.iterdir()] == [path.name]   # no temp files left
