@@ -444,8 +444,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
         """Drop the dead GPUs' pairs, reload the last checkpoint, re-choose the allocation."""
-        slots = self.slots()
-        dropped = [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
+        dropped = self._dead_slots(failure)
         self.shutdown()
         cp, skipped = self._latest_intact_checkpoint()
         if cp is None:
@@ -469,11 +468,15 @@ class JabasDriver:
         self.last_checkpoint = cp
         return state, cp.load_worker_state()
 
+    def _dead_slots(self, failure: ActorFailure) -> list[Slot]:
+        slots = self.slots()
+        return [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
+
     def _describe(self, failure: ActorFailure, dropped: list[Slot] | None = None) -> str:
-        """``GPU actor failure: rank 1 (fast on f0)`` for the dead ranks of ``failure``."""
+        """``GPU actor failure: rank 1 (fast on f0) (ActorDiedError)`` for ``failure``'s dead
+        ranks (``dropped``: their slots, when the actors are already released)."""
         if dropped is None:
-            slots = self.slots()
-            dropped = [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
+            dropped = self._dead_slots(failure)
         what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
             f"ranks {failure.dead_ranks}"
         return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
