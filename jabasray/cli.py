@@ -9,13 +9,22 @@ import argparse
 import importlib
 import logging
 import sys
+import typing
 
 # name -> module under jabasray.commands; modules are imported only when present.
 SUBCOMMANDS = ("train", "plan", "profile", "tune")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``jabasray <command>: error: ...``, exit 2); sub-command
+    parsers inherit it. ``--help`` still shows the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jabasray",
         description="Adaptive batching, auto-scaling and packed training on heterogeneous GPUs (Ray + PyTorch).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
@@ -39,14 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    from .errors import JobFailed
+
     try:
         return int(args.func(args) or 0)
+    except JobFailed as e:   # not the user's input: exit 1, still one line
+        print(f"jabasray {args.command}: failed: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         print(f"jabasray {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # file-system problems (no permission, disk full ...): one line
+        print(f"jabasray {args.command}: error: {os_error_text(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"jabasray {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def os_error_text(e: OSError) -> str:
+    """``<path>: <reason>`` of an OSError (no ``[Errno N]`` noise)."""
+    reason = e.strerror or str(e)
+    return f"{e.filename}: {reason}" if e.filename else reason
 
 
 if __name__ == "__main__":

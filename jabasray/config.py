@@ -5,6 +5,8 @@ naming the field and the allowed values.
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -123,6 +125,30 @@ class JobConfig(JsonMixin):
         if self.parallelism == "burst" and self.sync != "iidp":
             raise ValueError(f"sync must be 'iidp' when parallelism is 'burst', got {self.sync!r}")
 
+    def check_dataset_size(self, num_samples: int) -> None:
+        """One-line ``ValueError`` when a global batch bound exceeds the training set: an
+        iteration's B_G samples are drawn without repetition from one epoch, so B_G can never be
+        larger than the dataset (and the solver's work grows with B_G; this keeps it bounded)."""
+        check_int("dataset size", num_samples, min_value=1)
+        for name in ("min_global_batch", "initial_global_batch", "max_global_batch"):
+            value = getattr(self, name)
+            if value > num_samples:
+                raise ValueError(f"{name} must be <= the training set size ({num_samples} samples), "
+                                 f"got {value}")
+
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@,-]{0,254}$")
+
+
+def check_run_name(name: object) -> str:
+    """A run name is one plain folder name: letters, digits and ``_.+=@,-``, not starting with a
+    dot (no ``..``, no hidden folders such as the profile cache), no path separators, at most 255
+    characters. Raises a one-line ``ValueError`` otherwise."""
+    if not isinstance(name, str) or not _RUN_NAME.match(name):
+        raise ValueError(f"name must be a plain folder name (letters, digits, '_.+=@,-', not "
+                         f"starting with '.', no '/' or '\\', 1-255 characters), got {name!r}")
+    return name
+
 
 @dataclass(frozen=True)
 class RunConfig(JsonMixin):
@@ -132,8 +158,9 @@ class RunConfig(JsonMixin):
     name: str = "run"                      # this run's folder under storage_path
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise ValueError(f"name must be a non-empty folder name without '/', got {self.name!r}")
+        check_run_name(self.name)
+        if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
+            raise ValueError(f"storage_path must be a non-empty path, got {self.storage_path!r}")
 
     @property
     def path(self) -> Path:

@@ -40,7 +40,7 @@ def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):
     cmd = [sys.executable, "-m", "jabasray.cli", "train", "--cluster", str(tmp_path / "cluster.yaml"),
            "--storage-path", str(tmp_path), "--name", "t", "--epochs", "1", "--initial-global-batch", "32",
            "--min-global-batch", "16", "--max-global-batch", "64", "--adapt-interval", "20",
-           "--num-cpus", "1", "--ray-address", "local"]
+           "--num-cpus", "1", "--ray-address", "local", "--drop-odd-gpu"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("epoch 1:")]

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
+from ..errors import JobFailed
 from ..types import ClusterSpec, Plan
 from ..planners.correction import CorrectedModel, OnlineCorrection
 from .burst_host import BurstPlans, burst_record
@@ -198,7 +199,10 @@ class JabasDriver:
                 except ActorFailure as failure:
                     restarts += 1
                     if restarts > self.options.max_restarts:
-                        raise RuntimeError(f"giving up after {restarts - 1} restarts: {failure}") from failure
+                        raise JobFailed(f"giving up after {restarts} GPU actor failures "
+                                        f"(max_restarts={self.options.max_restarts}); the last: "
+                                        f"{self._describe(failure)}; {self._resume_hint()}"
+                                        ) from failure
                     state, worker_state = self._recover(failure, ctl)
         finally:
             self.shutdown()
@@ -240,19 +244,29 @@ class JabasDriver:
         return CorrectedModel(model, self.correction) if opts.online_correction else model
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
-        cp = latest_checkpoint(self.run_dir)
+        """The newest intact checkpoint (corrupt newer ones are reported), or a fresh start. A
+        fresh start is checkpointed at once (worker state None: actors build the model from
+        ``model_fn`` with the job's seed), so a GPU actor lost during start-up, placement or the
+        first epoch is recovered like a later loss."""
+        cp, skipped = self._latest_intact_checkpoint()
         if cp is None:
             allocation = self._choose_allocation(self.cluster, None)
             state = DriverState(epochs_done=0, iteration=0, cluster=self.cluster,
                                 allocation=allocation, adaptive=ctl.state_dict(),
                                 job_config=self.job.to_dict())
             self.metrics = MetricsHistory()
+            for line in skipped:
+                self._event(line)
+            self.last_checkpoint = save_checkpoint(self.run_dir, state, None,
+                                                   keep=self.options.keep_checkpoints)
             return state, None
         state = cp.load_driver_state()
         self._check_resumable(state)
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         self.last_checkpoint = cp
+        for line in skipped:
+            self._event(line)
         self._event(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")
         return state, cp.load_worker_state()
 
@@ -396,7 +410,7 @@ class JabasDriver:
                    ) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
         replaced = self._ensure_placement(state, worker_state, state.epochs_done)
-        if self.last_checkpoint is None:   # fresh run: checkpoint the initial state (epoch 0)
+        if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
             self.last_checkpoint = save_checkpoint(self.run_dir, replace(
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
@@ -597,26 +611,55 @@ class JabasDriver:
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
         """Drop the dead GPUs' pairs, reload the last checkpoint, re-choose the allocation."""
-        slots = self.slots()
-        dropped = [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
+        dropped = self._dead_slots(failure)
         self.shutdown()
-        cp = self.last_checkpoint or latest_checkpoint(self.run_dir)
+        cp, skipped = self._latest_intact_checkpoint()
         if cp is None:
-            raise RuntimeError(f"{failure} before the first checkpoint") from failure.cause
+            raise JobFailed(f"{self._describe(failure, dropped)}; no intact checkpoint in "
+                            f"{self.run_dir} to restart from") from failure.cause
         state = cp.load_driver_state()
         cluster = state.cluster
         for key in dict.fromkeys((s.node, s.pair) for s in dropped):  # one pair per dead pair
             cluster = drop_pair(cluster, key[0])
             if cluster is None:
-                raise RuntimeError(f"{failure}: no GPU pair left") from failure.cause
+                raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left; "
+                                f"{self._resume_hint()}") from failure.cause
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
+        for line in skipped:
+            self._event(line)
         allocation = self._choose_allocation(cluster, state.forecast or None)
         state = replace(state, cluster=cluster, allocation=allocation)
-        what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or "unknown"
-        self._event(f"GPU actor failure: {what}; restarting epoch {state.epochs_done} from "
-                    f"{cp.path.name} without that pair, allocation {allocation}")
+        self._event(f"{self._describe(failure, dropped)}; restarting epoch {state.epochs_done} "
+                    f"from {cp.path.name} without that pair, allocation {allocation}")
+        self.last_checkpoint = cp
         return state, cp.load_worker_state()
+
+    def _dead_slots(self, failure: ActorFailure) -> list[Slot]:
+        slots = self.slots()
+        return [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
+
+    def _describe(self, failure: ActorFailure, dropped: list[Slot] | None = None) -> str:
+        """``GPU actor failure: rank 1 (fast on f0) (ActorDiedError)`` for ``failure``'s dead
+        ranks (``dropped``: their slots, when the actors are already released)."""
+        if dropped is None:
+            dropped = self._dead_slots(failure)
+        what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
+            f"ranks {failure.dead_ranks}"
+        return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
+
+    def _latest_intact_checkpoint(self) -> tuple[Checkpoint | None, list[str]]:
+        """The newest checkpoint that verifies, and one line per corrupt newer one (the caller
+        reports them as events once the checkpoint's metrics history is in place)."""
+        skipped: list[str] = []
+        return latest_checkpoint(self.run_dir, skipped), skipped
+
+    def _resume_hint(self) -> str:
+        cp = latest_checkpoint(self.run_dir)
+        if cp is None:
+            return f"no intact checkpoint in {self.run_dir}"
+        return (f"last checkpoint {cp.path} ({cp.epochs_done} epoch(s) done; continue with "
+                f"`jabasray train --resume` or fit() on the same run folder)")
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)

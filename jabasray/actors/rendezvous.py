@@ -4,13 +4,21 @@ The driver owns a ``torch.distributed.TCPStore`` (server side) bound to its node
 port; every GPU actor connects to it as a client and calls ``init_process_group`` with that store
 (NCCL on CUDA devices, gloo on CPU). Each placement of actors gets a fresh store (a new
 *generation*), so actors of an old placement can never collide with the keys of a new one.
+
+Security (issue 14): the store's listening socket is bound by us to exactly the address the
+actors are given (``host``; ``127.0.0.1`` stays on the loopback device) and handed to the store
+(``master_listen_fd``), instead of the store's own bind to every interface. Every key lives under
+a per-job random prefix of 128 bits (``Rendezvous.secret``, sent to the actors through Ray's own
+channel and never logged), so a process that finds the port can neither read nor write the
+group's keys: it cannot guess their names.
 """
 from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..serialization import JsonMixin
 from ..validation import check_choice, check_int
@@ -18,14 +26,6 @@ from ..validation import check_choice, check_int
 log = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def node_ip() -> str:
@@ -54,6 +54,12 @@ class Rendezvous(JsonMixin):
     backend: str = "gloo"     # "gloo" (CPU) or "nccl" (CUDA)
     generation: int = 0       # placement counter; keys are prefixed with it
     timeout_s: float = 120.0  # collective / store timeout
+    secret: str = field(default="", repr=False)   # per-job random key prefix (hex), never logged
+
+    @property
+    def prefix(self) -> str:
+        """The store prefix of this generation's keys: unguessable without ``secret``."""
+        return f"jabas/{self.secret}/gen{self.generation}"
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, min_value=1)
@@ -70,24 +76,37 @@ class RendezvousServer:
         import torch.distributed as dist
 
         self.host = host or node_ip()
-        last_err: Exception | None = None
-        for _ in range(5):  # a freshly probed port can be taken in between: retry
-            port = free_port()
-            try:
-                self._store = dist.TCPStore(self.host, port, world_size=None, is_master=True,
-                                            timeout=datetime.timedelta(seconds=timeout_s),
-                                            wait_for_workers=False)
-                break
-            except (RuntimeError, OSError) as e:  # pragma: no cover - port race
-                last_err = e
-        else:  # pragma: no cover
-            raise RuntimeError(f"could not start a TCPStore on {self.host}: {last_err}")
-        self.info = Rendezvous(self.host, port, world_size, backend, generation, timeout_s)
+        sock = listen_socket(self.host)
+        port = int(sock.getsockname()[1])
+        try:   # the store takes over the listening socket (and closes it when dropped)
+            self._store = dist.TCPStore(self.host, port, world_size=None, is_master=True,
+                                        timeout=datetime.timedelta(seconds=timeout_s),
+                                        wait_for_workers=False, master_listen_fd=sock.fileno(),
+                                        use_libuv=True)
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()
+        self.info = Rendezvous(self.host, port, world_size, backend, generation, timeout_s,
+                               secret=secrets.token_hex(16))
         log.debug("rendezvous generation %d at %s:%d (world %d, %s)", generation, self.host, port,
                   world_size, backend)
 
     def close(self) -> None:
         self._store = None
+
+
+def listen_socket(host: str) -> socket.socket:
+    """A TCP socket listening on ``host`` only (a free port chosen by the kernel)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"could not listen on {host} for the rendezvous: {e.strerror}") from None
+    return sock
 
 
 def join_process_group(rdv: Rendezvous, rank: int):
@@ -104,7 +123,7 @@ def join_process_group(rdv: Rendezvous, rank: int):
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.TCPStore(rdv.host, rdv.port, world_size=None, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(f"jabas/gen{rdv.generation}", store)
+    store = dist.PrefixStore(rdv.prefix, store)
     dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
                             timeout=timeout)
     return dist.group.WORLD

@@ -4,7 +4,9 @@
 cluster needs), runs the :class:`~jabasray.actors.driver.JabasDriver` loop in this process,
 and writes into ``run_config.path``: ``checkpoints/``, ``metrics.json`` and ``trajectory.png``
 (B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
-a run folder with a checkpoint resumes it (e.g. after raising ``epochs``).
+a run folder with a checkpoint resumes it (e.g. after raising ``epochs``). Before any work it
+probes that the run folder (and the profile cache) can be written and takes the run folder's lock
+(:mod:`jabasray.actors.run_folder`): a second run on the same folder is refused in one line.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
 from .metrics import MetricsHistory, plot_history, save_metrics
 from .placement import resource_name
+from .run_folder import RunLock, probe_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +256,8 @@ class JabasTrainer:
             raise ValueError(f"optimizer_fn must be callable params -> Optimizer, got {optimizer_fn!r}")
         self.model_fn = model_fn
         self.dataset = dataset
+        if hasattr(dataset, "__len__"):   # bounds before any work (issue 14)
+            self.job.check_dataset_size(len(dataset))
         self.optimizer_fn = optimizer_fn or default_optimizer_fn(
             self.job.lr if self.job.lr is not None else DEFAULT_LR)
         self.loss_fn = loss_fn or default_loss_fn
@@ -276,12 +281,21 @@ class JabasTrainer:
         opts = self.options
         if self.cluster is not None:
             self.cluster.validated_pairs(drop_odd_gpu=True)
+        run_dir = self.run_config.path
+        cache = opts.profile_cache_dir or run_dir.parent / ".profiles"
+        # file-system problems and a second run on this folder are found before any work
+        probe_run_folder(run_dir, extra_dirs=(cache,))
+        with RunLock(run_dir):
+            return self._fit_locked(run_dir)
+
+    def _fit_locked(self, run_dir: Path) -> Result:
+        opts = self.options
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
         probe = self.probe()
-        run_dir = self.run_config.path
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dataset is None:          # dataset_fn: the size is known from the probe only
+            self.job.check_dataset_size(probe.dataset_size)
         self.driver = JabasDriver(self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn,
                                   self.job, cluster, run_dir, val_dataset=self.val_dataset,
                                   perf_model=self.perf_model, profiles=self.profiles,

@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import math
 import runpy
 import sys
 import typing
@@ -78,6 +79,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
+    p.add_argument("--drop-odd-gpu", action="store_true",
+                   help="leave out a node's odd GPU (default: a node with an odd GPU count is an error)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--force-replacement", action="store_true", help=argparse.SUPPRESS)
     hints = typing.get_type_hints(JobConfig)
@@ -101,7 +104,15 @@ def _parser_for(tp: Any, name: str) -> Any:
         try:
             return tp(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {tp.__name__}, got {text!r}") from None
+            pass
+        if tp is int:   # "1e8": an integer written in float notation
+            try:
+                f = float(text)
+            except ValueError:
+                f = math.nan
+            if math.isfinite(f) and f.is_integer():
+                return int(f)
+        raise argparse.ArgumentTypeError(f"{name} must be {tp.__name__}, got {text!r}")
     return parse
 
 
@@ -116,11 +127,12 @@ def job_config_from_args(args: argparse.Namespace, embedded: bool) -> JobConfig:
 
 
 def load_script(path: str) -> dict[str, Any]:
-    """``runpy`` the user's script and return its job callables (module docstring)."""
+    """``runpy`` the user's script and return its job callables (module docstring). A syntax
+    error or an exception while it runs is one ``ValueError`` naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"script {path} does not exist")
-    ns = runpy.run_path(str(p), run_name="jabasray_user_script")
+    ns = call_script(path, "running it", runpy.run_path, str(p), run_name="jabasray_user_script")
     if not callable(ns.get("model_fn")):
         raise ValueError(f"script {path} must define model_fn() (see `jabasray train --help`)")
     if not (callable(ns.get("dataset")) or callable(ns.get("dataset_fn"))):
@@ -137,26 +149,42 @@ def script_hooks(ns: dict[str, Any]) -> dict[str, Any]:
     return {k: ns[k] for k in SCRIPT_HOOKS if ns.get(k) is not None}
 
 
+def call_script(path: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``; an exception raised in the user's script ``path`` becomes a
+    one-line ``ValueError``: ``script FILE line N (WHAT): Type: message``."""
+    try:
+        return fn(*args, **kwargs)
+    except SyntaxError as e:
+        raise ValueError(f"script {e.filename or path} line {e.lineno}: syntax error: "
+                         f"{e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - reported with its place in the user's file
+        import traceback
+
+        target = Path(path).resolve()
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if Path(f.filename).resolve() == target]
+        where = f"line {frames[-1].lineno}" if frames else "(outside the script)"
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"script {path} {where} ({what}): {type(e).__name__}"
+                         f"{': ' + text if text else ''}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..actors.driver import DriverOptions
+    from ..actors.run_folder import RunLock, probe_run_folder
     from ..actors.trainer import JabasTrainer, ensure_ray
 
     job = job_config_from_args(args, embedded=args.script is None)
-    name = args.name or datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
+    name = args.name if args.name is not None else datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
     run_config = RunConfig(storage_path=args.storage_path, name=name)
-    from ..actors.checkpoint import latest_checkpoint
-    if args.resume:
-        if latest_checkpoint(run_config.path) is None:
-            raise ValueError(f"resume: run {run_config.path} has no checkpoint to resume")
-    elif latest_checkpoint(run_config.path) is not None:
-        raise ValueError(f"name: run {run_config.path} already exists; pass --resume to continue "
-                         f"it or choose another --name")
+    check_run_folder(run_config.path, args.resume)
     if args.script:
         ns = load_script(args.script)
         hooks = script_hooks(ns)
         model_fn = ns["model_fn"]
-        train = ns["dataset"]() if "dataset_fn" not in hooks else None
-        val = ns["val_dataset"]() if callable(ns.get("val_dataset")) and "val_dataset_fn" not in hooks else None
+        train = call_script(args.script, "dataset()", ns["dataset"]) if "dataset_fn" not in hooks else None
+        val = call_script(args.script, "val_dataset()", ns["val_dataset"]) \
+            if callable(ns.get("val_dataset")) and "val_dataset_fn" not in hooks else None
         optimizer_fn, loss_fn = ns.get("optimizer_fn"), ns.get("loss_fn")
     else:
         from ..data import load_digits_split
@@ -167,12 +195,11 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster == "ray":
         cluster = None
     elif args.cluster:
-        cluster = ClusterSpec.from_file(args.cluster).validated_pairs(drop_odd_gpu=True)
+        cluster = ClusterSpec.from_file(args.cluster).validated_pairs(drop_odd_gpu=args.drop_odd_gpu)
     else:
         cluster = default_cluster()
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
-    started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus, address=args.ray_address)
     progress = _Progress(total=job.epochs * len(train) if train is not None else None,
                          enabled=not args.no_progress)
     if not getattr(args, "verbose", False):
@@ -181,16 +208,25 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
                             force_replacement=args.force_replacement, reprofile=args.reprofile)
+    # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            callbacks=[progress], verbose=bool(getattr(args, "verbose", False)),
                            **hooks)
+    started = False
+    # the run folder is probed and locked before Ray starts (fit() takes the same lock again)
+    probe_run_folder(run_config.path, extra_dirs=(run_config.path.parent / ".profiles",))
+    lock = RunLock(run_config.path).acquire()
     try:
+        started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus,
+                             address=args.ray_address)
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
               flush=True)
+        progress.start()
         result = trainer.fit()
     finally:
+        lock.release()
         progress.close()
         if started:
             import ray
@@ -203,15 +239,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_run_folder(run_dir: Path, resume: bool) -> None:
+    """Before any work: a new run must not overwrite a run with checkpoints; ``--resume`` needs
+    the run folder and reads (verified, ``weights_only``) the checkpoint it will resume from, so a
+    corrupt or crafted file is reported in one line before Ray starts. The newest intact
+    checkpoint is used (the driver reports corrupt newer ones); a folder whose run died before its
+    first checkpoint starts again from epoch 0."""
+    from ..actors.checkpoint import latest_checkpoint
+
+    skipped: list[str] = []   # reported by the driver when it resumes
+    cp = latest_checkpoint(run_dir, skipped)
+    if not resume:
+        if cp is not None or skipped:
+            raise ValueError(f"name: run {run_dir} already exists; pass --resume to continue it "
+                             f"or choose another --name")
+        return
+    if not run_dir.is_dir():
+        raise ValueError(f"resume: run {run_dir} does not exist (check --name and --storage-path)")
+    if cp is None:
+        print(f"jabasray train: run {run_dir} has no intact checkpoint; starting it from epoch 0",
+              file=sys.stderr, flush=True)
+        return
+    cp.load_driver_state()
+    cp.load_worker_state()
+
+
 class _Progress:
     """tqdm bar on stderr (samples) + one printed line per epoch."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled = total, enabled
         self.bar = None
-        if enabled:
+
+    def start(self) -> None:
+        """Show the bar (once the run has passed its checks)."""
+        if self.enabled and self.bar is None:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(total=self.total, unit="sample", file=sys.stderr, dynamic_ncols=True,
                             leave=False)
 
     # DriverCallback protocol (duck-typed to keep the import light)

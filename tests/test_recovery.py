@@ -1,0 +1,119 @@
+"""Recovery from every failure point (issue 14), on the session Ray instance: a GPU actor lost
+during start-up or the first epoch is recovered like a later loss (a checkpoint exists from the
+start); exhausted restarts end in one line naming the failure and the last checkpoint; a driver
+that dies mid-epoch resumes without losing a completed epoch; a corrupt newest checkpoint is
+reported and training resumes from the one before, ending with the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from jabasray.actors.checkpoint import latest_checkpoint, list_checkpoints
+from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
+from jabasray.config import JobConfig
+from jabasray.errors import JobFailed
+from jabasray.types import ClusterSpec, NodeSpec
+
+pytestmark = pytest.mark.ray
+
+CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])   # two pairs
+
+
+def _job(epochs: int = 2) -> JobConfig:
+    return JobConfig(epochs=epochs, initial_global_batch=32, min_global_batch=16,
+                     max_global_batch=64, min_local_batch=4, adapt_interval=2, autoscale=False,
+                     seed=1)
+
+
+def _driver(run_dir, cls=JabasDriver, callbacks=(), **opts):
+    ds, val = tiny_data(160)
+    return cls(model_fn, ds, optimizer_fn, loss_fn, _job(), CLUSTER, run_dir, val_dataset=val,
+               perf_model=perf_model(), options=DriverOptions(failure_grace_s=10, **opts),
+               callbacks=list(callbacks))
+
+
+class _DiesAtStartUp(JabasDriver):
+    """The first GPU actor ever created dies before its set-up call (lost during start-up)."""
+
+    killed = False
+
+    def _make_actor(self, slot, world_size, ray_opts):
+        import ray
+        handle = super()._make_actor(slot, world_size, ray_opts)
+        if not _DiesAtStartUp.killed:
+            _DiesAtStartUp.killed = True
+            ray.kill(handle, no_restart=True)
+        return handle
+
+
+@pytest.mark.parametrize("when", ["start-up", "first epoch"])
+def test_actor_lost_before_any_epoch_is_recovered(ray_session, tmp_path, when):
+    if when == "start-up":
+        _DiesAtStartUp.killed = False
+        drv = _driver(tmp_path / "run", cls=_DiesAtStartUp)
+    else:
+        drv = _driver(tmp_path / "run", callbacks=[KillOnce(epoch=0, rank=3)])
+    hist = drv.run()
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    fail = [m for m in hist.events if "failure" in m]
+    assert len(fail) == 1 and "restarting epoch 0 from epoch_0000 without that pair" in fail[0]
+    assert all(len(e.gpu_types) == 2 for e in hist.epochs)      # one pair left
+    assert sum(r.samples for r in hist.intervals if r.epoch == 0) == 160   # epoch 0 once, whole
+    assert latest_checkpoint(tmp_path / "run").epochs_done == 2
+
+
+def test_exhausted_restarts_end_in_one_line_naming_failure_and_checkpoint(ray_session, tmp_path):
+    drv = _driver(tmp_path / "run", callbacks=[KillOnce(epoch=0, rank=3)], max_restarts=0)
+    with pytest.raises(JobFailed) as e:
+        drv.run()
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("giving up after 1 GPU actor failures (max_restarts=0); the last: "
+                          "GPU actor failure: rank 3 (fast on n0)")
+    assert f"last checkpoint {tmp_path / 'run' / 'checkpoints' / 'epoch_0000'} (0 epoch(s) done" in msg
+    assert drv.gpu_actors() == []
+
+
+class _DriverDies(DriverCallback):
+    """Stops the driver in the middle of epoch 1 (its checkpoint of epoch 0 is on disk)."""
+
+    def on_interval(self, driver, record):
+        if record.epoch == 1 and record.interval == 1:
+            raise SystemExit("driver killed")
+
+
+def test_driver_dying_mid_epoch_resumes_without_losing_a_completed_epoch(ray_session, tmp_path):
+    ref = _driver(tmp_path / "ref")
+    ref.run()
+    with pytest.raises(SystemExit):
+        _driver(tmp_path / "run", callbacks=[_DriverDies()]).run()
+    assert latest_checkpoint(tmp_path / "run").epochs_done == 1
+    drv = _driver(tmp_path / "run")
+    hist = drv.run()
+    assert any(m.startswith(f"resumed from {tmp_path / 'run' / 'checkpoints' / 'epoch_0001'} "
+                            f"after 1 epoch") for m in hist.events)
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    _assert_same_weights(tmp_path / "run", tmp_path / "ref")
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_one_before(ray_session, tmp_path):
+    _driver(tmp_path / "ref").run()
+    run = tmp_path / "run"
+    _driver(run).run()
+    w = run / "checkpoints" / "epoch_0002" / "worker.pt"
+    w.write_bytes(w.read_bytes()[:-64])                       # truncated newest checkpoint
+    drv = _driver(run)
+    hist = drv.run()
+    bad = [m for m in hist.events if "epoch_0002 is unusable" in m]
+    assert len(bad) == 1 and "worker.pt is truncated or changed" in bad[0]
+    assert any("after 1 epoch" in m for m in hist.events)     # resumed from epoch_0001
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert [c.epochs_done for c in list_checkpoints(run)] == [1, 2]
+    _assert_same_weights(run, tmp_path / "ref")
+
+
+def _assert_same_weights(a, b) -> None:
+    wa = latest_checkpoint(a).load_worker_state()["model"]
+    wb = latest_checkpoint(b).load_worker_state()["model"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
