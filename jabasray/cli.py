@@ -11,7 +11,7 @@ import logging
 import sys
 
 # name -> module under jabasray.commands; modules are imported only when present.
-SUBCOMMANDS = ("train", "plan", "profile", "tune")
+SUBCOMMANDS = ("train", "plan", "profile", "tune", "runs")  # runs: status, attach, stop
 
 
 def build_parser() -> argparse.ArgumentParser:

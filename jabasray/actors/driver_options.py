@@ -31,6 +31,10 @@ class DriverOptions(JsonMixin):
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
     sma_max_learners: int = 8           # upper bound of learners per GPU (memory)
+    driver: str = "actor"               # "actor": a restartable, detached Ray actor runs the driver
+                                        # (jabasray.actors.driver_actor); "local": in fit()'s process
+    driver_node: str | None = None      # actor driver: Ray node id or IP to run on (None: head node)
+    driver_max_restarts: int = 10       # actor driver: restarts after its process/node died (-1: no limit)
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -42,6 +46,10 @@ class DriverOptions(JsonMixin):
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
+        check_choice("driver", self.driver, ("actor", "local"))
+        check_int("driver_max_restarts", self.driver_max_restarts, min_value=-1)
+        if self.driver_node is not None and (not isinstance(self.driver_node, str) or not self.driver_node):
+            raise ValueError(f"driver_node must be a Ray node id or IP address, got {self.driver_node!r}")
         for f in ("sma_autotune", "sma_tuner_relative"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")

@@ -1,9 +1,11 @@
 """``JabasTrainer(...).fit() -> Result``: the public entry point, in Ray Train's shape.
 
 ``fit()`` connects to Ray (or starts a local instance with the emulated GPU resources the
-cluster needs), runs the :class:`~jabasray.actors.driver.JabasDriver` loop in this process,
-and writes into ``run_config.path``: ``checkpoints/``, ``metrics.json`` and ``trajectory.png``
-(B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
+cluster needs) and runs the :class:`~jabasray.actors.driver.JabasDriver` loop: by default in a
+restartable, detached Ray actor named after the run (:mod:`.driver_actor`; its progress streams
+back into the callbacks here; ``fit(wait=False)`` returns the run's name at once), or in this
+process with ``DriverOptions(driver="local")``. The run writes into ``run_config.path``:
+``checkpoints/``, ``metrics.json`` and ``trajectory.png`` (B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
 a run folder with a checkpoint resumes it (e.g. after raising ``epochs``).
 """
 from __future__ import annotations
@@ -158,9 +160,15 @@ class JabasTrainer:
         self.background = background
         self.driver: JabasDriver | None = None
 
-    def fit(self) -> Result:
-        """Run (or resume) the job; see the module docstring for what is written."""
+    def fit(self, wait: bool = True) -> Result | str:
+        """Run (or resume) the job; see the module docstring for what is written.
+
+        With the actor driver (the default) and ``wait=False``, return the run's name as soon as
+        its driver actor is started (follow it with ``jabasray attach NAME`` or
+        :func:`jabasray.actors.run_client.follow`)."""
         opts = self.options
+        if not wait and opts.driver != "actor":
+            raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
         if self.cluster is not None:
             self.cluster.validated_pairs(drop_odd_gpu=True)
         ensure_ray(self.cluster, emulate=opts.emulate)
@@ -168,17 +176,27 @@ class JabasTrainer:
         check_resources(cluster, opts.emulate)
         run_dir = self.run_config.path
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.driver = JabasDriver(self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn,
-                                  self.job, cluster, run_dir, val_dataset=self.val_dataset,
-                                  perf_model=self.perf_model, profiles=self.profiles,
-                                  options=opts, callbacks=self.callbacks,
-                                  background=self.background)
+        args = (self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn, self.job, cluster, run_dir)
+        kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
+                      options=opts, background=self.background)
+        self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+        if opts.driver == "actor":
+            from . import run_client
+            self.driver = None
+            run_client.start_run(self.run_config.name, args, kwargs, opts)
+            if not wait:
+                return self.run_config.name
+            return run_client.follow(self.run_config.name, self.callbacks)
         history = self.driver.run()
-        metrics_path = save_metrics(history, run_dir / "metrics.json")
-        plot_path = None
-        if history.epochs:
-            plot_path = plot_history(history, run_dir / "trajectory.png")
-        last = history.epochs[-1].to_dict() if history.epochs else {}
-        return Result(metrics=last, history=history,
-                      checkpoint=self.driver.last_checkpoint or latest_checkpoint(run_dir),
-                      path=run_dir, metrics_path=metrics_path, plot_path=plot_path)
+        return finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
+
+
+def finish_run(history: MetricsHistory, run_dir: Path, checkpoint: Checkpoint | None) -> Result:
+    """Write ``metrics.json`` and ``trajectory.png`` of an ended run; its :class:`Result`."""
+    metrics_path = save_metrics(history, run_dir / "metrics.json")
+    plot_path = None
+    if history.epochs:
+        plot_path = plot_history(history, run_dir / "trajectory.png")
+    last = history.epochs[-1].to_dict() if history.epochs else {}
+    return Result(metrics=last, history=history, checkpoint=checkpoint,
+                  path=run_dir, metrics_path=metrics_path, plot_path=plot_path)

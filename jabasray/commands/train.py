@@ -72,6 +72,13 @@ def register(subparsers: Any) -> None:
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--driver", default="actor", choices=["actor", "local"],
+                   help="actor: the driver runs as a restartable Ray actor named after the run, so the "
+                   "run outlives this command (Ctrl-C detaches); local: in this process")
+    p.add_argument("--driver-node", default=None, help="Ray node id or IP for the driver actor "
+                   "(default: the head node)")
+    p.add_argument("--detach", action="store_true", help="start the run and return at once (needs "
+                   "a running Ray cluster); then `jabasray status|attach|stop NAME`")
     p.add_argument("--force-replacement", action="store_true", help=argparse.SUPPRESS)
     hints = typing.get_type_hints(JobConfig)
     job = p.add_argument_group("job (JobConfig fields)")
@@ -153,17 +160,32 @@ def run(args: argparse.Namespace) -> int:
         cluster = default_cluster()
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
+    if args.detach and (args.driver != "actor" or args.ray_address == "local"):
+        raise ValueError("detach: needs --driver actor and a running Ray cluster (not --ray-address local)")
     started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus, address=args.ray_address)
+    if args.detach and started:
+        import ray
+        ray.shutdown()
+        raise ValueError("detach: needs a running Ray cluster (`ray start --head`, RAY_ADDRESS or "
+                         "--ray-address): a Ray instance started by this command ends with it")
     progress = _Progress(total=job.epochs * len(train), enabled=not args.no_progress)
     if not getattr(args, "verbose", False):
         # the driver's events reach the user through _Progress.on_event; its INFO log lines
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
-                            force_replacement=args.force_replacement)
+                            force_replacement=args.force_replacement, driver=args.driver,
+                            driver_node=args.driver_node)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            callbacks=[progress])
+    if args.detach:
+        progress.close()
+        trainer.fit(wait=False)
+        print(f"jabasray train: run {name} started in the background ({run_config.path}); "
+              f"follow it with `jabasray status {name}`, `jabasray attach {name}`, "
+              f"`jabasray stop {name}`", flush=True)
+        return 0
     try:
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
