@@ -98,7 +98,10 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
                        f"{driver_actor_name(name)!r}); attach to it with `jabasray attach {name}` "
                        f"or choose another name")
     if name in running_runs():
-        raise taken
+        ended = ray.get(find_driver(name).status.remote())["state"] in DONE_STATES
+        if not ended:
+            raise taken
+        _release(name)      # an ended run whose outcome nobody collected: its name is free
     node = _driver_node(options)
     kv_put(name, "spec", cloudpickle.dumps((tuple(driver_args), dict(driver_kwargs))))
     try:
@@ -108,6 +111,15 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
         raise taken from None
+
+
+def _release(name: str, handle: Any = None, timeout_s: float = 60.0) -> None:
+    """Tell an ended run's actor its outcome was collected and wait until it is gone (it
+    deletes its KV keys and kills itself), so that the name is free when this returns."""
+    (handle or find_driver(name)).release.remote()
+    t0 = time.monotonic()
+    while name in running_runs() and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.05)
 
 
 def status(name: str) -> dict:
@@ -176,7 +188,7 @@ def follow(name: str, callbacks: Sequence[DriverCallback] = (), poll_s: float = 
                     "`jabasray attach %s`, `jabasray stop %s`", name, name, name)
         raise
     kind, value = ray.get(handle.outcome.remote())
-    handle.release.remote()
+    _release(name, handle)
     if kind == "error":
         raise value
     return value
