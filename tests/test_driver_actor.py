@@ -179,15 +179,21 @@ def test_detached_cli_run_second_client_status_attach_stop(ray_session, tmp_path
     with pytest.raises(ValueError, match=r"^name: run 'det' is already running \(driver actor 'driver:det'\)"):
         trainer(tmp_path, "det", 2).fit(wait=False)
 
+    # two followers at once: the Python API and `jabasray attach`; both get the outcome
     seen, box = Recorder(), {}
     follower = threading.Thread(target=lambda: box.update(result=run_client.follow("det", [seen])))
+    attacher = threading.Thread(target=lambda: box.update(attach_rc=main(["attach", "det"])))
     follower.start()
+    attacher.start()
     wait_for(lambda: len(seen.epochs) >= 1, "the follower to see an epoch end")
     assert main(["stop", "det"]) == 0
-    assert "run det: stopped" in capsys.readouterr().out
     follower.join(timeout=120)
+    attacher.join(timeout=120)
+    out = capsys.readouterr().out
     result = box["result"]
     done = len(result.history.epochs)
+    assert "run det: stopped" in out and box["attach_rc"] == 0
+    assert "\nepoch 1: B_G " in out and f"det: {done} epoch(s) done" in out   # attach's lines
     assert 1 <= done < 50 and result.checkpoint.epochs_done == done
     assert [e.epoch for e in result.history.epochs] == list(range(done))
     assert {r.epoch for r in result.history.intervals} == set(range(done))   # partial epoch not kept

@@ -27,8 +27,10 @@ Design notes:
   checkpoint): :class:`StopRequested` leaves :meth:`JabasDriver.run`, whose ``finally`` releases
   the GPU actors and placement groups. Checkpoints are written at epoch ends, so the final
   checkpoint of a stopped run is its last completed epoch; a partial epoch is not kept.
-* **End.** A finished, stopped or failed run keeps its outcome until a client collects it
-  (``release``) or :data:`FINISHED_LINGER_S` passed, then deletes its keys and kills itself.
+* **End.** A finished, stopped or failed run hands its outcome to every follower in their next
+  poll; once one collected it (``release``) and no other follower polled in the last
+  :data:`FOLLOWER_ACTIVE_S` (or after :data:`FINISHED_LINGER_S` without any), the actor deletes
+  its keys and kills itself.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "jabasray"          # Ray namespace of driver actors, their GPU actors and KV keys
 DRIVER_PREFIX = "driver:"       # driver actor name = DRIVER_PREFIX + run name
 FINISHED_LINGER_S = 120.0       # an ended run waits this long for a client to collect its outcome
+FOLLOWER_ACTIVE_S = 3.0         # a follower that polled this recently still gets the outcome
 DONE_STATES = ("finished", "stopped", "failed")
 
 
@@ -190,6 +193,7 @@ class DriverActor:
         self.state = "starting"
         self._outcome: tuple[str, Any] | None = None
         self._collected = threading.Event()
+        self._followers: dict[str, float] = {}     # follower id -> time of its last poll
         self.driver: ActorJabasDriver | None = None
         self.run_dir: str | None = None
         self.epochs: int | None = None
@@ -229,11 +233,24 @@ class DriverActor:
             self._outcome = ("error", e)
             self._append("event", f"run failed: {type(e).__name__}: {e}")
             self.state = "failed"
-        self._collected.wait(FINISHED_LINGER_S)
+        self._wait_for_followers()
         try:
             kv_delete_run(self.run_name)
         finally:
             ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _wait_for_followers(self) -> None:
+        """Until one follower collected the outcome and no other is still polling (module notes)."""
+        import time
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < FINISHED_LINGER_S:
+            now = time.monotonic()
+            with self._lock:
+                active = [f for f, t in self._followers.items() if now - t < FOLLOWER_ACTIVE_S]
+            if self._collected.is_set() and not active:
+                return
+            time.sleep(0.05)
 
     def _stopped(self, where: str) -> None:
         from .checkpoint import latest_checkpoint
@@ -259,15 +276,23 @@ class DriverActor:
             self._last[kind] = item
 
     # ------------------------------------------------------------------ remote methods
-    def poll(self, since: int = 0, incarnation: int | None = None) -> dict:
+    def poll(self, since: int = 0, incarnation: int | None = None, follower: str | None = None) -> dict:
         """Progress items after ``since`` (from 0 when ``incarnation`` is another one), the index
-        to ask from next time, and :meth:`status`."""
+        to ask from next time, :meth:`status`, and once the run ended its ``outcome``:
+        ("result", Result) or ("error", exception). ``follower`` identifies a polling client."""
+        import time
+
         if incarnation != self.incarnation:
             since = 0
+        outcome = self._outcome    # read first: set before the state turns final
         with self._lock:
             items = self._items[since:]
             nxt = len(self._items)
-        return {"incarnation": self.incarnation, "items": items, "next": nxt, "status": self.status()}
+            if follower:
+                self._followers[follower] = time.monotonic()
+        st = self.status()
+        return {"incarnation": self.incarnation, "items": items, "next": nxt, "status": st,
+                "outcome": outcome if st["state"] in DONE_STATES else None}
 
     def status(self) -> dict:
         """Where the run is: state, epochs, the running epoch's samples and B_G, the last epoch
@@ -298,12 +323,10 @@ class DriverActor:
                 self.state = "stopping"
         return self.status()
 
-    def outcome(self) -> tuple[str, Any] | None:
-        """("result", Result) or ("error", exception) once the run ended, else None."""
-        return self._outcome
-
-    def release(self) -> None:
-        """The outcome was collected: the actor cleans up and exits."""
+    def release(self, follower: str | None = None) -> None:
+        """``follower`` collected the outcome; the actor exits when no other follower polls."""
+        with self._lock:
+            self._followers.pop(follower, None)
         self._collected.set()
 
     def gpu_actors(self) -> list:

@@ -113,10 +113,11 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
         raise taken from None
 
 
-def _release(name: str, handle: Any = None, timeout_s: float = 60.0) -> None:
+def _release(name: str, handle: Any = None, follower: str | None = None, timeout_s: float = 60.0) -> None:
     """Tell an ended run's actor its outcome was collected and wait until it is gone (it
-    deletes its KV keys and kills itself), so that the name is free when this returns."""
-    (handle or find_driver(name)).release.remote()
+    deletes its KV keys and kills itself once no other follower polls), so that the name is
+    free when this returns."""
+    (handle or find_driver(name)).release.remote(follower)
     t0 = time.monotonic()
     while name in running_runs() and time.monotonic() - t0 < timeout_s:
         time.sleep(0.05)
@@ -150,13 +151,16 @@ def follow(name: str, callbacks: Sequence[DriverCallback] = (), poll_s: float = 
     import ray
     from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+    import uuid
+
     handle = find_driver(name)
     view = RemoteDriver(name, handle)
+    me = uuid.uuid4().hex
     since, incarnation, unavailable_since = 0, None, None
     try:
         while True:
             try:
-                reply = ray.get(handle.poll.remote(since, incarnation), timeout=60)
+                reply = ray.get(handle.poll.remote(since, incarnation, me), timeout=60)
                 unavailable_since = None
             except (ActorUnavailableError, GetTimeoutError):   # restarting, or busy
                 reply = None
@@ -180,15 +184,15 @@ def follow(name: str, callbacks: Sequence[DriverCallback] = (), poll_s: float = 
                 for cb in callbacks:
                     getattr(cb, f"on_{kind}")(view, item)
             since = reply["next"]
-            if reply["status"]["state"] in DONE_STATES:
+            if reply["outcome"] is not None:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:
         log.warning("detached from run %s; it keeps running while its Ray cluster does: "
                     "`jabasray attach %s`, `jabasray stop %s`", name, name, name)
         raise
-    kind, value = ray.get(handle.outcome.remote())
-    _release(name, handle)
+    kind, value = reply["outcome"]
+    _release(name, handle, me)
     if kind == "error":
         raise value
     return value
