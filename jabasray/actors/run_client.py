@@ -98,7 +98,7 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
                        f"{driver_actor_name(name)!r}); attach to it with `jabasray attach {name}` "
                        f"or choose another name")
     if name in running_runs():
-        ended = ray.get(find_driver(name).status.remote())["state"] in DONE_STATES
+        ended = status(name)["state"] in DONE_STATES
         if not ended:
             raise taken
         _release(name)      # an ended run whose outcome nobody collected: its name is free
@@ -123,24 +123,33 @@ def _release(name: str, handle: Any = None, follower: str | None = None, timeout
         time.sleep(0.05)
 
 
+def _ask(name: str, handle: Any, method: str, *args: Any) -> Any:
+    """``handle.<method>(*args)``; a driver that Ray is restarting is a one-line ValueError."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    try:
+        return ray.get(getattr(handle, method).remote(*args))
+    except ActorUnavailableError:
+        raise ValueError(f"run {name!r}: its driver actor is restarting; try again in a few "
+                         f"seconds") from None
+
+
 def status(name: str) -> dict:
     """:meth:`DriverActor.status` of run ``name``."""
-    import ray
-    return ray.get(find_driver(name).status.remote())
+    return _ask(name, find_driver(name), "status")
 
 
 def stop(name: str, at_epoch_end: bool = False, wait: bool = True, poll_s: float = 0.5) -> dict:
     """Ask run ``name`` to stop (before its next interval, or after the current epoch's
     checkpoint); with ``wait``, return once its actors are released (the final status)."""
-    import ray
-
     handle = find_driver(name)
-    st = ray.get(handle.stop.remote(at_epoch_end))
+    st = _ask(name, handle, "stop", at_epoch_end)
     if st["state"] in DONE_STATES:
         raise ValueError(f"run {name!r} has already {st['state']}; running runs: {_runs_text()}")
     while wait and st["state"] not in DONE_STATES:
         time.sleep(poll_s)
-        st = ray.get(handle.status.remote())
+        st = _ask(name, handle, "status")
     return st
 
 
