@@ -72,7 +72,8 @@ def test_forced_replacement_every_epoch_is_exact(reference, tmp_path):
     ds, val = tiny_data(200)
     tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(2), cluster=CLUSTER,
                       run_config=RunConfig(str(tmp_path), "forced"), val_dataset=val,
-                      perf_model=perf_model(), options=DriverOptions(force_replacement=True),
+                      perf_model=perf_model(),   # in-process driver: the hook's list is here
+                      options=DriverOptions(force_replacement=True, driver="local"),
                       background=Background())
     forced = tr.fit()
     assert [e.replaced for e in forced.history.epochs] == [False, True]

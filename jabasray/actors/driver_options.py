@@ -37,6 +37,10 @@ class DriverOptions(JsonMixin):
     correction_smoothing: float = 0.5   # weight of one interval in the per-GPU-type factor (log EWMA)
     reprofile_threshold: float = 2.0    # a type's factor beyond this (either way): re-measure the profile
     max_reprofiles: int = 1             # re-profilings per run (each costs a profiling run)
+    driver: str = "actor"               # "actor": a restartable, detached Ray actor runs the driver
+                                        # (jabasray.actors.driver_actor); "local": in fit()'s process
+    driver_node: str | None = None      # actor driver: Ray node id or IP to run on (None: head node)
+    driver_max_restarts: int = 10       # actor driver: restarts after its process/node died (-1: no limit)
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -49,6 +53,10 @@ class DriverOptions(JsonMixin):
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
+        check_choice("driver", self.driver, ("actor", "local"))
+        check_int("driver_max_restarts", self.driver_max_restarts, min_value=-1)
+        if self.driver_node is not None and (not isinstance(self.driver_node, str) or not self.driver_node):
+            raise ValueError(f"driver_node must be a Ray node id or IP address, got {self.driver_node!r}")
         check_int("max_reprofiles", self.max_reprofiles, min_value=0)
         check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
                     min_exclusive=True)

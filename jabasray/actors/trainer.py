@@ -1,12 +1,15 @@
 """``JabasTrainer(...).fit() -> Result``: the public entry point, in Ray Train's shape.
 
 ``fit()`` connects to Ray (or starts a local instance with the emulated GPU resources the
-cluster needs), runs the :class:`~jabasray.actors.driver.JabasDriver` loop in this process,
-and writes into ``run_config.path``: ``checkpoints/``, ``metrics.json`` and ``trajectory.png``
-(B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
-a run folder with a checkpoint resumes it (e.g. after raising ``epochs``). Before any work it
-probes that the run folder (and the profile cache) can be written and takes the run folder's lock
-(:mod:`jabasray.actors.run_folder`): a second run on the same folder is refused in one line.
+cluster needs) and runs the :class:`~jabasray.actors.driver.JabasDriver` loop: by default in a
+restartable, detached Ray actor named after the run (:mod:`.driver_actor`; its progress streams
+back into the callbacks here; ``fit(wait=False)`` returns the run's name at once), or in this
+process with ``DriverOptions(driver="local")``. The run writes into ``run_config.path``:
+``checkpoints/``, ``metrics.json`` and ``trajectory.png`` (B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
+a run folder with a checkpoint resumes it (e.g. after raising ``epochs``). Before any work
+it probes that the run folder (and the profile cache) can be written; the run folder's lock
+(:mod:`jabasray.actors.run_folder`) is held by whichever process runs the driver (this one, or
+the driver actor), so a second run on the same folder is refused in one line.
 """
 from __future__ import annotations
 
@@ -276,19 +279,27 @@ class JabasTrainer:
         self.background = background
         self.driver: JabasDriver | None = None
 
-    def fit(self) -> Result:
-        """Run (or resume) the job; see the module docstring for what is written."""
+    def fit(self, wait: bool = True) -> Result | str:
+        """Run (or resume) the job; see the module docstring for what is written.
+
+        With the actor driver (the default) and ``wait=False``, return the run's name as soon as
+        its driver actor is started (follow it with ``jabasray attach NAME`` or
+        :func:`jabasray.actors.run_client.follow`)."""
         opts = self.options
+        if not wait and opts.driver != "actor":
+            raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
         if self.cluster is not None:
             self.cluster.validated_pairs(drop_odd_gpu=True)
         run_dir = self.run_config.path
         cache = opts.profile_cache_dir or run_dir.parent / ".profiles"
         # file-system problems and a second run on this folder are found before any work
         probe_run_folder(run_dir, extra_dirs=(cache,))
+        if opts.driver == "actor":    # the driver actor holds the lock in its own process
+            return self._fit(run_dir, wait)
         with RunLock(run_dir):
-            return self._fit_locked(run_dir)
+            return self._fit(run_dir, wait)
 
-    def _fit_locked(self, run_dir: Path) -> Result:
+    def _fit(self, run_dir: Path, wait: bool) -> Result | str:
         opts = self.options
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
@@ -296,26 +307,20 @@ class JabasTrainer:
         probe = self.probe()
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
-        self.driver = JabasDriver(self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn,
-                                  self.job, cluster, run_dir, val_dataset=self.val_dataset,
-                                  perf_model=self.perf_model, profiles=self.profiles,
-                                  options=opts, callbacks=self.callbacks,
-                                  background=self.background, hooks=self.hooks,
-                                  dataset_size=probe.dataset_size,
-                                  profile_data=probe.profile_rows)
+        args = (self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn, self.job, cluster, run_dir)
+        kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
+                      options=opts, background=self.background, hooks=self.hooks,
+                      dataset_size=probe.dataset_size, profile_data=probe.profile_rows)
+        self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+        if opts.driver == "actor":
+            from . import run_client
+            self.driver = None
+            run_client.start_run(self.run_config.name, args, kwargs, opts)
+            if not wait:
+                return self.run_config.name
+            return run_client.follow(self.run_config.name, self.callbacks)
         history = self.driver.run()
-        metrics_path = save_metrics(history, run_dir / "metrics.json")
-        plot_path = None
-        if history.epochs:
-            try:
-                plot_path = plot_history(history, run_dir / "trajectory.png")
-            except Exception as e:  # noqa: BLE001 - a plot must not fail the run
-                log.warning("could not write the plot: %s", e)
-        cp = self.driver.last_checkpoint or latest_checkpoint(run_dir)
-        return Result(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
-                      checkpoint=export_checkpoint(cp, run_dir) if cp is not None else None,
-                      path=str(run_dir), metrics_path=metrics_path, plot_path=plot_path,
-                      run_checkpoint=cp)
+        return finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
 
     def probe(self) -> ProbeReport:
         """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and
@@ -330,3 +335,19 @@ class JabasTrainer:
                              f"optimizer's LR is the LR at initial_global_batch - drop "
                              f"JobConfig.lr or make them equal")
         return report
+
+
+def finish_run(history: MetricsHistory, run_dir: Path, checkpoint: Checkpoint | None) -> Result:
+    """Write ``metrics.json``, ``metrics.csv`` and ``trajectory.png`` of an ended run; its
+    :class:`Result` (``checkpoint``: the Ray Train export of ``checkpoint``)."""
+    metrics_path = save_metrics(history, run_dir / "metrics.json")
+    plot_path = None
+    if history.epochs:
+        try:
+            plot_path = plot_history(history, run_dir / "trajectory.png")
+        except Exception as e:  # noqa: BLE001 - a plot must not fail the run
+            log.warning("could not write the plot: %s", e)
+    return Result(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
+                  checkpoint=export_checkpoint(checkpoint, run_dir) if checkpoint is not None else None,
+                  path=str(run_dir), metrics_path=metrics_path, plot_path=plot_path,
+                  run_checkpoint=checkpoint)

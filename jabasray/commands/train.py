@@ -82,6 +82,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--drop-odd-gpu", action="store_true",
                    help="leave out a node's odd GPU (default: a node with an odd GPU count is an error)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--driver", default="actor", choices=["actor", "local"],
+                   help="actor: the driver runs as a restartable Ray actor named after the run, so the "
+                   "run outlives this command (Ctrl-C detaches); local: in this process")
+    p.add_argument("--driver-node", default=None, help="Ray node id or IP for the driver actor "
+                   "(default: the head node)")
+    p.add_argument("--detach", action="store_true", help="start the run and return at once (needs "
+                   "a running Ray cluster); then `jabasray status|attach|stop NAME`")
     p.add_argument("--force-replacement", action="store_true", help=argparse.SUPPRESS)
     hints = typing.get_type_hints(JobConfig)
     job = p.add_argument_group("job (JobConfig fields)")
@@ -200,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = default_cluster()
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
+    if args.detach and (args.driver != "actor" or args.ray_address == "local"):
+        raise ValueError("detach: needs --driver actor and a running Ray cluster (not --ray-address local)")
     progress = _Progress(total=job.epochs * len(train) if train is not None else None,
                          enabled=not args.no_progress)
     if not getattr(args, "verbose", False):
@@ -207,26 +216,39 @@ def run(args: argparse.Namespace) -> int:
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
-                            force_replacement=args.force_replacement, reprofile=args.reprofile)
+                            force_replacement=args.force_replacement, reprofile=args.reprofile,
+                            driver=args.driver, driver_node=args.driver_node)
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            callbacks=[progress], verbose=bool(getattr(args, "verbose", False)),
                            **hooks)
     started = False
-    # the run folder is probed and locked before Ray starts (fit() takes the same lock again)
+    # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
+    # (fit() takes the same lock again), the actor driver takes it in its own process
     probe_run_folder(run_config.path, extra_dirs=(run_config.path.parent / ".profiles",))
-    lock = RunLock(run_config.path).acquire()
+    lock = RunLock(run_config.path).acquire() if args.driver == "local" else None
     try:
         started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus,
                              address=args.ray_address)
+        if args.detach:
+            if started:
+                raise ValueError("detach: needs a running Ray cluster (`ray start --head`, RAY_ADDRESS "
+                                 "or --ray-address): a Ray instance started by this command ends with it")
+            progress.close()
+            trainer.fit(wait=False)
+            print(f"jabasray train: run {name} started in the background ({run_config.path}); "
+                  f"follow it with `jabasray status {name}`, `jabasray attach {name}`, "
+                  f"`jabasray stop {name}`", flush=True)
+            return 0
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
               flush=True)
         progress.start()
         result = trainer.fit()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
         progress.close()
         if started:
             import ray
