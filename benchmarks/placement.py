@@ -34,6 +34,7 @@ from common import write_json
 
 NODES = 5          # raylets, 2 emulated GPUs each
 SIZES = (2, 4, 8)  # actors
+KEYS = ("pinned", "unpinned", "replace", "pinned_over_unpinned", "replace_over_pinned")
 
 
 def make_pool(job, data_ref):
@@ -102,19 +103,35 @@ def main() -> None:
         data_ref = ray.put(data)
         timed_place(job, data_ref, slots_for(pinned_spec, {order[0]: 1}))   # warm-up, not recorded
         rows = []
-        for n in SIZES:
+
+        def save(rows: list[dict], announce: bool = False) -> dict:
+            summary = {}
+            for n in SIZES:
+                mine = [r for r in rows if r["actors"] == n]
+                if mine:
+                    summary[n] = {key: statistics.median(r[key] for r in mine) for key in KEYS}
+            write_json(args.out, {"args": vars(args), "nodes": NODES, "cluster_start_s": cluster_up,
+                                  "loadavg_now": os.getloadavg(), "rounds": rows,
+                                  "median": {str(k): v for k, v in summary.items()}},
+                       announce=announce)
+            return summary
+
+        def contenders(n: int) -> dict:
             k = n // 2
             target = {name: 1 for name in order[:k]}
             before = {name: 1 for name in order[1:k + 1]}
-            contenders = {
+            return {
                 "pinned": lambda: timed_place(job, data_ref, slots_for(pinned_spec, target)),
                 "unpinned": lambda: timed_place(job, data_ref, slots_for(unpinned_spec, target)),
                 "replace": lambda: timed_place(job, data_ref, slots_for(pinned_spec, target),
                                                before=slots_for(pinned_spec, before)),
             }
-            for r in range(args.rounds):
-                names = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-                times = {name: contenders[name]() for name in names}
+
+        for r in range(args.rounds):       # rounds outside: a run cut short has every size
+            for n in SIZES:
+                runs = contenders(n)
+                names = list(runs) if r % 2 == 0 else list(reversed(runs))
+                times = {name: runs[name]() for name in names}
                 row = {"actors": n, "round": r, "order": names, **times,
                        "pinned_over_unpinned": times["pinned"] / times["unpinned"],
                        "replace_over_pinned": times["replace"] / times["pinned"],
@@ -124,21 +141,14 @@ def main() -> None:
                       f"replace {times['replace']:.2f}s  pinned/unpinned "
                       f"{row['pinned_over_unpinned']:.2f} replace/pinned {row['replace_over_pinned']:.2f} "
                       f"(load {row['loadavg']:.1f})", flush=True)
-        summary = {}
-        for n in SIZES:
-            mine = [r for r in rows if r["actors"] == n]
-            summary[n] = {key: statistics.median(r[key] for r in mine) for key in
-                          ("pinned", "unpinned", "replace", "pinned_over_unpinned", "replace_over_pinned")}
-            s = summary[n]
+                save(rows)   # after every round: a run cut short still leaves its rounds
+        for n, s in save(rows, announce=True).items():   # medians of the per-round figures
             print(f"n={n} median: pinned {s['pinned']:.2f}s unpinned {s['unpinned']:.2f}s "
                   f"replace {s['replace']:.2f}s; ratios pinned/unpinned {s['pinned_over_unpinned']:.2f} "
                   f"replace/pinned {s['replace_over_pinned']:.2f}")
     finally:
         ray.shutdown()
         c.shutdown()
-    write_json(args.out, {"args": vars(args), "nodes": NODES, "cluster_start_s": cluster_up,
-                          "loadavg_end": os.getloadavg(), "rounds": rows,
-                          "median": {str(k): v for k, v in summary.items()}})
 
 
 if __name__ == "__main__":
