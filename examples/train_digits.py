@@ -21,6 +21,7 @@ import logging
 
 from jabasray import ClusterSpec, JobConfig, RunConfig
 from jabasray.actors import DriverOptions, JabasTrainer, ensure_ray
+from jabasray.actors.placement import ray_cluster_spec
 from jabasray.data import load_digits_split
 from jabasray.models import DigitsCNN
 
@@ -28,11 +29,25 @@ from jabasray.models import DigitsCNN
 EMULATED = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
 
 
+def running_emulated_cluster() -> ClusterSpec | None:
+    """The Ray cluster we connected to, node by node (each GPU pair's actors are pinned to its
+    node), when its nodes advertise ``gpu_<type>`` resources; types run at EMULATED's speeds.
+    None when no node does (e.g. a plain ``ray start --head``)."""
+    try:
+        spec = ray_cluster_spec(speeds={t: speed for t, (_, _, speed) in EMULATED.items()})
+    except ValueError:
+        return None
+    return spec.validated_pairs(drop_odd_gpu=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--storage-path", default="jabasray_runs")
+    ap.add_argument("--storage-path", default="jabasray_runs",
+                    help="parent folder of the run's results; under `ray job submit` give an "
+                         "absolute path (a relative one lands in the job's temporary working "
+                         "directory); on several nodes, the head's disk or a shared path")
     ap.add_argument("--name", default="train_digits")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,7 +55,9 @@ def main() -> None:
     emulate = args.device == "cpu"
     cluster = ClusterSpec.emulated(EMULATED) if emulate else None   # None: detect GPUs from Ray
     # the running cluster, else a local instance with the emulated gpu_<type> resources
-    ensure_ray(cluster, emulate=emulate)
+    started_here = ensure_ray(cluster, emulate=emulate)
+    if emulate and not started_here:
+        cluster = running_emulated_cluster() or cluster
     train, val = load_digits_split()
     job = JobConfig(epochs=args.epochs, lr=0.1, initial_global_batch=32, min_global_batch=32,
                     max_global_batch=256, min_local_batch=8, adapt_interval=5)
@@ -53,6 +70,7 @@ def main() -> None:
               f"allocation {e.allocation} val acc {e.val_accuracy:.4f} ({e.time_s:.1f}s)")
     print(f"final val accuracy {result.val_accuracy:.4f}; metrics {result.metrics_path}; "
           f"plot {result.plot_path}")
+    print(f"results (checkpoints, metrics.json, trajectory.png): {result.path}")
 
 
 if __name__ == "__main__":

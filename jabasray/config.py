@@ -164,4 +164,7 @@ class RunConfig(JsonMixin):
 
     @property
     def path(self) -> Path:
-        return Path(self.storage_path) / self.name
+        """The run folder as an absolute path (a relative ``storage_path`` is taken from the
+        current directory; under ``ray job submit`` that is the job's temporary copy of the
+        working directory, so pass an absolute one there)."""
+        return (Path(self.storage_path).expanduser() / self.name).absolute()

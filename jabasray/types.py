@@ -16,6 +16,8 @@ from .validation import check_float, check_int
 
 log = logging.getLogger(__name__)
 
+ACCELERATOR_LABEL = "ray.io/accelerator-type"   # Ray's node label naming a node's GPU type
+
 
 @dataclass(frozen=True)
 class NodeSpec(JsonMixin):
@@ -27,6 +29,8 @@ class NodeSpec(JsonMixin):
     memory_gb: float = 16.0        # memory per GPU (GiB)
     speed: float = 1.0             # relative speed when emulated on CPU (1.0 = the CPU itself)
     tflops: float | None = None    # FP32 TFLOPS, for the cost model (Eq. 8); None -> speed
+    ray_node_id: str | None = None # the Ray node that holds these GPUs (detected clusters): actors
+                                   # of this node are placed there; None: any node with the resources
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -153,11 +157,18 @@ class ClusterSpec(JsonMixin):
         """Build the spec from Ray's node records (``nodes`` in the format of ``ray.nodes()``;
         pure: the live call is :func:`jabasray.actors.placement.ray_cluster_spec`).
 
-        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``. GPU types
-        come, in this order of precedence, from custom resources ``gpu_<type>`` (emulated or
-        user-labelled GPUs; count = the resource amount; a node may carry several types, each
-        becomes its own NodeSpec), else from ``accelerator_type:<TYPE>`` (type lower-cased,
-        count = the ``GPU`` resource), else a bare ``GPU`` count gives type ``"gpu"``. Nodes
+        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``, with
+        ``ray_node_id`` set (placement pins the node's actors to it). GPU types come, in this
+        order of precedence, from
+
+        1. custom resources ``gpu_<type>`` (emulated or user-labelled GPUs; count = the resource
+           amount; a node may carry several types, each becomes its own NodeSpec);
+        2. the node label ``ray.io/accelerator-type`` (set by Ray on GPU nodes, or by the user:
+           ``ray start --labels='{"ray.io/accelerator-type": "A100"}'``), count = ``GPU``;
+        3. the resource ``accelerator_type:<TYPE>`` (Ray's GPU detection), count = ``GPU``;
+        4. a bare ``GPU`` count: type ``"gpu"``.
+
+        Types from labels and ``accelerator_type`` are lower-cased (``A100`` -> ``a100``). Nodes
         without GPUs are skipped. ``speeds``/``memory_gb`` map GPU type -> NodeSpec field.
         Odd GPU counts are kept; ``validated_pairs`` checks them.
         """
@@ -172,18 +183,22 @@ class ClusterSpec(JsonMixin):
             if not nd.get("Alive", nd.get("alive", True)):
                 continue
             res = nd.get("Resources") or nd.get("resources") or {}
-            node_id = str(nd.get("NodeID") or nd.get("node_id") or f"node{i}")
+            ray_id = nd.get("NodeID") or nd.get("node_id")
+            node_id = str(ray_id or f"node{i}")
             types: dict[str, int] = {}
             for key, amount in res.items():
                 if key.startswith("gpu_") and len(key) > 4 and int(amount) > 0:
                     types[key[4:]] = int(amount)
             if not types and int(res.get("GPU", 0)) > 0:
+                labels = nd.get("Labels") or nd.get("labels") or {}
                 accel = sorted(k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:"))
-                types[accel[0].lower() if accel else "gpu"] = int(res["GPU"])
+                label = labels.get(ACCELERATOR_LABEL)
+                types[(label or (accel[0] if accel else "gpu")).lower()] = int(res["GPU"])
             for gpu_type, count in types.items():
                 specs.append(NodeSpec(name=f"{node_id[:8]}-{gpu_type}", gpu_type=gpu_type,
                                       num_gpus=count, speed=float(speeds.get(gpu_type, 1.0)),
-                                      memory_gb=float(memory_gb.get(gpu_type, 16.0))))
+                                      memory_gb=float(memory_gb.get(gpu_type, 16.0)),
+                                      ray_node_id=str(ray_id) if ray_id else None))
         if not specs:
             raise ValueError("nodes: the Ray cluster has no alive node with GPUs (resource GPU, "
                              "accelerator_type:* or gpu_<type>)")

@@ -11,6 +11,12 @@ import torch
 torch.set_num_threads(1)
 
 
+def _start_session_ray(ray) -> None:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             resources={"gpu_fast": 8, "gpu_slow": 8, "gpu_a": 8, "gpu_b": 8},
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance for the whole session, with emulated GPU-type resources.
@@ -22,9 +28,7 @@ def ray_session():
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             resources={"gpu_fast": 8, "gpu_slow": 8, "gpu_a": 8, "gpu_b": 8},
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    _start_session_ray(ray)
     yield ray
     ray.shutdown()
 
@@ -37,3 +41,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+@pytest.fixture(scope="module")
+def without_session_ray():
+    """For a module that starts its own Ray (e.g. a ``ray.cluster_utils.Cluster``): the
+    session's local Ray, if running, is shut down before the module and started again after
+    it, so that modules using ``ray_session`` later still find it."""
+    ray = pytest.importorskip("ray")
+    was_running = ray.is_initialized()
+    if was_running:
+        ray.shutdown()
+    yield ray
+    if ray.is_initialized():
+        ray.shutdown()
+    if was_running:
+        _start_session_ray(ray)

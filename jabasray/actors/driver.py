@@ -57,7 +57,8 @@ from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
-from .placement import Slot, drop_pair, full_allocation, group_gpus, normalize_allocation, slots_for
+from .placement import (Slot, alive_ray_nodes, drop_dead_nodes, drop_pair, full_allocation, group_gpus,
+                        normalize_allocation, slots_for)
 from .pool import ActorPool
 from .sma_learners import RankLearners
 from .sma_state import pack_sma, restore_sma
@@ -136,7 +137,8 @@ class JabasDriver:
         self._model: Any = perf_model  # built in run() when not given
         opts = self.options
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
-                              opts.collective_timeout_s, opts.failure_grace_s)
+                              opts.collective_timeout_s, opts.failure_grace_s,
+                              label=self.run_dir.name)
         self._placed_epoch = -1
         self._plan_cache: dict[tuple, Plan] = {}
         self._bucket_plans: dict[int, list[list[str]]] = {}   # world size -> LIBRA bucket plan
@@ -624,6 +626,10 @@ class JabasDriver:
             if cluster is None:
                 raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left; "
                                 f"{self._resume_hint()}") from failure.cause
+        cluster = drop_dead_nodes(cluster, alive_ray_nodes())   # a lost Ray node: all its GPUs
+        if cluster is None:
+            raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left on the live "
+                            f"Ray nodes; {self._resume_hint()}") from failure.cause
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         for line in skipped:

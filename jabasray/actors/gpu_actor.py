@@ -172,7 +172,9 @@ class GPUActor(BackgroundHostMixin):
 
     # ------------------------------------------------------------------ lifecycle
     def ping(self) -> dict:
-        return {"rank": self.slot.rank, "pid": os.getpid(), "gpu_type": self.slot.gpu_type}
+        import ray
+        return {"rank": self.slot.rank, "pid": os.getpid(), "gpu_type": self.slot.gpu_type,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def setup(self, rdv: Rendezvous, slot: Slot | None = None,
               bucket_plan: list[list[str]] | None = None) -> int:

@@ -42,6 +42,7 @@ class Slot(JsonMixin):
     group: int         # similarity group: 0 (group H) or 1
     pair: int          # pair index = index into plan.workers / group_gpus
     local_pair: int = 0  # index of the pair on its node (identity of the pair's GPUs)
+    ray_node_id: str | None = None  # Ray node the slot is pinned to (NodeSpec.ray_node_id)
 
     @property
     def pair_key(self) -> tuple[str, int]:
@@ -85,7 +86,8 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
         for k in range(allocation.get(node.name, 0)):
             for g in (0, 1):
                 slots.append(Slot(rank=2 * pair + g, node=node.name, gpu_type=node.gpu_type,
-                                  speed=node.speed, group=g, pair=pair, local_pair=k))
+                                  speed=node.speed, group=g, pair=pair, local_pair=k,
+                                  ray_node_id=node.ray_node_id))
             pair += 1
     return slots
 
@@ -116,6 +118,31 @@ def drop_pair(cluster: ClusterSpec, node_name: str) -> ClusterSpec | None:
     return ClusterSpec(nodes=nodes) if nodes else None
 
 
+def drop_dead_nodes(cluster: ClusterSpec, alive_ray_nodes: set[str]) -> ClusterSpec | None:
+    """The cluster without the nodes pinned to a Ray node that is no longer alive (nodes without
+    ``ray_node_id`` stay). Returns None when nothing is left."""
+    nodes = [n for n in cluster.nodes if n.ray_node_id is None or n.ray_node_id in alive_ray_nodes]
+    return ClusterSpec(nodes=nodes) if nodes else None
+
+
+def alive_ray_nodes() -> set[str]:
+    """Ids of the Ray nodes alive now."""
+    import ray
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+NODE_ID_LABEL = "ray.io/node-id"   # the label Ray gives every node (its node id)
+
+
+def actor_name(label: str, generation: int, slot: Slot) -> str:
+    """The name of a GPU actor in ``ray list actors`` and the dashboard:
+    ``jabasray:<label>:g<generation>:<node>:rank<rank>`` (label = the run, with a short unique
+    suffix; the generation counts placements, so a name is never reused while an actor of an
+    earlier placement is still being torn down). The rank is the one the actor was created for;
+    an actor kept across a re-placement keeps its name."""
+    return f"jabasray:{label}:g{generation}:{slot.node}:rank{slot.rank}"
+
+
 EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>
 
 
@@ -137,6 +164,16 @@ def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None 
     if available is None or res in available:
         bundle[res] = 1.0
     return bundle
+
+
+def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None
+                 ) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
+    """Bundles (one per GPU, :func:`bundle_for`) and the ``bundle_label_selector`` of the
+    placement group of one GPU pair: every bundle on the pair's Ray node when it is pinned
+    (``Slot.ray_node_id``), else None (any node with the resources)."""
+    bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
+    node_id = pair_slots[0].ray_node_id
+    return bundles, ([{NODE_ID_LABEL: node_id} for _ in bundles] if node_id else None)
 
 
 @dataclass
@@ -162,13 +199,25 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
     ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
     ``options`` carries the resources and the placement-group scheduling strategy.
     Returns the placement and the ranks whose actors are new. Raises ``RuntimeError`` when the
-    resources do not appear within ``timeout_s``.
+    resources do not appear within ``timeout_s``, or at once when a slot is pinned to a Ray node
+    that is not alive.
+
+    Pinned slots (``Slot.ray_node_id``, clusters detected from Ray): the pair's placement group
+    asks for that node through the label ``ray.io/node-id`` of every bundle, so the actors land
+    on the node the allocation names even when other nodes offer the same resources.
     """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     available = ray.cluster_resources()
+    pinned = {s.ray_node_id for s in slots if s.ray_node_id}
+    if pinned:
+        gone = pinned - alive_ray_nodes()
+        if gone:
+            names = sorted({s.node for s in slots if s.ray_node_id in gone})
+            raise RuntimeError(f"node(s) {names} left the Ray cluster (Ray node ids "
+                               f"{sorted(g[:8] for g in gone)}); detect the cluster again")
     wanted: dict[tuple[str, int], list[Slot]] = {}
     for s in slots:
         wanted.setdefault(s.pair_key, []).append(s)
@@ -184,8 +233,8 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
                 pairs[key] = old.pop(key)
                 continue
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
-            pg = placement_group(bundles, strategy="STRICT_PACK")
+            bundles, selector = pair_request(pair_slots, emulate, available)
+            pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
                 ray.get(pg.ready(), timeout=timeout_s)

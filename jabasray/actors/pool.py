@@ -9,10 +9,11 @@ collective call, skipped when nothing changed) and the fault-tolerant fan-out
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any, Callable
 
 from .fanout import call_all
-from .placement import Placement, Slot, place_actors, release
+from .placement import Placement, Slot, actor_name, place_actors, release
 from .rendezvous import RendezvousServer, backend_for
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,15 @@ class ActorPool:
         device: "cpu" or "cuda" (process-group backend).
         emulate: emulated GPU types (placement bundles).
         placement_timeout_s, collective_timeout_s, failure_grace_s: see ``DriverOptions``.
+        label: what the actors' names say about the job (e.g. the run name); a short unique
+            suffix is added (:func:`.placement.actor_name`).
     """
 
     def __init__(self, make_actor: Callable[[Slot, int, dict], Any], device: str, emulate: bool,
-                 placement_timeout_s: float, collective_timeout_s: float, failure_grace_s: float) -> None:
+                 placement_timeout_s: float, collective_timeout_s: float, failure_grace_s: float,
+                 label: str = "job") -> None:
         self._make = make_actor
+        self.label = f"{label}-{uuid.uuid4().hex[:6]}"
         self.device, self.emulate = device, emulate
         self.placement_timeout_s = placement_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -63,11 +68,15 @@ class ActorPool:
         elif self._rdv:
             self._rdv.close()
         world = len(slots)
-        self.placement, new = place_actors(slots, lambda s, opts: self._make(s, world, opts),
-                                           emulate=self.emulate, timeout_s=self.placement_timeout_s,
-                                           reuse=self.placement)
-        log.debug("placement: %d actors, %d new", world, len(new))
         self._generation += 1
+        gen = self._generation
+
+        def make(s: Slot, opts: dict) -> Any:
+            return self._make(s, world, {**opts, "name": actor_name(self.label, gen, s)})
+
+        self.placement, new = place_actors(slots, make, emulate=self.emulate,
+                                           timeout_s=self.placement_timeout_s, reuse=self.placement)
+        log.debug("placement: %d actors, %d new", world, len(new))
         self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
                                      timeout_s=self.collective_timeout_s)
         self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])

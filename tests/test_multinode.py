@@ -1,0 +1,194 @@
+"""Several Ray nodes on one machine: a ``ray.cluster_utils.Cluster`` of three raylets (two
+nodes with 2 emulated "fast" GPUs each, one with 2 "slow" GPUs), started once for the module.
+
+Proves: the cluster is detected from Ray (nodes, types, counts, node ids); an allocation places
+each GPU pair's actors on the node it names, also when another node offers the same resources;
+an allocation change keeps the pairs that stay and moves the others across nodes; a node that
+leaves in the middle of an epoch makes the driver drop its GPUs, restore the last checkpoint and
+finish without losing a completed epoch. Actors carry names that say run, node and rank.
+"""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from ray import cloudpickle
+
+from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from jabasray.actors.checkpoint import latest_checkpoint
+from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
+from jabasray.actors.placement import place_actors, ray_cluster_spec, release, slots_for
+from jabasray.config import JobConfig
+from jabasray.types import ClusterSpec
+
+pytestmark = pytest.mark.multinode
+
+SPEEDS = {"fast": 1.0, "slow": 0.5}
+
+
+@pytest.fixture(scope="module")
+def cluster(without_session_ray):
+    """Three raylets; the head (fast, 1 CPU) hosts the test's driver. GPU actors need no CPU
+    (emulated GPUs are custom resources), so 2 CPUs cover the whole module."""
+    ray = without_session_ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=1, include_dashboard=False, resources={"gpu_fast": 2}))
+    c.add_node(num_cpus=1, resources={"gpu_fast": 2})
+    c.add_node(num_cpus=0, resources={"gpu_slow": 2})
+    try:
+        ray.init(address=c.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def node_ids(c) -> dict[str, str]:
+    """``{"head"|"fast2"|"slow": Ray node id}``, told apart by their resources (the fixture's
+    Cluster keeps its worker nodes in a set, so their order says nothing)."""
+    import ray
+    out = {}
+    for n in ray.nodes():
+        if not n["Alive"]:
+            continue
+        res = n["Resources"]
+        key = "head" if "node:__internal_head__" in res else ("slow" if "gpu_slow" in res else "fast2")
+        out[key] = n["NodeID"]
+    return out
+
+
+def cluster_node(c, node_id: str):
+    """The ``ray.cluster_utils`` node object of a Ray node id (what ``remove_node`` takes)."""
+    return next(n for n in c.list_all_nodes() if n.node_id == node_id)
+
+
+def spec_name(spec: ClusterSpec, ray_node_id: str) -> str:
+    return next(n.name for n in spec.nodes if n.ray_node_id == ray_node_id)
+
+
+class Where:
+    """The lightest actor that says where it runs."""
+
+    def node_id(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_cluster_is_detected_from_ray(cluster):
+    ids = node_ids(cluster)
+    spec = ray_cluster_spec(speeds=SPEEDS)
+    got = sorted((n.ray_node_id, n.gpu_type, n.num_gpus, n.speed) for n in spec.nodes)
+    assert got == sorted([(ids["head"], "fast", 2, 1.0), (ids["fast2"], "fast", 2, 1.0),
+                          (ids["slow"], "slow", 2, 0.5)])
+    assert spec.gpu_types == ["fast", "slow"]
+    assert all(n.name == f"{n.ray_node_id[:8]}-{n.gpu_type}" for n in spec.nodes)
+
+
+def test_allocation_places_actors_on_its_nodes_and_a_change_moves_them(cluster):
+    """{fast2: 1, slow: 1}: 2 actors on the second fast node (not on the head, which has the
+    same gpu_fast resources) and 2 on the slow node. Then {head: 1, fast2: 1}: the fast2 pair
+    keeps its actors (same handles, same node), the slow pair is released, the head gets 2 new
+    actors."""
+    import ray
+
+    ids = node_ids(cluster)
+    spec = ray_cluster_spec(speeds=SPEEDS)
+    head, fast2, slow = (spec_name(spec, ids[k]) for k in ("head", "fast2", "slow"))
+    remote = ray.remote(num_cpus=0)(Where)
+
+    def make(slot, opts):
+        return remote.options(**opts).remote()
+
+    first = slots_for(spec, {fast2: 1, slow: 1})
+    placement, new = place_actors(first, make, emulate=True, timeout_s=60)
+    try:
+        assert new == [0, 1, 2, 3]
+        where = ray.get([a.node_id.remote() for a in placement.actors])
+        assert where == [s.ray_node_id for s in first]          # rank r runs on its slot's node
+        assert sorted(where) == sorted([ids["fast2"]] * 2 + [ids["slow"]] * 2)
+
+        second = slots_for(spec, {head: 1, fast2: 1})
+        placement2, new = place_actors(second, make, emulate=True, timeout_s=60, reuse=placement)
+        kept = [a for a, s in zip(placement.actors, first) if s.node == fast2]
+        fast2_ranks = [s.rank for s in second if s.node == fast2]
+        assert [placement2.actors[r] for r in fast2_ranks] == kept        # same actors
+        assert sorted(new) == sorted(s.rank for s in second if s.node == head)
+        where = ray.get([a.node_id.remote() for a in placement2.actors])
+        assert where == [s.ray_node_id for s in second]
+        assert sorted(where) == sorted([ids["head"]] * 2 + [ids["fast2"]] * 2)
+        for a in [a for a, s in zip(placement.actors, first) if s.node == slow]:   # released
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(a.node_id.remote(), timeout=30)
+        placement = placement2
+    finally:
+        release(placement)
+
+
+class RemoveNodeOnce(DriverCallback):
+    """At interval 1 of ``epoch``: record where every actor runs and what it is called, then
+    remove ``node`` from the Ray cluster (its raylet and the actors on it die)."""
+
+    def __init__(self, cluster, node, epoch: int) -> None:
+        self.cluster, self.node, self.epoch = cluster, node, epoch
+        self.seen: list[tuple[int, str, str]] = []     # (rank, node id, slot's ray node id)
+        self.names: list[str] = []
+
+    def on_interval(self, driver, record):
+        import ray
+        if self.node is None or record.epoch != self.epoch or record.interval != 1:
+            return
+        pings = ray.get([a.ping.remote() for a in driver.gpu_actors()])
+        self.seen = [(p["rank"], p["node_id"], s.ray_node_id) for p, s in zip(pings, driver.slots())]
+        self.names = sorted(ray.util.list_named_actors())
+        self.cluster.remove_node(self.node)
+        self.node = None
+
+
+def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(cluster, tmp_path):
+    """The job runs on fast2 + slow (4 actors); in the middle of epoch 1 the slow node leaves.
+    The driver drops that node's GPUs, reloads the epoch-1 checkpoint, redoes epoch 1 on fast2
+    alone and finishes: epoch 0 is kept as trained, epoch 1 is trained once, completely."""
+    ids = node_ids(cluster)
+    spec = ray_cluster_spec(speeds=SPEEDS)
+    fast2, slow = spec_name(spec, ids["fast2"]), spec_name(spec, ids["slow"])
+    job_cluster = ClusterSpec(nodes=[spec.node(fast2), spec.node(slow)])
+    ds, val = tiny_data(240)
+    job = JobConfig(epochs=2, initial_global_batch=32, min_global_batch=16, max_global_batch=64,
+                    min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
+    slow_node = cluster_node(cluster, ids["slow"])
+    hook = RemoveNodeOnce(cluster, slow_node, epoch=1)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, job_cluster, tmp_path / "mn",
+                      val_dataset=val, perf_model=perf_model(SPEEDS),
+                      options=DriverOptions(failure_grace_s=10, placement_timeout_s=60),
+                      callbacks=[hook])
+    hist = drv.run()
+
+    # before the loss: every actor ran on the node its slot names; names say run, node, rank
+    assert sorted(n for _, n, _ in hook.seen) == sorted([ids["fast2"]] * 2 + [ids["slow"]] * 2)
+    assert all(node == pinned for _, node, pinned in hook.seen)
+    assert len(hook.names) == 4 and all(n.startswith("jabasray:mn-") for n in hook.names)
+    assert sorted(n.split(":", 3)[3] for n in hook.names) == sorted(
+        [f"{fast2}:rank0", f"{fast2}:rank1", f"{slow}:rank2", f"{slow}:rank3"])
+
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert hist.epochs[0].allocation == {fast2: 1, slow: 1}
+    assert hist.epochs[0].gpu_types == ["fast", "fast", "slow", "slow"]
+    assert hist.epochs[1].allocation == {fast2: 1} and hist.epochs[1].gpu_types == ["fast", "fast"]
+    fail = [m for m in hist.events if "failure" in m]
+    assert len(fail) == 1 and f"on {slow}" in fail[0] and "restarting epoch 1" in fail[0]
+    ep0 = [r for r in hist.intervals if r.epoch == 0]
+    ep1 = [r for r in hist.intervals if r.epoch == 1]
+    assert sum(r.samples for r in ep0) == len(ds) and sum(r.samples for r in ep1) == len(ds)
+    assert [r.interval for r in ep1] == list(range(len(ep1)))
+    cp = latest_checkpoint(tmp_path / "mn")
+    assert cp.epochs_done == 2
+    assert [n.name for n in cp.load_driver_state().cluster.nodes] == [fast2]
+    assert drv.gpu_actors() == []
+
+
+# Ray workers cannot import this test module: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
