@@ -59,7 +59,8 @@ def driver_actor_name(run: str) -> str:
 
 
 def gpu_actor_prefix(run: str) -> str:
-    """Name prefix of the GPU actors a run's driver actor starts (``gpu:<run>:<incarnation>:<n>``)."""
+    """Name prefix of the GPU actors a run's driver actor starts
+    (``gpu:<run>:<incarnation>:g<generation>:<node>:rank<rank>``)."""
     return f"gpu:{run}:"
 
 
@@ -128,8 +129,11 @@ class ActorJabasDriver(JabasDriver):
         self._started = 0
 
     def _make_actor(self, slot: Any, world_size: int, ray_opts: dict) -> Any:
+        # the pool's name says generation, node and rank (placement.actor_name); the prefix
+        # lets a restarted driver find this run's leftovers (remove_leftovers)
         self._started += 1
-        name = f"{gpu_actor_prefix(self.run_name)}{self.incarnation}:{self._started}"
+        where = ray_opts["name"].split(":", 2)[2] if "name" in ray_opts else str(self._started)
+        name = f"{gpu_actor_prefix(self.run_name)}{self.incarnation}:{where}"
         return super()._make_actor(slot, world_size, dict(ray_opts, name=name, namespace=NAMESPACE))
 
     def _ensure_placement(self, state: Any, worker_state: Any, epoch: int) -> bool:
