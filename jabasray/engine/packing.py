@@ -66,7 +66,7 @@ _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-__all__ = ["pack", "PackedModel", "architecture_key", "optimizer_kind", "estimate_memory_bytes"]
+__all__ = ["pack", "PackedModel", "architecture_key", "optimizer_kind", "estimate_memory_bytes", "batchable"]
 
 
 # ----------------------------------------------------------------------------- classification
@@ -102,8 +102,8 @@ def _activation_signature(model: nn.Module) -> tuple:
     return tuple((n, repr(m)) for n, m in model.named_modules() if isinstance(m, ACTIVATION_TYPES))
 
 
-def _batchable(model: nn.Module) -> bool:
-    """vmap over stacked parameters needs a buffer-free, deterministic module."""
+def batchable(model: nn.Module) -> bool:
+    """Stacking (vmap or folded layers) needs a buffer-free, deterministic module."""
     if any(True for _ in model.buffers()):
         return False
     return not any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
@@ -499,7 +499,7 @@ class PackedModel:
         mid = self._next_id
         self._next_id += 1
         self._members[mid] = _Member(mid, model, optimizer, batch_size, architecture_key(model),
-                                     optimizer_kind(optimizer, model), _batchable(model),
+                                     optimizer_kind(optimizer, model), batchable(model),
                                      structure_key(model), _activation_signature(model))
         return mid
 
@@ -511,6 +511,12 @@ class PackedModel:
         del self._members[member]
         self._build()
         return m.model, m.optimizer
+
+    def sync(self) -> None:
+        """Write the stacked weights and optimizer state back into every member's own module
+        and optimizer (their ``state_dict``s are then current); the pack goes on."""
+        self._flush()
+        self._build()
 
     def free_all(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
         """Free every member (in :attr:`member_ids` order)."""

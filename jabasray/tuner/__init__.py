@@ -13,7 +13,7 @@ Ray is imported lazily: the bracket arithmetic and the spec work without it.
 """
 from jabasray.tuner.brackets import Bracket, Rung, hyperband_brackets, hyperband_schedule
 
-__all__ = ["hyperband_brackets", "hyperband_schedule", "Bracket", "Rung", "TrainingSpec",
+__all__ = ["packed", "SimilaritySearch", "PackedHyperband", "PackedJob", "hyperband_brackets", "hyperband_schedule", "Bracket", "Rung", "TrainingSpec",
            "PackedHyperbandTuner", "HyperbandConfig", "PackedHyperbandResult", "ConfigRecord",
            "make_trainable", "search_space_from_param_space", "PackedResultGrid", "build_result_grid"]
 
@@ -28,6 +28,9 @@ def __getattr__(name: str):
     if name in ("PackedResultGrid", "build_result_grid"):
         from jabasray.tuner import result_grid
         return getattr(result_grid, name)
+    if name in ("packed", "SimilaritySearch", "PackedHyperband", "PackedJob"):
+        from jabasray.tuner import packed_trials as _packed
+        return getattr(_packed, name)
     if name == "make_trainable":
         from jabasray.tuner.trainable import make_trainable
         return make_trainable
