@@ -38,13 +38,12 @@ Implementation notes
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from jabasray.planners.pack_opt import NormalisedSpace, similarity_order
 from jabasray.tuner.brackets import hyperband_schedule
