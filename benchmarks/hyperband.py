@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--R", type=int, default=9, help="max units per configuration (a power of eta)")
     ap.add_argument("--eta", type=int, default=3)
-    ap.add_argument("--steps-per-unit", type=int, default=10)
+    ap.add_argument("--steps-per-unit", type=int, default=100)
     ap.add_argument("--members", type=int, default=4, help="packed trials per CPU device")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")

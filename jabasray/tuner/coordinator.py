@@ -21,7 +21,10 @@ One unit of training is a barrier over the registered members:
 Arrivals (:meth:`load`) join at the next unit; a trial the scheduler stops or pauses leaves
 through :meth:`free` (from the trial's ``finally``, which runs when Tune ends the trial's
 thread). A coordinator with no member for ``idle_exit_s`` seconds exits, so detached
-coordinators do not outlive their sweep.
+coordinators do not outlive their sweep. Coordinators are named after the sweep's
+:class:`~jabasray.tuner.packed_trials.PackedJob` token; ``packed()`` starts the local node's
+coordinators at once when Ray is already running, so importing torch and loading the data
+overlap Tune's own start-up instead of delaying the first unit.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ class PackCoordinator:
         self.last_active = time.monotonic()
         self.watchdog: asyncio.Task | None = None
         self.units_run = 0
+        self._make_runner()                        # torch, data, stream: before the first trial asks
 
     # -- helpers -----------------------------------------------------------------------------
     async def _in_thread(self, fn, *args):
@@ -120,8 +124,6 @@ class PackCoordinator:
         def work() -> int:
             from jabasray.tuner.pack_runner import state_from_bytes
 
-            if self.runner is None:
-                self._make_runner()
             return self.runner.load(key, config, state_from_bytes(state) if state else None)
 
         from jabasray.tuner.pack_runner import Unpackable
@@ -143,8 +145,7 @@ class PackCoordinator:
         fut = self.waiting.pop(key, None)
         if fut is not None and not fut[0].done():
             fut[0].cancel()
-        if self.runner is not None:
-            await self._in_thread(self.runner.free, key)
+        await self._in_thread(self.runner.free, key)
         self._kick()
 
     async def unit(self, key: str, want_state: bool = False) -> tuple[dict, bytes | None]:

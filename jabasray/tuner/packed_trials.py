@@ -42,6 +42,7 @@ import os
 import random
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -71,6 +72,7 @@ class PackedJob:
     space: NormalisedSpace | None       # distances for the choice of a device
     wait_s: float                       # barrier: longest wait for a member's unit request
     idle_exit_s: float                  # a coordinator with no member exits after this
+    token: str                          # names this sweep's coordinators
 
 
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
@@ -116,7 +118,12 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
                     checkpoint_every, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
-                    float(wait_s), float(idle_exit_s))
+                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12])
+    import ray
+
+    if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
+        for d in _devices(job):
+            _coordinator(job, *d)
 
     def packed_trial(config: dict) -> None:
         _run_trial(config, job)
@@ -147,12 +154,12 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         job.wait_s, job.idle_exit_s)
 
 
-def _devices(job: PackedJob, experiment: str) -> list[tuple[str, str | None, int]]:
+def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
     """``(coordinator name, torch device or None, threads)`` this trial may use."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    base = f"pack/{experiment}/{node[:12]}"
+    base = f"pack/{job.token}/{node[:12]}"
     if job.gpu:
         gpu = ray.get_gpu_ids()
         if not gpu:
@@ -164,11 +171,11 @@ def _devices(job: PackedJob, experiment: str) -> list[tuple[str, str | None, int
     return [(f"{base}/cpu{d}", None, threads) for d in range(count)]
 
 
-def _register(job: PackedJob, key: str, config: dict, state: bytes | None, experiment: str):
+def _register(job: PackedJob, key: str, config: dict, state: bytes | None):
     """Load the member into the best device's coordinator: ``(handle, reply)``."""
     import ray
 
-    devices = _devices(job, experiment)
+    devices = _devices(job)
     deadline = time.monotonic() + 600.0
     while True:
         handles = [_coordinator(job, *d) for d in devices]
@@ -200,7 +207,7 @@ def _run_trial(config: dict, job: PackedJob) -> None:
         with ckpt.as_directory() as d:
             with open(os.path.join(d, CHECKPOINT_FILE), "rb") as f:
                 state = f.read()
-    handle, reply = _register(job, key, config, state, ctx.get_experiment_name())
+    handle, reply = _register(job, key, config, state)
     if "unpackable" in reply:
         log.warning("trial %s trains unpacked: %s", key, reply["unpackable"])
         _run_plain(config, job)
