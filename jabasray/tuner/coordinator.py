@@ -192,13 +192,10 @@ class PackCoordinator:
 
         def work() -> dict:
             results = self.runner.unit(keys)
-            out = {}
-            for k, r in results.items():
-                if isinstance(r, Exception):
-                    out[k] = r
-                else:
-                    out[k] = (r, state_to_bytes(self.runner.state(k)) if batch[k][1] else None)
-            return out
+            want = [k for k, r in results.items() if batch[k][1] and not isinstance(r, Exception)]
+            states = self.runner.states(want) if want else {}
+            return {k: r if isinstance(r, Exception) else (r, state_to_bytes(states[k]) if k in states else None)
+                    for k, r in results.items()}
 
         try:
             results = await self._in_thread(work)

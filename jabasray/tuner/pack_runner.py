@@ -116,10 +116,14 @@ class PackRunner:
 
     def state(self, key: str) -> dict:
         """The member's checkpoint: its own model and optimizer ``state_dict``s, steps, units."""
-        m = self.members[key]
-        if m.pid is not None:
+        return self.states([key])[key]
+
+    def states(self, keys: list[str]) -> dict[str, dict]:
+        """:meth:`state` of several members with ONE write-back of the stacked state."""
+        if self.pack is not None and any(self.members[k].pid is not None for k in keys):
             self.pack.sync()
-        return {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
+        return {k: {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
+                for k in keys for m in [self.members[k]]}
 
     # -- one resource unit -------------------------------------------------------------------
     def unit(self, keys: list[str]) -> dict[str, dict | Exception]:
