@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     data = spec.data_fn()
     plain = tune.with_resources(tune.with_parameters(
         make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data), {"cpu": 1})
-    devices = args.num_cpus
 
     class Recorder(tune.Callback):
         def __init__(self) -> None:
@@ -123,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == "packed_asha":
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
-                scheduler=ASHAScheduler(**asha), max_concurrent_trials=args.members * devices,
+                scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs))
-        hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, devices=devices, points=configs)
+        hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs)
         return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
 
     def run(name: str, rnd: int) -> dict:

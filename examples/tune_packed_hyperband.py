@@ -40,14 +40,13 @@ def main() -> None:
                    "lr": tune.loguniform(1e-4, 1e-1),                # continuous domains are fine
                    "activation": tune.choice(["sigmoid", "leaky_relu", "tanh", "relu"])}
     if args.scheduler == "hyperband":
-        tune_config = PackedHyperband(R=args.R, eta=args.eta, members_per_device=args.members_per_device,
-                                      devices=2).tune_config(metric="accuracy", mode="max")
+        tune_config = PackedHyperband(R=args.R, eta=args.eta, members_per_device=args.members_per_device).tune_config(metric="accuracy", mode="max")
     else:
         tune_config = tune.TuneConfig(
             metric="accuracy", mode="max", num_samples=32,
             scheduler=ASHAScheduler(max_t=args.R, grace_period=1, reduction_factor=args.eta),
             search_alg=SimilaritySearch(group_size=args.members_per_device, batch_size=32),
-            max_concurrent_trials=2 * args.members_per_device)
+            max_concurrent_trials=32)
     tuner = tune.Tuner(
         packed(spec, max_units=args.R, param_space=param_space, members_per_device=args.members_per_device),
         param_space=param_space, tune_config=tune_config,

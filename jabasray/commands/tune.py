@@ -45,15 +45,14 @@ def run(args: argparse.Namespace) -> int:
     from jabasray.tuner import PackedHyperband, SimilaritySearch, packed
 
     space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
-    devices = args.num_cpus
     if args.scheduler == "hyperband":
-        tune_config = PackedHyperband(args.R, args.eta, args.members_per_device, devices).tune_config("accuracy", "max")
+        tune_config = PackedHyperband(args.R, args.eta, args.members_per_device).tune_config("accuracy", "max")
     else:
         tune_config = tune.TuneConfig(
             metric="accuracy", mode="max", num_samples=args.num_samples,
             scheduler=ASHAScheduler(max_t=args.R, grace_period=1, reduction_factor=args.eta),
             search_alg=SimilaritySearch(group_size=args.members_per_device, batch_size=args.num_samples),
-            max_concurrent_trials=args.members_per_device * devices)
+            max_concurrent_trials=args.num_samples)
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)

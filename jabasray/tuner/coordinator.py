@@ -12,9 +12,13 @@ One unit of training is a barrier over the registered members:
 
 1. each trial calls :meth:`PackCoordinator.unit` (then waits);
 2. when every registered member has called -- or ``wait_s`` after the first call, whichever
-   comes first (a trial Tune has not resumed yet is set aside for this unit, never waited on
-   forever) -- the runner trains the waiting members one unit together in a worker thread
-   (the event loop keeps accepting arrivals and departures meanwhile);
+   comes first -- the runner trains the waiting members one unit together in a worker thread
+   (the event loop keeps accepting arrivals and departures meanwhile). A member that did not
+   call is *set aside*: its state is kept here and its slot freed, and it re-joins from that
+   state if it ever asks again. This matters because Tune does not always end a trial's
+   thread when it stops or pauses it: with ``reuse_actors=True`` the actor is cached with the
+   thread still blocked in ``tune.report`` (Tune's ``_maybe_cache_trial_actor``), so such a
+   member would otherwise hold its slot and stall every unit;
 3. each call returns its member's metrics (and its checkpoint bytes when asked); the trial
    calls ``tune.report`` -- the scheduler sees an ordinary trial reporting every unit.
 
@@ -53,7 +57,7 @@ class PackCoordinator:
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
-                 threads: int = 1, device: str | None = None, wait_s: float = 5.0,
+                 threads: int = 1, device: str | None = None, wait_s: float = 2.0,
                  idle_exit_s: float = 60.0) -> None:
         import dataclasses
 
@@ -68,6 +72,7 @@ class PackCoordinator:
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
         self.waiting: dict[str, tuple[asyncio.Future, bool]] = {}
+        self.aside: dict[str, tuple[dict, bytes]] = {}   # set-aside members: config, state
         self.first_wait = 0.0
         self.running = False
         self.timer: asyncio.TimerHandle | None = None
@@ -98,7 +103,7 @@ class PackCoordinator:
 
         while True:
             await asyncio.sleep(min(5.0, self.idle_exit_s))
-            if not self.configs and time.monotonic() - self.last_active > self.idle_exit_s:
+            if not self.configs and not self.aside and time.monotonic() - self.last_active > self.idle_exit_s:
                 log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
                 ray.actor.exit_actor()
 
@@ -115,8 +120,10 @@ class PackCoordinator:
         """Pack's ``load``: ``{"units": n}`` (units already trained), ``{"full": True}`` or
         ``{"unpackable": reason}``."""
         self._touch()
-        if key in self.configs:
-            raise ValueError(f"trial {key!r} is already loaded")
+        self.aside.pop(key, None)
+        if key in self.configs:                    # the trial restarts before its free arrived
+            self.configs.pop(key)
+            await self._in_thread(self.runner.free, key)
         if len(self.configs) >= self.capacity:
             return {"full": True}
         self.configs[key] = dict(config)           # reserve the slot before yielding
@@ -140,6 +147,7 @@ class PackCoordinator:
     async def free(self, key: str) -> None:
         """Pack's ``free``: the trial was stopped, paused or has finished."""
         self._touch()
+        self.aside.pop(key, None)
         if self.configs.pop(key, None) is None:
             return
         fut = self.waiting.pop(key, None)
@@ -152,6 +160,14 @@ class PackCoordinator:
         """Train one unit with the other members (the barrier of the module docstring);
         returns the member's metrics and, if ``want_state``, its checkpoint bytes."""
         self._touch()
+        if key not in self.configs and key in self.aside:       # set aside earlier: re-join
+            config, state = self.aside.pop(key)
+            self.configs[key] = config
+
+            def reload() -> int:
+                from jabasray.tuner.pack_runner import state_from_bytes
+                return self.runner.load(key, config, state_from_bytes(state))
+            await self._in_thread(reload)
         if key not in self.configs:
             raise ValueError(f"trial {key!r} is not loaded")
         fut = asyncio.get_running_loop().create_future()
@@ -179,18 +195,24 @@ class PackCoordinator:
                 self.timer = asyncio.get_running_loop().call_later(late, fire)
             return
         if missing:
-            log.info("unit runs without %d member(s) that did not ask within %.1f s", len(missing), self.wait_s)
+            log.info("setting aside %d member(s) that did not ask within %.1f s", len(missing), self.wait_s)
+        aside = {k: self.configs.pop(k) for k in missing}
         batch = dict(self.waiting)
         self.waiting.clear()
         self.running = True
-        asyncio.get_running_loop().create_task(self._run(batch))
+        asyncio.get_running_loop().create_task(self._run(batch, aside))
 
-    async def _run(self, batch: dict[str, tuple[asyncio.Future, bool]]) -> None:
+    async def _run(self, batch: dict[str, tuple[asyncio.Future, bool]], aside: dict[str, dict]) -> None:
         from jabasray.tuner.pack_runner import state_to_bytes
 
         keys = list(batch)
 
         def work() -> dict:
+            if aside:
+                states = self.runner.states(list(aside))
+                for k, config in aside.items():
+                    self.aside[k] = (config, state_to_bytes(states[k]))
+                    self.runner.free(k)
             results = self.runner.unit(keys)
             want = [k for k, r in results.items() if batch[k][1] and not isinstance(r, Exception)]
             states = self.runner.states(want) if want else {}

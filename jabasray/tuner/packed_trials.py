@@ -6,7 +6,7 @@
         tune_config=tune.TuneConfig(scheduler=ASHAScheduler(max_t=27), num_samples=64,
                                     metric="accuracy", mode="max",
                                     search_alg=SimilaritySearch(group_size=8),
-                                    max_concurrent_trials=16),
+                                    max_concurrent_trials=64),
         run_config=tune.RunConfig(...))
 
 Implementation notes
@@ -77,7 +77,7 @@ class PackedJob:
 
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int = 8,
-           checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 5.0,
+           checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 2.0,
            idle_exit_s: float = 60.0):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
@@ -92,7 +92,8 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         checkpoint_every: units between checkpoints (the member's own ``state_dict``s in
             ``member.pt``; needed by pausing schedulers and ``FailureConfig``); 0: none.
         cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
-        wait_s: the longest a unit waits for a registered trial that has not asked for it.
+        wait_s: the longest a unit waits for a registered trial that has not asked for it
+            (the trial is then set aside with its state and re-joins when it asks).
         idle_exit_s: seconds a coordinator without members lives on.
     """
     import cloudpickle
@@ -361,11 +362,10 @@ class PackedHyperband:
     ``max_concurrent_trials`` to ``tune.TuneConfig`` (or call :meth:`tune_config`).
     """
 
-    def __init__(self, R: int, eta: int = 3, members_per_device: int = 8, devices: int = 1,
+    def __init__(self, R: int, eta: int = 3, members_per_device: int = 8,
                  points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
         from ray.tune.schedulers import HyperBandScheduler
 
-        check_int("devices", devices, min_value=1)
         brackets = hyperband_schedule(R, eta)
         if R != eta ** (len(brackets) - 1):
             raise ValueError(f"R must be a power of eta for Tune's HyperBandScheduler brackets to be "
@@ -373,7 +373,10 @@ class PackedHyperband:
         # Tune fills brackets from s = 0 (fewest configurations, most units) upwards
         self.bracket_sizes = [b.num_configs for b in reversed(brackets)]
         self.num_samples = sum(self.bracket_sizes)
-        self.max_concurrent_trials = members_per_device * devices
+        # Resources (1/members_per_device of a device per trial) bound how many trials run. The
+        # limit only lifts Tune's "one pending trial at a time" for custom searchers; a lower one
+        # would let a ConcurrencyLimiter hold back trials a HyperBand bracket waits for.
+        self.max_concurrent_trials = self.num_samples
         self.scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=R, reduction_factor=eta)
         self.search_alg = SimilaritySearch(group_size=members_per_device, batch_sizes=self.bracket_sizes,
                                            points=points, seed=seed)
