@@ -50,9 +50,10 @@ def main() -> None:
     tuner = tune.Tuner(
         packed(spec, max_units=args.R, param_space=param_space, members_per_device=args.members_per_device),
         param_space=param_space, tune_config=tune_config,
+        # packed trials checkpoint every unit (checkpoint_every=1); with CheckpointConfig(num_to_keep=k)
+        # Tune forces an experiment snapshot every k checkpoints of a trial, so it is left out here
         run_config=tune.RunConfig(name="packed_tune_example",
-                                  storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_"),
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=1)))
+                                  storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_")))
     grid = tuner.fit()                                  # an ordinary ResultGrid: one row per trial
     best = grid.get_best_result()
     print(f"{len(grid)} configurations, largest pack: {int(grid.get_dataframe()['pack_size'].max())} trials")
