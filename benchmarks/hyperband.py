@@ -1,35 +1,36 @@
-"""Packed Hyperband vs Ray Tune's own HyperBandScheduler (Pack paper, section 5.4, Table 4).
+"""Packed trials vs Ray Tune's own schedulers, all written as a Tune user writes them.
 
-Search space: the paper's Table 3 (batch size 20..70, optimizer Adam/SGD/Adagrad/Momentum,
-learning rate 1e-6..1e-1, activation Sigmoid/LeakyReLU/Tanh/ReLU) over an MLP-3 on
-scikit-learn's digits; R = 81, eta = 3 (the paper's setting); 1 resource unit =
-``--steps-per-unit`` mini-batch steps. Both searches get the SAME 143 configurations (the ones
-packed Hyperband samples for its five brackets), read the same shared input stream and start
-from the same initial weights, so they differ only in how they are scheduled:
+Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus=2``):
 
-* ``packed``: :class:`jabasray.tuner.PackedHyperbandTuner` (kNN pack_opt under
-  ``--memory-budget`` bytes per device; one Tune trial per pack, one CPU each); its wall-clock
-  is reported without and with building the per-configuration ResultGrid (built directly
-  from the recorded results, no second Tune run);
-* ``ray_hyperband``: ``tune.Tuner`` with ``HyperBandScheduler(max_t=81, reduction_factor=3)``
-  and one ordinary trial per configuration (one CPU each), checkpoints at the rung boundaries.
+* ``A tune_asha``: Tune's ``ASHAScheduler(max_t=R, grace_period=1, reduction_factor=eta)``;
+  function trainable (:func:`jabasray.tuner.make_trainable`) reporting every unit with a
+  checkpoint every unit (as Tune's docs show), 1 CPU per trial, ``reuse_actors=True``;
+* ``B tune_hyperband``: the same trainable under Tune's ``HyperBandScheduler(max_t=R,
+  reduction_factor=eta)``;
+* ``C packed_asha``: :func:`jabasray.tuner.packed` (trials packed per CPU "device",
+  ``--members`` per device) under the same ``ASHAScheduler``, with ``SimilaritySearch`` order;
+* ``D packed_hyperband``: :class:`jabasray.tuner.PackedHyperband` (Tune's HyperBandScheduler +
+  kNN order per bracket) with packed trials.
 
-Both read the digits data from Ray's object store (``tune.with_parameters``), loaded once by
-the driver; neither rebuilds it per trial process.
+Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
+the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (MLP-3 on
+digits, ``--steps-per-unit`` steps per unit) and reads the same data; the units each one
+actually trains are reported (schedulers decide differently). Rounds are paired: A B C D,
+A B C D, ... (the order rotates each round); per-round ratios and their median are reported,
+never the best of each side from different rounds. For every run: wall time to finish, time
+until the best-so-far metric is within 1 point of that run's final best, time to the fixed
+``--target`` accuracy, best accuracy, units trained, load average.
 
-Extra packed variants (``--methods knn,random,batch_size``) reproduce the paper's baselines.
-A tiny warm-up search runs first; then ``--repeats`` rounds alternate the order of the variants
-and the best (minimum) wall time of each counts (the machine may be shared).
-Runs its own local Ray with ``num_cpus=2``; prints ratios, writes benchmarks/out/hyperband.json.
-
-    python benchmarks/hyperband.py [--steps-per-unit 2] [--memory-budget 2.5e6] [--methods knn]
+    flock /work/heavy.lock python benchmarks/hyperband.py [--rounds 2] [--R 9] [--out /tmp/x.json]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -38,27 +39,50 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import write_json  # noqa: E402
 
+CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
+
+
+def trajectory_stats(points: list[tuple[float, float]], target: float) -> dict:
+    """From ``(seconds since start, metric)`` results (in arrival order): the best metric, the
+    first time the best-so-far is within 0.01 (1 point) of it, the first time it reaches
+    ``target`` (None if never)."""
+    best = max(m for _, m in points)
+    best_so_far, t_within, t_target = float("-inf"), None, None
+    for t, m in sorted(points):
+        best_so_far = max(best_so_far, m)
+        if t_within is None and best_so_far >= best - 0.01:
+            t_within = t
+        if t_target is None and best_so_far >= target:
+            t_target = t
+    return {"best_accuracy": best, "time_to_within_1pt_s": t_within, "time_to_target_s": t_target}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--R", type=int, default=81)
+    ap.add_argument("--R", type=int, default=9, help="max units per configuration (a power of eta)")
     ap.add_argument("--eta", type=int, default=3)
-    ap.add_argument("--steps-per-unit", type=int, default=2)
-    ap.add_argument("--memory-budget", type=float, default=2.5e6, help="bytes per device for pack_opt")
-    ap.add_argument("--methods", default="knn", help="comma list of knn,random,batch_size")
+    ap.add_argument("--steps-per-unit", type=int, default=100)
+    ap.add_argument("--members", type=int, default=4, help="packed trials per CPU device")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-cpus", type=int, default=2)
-    ap.add_argument("--skip-baseline", action="store_true")
-    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best wall time counts")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "hyperband.json"))
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jabasray_bench", "hyperband.json"))
     args = ap.parse_args(argv)
+    contenders = [c for c in args.contenders.split(",") if c]
+    for c in contenders:
+        if c not in CONTENDERS:
+            print(f"contenders must be among {', '.join(CONTENDERS)}, got {c!r}", file=sys.stderr)
+            return 2
 
     import ray
     from ray import tune
-    from ray.tune.schedulers import HyperBandScheduler
+    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
     from ray.tune.search import BasicVariantGenerator
 
-    from jabasray.tuner import HyperbandConfig, PackedHyperbandTuner, make_trainable
+    from jabasray.planners.pack_opt import TABLE3_SPACE
+    from jabasray.tuner import PackedHyperband, SimilaritySearch, hyperband_schedule, make_trainable, packed
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -66,113 +90,104 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     storage = tempfile.mkdtemp(prefix="jabasray_hb_bench_")
     spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit, seed=args.seed)
-    param_space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
-    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU, no GPU, Ray num_cpus={args.num_cpus}",
-                 "args": vars(args), "packed": {}}
-    configs = None
-    data = spec.data_fn()              # the baseline's copy; the packed tuner caches its own
+    space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
+    n_configs = sum(b.num_configs for b in hyperband_schedule(args.R, args.eta))
+    configs = TABLE3_SPACE.sample(n_configs, random.Random(args.seed))
+    stream_batch = max(TABLE3_PARAM_VALUES["batch_size"])
+    data = spec.data_fn()
+    plain = tune.with_resources(tune.with_parameters(
+        make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data), {"cpu": 1})
 
-    def run_packed(method: str, rep: int) -> dict:
-        tuner = PackedHyperbandTuner(
-            spec, param_space=param_space,
-            hyperband=HyperbandConfig(R=args.R, eta=args.eta, memory_budget=args.memory_budget,
-                                      pack_method=method, seed=args.seed),
-            run_config=tune.RunConfig(name=f"packed_{method}_{rep}", storage_path=storage))
-        t0 = time.perf_counter()
-        res = tuner.search()
-        t_search = time.perf_counter() - t0
-        grid = tuner._result_grid(res)                  # what tuner.fit() returns
-        t_total = time.perf_counter() - t0
-        best = grid.get_best_result()
-        sizes = [len(p["members"]) for p in res.packs]
-        pack_df = tuner.packs_grid.get_dataframe()
-        units = sum(max(h["resource"] for h in r.history) for r in res.records if r.history)
-        return {"search_s": t_search, "with_result_grid_s": t_total, "num_trials": len(sizes),
-                "units_trained": units, "sum_pack_train_time_s": float(pack_df["pack_train_time_s"].sum()),
-                "sum_pack_setup_s": float(pack_df["pack_setup_s"].sum()),
-                "sum_trial_time_s": float(pack_df["time_total_s"].sum()),
-                "mean_pack_size": sum(sizes) / len(sizes), "max_pack_size": max(sizes),
-                "best_accuracy": best.metrics["accuracy"],
-                "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES}, "rows": len(grid),
-                "configs": [r.config for r in res.records]}
+    class Recorder(tune.Callback):
+        def __init__(self) -> None:
+            self.t0 = time.perf_counter()
+            self.points: list[tuple[float, float]] = []
+            self.units: dict[str, int] = {}
 
-    def run_baseline(pts: list, rep: int) -> dict:
-        # evaluate/report/checkpoint only at Hyperband's rung boundaries (powers of eta), as
-        # the packed trials do; HyperBandScheduler then runs on time_attr="units"
-        rungs = [args.eta ** i for i in range(0, 20) if args.eta ** i <= args.R]
-        trainable = make_trainable(spec, stream_batch=max(TABLE3_PARAM_VALUES["batch_size"]),
-                                   max_units=args.R, checkpoint_units=rungs, report_units=rungs)
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            self.points.append((time.perf_counter() - self.t0, float(result["accuracy"])))
+            self.units[trial.trial_id] = max(self.units.get(trial.trial_id, 0), int(result["units"]))
+
+    def tune_config(name: str):
+        asha = dict(max_t=args.R, grace_period=1, reduction_factor=args.eta)
+        if name == "tune_asha":
+            return plain, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
+                                          search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
+                                          scheduler=ASHAScheduler(**asha))
+        if name == "tune_hyperband":
+            return plain, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
+                                          search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
+                                          scheduler=HyperBandScheduler(max_t=args.R, reduction_factor=args.eta))
+        trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members)
+        if name == "packed_asha":
+            return trainable, tune.TuneConfig(
+                metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
+                scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
+                search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs))
+        hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs)
+        return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
+
+    def run(name: str, rnd: int) -> dict:
+        trainable, tc = tune_config(name)
+        rec = Recorder()
         t0 = time.perf_counter()
-        grid = tune.Tuner(
-            tune.with_resources(tune.with_parameters(trainable, data=data), {"cpu": 1}),
-            param_space=param_space,
-            tune_config=tune.TuneConfig(
-                metric="accuracy", mode="max", num_samples=len(pts), reuse_actors=True,
-                search_alg=BasicVariantGenerator(points_to_evaluate=pts),
-                scheduler=HyperBandScheduler(time_attr="units", max_t=args.R, reduction_factor=args.eta)),
-            run_config=tune.RunConfig(name=f"ray_hyperband_{rep}", storage_path=storage, verbose=0)).fit()
+        rec.t0 = t0
+        grid = tune.Tuner(trainable, param_space=space, tune_config=tc,
+                          run_config=tune.RunConfig(name=f"{name}_{rnd}", storage_path=storage, verbose=0,
+                                                    callbacks=[rec])).fit()
         wall = time.perf_counter() - t0
         best = grid.get_best_result()
-        return {"wall_s": wall, "num_trials": len(grid), "errors": grid.num_errors,
-                "units_trained": sum(int(r.metrics.get("units", 0)) for r in grid),
-                "sum_trial_time_s": sum(float(r.metrics.get("time_total_s", 0.0)) for r in grid),
-                "best_accuracy": best.metrics["accuracy"],
-                "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES}}
+        return {"wall_s": wall, "trials": len(grid), "errors": grid.num_errors,
+                "units_trained": sum(rec.units.values()), "reports": len(rec.points),
+                **trajectory_stats(rec.points, args.target),
+                "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES},
+                "load_avg_after": os.getloadavg()[0]}
 
-    def keep_min(slot: dict, key: str, run: dict, time_key: str) -> None:
-        runs = slot.setdefault(key + "_runs", [])
-        runs.append(run[time_key])
-        if key not in slot or run[time_key] < slot[key][time_key]:
-            slot[key] = run
-
-    def baseline(rep: int) -> None:
-        r = run_baseline(configs, rep)
-        keep_min(base, "ray_hyperband", r, "wall_s")
-        print(f"[rep {rep}] ray HyperBandScheduler: {r['wall_s']:.1f} s, {r['num_trials']} trials, "
-              f"best acc {r['best_accuracy']:.4f} {r['best_config']}", flush=True)
-
-    packed: dict = {}
-    base: dict = {}
+    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU, no GPU, Ray num_cpus={args.num_cpus}",
+                 "args": vars(args), "configs": len(configs), "load_avg_start": os.getloadavg(), "rounds": []}
     try:
-        # warm-up: a tiny packed search so that every variant finds warm Ray workers
-        PackedHyperbandTuner(spec, param_space=param_space,
-                             hyperband=HyperbandConfig(R=3, eta=args.eta, memory_budget=args.memory_budget),
-                             run_config=tune.RunConfig(name="warmup", storage_path=storage)).search()
-        methods = [m for m in args.methods.split(",") if m]
-        for rep in range(args.repeats):
-            order = ["baseline"] + methods if rep % 2 else methods + ["baseline"]
-            for v in order:
-                if v == "baseline":
-                    if not args.skip_baseline and configs is not None:
-                        baseline(rep)
-                else:
-                    r = run_packed(v, rep)
-                    configs = configs or r["configs"]
-                    keep_min(packed, v, r, "search_s")
-                    print(f"[rep {rep}] packed[{v}]: search {r['search_s']:.1f} s (+ResultGrid "
-                          f"{r['with_result_grid_s']:.1f} s), {r['num_trials']} pack trials (mean "
-                          f"{r['mean_pack_size']:.1f} configs), best acc {r['best_accuracy']:.4f} "
-                          f"{r['best_config']}", flush=True)
-            if rep == 0 and not args.skip_baseline and "ray_hyperband" not in base:
-                baseline(rep)                                # first repeat ran packed first
-        for m in methods:
-            r = dict(packed[m])
-            r.pop("configs", None)
-            r["search_s_runs"] = packed[m + "_runs"]
-            out["packed"][m] = r
-        if base:
-            out["ray_hyperband"] = {**base["ray_hyperband"], "wall_s_runs": base["ray_hyperband_runs"]}
-            t_base = out["ray_hyperband"]["wall_s"]
-            for method, r in out["packed"].items():
-                r["speedup_search"] = t_base / r["search_s"]
-                r["speedup_with_result_grid"] = t_base / r["with_result_grid_s"]
-                r["accuracy_gap_points"] = 100 * (out["ray_hyperband"]["best_accuracy"] - r["best_accuracy"])
-                print(f"speedup packed[{method}] vs Ray HyperBand (best of {args.repeats}): "
-                      f"{r['speedup_search']:.2f}x (with ResultGrid {r['speedup_with_result_grid']:.2f}x); "
-                      f"best-accuracy gap {r['accuracy_gap_points']:+.2f} points")
+        run("tune_asha", -1) if "tune_asha" in contenders else None   # warm-up: Ray workers, imports
+        for rnd in range(args.rounds):
+            order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
+            row = {}
+            for name in order:
+                r = run(name, rnd)
+                row[name] = r
+                print(f"[round {rnd}] {name:17s} finish {r['wall_s']:6.1f} s | within 1 pt "
+                      f"{r['time_to_within_1pt_s']:6.1f} s | target {r['time_to_target_s']} | best "
+                      f"{r['best_accuracy']:.4f} | {r['units_trained']} units, {r['trials']} trials, "
+                      f"{r['errors']} errors | load {r['load_avg_after']:.1f}", flush=True)
+            out["rounds"].append(row)
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
+
+    def ratios(base: str, other: str, key: str) -> list[float] | None:
+        if base not in contenders or other not in contenders:
+            return None
+        vals = []
+        for row in out["rounds"]:
+            a, b = row[base][key], row[other][key]
+            vals.append(a / b if a is not None and b else float("nan"))
+        return vals
+
+    summary = {}
+    for base, other in (("tune_asha", "packed_asha"), ("tune_hyperband", "packed_hyperband"),
+                        ("tune_asha", "packed_hyperband")):
+        for key in ("wall_s", "time_to_within_1pt_s", "time_to_target_s"):
+            r = ratios(base, other, key)
+            if r is not None:
+                summary[f"{base}/{other} {key}"] = {"per_round": r, "median": statistics.median(r)}
+    for name in contenders:
+        summary[f"{name} best_accuracy"] = [row[name]["best_accuracy"] for row in out["rounds"]]
+        summary[f"{name} units_trained"] = [row[name]["units_trained"] for row in out["rounds"]]
+    out["summary"] = summary
+    out["load_avg_end"] = os.getloadavg()
+    for k, v in summary.items():
+        if isinstance(v, dict):
+            print(f"{k}: per round {', '.join(f'{x:.2f}' for x in v['per_round'])}; median {v['median']:.2f}x")
+        else:
+            print(f"{k}: {v}")
     write_json(args.out, out)
     return 0
 

@@ -1,14 +1,14 @@
-"""Packed Hyperband with Ray Tune: a small sweep over the Pack paper's Table 3 hyperparameters
+"""Packed training inside Ray Tune: a sweep over the Pack paper's Table 3 hyperparameters
 (batch size, optimizer, learning rate, activation) for an MLP on scikit-learn's digits.
 
-You describe how ONE configuration trains (a TrainingSpec: model, optimizer, batch size, data,
-metric as functions of the config) and a Tune param space of discrete choices; jabasray packs
-similar configurations into one Tune trial per device (kNN pack_opt under a memory budget),
-runs Hyperband's successive halving and returns an ordinary ray.tune.ResultGrid with one row
-per configuration.
+You keep Ray Tune: ``tune.Tuner``, its schedulers, ``TuneConfig`` and ``RunConfig``. You
+describe how ONE configuration trains (a ``TrainingSpec``: model, optimizer, batch size, data,
+metric as functions of the config) and wrap it with ``jabasray.tuner.packed``: every
+configuration is still its own Tune trial reporting every unit, but the trials that share a
+device train inside ONE packed model (Pack's load/free as trials arrive and leave).
 
-    python examples/tune_packed_hyperband.py            # R=27, eta=3: about 15 s on 2 CPUs
-    python examples/tune_packed_hyperband.py --R 81     # the paper's setting (longer)
+    python examples/tune_packed_hyperband.py                      # packed Hyperband, R=9
+    python examples/tune_packed_hyperband.py --scheduler asha     # Tune's ASHA, packed
 """
 from __future__ import annotations
 
@@ -17,37 +17,49 @@ import tempfile
 
 import ray
 from ray import tune
+from ray.tune.schedulers import ASHAScheduler
 
-from jabasray.tuner import HyperbandConfig, PackedHyperbandTuner
-from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
+from jabasray.tuner import PackedHyperband, SimilaritySearch, packed
+from jabasray.tuner.digits import digits_mlp_spec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--R", type=int, default=27, help="max resource units per configuration")
+    ap.add_argument("--scheduler", choices=("hyperband", "asha"), default="hyperband")
+    ap.add_argument("--R", type=int, default=9, help="max resource units per configuration")
     ap.add_argument("--eta", type=int, default=3)
     ap.add_argument("--steps-per-unit", type=int, default=4, help="mini-batch steps per resource unit")
-    ap.add_argument("--memory-budget", type=float, default=2.5e6, help="bytes a device offers a pack")
+    ap.add_argument("--members-per-device", type=int, default=8, help="trials packed per device")
     ap.add_argument("--storage", default=None, help="Tune storage path (default: a temp folder)")
     args = ap.parse_args()
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit)       # MLP-3 on digits, metric "accuracy"
-    param_space = {name: tune.choice(values) for name, values in TABLE3_PARAM_VALUES.items()}
-    tuner = PackedHyperbandTuner(
-        spec, param_space=param_space,
-        hyperband=HyperbandConfig(R=args.R, eta=args.eta, memory_budget=args.memory_budget,
-                                  pack_method="knn", resources_per_pack={"cpu": 1}),
-        run_config=tune.RunConfig(name="packed_hyperband_example",
+    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit)     # MLP-3 on digits, metric "accuracy"
+    param_space = {"batch_size": tune.choice([20, 30, 40, 50, 60, 70]),
+                   "optimizer": tune.choice(["adam", "sgd", "adagrad", "momentum"]),
+                   "lr": tune.loguniform(1e-4, 1e-1),                # continuous domains are fine
+                   "activation": tune.choice(["sigmoid", "leaky_relu", "tanh", "relu"])}
+    if args.scheduler == "hyperband":
+        tune_config = PackedHyperband(R=args.R, eta=args.eta, members_per_device=args.members_per_device).tune_config(metric="accuracy", mode="max")
+    else:
+        tune_config = tune.TuneConfig(
+            metric="accuracy", mode="max", num_samples=32,
+            scheduler=ASHAScheduler(max_t=args.R, grace_period=1, reduction_factor=args.eta),
+            search_alg=SimilaritySearch(group_size=args.members_per_device, batch_size=32),
+            max_concurrent_trials=32)
+    tuner = tune.Tuner(
+        packed(spec, max_units=args.R, param_space=param_space, members_per_device=args.members_per_device),
+        param_space=param_space, tune_config=tune_config,
+        # packed trials checkpoint every unit (checkpoint_every=1); with CheckpointConfig(num_to_keep=k)
+        # Tune forces an experiment snapshot every k checkpoints of a trial, so it is left out here
+        run_config=tune.RunConfig(name="packed_tune_example",
                                   storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_")))
-    grid = tuner.fit()                                  # a ray.tune.ResultGrid, one row per config
+    grid = tuner.fit()                                  # an ordinary ResultGrid: one row per trial
     best = grid.get_best_result()
-    packs = tuner.search_result.packs
-    print(f"{len(grid)} configurations trained in {len(packs)} packed trials "
-          f"(largest pack: {max(len(p['members']) for p in packs)} configurations)")
+    print(f"{len(grid)} configurations, largest pack: {int(grid.get_dataframe()['pack_size'].max())} trials")
     print(f"best configuration: {best.config}")
-    print(f"best validation accuracy: {best.metrics['accuracy']:.4f} after {best.metrics['resource']} units")
-    print(f"its checkpoint: {best.checkpoint}")
+    print(f"best validation accuracy: {best.metrics['accuracy']:.4f} after {best.metrics['units']} units")
+    print(f"its checkpoint (the model's own state_dict in member.pt): {best.checkpoint}")
     ray.shutdown()
 
 

@@ -1,93 +1,140 @@
-"""Packed Hyperband on Ray Tune, end to end on a tiny space (uses the session Ray fixture)."""
+"""Packed trials inside Ray Tune's own Tuner, end to end on a tiny space (session Ray fixture).
+
+Each configuration is its own Tune trial reporting every unit; trials of one device train in
+one packed model; schedulers, stop, callbacks, checkpoints, FailureConfig and Tuner.restore
+behave as with any function trainable."""
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 
+import cloudpickle
 import pytest
 import torch
+from torch import nn
 
-from jabasray.tuner import HyperbandConfig, PackedHyperbandTuner, make_trainable
+from jabasray.tuner import PackedHyperband, SimilaritySearch, packed
 from jabasray.tuner.digits import digits_mlp_spec
+from jabasray.tuner.training import build_member
 
 tune = pytest.importorskip("ray.tune")
+from ray.tune.schedulers import ASHAScheduler  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SPACE = {"batch_size": tune.choice([20, 40]), "optimizer": tune.choice(["adam", "sgd", "momentum"]),
-         "lr": tune.choice([1e-3, 1e-2, 1e-1]), "activation": ["relu", "tanh"]}
+         "lr": tune.loguniform(1e-3, 1e-1), "activation": tune.choice(["relu", "tanh"])}
+SPEC = digits_mlp_spec(steps_per_unit=2)
 
 
-def _tuner(tmp_path, method, name):
-    return PackedHyperbandTuner(
-        digits_mlp_spec(steps_per_unit=2), param_space=SPACE,
-        hyperband=HyperbandConfig(R=3, eta=3, memory_budget=1e9, pack_method=method, seed=3),
-        run_config=tune.RunConfig(name=name, storage_path=str(tmp_path)))
+class _Recorder(tune.Callback):
+    def __init__(self):
+        self.results = []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.results.append((trial.trial_id, result["training_iteration"], result.get("pack_size")))
 
 
-def test_packed_and_unpacked_search_select_the_same_best(ray_session, tmp_path):
-    packed = _tuner(tmp_path, "knn", "packed")
-    grid = packed.fit()
-    res = packed.search_result
-    assert max(len(p["members"]) for p in res.packs) > 1            # it really packed
-    # one ResultGrid row per sampled configuration (3 + 2 for R=3, eta=3)
-    assert len(grid) == len(res.records) == 5 and grid.num_errors == 0
-    ids = sorted(r.config["config_id"] for r in grid)
-    assert ids == list(range(5))
+def _tuner(trainable, tmp_path, name, tune_config, **run):
+    return tune.Tuner(trainable, param_space=SPACE, tune_config=tune_config,
+                      run_config=tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0, **run))
+
+
+def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
+    rec = _Recorder()
+    grid = _tuner(packed(SPEC, max_units=4, param_space=SPACE, members_per_device=3), tmp_path, "asha",
+                  tune.TuneConfig(metric="accuracy", mode="max", num_samples=6, max_concurrent_trials=6,
+                                  scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
+                                  search_alg=SimilaritySearch(group_size=3, batch_size=6, seed=1)),
+                  callbacks=[rec], stop={"training_iteration": 3},
+                  checkpoint_config=tune.CheckpointConfig(num_to_keep=2)).fit()
+    assert len(grid) == 6 and grid.num_errors == 0
+    df = grid.get_dataframe()
+    assert (df["training_iteration"] == df["units"]).all()          # one report per unit
+    assert df["units"].max() == 3                                    # RunConfig.stop honoured
+    assert max(p for _, _, p in rec.results) > 1                     # trials really shared a pack
+    # the callback saw every report of every trial: iterations 1..n per trial
+    per_trial = {}
+    for tid, it, _ in rec.results:
+        per_trial.setdefault(tid, []).append(it)
+    assert all(its == list(range(1, len(its) + 1)) for its in per_trial.values())
+    for r in grid:                                                   # per-configuration progress.csv
+        assert len(r.metrics_dataframe) == r.metrics["units"]
+        assert os.path.exists(os.path.join(r.path, "progress.csv"))
     best = grid.get_best_result()
-    assert best.config["config_id"] == res.best_config_id
-    assert {k: best.config[k] for k in SPACE} == res.best_config
-    assert best.checkpoint is not None
-    with best.checkpoint.as_directory() as d:                          # the member's own state
-        state = torch.load(os.path.join(d, "member.pt"), weights_only=False)
-    assert state["steps"] == best.metrics["steps"]
-    from ray.tune import ResultGrid
-    assert isinstance(grid, ResultGrid)
-    assert packed._max_concurrent() == 2                            # 2 CPUs / 1 CPU per pack
-    packed.hb.max_concurrent_packs = 1
-    assert packed._max_concurrent() == 1
-    for row in grid:
-        rec = res.records[row.config["config_id"]]
-        assert len(row.metrics_dataframe) == len(rec.history)      # one reported row per rung
-        assert row.metrics["accuracy"] == pytest.approx(rec.last["accuracy"])
-
-    unpacked = _tuner(tmp_path, "none", "unpacked")
-    ures = unpacked.fit(result_grid=False)
-    assert max(len(p["members"]) for p in ures.packs) == 1
-    assert [r.config for r in ures.records] == [r.config for r in res.records]
-    assert ures.best_config_id == res.best_config_id
-    for a, b in zip(res.records, ures.records):                     # same trajectories
-        assert [h["resource"] for h in a.history] == [h["resource"] for h in b.history]
-        assert [h["accuracy"] for h in a.history] == pytest.approx([h["accuracy"] for h in b.history], abs=1e-9)
-        assert [h["train_loss"] for h in a.history] == pytest.approx([h["train_loss"] for h in b.history], rel=1e-5)
-
-    # an ordinary one-configuration Tune trial of the same spec follows the same trajectory
-    from ray.tune.search import BasicVariantGenerator
-    top = [r for r in res.records if r.last["resource"] == 3][:2]
-    spec = digits_mlp_spec(steps_per_unit=2)
-    plain = tune.Tuner(
-        tune.with_resources(                                        # as a user writes it: each
-            make_trainable(spec, stream_batch=40, max_units=3, checkpoint_units=[3]),   # trial loads data
-            {"cpu": 1}),
-        param_space={k: tune.choice(v.categories if hasattr(v, "categories") else v) for k, v in SPACE.items()},
-        tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator(points_to_evaluate=[r.config for r in top]),
-                                    num_samples=len(top)),
-        run_config=tune.RunConfig(name="plain", storage_path=str(tmp_path), verbose=0)).fit()
-    assert plain.num_errors == 0
-    for row in plain:
-        rec = next(r for r in top if r.config == {k: row.config[k] for k in SPACE})
-        df = row.metrics_dataframe.set_index("training_iteration")
-        for h in rec.history:
-            assert df.loc[int(h["resource"]), "accuracy"] == pytest.approx(h["accuracy"], abs=1e-9)
+    with best.checkpoint.as_directory() as d:                        # the user's own state_dicts
+        state = torch.load(os.path.join(d, "member.pt"), weights_only=True)
+    model, opt = build_member(SPEC, best.config)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    assert state["units"] == best.metrics["units"] and state["steps"] == best.metrics["steps"]
+    assert float(SPEC.metric_fn(model, SPEC.data_fn()[1])) == pytest.approx(best.metrics["accuracy"])
 
 
-def test_bad_search_spaces_and_settings():
-    spec = digits_mlp_spec()
-    with pytest.raises(ValueError, match=r"param_space\['lr'\] must be a discrete choice"):
-        PackedHyperbandTuner(spec, param_space={**SPACE, "lr": tune.loguniform(1e-4, 1e-1)})
-    with pytest.raises(ValueError, match=r"param_space\['hidden'\]: hidden values must be all numbers"):
-        PackedHyperbandTuner(spec, param_space={**SPACE, "hidden": tune.choice([[64], [64, 64]])})
-    with pytest.raises(ValueError, match="eta must be an integer >= 2, got 1"):
-        HyperbandConfig(eta=1)
-    with pytest.raises(ValueError, match="pack_method must be one of"):
-        HyperbandConfig(pack_method="greedy")
-    t = PackedHyperbandTuner(spec, param_space=SPACE, hyperband=HyperbandConfig(R=3, memory_budget=10.0))
-    with pytest.raises(ValueError, match="memory_budget must be >= the memory of every configuration"):
-        t.make_state()
+def _model(config):
+    if config.get("explode"):
+        return _Exploding(config["explode"])
+    return digits_mlp_spec().model_fn(config)
+
+
+class _Exploding(nn.Module):
+    def __init__(self, marker):
+        super().__init__()
+        self.lin = nn.Linear(64, 10)
+        self.marker = marker
+
+    def forward(self, x):
+        if os.path.exists(self.marker):                 # fails while the marker file exists
+            raise RuntimeError("boom")
+        return self.lin(x)
+
+
+def test_failing_member_fails_only_its_trial_and_restore_resumes_it(ray_session, tmp_path):
+    marker = tmp_path / "marker"
+    marker.write_text("1")
+    spec = dataclasses.replace(SPEC, model_fn=_model)
+    space = {**SPACE, "explode": tune.grid_search(["", "", str(marker)])}
+    trainable = packed(spec, max_units=3, param_space=space, members_per_device=3)
+    tuner = tune.Tuner(trainable, param_space=space,
+                       tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=1),
+                       run_config=tune.RunConfig(name="fail", storage_path=str(tmp_path), verbose=0,
+                                                 failure_config=tune.FailureConfig(max_failures=0)))
+    grid = tuner.fit()
+    assert grid.num_errors == 1 and len(grid) == 3
+    ok = [r for r in grid if r.error is None]
+    assert [r.metrics["units"] for r in ok] == [3, 3]
+    marker.unlink()                                               # the fault is gone: restore
+    path = os.path.join(str(tmp_path), "fail")
+    assert tune.Tuner.can_restore(path)
+    grid2 = tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
+    assert grid2.num_errors == 0 and len(grid2) == 3
+    assert sorted(r.metrics["units"] for r in grid2) == [3, 3, 3]
+
+
+def _bn_model(config):
+    return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def test_unpackable_spec_falls_back_to_plain_trials(ray_session, tmp_path):
+    spec = dataclasses.replace(SPEC, model_fn=_bn_model)
+    grid = _tuner(packed(spec, max_units=2, param_space=SPACE, members_per_device=2), tmp_path, "plain",
+                  tune.TuneConfig(metric="accuracy", mode="max", num_samples=2)).fit()
+    assert grid.num_errors == 0
+    for r in grid:
+        assert r.metrics["units"] == 2 and "pack_size" not in r.metrics      # trained unpacked
+        assert r.checkpoint is not None
+
+
+def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
+    """R = 3, eta = 3 on Tune's HyperBandScheduler: it PAUSES trials at its milestones (their
+    member leaves the pack) and resumes them later from their checkpoint (the member joins a
+    pack again with its state): every trial's units must run 1, 2, ... without a restart."""
+    hb = PackedHyperband(R=3, eta=3, members_per_device=3, seed=2)
+    assert hb.bracket_sizes == [2, 3] and hb.num_samples == 5
+    grid = _tuner(packed(SPEC, max_units=3, param_space=SPACE, members_per_device=3), tmp_path, "hb",
+                  hb.tune_config("accuracy", "max")).fit()
+    assert grid.num_errors == 0 and len(grid) == 5
+    for r in grid:
+        units = list(r.metrics_dataframe["units"])
+        assert units == list(range(1, len(units) + 1)) == list(r.metrics_dataframe["training_iteration"])

@@ -49,7 +49,8 @@ METRICS = ("manhattan", "euclidean")
 METHODS = ("knn", "random", "batch_size")
 
 __all__ = ["Dimension", "SearchSpace", "PackingPlan", "knn_packing", "random_packing",
-           "batch_size_packing", "pack_opt", "TABLE3_SPACE"]
+           "batch_size_packing", "pack_opt", "TABLE3_SPACE", "Feature", "NormalisedSpace",
+           "similarity_order"]
 
 
 def _is_number(v: Any) -> bool:
@@ -207,11 +208,41 @@ def _pack_memory(packs: Sequence[Sequence[int]], mems: Sequence[float]) -> list[
     return [sum(mems[j] for j in p) for p in packs]
 
 
-def knn_packing(configs: Sequence[Config], space: SearchSpace, memory_fn: MemoryFn,
+def _knn(n: int, dist: Callable[[int, int], float], mems: Sequence[float], memory_budget: float,
+         threshold: float | None, seed: int, max_pack_size: int | None) -> tuple[list[list[int]], list[int]]:
+    """Section 5.3's kNN grouping of items ``0..n-1`` under ``dist`` (module docstring, steps
+    1-3); returns ``(packs, centroids)``. Deterministic for a given ``seed``."""
+    rng = random.Random(seed)
+    remaining = list(range(n))
+    packs: list[list[int]] = []
+    centroids: list[int] = []
+    while remaining:
+        c = remaining[rng.randrange(len(remaining))]                 # 1. random centroid
+        remaining.remove(c)
+        d = {j: dist(c, j) for j in remaining}
+        pack, used = [c], mems[c]
+        for j in sorted(remaining, key=lambda j: (d[j], j)):         # 2. nearest first
+            if max_pack_size is not None and len(pack) >= max_pack_size:
+                break
+            if threshold is not None and not d[j] < threshold:
+                break                                                # sorted: all further are too far
+            if used + mems[j] <= memory_budget:
+                pack.append(j)
+                used += mems[j]
+        for j in pack[1:]:
+            remaining.remove(j)
+        packs.append(pack)
+        centroids.append(c)
+    return packs, centroids
+
+
+def knn_packing(configs: Sequence[Config], space: "SearchSpace | NormalisedSpace", memory_fn: MemoryFn,
                 memory_budget: float, threshold: float | None = None, seed: int = 0,
                 max_pack_size: int | None = None, metric: str = "manhattan") -> PackingPlan:
     """The paper's kNN heuristic (section 5.3; algorithm in the module docstring).
 
+    ``space``: a :class:`SearchSpace` (the paper's index distance on declared values) or a
+    :class:`NormalisedSpace` (every dimension scaled to [0, 1]; continuous domains).
     ``threshold``: a configuration joins a centroid's pack only if its distance is strictly
     below it (``None``: no similarity limit, memory only). ``max_pack_size`` optionally caps
     the members per pack. Deterministic for a given ``seed``.
@@ -221,32 +252,92 @@ def knn_packing(configs: Sequence[Config], space: SearchSpace, memory_fn: Memory
         check_float("threshold", threshold, min_value=0.0)
     if max_pack_size is not None:
         check_int("max_pack_size", max_pack_size, min_value=1)
-    idx = [space.indices(c, f"configs[{i}]") for i, c in enumerate(configs)]
+    if isinstance(space, SearchSpace):
+        idx = [space.indices(c, f"configs[{i}]") for i, c in enumerate(configs)]
+
+        def dist(i: int, j: int) -> float:
+            return _combine(space._parts(idx[i], idx[j]), metric)
+    else:
+        def dist(i: int, j: int) -> float:
+            return space.distance(configs[i], configs[j], metric)
     mems = _memories(configs, memory_fn, memory_budget)
-    rng = random.Random(seed)
-    remaining = list(range(len(configs)))
-    packs: list[list[int]] = []
-    centroids: list[int] = []
-    while remaining:
-        c = remaining[rng.randrange(len(remaining))]                 # 1. random centroid
-        remaining.remove(c)
-        dist = {j: _combine(space._parts(idx[c], idx[j]), metric) for j in remaining}
-        pack, used = [c], mems[c]
-        for j in sorted(remaining, key=lambda j: (dist[j], j)):      # 2. nearest first
-            if max_pack_size is not None and len(pack) >= max_pack_size:
-                break
-            if threshold is not None and not dist[j] < threshold:
-                break                                                # sorted: all further are too far
-            if used + mems[j] <= memory_budget:
-                pack.append(j)
-                used += mems[j]
-        for j in pack[1:]:
-            remaining.remove(j)
-        packs.append(pack)
-        centroids.append(c)
+    packs, centroids = _knn(len(configs), dist, mems, memory_budget, threshold, seed, max_pack_size)
     log.debug("knn_packing: %d configurations -> %d packs", len(configs), len(packs))
     return PackingPlan("knn", packs, _pack_memory(packs, mems), float(memory_budget),
                        None if threshold is None else float(threshold), centroids)
+
+
+# ----------------------------------------------------------------------------- normalised distance
+# Tune samples continuous and mixed domains (``tune.loguniform``, ``tune.randint`` ...), so the
+# paper's "index in the declared value list" does not exist for every dimension. Deviation
+# (documented): each dimension's distance is scaled to [0, 1] -- a numeric range by its width
+# (on a log scale for log domains), an ordinal value list by its index distance divided by
+# (values - 1) (the paper's index rule, normalised), a categorical one 0 if equal else 1 -- so
+# no dimension dominates because of its units. Combined as in section 5.3 (sum by default).
+
+FEATURE_KINDS = ("numeric", "ordinal", "categorical")
+
+
+@dataclass
+class Feature(JsonMixin):
+    """One dimension of the normalised distance."""
+    name: str                       # key in a configuration dict
+    kind: str                       # "numeric" (range), "ordinal" (value list) or "categorical"
+    lo: float = 0.0                 # numeric: lower end of the range
+    hi: float = 1.0                 # numeric: upper end of the range
+    log: bool = False               # numeric: distances on log(value) (log-uniform domains)
+    values: list[Any] = field(default_factory=list)   # ordinal: the declared values, in order
+
+    def __post_init__(self) -> None:
+        check_choice(f"{self.name}.kind", self.kind, FEATURE_KINDS)
+        if self.kind == "numeric":
+            if not (_is_number(self.lo) and _is_number(self.hi) and self.lo <= self.hi):
+                raise ValueError(f"{self.name} range must be finite numbers with lo <= hi, "
+                                 f"got [{self.lo!r}, {self.hi!r}]")
+            if self.log and self.lo <= 0:
+                raise ValueError(f"{self.name} log range must be positive, got lo={self.lo!r}")
+        if self.kind == "ordinal" and not self.values:
+            raise ValueError(f"{self.name} must declare at least one value, got []")
+
+    def part(self, a: Any, b: Any) -> float:
+        """Distance of two values on this dimension, in [0, 1]."""
+        if self.kind == "categorical" or not (_is_number(a) and _is_number(b)):
+            return 0.0 if a == b else 1.0
+        if self.kind == "ordinal":
+            n = len(self.values) - 1
+            if n == 0:
+                return 0.0
+            ia = min(range(len(self.values)), key=lambda i: abs(self.values[i] - a))
+            ib = min(range(len(self.values)), key=lambda i: abs(self.values[i] - b))
+            return abs(ia - ib) / n
+        t = math.log if self.log else float
+        width = t(self.hi) - t(self.lo)
+        if width <= 0:
+            return 0.0
+        a, b = (min(max(v, self.lo), self.hi) for v in (a, b))
+        return abs(t(a) - t(b)) / width
+
+
+@dataclass
+class NormalisedSpace(JsonMixin):
+    """The dimensions that distances are measured on (keys not listed are ignored)."""
+    features: list[Feature]
+
+    def distance(self, a: Config, b: Config, metric: str = "manhattan") -> float:
+        """Normalised section 5.3 distance of two configurations."""
+        return _combine([f.part(a.get(f.name), b.get(f.name)) for f in self.features], metric)
+
+
+def similarity_order(configs: Sequence[Config], space: NormalisedSpace, group_size: int,
+                     seed: int = 0) -> list[list[int]]:
+    """Configurations grouped so that similar ones sit together: the kNN grouping of
+    :func:`knn_packing` with ``group_size`` members per group (no memory limit). A search
+    algorithm that emits the groups one after another lets a packing scheduler put similar
+    configurations in one pack."""
+    check_int("group_size", group_size, min_value=1)
+    packs, _ = _knn(len(configs), lambda i, j: space.distance(configs[i], configs[j]),
+                    [0.0] * len(configs), 1.0, None, seed, group_size)
+    return packs
 
 
 def _greedy_fill(order: Sequence[int], mems: Sequence[float], budget: float,

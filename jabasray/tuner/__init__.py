@@ -1,37 +1,30 @@
-"""Ray Tune integration: packed trials and packed Hyperband (Pack paper, section 5).
+"""Ray Tune integration: packed training inside Tune's own API (Pack paper, sections 3 and 5).
 
+* :func:`packed`: a Tune trainable from a :class:`TrainingSpec`; every configuration is its own
+  Tune trial reporting every unit, and the trials of one device train as ONE packed model
+  (a per-device packing coordinator actor, :mod:`jabasray.tuner.coordinator`).
+* :func:`SimilaritySearch`: a Tune searcher that emits similar configurations together
+  (normalised kNN order; any Tune domain).
+* :class:`PackedHyperband`: packed Hyperband on Tune's ``HyperBandScheduler``.
 * :func:`hyperband_brackets` / :func:`hyperband_schedule`: Li et al.'s bracket arithmetic.
-* :class:`TrainingSpec`: how ONE configuration trains (model, optimizer, batch size, data,
-  metric as functions of the config).
-* :class:`PackedHyperbandTuner`: packed Hyperband; ``fit()`` returns a ``ray.tune.ResultGrid``
-  with one row per sampled configuration (a :class:`PackedResultGrid`, built directly from the
-  recorded results).
-* :func:`make_trainable`: the same spec as an ordinary one-configuration Tune trainable (for
-  Ray Tune's own schedulers, e.g. the unpacked ``HyperBandScheduler`` baseline).
+* :func:`make_trainable`: the same spec as an ordinary unpacked function trainable.
 
 Ray is imported lazily: the bracket arithmetic and the spec work without it.
 """
 from jabasray.tuner.brackets import Bracket, Rung, hyperband_brackets, hyperband_schedule
 
-__all__ = ["hyperband_brackets", "hyperband_schedule", "Bracket", "Rung", "TrainingSpec",
-           "PackedHyperbandTuner", "HyperbandConfig", "PackedHyperbandResult", "ConfigRecord",
-           "make_trainable", "search_space_from_param_space", "PackedResultGrid", "build_result_grid"]
+__all__ = ["packed", "SimilaritySearch", "PackedHyperband", "PackedJob", "TrainingSpec",
+           "make_trainable", "hyperband_brackets", "hyperband_schedule", "Bracket", "Rung"]
 
 
 def __getattr__(name: str):
-    if name in ("TrainingSpec",):
-        from jabasray.tuner import training
-        return getattr(training, name)
-    if name in ("PackedHyperbandTuner", "HyperbandConfig", "PackedHyperbandResult", "ConfigRecord"):
-        from jabasray.tuner import packed_hyperband
-        return getattr(packed_hyperband, name)
-    if name in ("PackedResultGrid", "build_result_grid"):
-        from jabasray.tuner import result_grid
-        return getattr(result_grid, name)
+    if name == "TrainingSpec":
+        from jabasray.tuner.training import TrainingSpec
+        return TrainingSpec
+    if name in ("packed", "SimilaritySearch", "PackedHyperband", "PackedJob"):
+        from jabasray.tuner import packed_trials
+        return getattr(packed_trials, name)
     if name == "make_trainable":
         from jabasray.tuner.trainable import make_trainable
         return make_trainable
-    if name == "search_space_from_param_space":
-        from jabasray.tuner.space import search_space_from_param_space
-        return search_space_from_param_space
     raise AttributeError(f"module 'jabasray.tuner' has no attribute {name!r}")

@@ -18,7 +18,7 @@ from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, c
                                      load_member_state, member_state)
 from jabasray.validation import check_int
 
-__all__ = ["make_trainable"]
+__all__ = ["make_trainable", "train_plain"]
 
 
 def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
@@ -44,40 +44,50 @@ def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
     report_at = None if report_units is None else {int(u) for u in report_units} | {max_units}
 
     def trainable(config: dict[str, Any], data: tuple | None = None) -> None:
-        from ray import tune
-
         torch.set_num_threads(threads)
-        train, val = data if data is not None else cached_data(spec)
-        stream = SharedStream(train, stream_batch, spec.seed, spec.device)
-        hp = {k: v for k, v in config.items() if k != "config_id"}
-        model, opt = build_member(spec, hp)
-        b = spec.batch_size_of(hp)
-        step = 0
-        ckpt = tune.get_checkpoint()
-        if ckpt is not None:
-            with ckpt.as_directory() as d:
-                step = load_member_state(model, opt, torch.load(os.path.join(d, "member.pt"), weights_only=False))
-        unit = step // spec.steps_per_unit
-        while unit < max_units:
-            total = 0.0                          # becomes a float64 tensor: no host sync per step
-            for _ in range(spec.steps_per_unit):
-                x, y = stream.batch(step, b)
-                opt.zero_grad()
-                loss = spec.loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                total += loss.detach().double()
-                step += 1
-            unit += 1
-            if report_at is not None and unit not in report_at:
-                continue
-            metrics = {spec.metric: float(spec.metric_fn(model, val)),
-                       "train_loss": float(total) / spec.steps_per_unit, "steps": step, "units": unit}
-            if ckpt_at is None or unit in ckpt_at:
-                with tempfile.TemporaryDirectory() as d:
-                    torch.save(member_state(model, opt, step), os.path.join(d, "member.pt"))
-                    tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
-            else:
-                tune.report(metrics)
+        train_plain(spec, config, stream_batch, max_units, data, report_at, ckpt_at)
 
     return trainable
+
+
+def train_plain(spec: TrainingSpec, config: dict[str, Any], stream_batch: int, max_units: int,
+                data: tuple | None = None, report_at: set[int] | None = None,
+                ckpt_at: set[int] | None = None) -> None:
+    """The body of a plain (unpacked) trial: train ``config`` alone up to ``max_units``,
+    ``tune.report`` at ``report_at`` units (None: every unit) with a checkpoint (the user's
+    own ``state_dict``s in ``member.pt``) at ``ckpt_at`` (None: every report); resumes from
+    ``tune.get_checkpoint()``. Also the fallback of :func:`jabasray.tuner.packed` for a spec
+    whose model cannot be packed."""
+    from ray import tune
+
+    train, val = data if data is not None else cached_data(spec)
+    stream = SharedStream(train, stream_batch, spec.seed, spec.device)
+    model, opt = build_member(spec, config)
+    b = spec.batch_size_of(config)
+    step = 0
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            step = load_member_state(model, opt, torch.load(os.path.join(d, "member.pt"), weights_only=True))
+    unit = step // spec.steps_per_unit
+    while unit < max_units:
+        total = 0.0                          # becomes a float64 tensor: no host sync per step
+        for _ in range(spec.steps_per_unit):
+            x, y = stream.batch(step, b)
+            opt.zero_grad()
+            loss = spec.loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            total += loss.detach().double()
+            step += 1
+        unit += 1
+        if report_at is not None and unit not in report_at:
+            continue
+        metrics = {spec.metric: float(spec.metric_fn(model, val)),
+                   "train_loss": float(total) / spec.steps_per_unit, "steps": step, "units": unit}
+        if ckpt_at is None or unit in ckpt_at:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({**member_state(model, opt, step), "units": unit}, os.path.join(d, "member.pt"))
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        else:
+            tune.report(metrics)

@@ -3,8 +3,8 @@
 The user describes the training of one configuration in a :class:`TrainingSpec` (model,
 optimizer, batch size, data, metric as functions of the config). The same spec drives:
 
-* packed trials (:mod:`jabasray.tuner.packed_hyperband`): K configurations in one
-  :class:`~jabasray.engine.packing.PackedModel`;
+* packed Tune trials (:func:`jabasray.tuner.packed`): the trials of one device train in one
+  :class:`~jabasray.engine.packing.PackedModel` (:mod:`jabasray.tuner.pack_runner`);
 * ordinary one-configuration Tune trials (:func:`make_trainable`), e.g. under Ray Tune's own
   ``HyperBandScheduler`` -- the unpacked baseline.
 
@@ -34,7 +34,7 @@ from jabasray.validation import check_choice, check_int
 Config = Mapping[str, Any]
 
 __all__ = ["TrainingSpec", "SharedStream", "config_seed", "build_member", "cached_data",
-           "member_state", "load_member_state", "units_to_steps", "stream_batch_of"]
+           "member_state", "load_member_state"]
 
 
 @dataclass
@@ -68,27 +68,6 @@ class TrainingSpec:
 
     def better(self, a: float, b: float) -> bool:
         return a > b if self.mode == "max" else a < b
-
-
-def stream_batch_of(spec: TrainingSpec, space: Any) -> int:
-    """Chunk size of the shared stream: the largest batch size over the whole search space
-    (a ``SearchSpace``), so a configuration's batches do not depend on its pack."""
-    if isinstance(spec.batch_size, str):
-        dims = {d.name: d for d in space.dimensions}
-        if spec.batch_size in dims:
-            return max(check_int(f"{spec.batch_size} values", v, min_value=1)
-                       for v in dims[spec.batch_size].values)
-        raise ValueError(f"batch_size key {spec.batch_size!r} must be one of the param_space keys "
-                         f"{sorted(dims)}")
-    if space.size > 100_000:
-        raise ValueError(f"batch_size as a function needs a search space of at most 100000 "
-                         f"configurations to find the largest batch, got {space.size}")
-    return max(spec.batch_size_of(space.config_at(i)) for i in range(space.size))
-
-
-def units_to_steps(units: float, steps_per_unit: int) -> int:
-    """Training steps for ``units`` resource units (Hyperband's r_i may be fractional)."""
-    return int(round(units * steps_per_unit))
 
 
 def config_seed(config: Config, seed: int) -> int:

@@ -1,0 +1,402 @@
+"""``PackedModel`` and ``pack``: K models trained as one (see :mod:`jabasray.engine.packing`)."""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from jabasray.engine.packing.folded import NotFoldable, build_folded, foldable
+from jabasray.engine.packing.fused import adagrad_step, adam_step, col, sgd_step
+from jabasray.engine.packing.keys import (activation_signature, architecture_key, batchable,
+                                          optimizer_kind, structure_key)
+from jabasray.engine.packing.state import (_Group, _Member, _Run, flush_run, grouped_cross_entropy,
+                                           read_state)
+from jabasray.validation import check_choice, check_int
+
+log = logging.getLogger(__name__)
+
+# A stacked leaf is a column block of the flat [G, P] storage (row stride P): its gradient is
+# accumulated in place into the matching block of ``gflat`` (what we want); autograd merely
+# notes that such a strided grad "may impair performance". Silenced around our backward only.
+_LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+__all__ = ["PackedModel", "pack"]
+
+
+class PackedModel:
+    """K models trained as one; see the module docstring. Build it with :func:`pack`.
+
+    Members are identified by integer ids (``0..K-1`` for the models given to :func:`pack`,
+    then increasing ids for :meth:`load`). :meth:`train_step` returns the losses in the order
+    of :attr:`member_ids`.
+    """
+
+    def __init__(self, loss_fn: LossFn = nn.functional.cross_entropy, execution: str = "auto") -> None:
+        check_choice("execution", execution, ("auto", "vmap"))
+        self.loss_fn = loss_fn
+        self.execution = execution
+        self._members: dict[int, _Member] = {}
+        self._groups: list[_Group] = []
+        self._relax = True          # batch members differing only in activations (folded path)
+        self._next_id = 0
+        self.device: torch.device | None = None
+
+    # -- public API --------------------------------------------------------------------------
+    @property
+    def member_ids(self) -> list[int]:
+        return sorted(self._members)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return [self._members[i].batch_size for i in self.member_ids]
+
+    @property
+    def max_batch_size(self) -> int:
+        return max(self.batch_sizes, default=0)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def model(self, member: int) -> nn.Module:
+        """Member's module; its parameters alias the pack's stacked storage (current weights)."""
+        return self._get(member).model
+
+    def optimizer(self, member: int) -> torch.optim.Optimizer:
+        """Member's optimizer (its ``param_groups`` are live; its ``state`` is synced on free)."""
+        return self._get(member).optimizer
+
+    def groups(self) -> list[tuple[list[int], bool, str]]:
+        """``(member ids, batched with vmap?, optimizer kind)`` of each execution group."""
+        return [([m.id for m in g.members], g.batched,
+                 "+".join(r.kind for r in g.runs) if g.batched else g.kind) for g in self._groups]
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int) -> int:
+        """Add a member (the paper's ``load``); returns its id. Its weights, optimizer type,
+        hyperparameters and state are taken over."""
+        check_int("batch_size", batch_size, min_value=1)
+        self._check_member(model, optimizer)
+        self._flush()
+        mid = self._add(model, optimizer, int(batch_size))
+        self._build()
+        return mid
+
+    def _check_member(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        opt_ids = {id(p) for grp in optimizer.param_groups for p in grp["params"]}
+        if not opt_ids or not opt_ids <= {id(p) for p in model.parameters()}:
+            raise ValueError("optimizer must be built on the parameters of its model "
+                             "(every optimized tensor must be one of model.parameters())")
+        dev = next(model.parameters()).device
+        if self.device is None:
+            self.device = dev
+        elif dev != self.device:
+            raise ValueError(f"model device must be {self.device} like the other members, got {dev}")
+        for m in self._members.values():
+            if m.model is model:
+                raise ValueError("model is already a member of this pack")
+
+    def _add(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch_size: int) -> int:
+        mid = self._next_id
+        self._next_id += 1
+        self._members[mid] = _Member(mid, model, optimizer, batch_size, architecture_key(model),
+                                     optimizer_kind(optimizer, model), batchable(model),
+                                     structure_key(model), activation_signature(model))
+        return mid
+
+    def free(self, member: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Remove a member (the paper's ``free``) and return its model and optimizer, holding
+        the trained weights and optimizer state; the pack goes on with the rest."""
+        m = self._get(member)
+        self._flush()
+        del self._members[member]
+        self._build()
+        return m.model, m.optimizer
+
+    def _flush(self) -> None:
+        """Write stacked weights/state back into every member (params get their own storage)."""
+        with torch.no_grad():
+            for g in self._groups:
+                if g.batched:
+                    for run in g.runs:
+                        flush_run(g, run)
+        self._groups = []
+
+    def sync(self) -> None:
+        """Write the stacked weights and optimizer state back into every member's own module
+        and optimizer (their ``state_dict``s are then current); the pack goes on."""
+        self._flush()
+        self._build()
+
+    def free_all(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+        """Free every member (in :attr:`member_ids` order)."""
+        self._flush()
+        out = [(self._members[i].model, self._members[i].optimizer) for i in self.member_ids]
+        self._members.clear()
+        self._groups = []
+        return out
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[float]:
+        """One optimizer step of every member on one shared batch (returns K mean losses).
+
+        ``inputs``/``targets`` hold at least ``max(batch_sizes)`` samples; member k trains on
+        the first ``batch_sizes[k]`` of them (section 3.1.1).
+        """
+        losses = self.train_step_tensor(inputs, targets)
+        return losses.tolist()
+
+    def train_step_tensor(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """:meth:`train_step` returning the losses as one detached 1-D tensor (no host sync)."""
+        try:
+            return self._train_step(inputs, targets)
+        except _Regroup:                 # nothing was updated yet: regroup exactly and redo
+            self._relax = False
+            self._flush()
+            self._build()
+            return self._train_step(inputs, targets)
+
+    def _train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not self._members:
+            raise ValueError("the pack has no members; load() one first")
+        need = self.max_batch_size
+        if inputs.shape[0] < need or targets.shape[0] < need:
+            raise ValueError(f"inputs must hold at least max(batch_sizes) = {need} samples, "
+                             f"got {inputs.shape[0]} inputs and {targets.shape[0]} targets")
+        x = inputs.to(self.device, non_blocking=True)     # shared input stream: one copy
+        y = targets.to(self.device, non_blocking=True)
+        vectors: list[torch.Tensor] = []           # per group: its members' losses, [G]
+        ids: list[int] = []                        # member id of every entry, in that order
+        for g in self._groups:
+            if g.batched:
+                g.gflat.zero_()
+                out = self._group_forward(g, x[:g.max_batch])        # [G, B_g, ...]
+                if self.loss_fn is nn.functional.cross_entropy and out.dim() == 3:
+                    vectors.append(grouped_cross_entropy(out, y[:g.max_batch], g))
+                else:
+                    vectors.append(torch.stack([self.loss_fn(out[k, :m.batch_size], y[:m.batch_size])
+                                                for k, m in enumerate(g.members)]))
+            else:
+                (m,) = g.members
+                m.optimizer.zero_grad(set_to_none=True)
+                b = m.batch_size
+                vectors.append(self.loss_fn(m.model(x[:b]), y[:b]).reshape(1))
+            ids.extend(m.id for m in g.members)
+        flat = torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_LAYOUT_WARNING)
+            flat.sum().backward()                  # members share nothing: sum = K separate losses
+        with torch.no_grad():
+            for g in self._groups:
+                self._step_group(g)
+        losses = flat.detach()
+        if ids != self.member_ids:                 # report in member-id order
+            pos = {mid: i for i, mid in enumerate(ids)}
+            losses = losses[torch.tensor([pos[i] for i in self.member_ids], device=losses.device)]
+        return losses
+
+    # -- internals ---------------------------------------------------------------------------
+    def _group_forward(self, g: _Group, xb: torch.Tensor) -> torch.Tensor:
+        if g.checked:
+            return g.folded(g.stacked, xb) if g.folded is not None else g.vmapped(g.stacked, xb)
+        # first step after a (re)build: check the batched forward against every member's own
+        # module (member k's params alias row k of the stacked tensors)
+        out, ok = None, False
+        if g.folded is not None:
+            try:
+                out = g.folded(g.stacked, xb)
+                ok = self._agrees(g, out, xb)
+            except (NotFoldable, RuntimeError) as e:           # batch-dependent forward
+                log.debug("folded execution not usable (%s)", e)
+            if not ok:
+                log.info("pack group %s: folded execution disagrees with the modules; using vmap",
+                         [m.id for m in g.members])
+                g.folded = None
+                if len({m.arch for m in g.members}) > 1:        # vmap needs ONE architecture
+                    raise _Regroup()
+        if g.folded is None:
+            out = g.vmapped(g.stacked, xb)
+        g.checked = True
+        return out
+
+    @staticmethod
+    def _agrees(g: _Group, out: torch.Tensor, xb: torch.Tensor) -> bool:
+        with torch.no_grad():
+            for k, m in enumerate(g.members):
+                ref = m.model(xb)
+                if out.shape[1:] != ref.shape or not torch.allclose(out[k].detach(), ref, rtol=1e-4, atol=1e-5):
+                    return False
+        return True
+
+    def _get(self, member: int) -> _Member:
+        if member not in self._members:
+            raise ValueError(f"member must be one of {self.member_ids}, got {member!r}")
+        return self._members[member]
+
+    def _build(self) -> None:
+        """Group members and stack each batched group's parameters and optimizer state.
+
+        Batchable members sharing :func:`structure_key` (same layers, activations may differ)
+        form one group when the structure can run folded; otherwise the exact
+        :func:`architecture_key` decides. Inside a group members are ordered by (optimizer
+        kind, activations, id) so that each optimizer kind is one contiguous run of rows.
+        """
+        buckets: dict[tuple, list[_Member]] = {}
+        groups: list[_Group] = []
+        for mid in self.member_ids:
+            m = self._members[mid]
+            if m.batchable:
+                relaxed = self._relax and self.execution == "auto" and foldable(m.model)
+                buckets.setdefault(("s", m.structure) if relaxed else ("a", m.arch), []).append(m)
+            else:
+                groups.append(_Group([m], batched=False, kind=m.kind))
+        for members in buckets.values():
+            members = sorted(members, key=lambda m: (m.kind, m.acts, m.id))
+            groups.append(self._stack(members))
+        self._groups = groups
+        log.debug("pack regrouped: %s", self.groups())
+
+    def _stack(self, members: list[_Member]) -> _Group:
+        g = _Group(members, batched=True, kind="batched")
+        g.max_batch = max(m.batch_size for m in members)
+        named = [dict(m.model.named_parameters()) for m in members]
+        g.names = list(named[0])
+        off = 0
+        for n in g.names:
+            t = named[0][n]
+            g.layout[n] = (off, t.numel(), tuple(t.shape))
+            off += t.numel()
+        G = len(members)
+        ref = named[0][g.names[0]]
+        with torch.no_grad():
+            g.flat = torch.empty(G, off, dtype=ref.dtype, device=ref.device)
+            g.gflat = torch.zeros_like(g.flat)
+            for k, d in enumerate(named):
+                for n in g.names:
+                    g.param_view(k, n).copy_(d[n])
+                    d[n].data = g.param_view(k, n)       # member param aliases its slice
+                    d[n].grad = None
+            for n in g.names:
+                o, c, shape = g.layout[n]
+                leaf = g.flat[:, o:o + c].view(G, *shape).detach().requires_grad_(True)
+                leaf.grad = g.gflat[:, o:o + c].view(G, *shape)   # backward accumulates here
+                g.stacked[n] = leaf
+        lo = 0
+        for k in range(1, G + 1):                            # runs of equal optimizer kind
+            if k == G or members[k].kind != members[lo].kind:
+                run = _Run(members[lo].kind, lo, k)
+                read_state(g, run, named)
+                g.runs.append(run)
+                lo = k
+        template = members[0].model
+
+        def fwd(params: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
+            return functional_call(template, params, (xb,))
+
+        g.vmapped = torch.vmap(fwd, in_dims=(0, None))
+        g.folded = build_folded([m.model for m in members], g.stacked) if self.execution == "auto" else None
+        return g
+
+
+    def _step_group(self, g: _Group) -> None:
+        if not g.batched:
+            g.members[0].optimizer.step()
+            return
+        for run in g.runs:
+            self._step_run(g, run)
+
+    def _step_run(self, g: _Group, run: _Run) -> None:
+        members = g.members[run.lo:run.hi]
+        hp = [m.optimizer.param_groups[0] for m in members]
+        p, grad = g.flat.data[run.lo:run.hi], g.gflat[run.lo:run.hi]
+        if run.kind == "generic":
+            for k, m in zip(range(run.lo, run.hi), members):
+                named = dict(m.model.named_parameters())
+                for n in g.names:
+                    named[n].grad = g.param_view(k, n, g.gflat)
+                m.optimizer.step()
+            return
+        use_wd = any(h["weight_decay"] != 0 for h in hp)
+        wd = col([h["weight_decay"] for h in hp], p) if use_wd else None
+        if run.kind.startswith("sgd"):
+            moms = [h["momentum"] for h in hp]
+            has_state = "buf" in run.state
+            if not has_state and any(moms):                  # momentum switched on mid-pack
+                run.state["buf"] = torch.zeros_like(p)
+            if any(moms) and (not all(moms) or len({bool(h["nesterov"]) for h in hp}) != 1
+                              or not has_state):
+                self._sgd_mixed(run, p, grad, hp)
+            elif any(moms):
+                sgd_step(p, grad, run.state["buf"], run.has_buf, col([h["lr"] for h in hp], p),
+                          col(moms, p), col([1 - h["dampening"] for h in hp], p), wd,
+                          bool(hp[0]["nesterov"]))
+                run.has_buf = True
+            else:
+                sgd_step(p, grad, None, False, col([h["lr"] for h in hp], p), None, None, wd, False)
+        elif run.kind == "adam":
+            run.steps = [s + 1 for s in run.steps]
+            b1 = [h["betas"][0] for h in hp]
+            b2 = [h["betas"][1] for h in hp]
+            # Python-double scalar arithmetic exactly as torch's _single_tensor_adam
+            step_size = [h["lr"] / (1 - bb1 ** t) for h, bb1, t in zip(hp, b1, run.steps)]
+            bc2_sqrt = [(1 - bb2 ** t) ** 0.5 for bb2, t in zip(b2, run.steps)]
+            adam_step(p, grad, run.state["m"], run.state["v"], col([1 - b for b in b1], p),
+                       col(b2, p), col([1 - b for b in b2], p), col(step_size, p),
+                       col(bc2_sqrt, p), col([h["eps"] for h in hp], p), wd)
+        elif run.kind == "adagrad":
+            run.steps = [s + 1 for s in run.steps]
+            clr = [h["lr"] / (1 + (t - 1) * h["lr_decay"]) for h, t in zip(hp, run.steps)]
+            adagrad_step(p, grad, run.state["sum"], col(clr, p), col([h["eps"] for h in hp], p), wd)
+
+    @staticmethod
+    def _sgd_mixed(run: _Run, p: torch.Tensor, grad: torch.Tensor, hp: list[dict]) -> None:
+        """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time."""
+        buf = run.state["buf"]
+        flags = run.row_has_buf = run.row_flags()
+
+        def one(v: float) -> torch.Tensor:
+            return torch.tensor(v, dtype=p.dtype, device=p.device)
+
+        for r, h in enumerate(hp):
+            wd = one(h["weight_decay"]) if h["weight_decay"] != 0 else None
+            if h["momentum"] != 0:
+                sgd_step(p[r], grad[r], buf[r], flags[r], one(h["lr"]), one(h["momentum"]),
+                          one(1 - h["dampening"]), wd, bool(h["nesterov"]))
+                flags[r] = True
+            else:
+                sgd_step(p[r], grad[r], None, False, one(h["lr"]), None, None, wd, False)
+        run.has_buf = all(flags)
+
+
+
+class _Regroup(Exception):
+    """A relaxed group cannot run folded: rebuild with exact architectures and retry."""
+
+
+def pack(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+         batch_sizes: Sequence[int], loss_fn: LossFn = nn.functional.cross_entropy,
+         execution: str = "auto") -> PackedModel:
+    """Pack K models (with their optimizers and batch sizes) into one :class:`PackedModel`.
+
+    Member k gets id k. ``loss_fn(outputs, targets)`` must return the mean loss of a batch.
+    ``execution``: ``"auto"`` (folded batched layers where possible, else vmap) or ``"vmap"``.
+    """
+    if not (len(models) == len(optimizers) == len(batch_sizes)):
+        raise ValueError(f"models, optimizers and batch_sizes must have the same length, got "
+                         f"{len(models)}, {len(optimizers)} and {len(batch_sizes)}")
+    if len(models) == 0:
+        raise ValueError("models must hold at least one model, got 0")
+    p = PackedModel(loss_fn, execution)
+    for k, (m, o, b) in enumerate(zip(models, optimizers, batch_sizes)):
+        check_int(f"batch_sizes[{k}]", b, min_value=1)
+        p._check_member(m, o)
+        p._add(m, o, int(b))
+    p._build()
+    return p

@@ -1,0 +1,389 @@
+"""Packed training inside Ray Tune's own API (Pack paper, sections 2.2, 3 and 5).
+
+    tuner = tune.Tuner(
+        jabasray.tuner.packed(spec, max_units=27, param_space=space),
+        param_space=space,
+        tune_config=tune.TuneConfig(scheduler=ASHAScheduler(max_t=27), num_samples=64,
+                                    metric="accuracy", mode="max",
+                                    search_alg=SimilaritySearch(group_size=8),
+                                    max_concurrent_trials=64),
+        run_config=tune.RunConfig(...))
+
+Implementation notes
+--------------------
+* :func:`packed` returns an ordinary function trainable (with its resources): every
+  configuration is its own Tune trial that reports every resource unit (``training_iteration``
+  = units trained), checkpoints the user's own ``state_dict``s and resumes from
+  ``tune.get_checkpoint()``. Schedulers, ``stop``, callbacks, ``CheckpointConfig``,
+  ``FailureConfig``, ``Tuner.restore``, progress.csv and the ``ResultGrid`` therefore work as
+  with any function trainable.
+* The training itself happens in the device's packing coordinator
+  (:mod:`jabasray.tuner.coordinator`): the trial registers its config (Pack's ``load``), asks
+  for one unit at a time, reports what comes back, and leaves (Pack's ``free``) when Tune ends
+  it -- Tune ends a function trainable's thread by raising ``SystemExit`` inside
+  ``tune.report``, so the trial's ``finally`` runs on stop, pause and completion alike.
+* A trial reserves ``1 / members_per_device`` of a device (CPU or GPU): Tune's resource
+  accounting then admits ``members_per_device`` trials per device, the coordinator trains them
+  as one packed model, and the trial processes themselves only wait (they never import torch).
+  On a CPU node the coordinator is chosen among the node's devices by affinity (free slots,
+  then the smallest normalised distance to its members); on a GPU, Ray's GPU assignment picks it.
+* A spec whose model cannot be stacked (buffers such as BatchNorm statistics, dropout) trains
+  as a plain trial in the trial process; the reason is logged.
+* :class:`SimilaritySearch` samples the param space (any Tune domain) in batches and emits each
+  batch in kNN order (similar configurations one after another), so the trials that arrive
+  together -- and share a pack -- are similar (Pack 5.3). :class:`PackedHyperband` is Hyperband
+  with that search order per bracket (Pack 5.2: ``pack_opt(T)`` of every bracket's sample) on
+  Tune's ``HyperBandScheduler``; paused survivors of a rung re-join packs when resumed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from jabasray.planners.pack_opt import NormalisedSpace, similarity_order
+from jabasray.tuner.brackets import hyperband_schedule
+from jabasray.tuner.space import largest_value, normalised_space
+from jabasray.validation import check_float, check_int
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PackedJob", "packed", "SimilaritySearch", "PackedHyperband", "COORDINATOR_NAMESPACE"]
+
+COORDINATOR_NAMESPACE = "jabasray"
+CHECKPOINT_FILE = "member.pt"
+
+
+@dataclass
+class PackedJob:
+    """What every packed trial of one sweep carries (plain data; the spec stays pickled)."""
+    spec_blob: bytes                    # cloudpickled TrainingSpec (unpickled only where torch runs)
+    stream_batch: int                   # shared-stream chunk: the largest batch size of the space
+    max_units: int                      # units after which a trial ends on its own
+    members_per_device: int             # trials packed into one model per device
+    checkpoint_every: int               # report a checkpoint every this many units (0: never)
+    cpus_per_device: float              # CPUs of one CPU "device" (a coordinator's threads)
+    gpu: bool                           # spec.device is CUDA: one coordinator per GPU
+    space: NormalisedSpace | None       # distances for the choice of a device
+    wait_s: float                       # barrier: longest wait for a member's unit request
+    idle_exit_s: float                  # a coordinator with no member exits after this
+    token: str                          # names this sweep's coordinators
+
+
+def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
+           stream_batch: int | None = None, members_per_device: int = 8,
+           checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 2.0,
+           idle_exit_s: float = 60.0):
+    """A Tune trainable whose trials train packed per device (see the module docstring).
+
+    Args:
+        spec: :class:`~jabasray.tuner.training.TrainingSpec` -- how ONE configuration trains.
+        max_units: resource units after which a trial ends (the scheduler may stop it earlier).
+        param_space: the Tuner's param space: distances for packing (any domain) and the
+            largest batch size (the shared stream's chunk).
+        stream_batch: the chunk, if ``param_space`` does not bound the batch size.
+        members_per_device: trials trained as one packed model per device; each trial
+            reserves ``1 / members_per_device`` of a device.
+        checkpoint_every: units between checkpoints (the member's own ``state_dict``s in
+            ``member.pt``; needed by pausing schedulers and ``FailureConfig``); 0: none.
+        cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
+        wait_s: the longest a unit waits for a registered trial that has not asked for it
+            (the trial is then set aside with its state and re-joins when it asks).
+        idle_exit_s: seconds a coordinator without members lives on.
+    """
+    import cloudpickle
+    from ray import tune
+
+    from jabasray.tuner.training import TrainingSpec
+
+    if not isinstance(spec, TrainingSpec):
+        raise ValueError(f"spec must be a jabasray.tuner.TrainingSpec, got {type(spec).__name__}")
+    check_int("max_units", max_units, min_value=1)
+    check_int("members_per_device", members_per_device, min_value=1)
+    check_int("checkpoint_every", checkpoint_every, min_value=0)
+    check_float("cpus_per_device", cpus_per_device, min_value=0.0, min_exclusive=True)
+    check_float("wait_s", wait_s, min_value=0.0)
+    check_float("idle_exit_s", idle_exit_s, min_value=0.0, min_exclusive=True)
+    if stream_batch is None:
+        if param_space is None or not isinstance(spec.batch_size, str):
+            raise ValueError("stream_batch must be given when param_space does not hold the "
+                             "batch-size key (the largest batch size of the search space)")
+        stream_batch = largest_value(param_space, spec.batch_size)
+    check_int("stream_batch", stream_batch, min_value=1)
+    gpu = str(spec.device).startswith("cuda")
+    job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
+                    checkpoint_every, float(cpus_per_device), gpu,
+                    normalised_space(param_space) if param_space is not None else None,
+                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12])
+    import ray
+
+    if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
+        for d in _devices(job):
+            _coordinator(job, *d)
+
+    def packed_trial(config: dict) -> None:
+        _run_trial(config, job)
+
+    share = 1.0 / members_per_device
+    resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
+    if gpu:
+        resources["gpu"] = share
+    return tune.with_resources(packed_trial, resources)
+
+
+# ----------------------------------------------------------------------------- the trial
+
+def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from jabasray.tuner.coordinator import PackCoordinator
+
+    opts: dict[str, Any] = dict(name=name, namespace=COORDINATOR_NAMESPACE, lifetime="detached",
+                                get_if_exists=True, num_cpus=0, max_concurrency=1000,
+                                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                                    ray.get_runtime_context().get_node_id(), soft=False))
+    if device is not None:        # see every GPU; the coordinator picks its own by index
+        opts["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+    return ray.remote(PackCoordinator).options(**opts).remote(
+        job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
+        job.wait_s, job.idle_exit_s)
+
+
+def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
+    """``(coordinator name, torch device or None, threads)`` this trial may use."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    base = f"pack/{job.token}/{node[:12]}"
+    if job.gpu:
+        gpu = ray.get_gpu_ids()
+        if not gpu:
+            raise RuntimeError("a packed GPU trial got no GPU from Ray")
+        return [(f"{base}/gpu{gpu[0]}", f"cuda:{gpu[0]}", 1)]
+    cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["NodeID"] == node), 1.0)
+    count = max(1, int(cpus // job.cpus_per_device))
+    threads = max(1, int(job.cpus_per_device))
+    return [(f"{base}/cpu{d}", None, threads) for d in range(count)]
+
+
+def _register(job: PackedJob, key: str, config: dict, state: bytes | None):
+    """Load the member into the best device's coordinator: ``(handle, reply)``."""
+    import ray
+
+    devices = _devices(job)
+    deadline = time.monotonic() + 600.0
+    while True:
+        handles = [_coordinator(job, *d) for d in devices]
+        try:
+            aff = ray.get([h.affinity.remote(config) for h in handles])
+            order = sorted((i for i in range(len(handles)) if aff[i][0] > 0),
+                           key=lambda i: (aff[i][1], -aff[i][0], i))
+            for i in order:
+                reply = ray.get(handles[i].load.remote(key, config, state))
+                if not reply.get("full"):
+                    return handles[i], reply
+        except ray.exceptions.RayActorError:        # a coordinator exited while idle: recreate
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no packing coordinator of {[d[0] for d in devices]} had a free slot "
+                               f"for 600 s (members_per_device={job.members_per_device})")
+        time.sleep(0.05)
+
+
+def _run_trial(config: dict, job: PackedJob) -> None:
+    import ray
+    from ray import tune
+
+    ctx = tune.get_context()
+    key = ctx.get_trial_id()
+    state = None
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            with open(os.path.join(d, CHECKPOINT_FILE), "rb") as f:
+                state = f.read()
+    handle, reply = _register(job, key, config, state)
+    if "unpackable" in reply:
+        log.warning("trial %s trains unpacked: %s", key, reply["unpackable"])
+        _run_plain(config, job)
+        return
+    units = int(reply["units"])
+    try:
+        while units < job.max_units:
+            want = units + 1 == job.max_units or (job.checkpoint_every and (units + 1) % job.checkpoint_every == 0)
+            metrics, blob = ray.get(handle.unit.remote(key, bool(want)))
+            units = int(metrics["units"])
+            if blob is None:
+                tune.report(metrics)
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, CHECKPOINT_FILE), "wb") as f:
+                    f.write(blob)
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+    finally:
+        handle.free.remote(key)                     # stop, pause, error or done: Pack's free
+
+
+def _run_plain(config: dict, job: PackedJob) -> None:
+    import cloudpickle
+    import torch
+
+    from jabasray.tuner.trainable import train_plain
+
+    torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
+    every = job.checkpoint_every
+    ckpt_at = {u for u in range(1, job.max_units + 1) if u == job.max_units or (every and u % every == 0)}
+    train_plain(cloudpickle.loads(job.spec_blob), config, job.stream_batch, job.max_units, ckpt_at=ckpt_at)
+
+
+# ----------------------------------------------------------------------------- search order
+
+def _sample(param_space: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
+    """One configuration drawn from Tune domains (constants kept as they are)."""
+    import numpy as np
+    from ray.tune.search.sample import Domain
+
+    out = {}
+    for k, v in param_space.items():
+        if isinstance(v, Domain):
+            out[k] = v.sample(random_state=np.random.RandomState(rng.randrange(2 ** 31)))
+        elif isinstance(v, Mapping) and set(v) == {"grid_search"}:
+            out[k] = rng.choice(list(v["grid_search"]))
+        else:
+            out[k] = v
+    return out
+
+
+def _make_search_class():
+    from ray.tune.search import Searcher
+
+    class _SimilaritySearch(Searcher):
+        """Samples the param space in batches and emits every batch in kNN order (see
+        :class:`SimilaritySearch`)."""
+
+        def __init__(self, group_size: int = 8, batch_size: int | None = None,
+                     batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
+                     seed: int = 0, metric: str | None = None, mode: str | None = None) -> None:
+            super().__init__(metric=metric, mode=mode)
+            check_int("group_size", group_size, min_value=1)
+            if batch_size is not None:
+                check_int("batch_size", batch_size, min_value=1)
+            self.group_size, self.batch_size = group_size, batch_size
+            self.batch_sizes = [check_int(f"batch_sizes[{i}]", n, min_value=1)
+                                for i, n in enumerate(batch_sizes or [])]
+            self.points = [dict(p) for p in points] if points is not None else None
+            self.seed = seed
+            self.rng = random.Random(seed)
+            self.param_space: Mapping[str, Any] | None = None
+            self.buffer: list[dict] = []
+            self.batches_done = 0
+            self.emitted = 0
+
+        def set_search_properties(self, metric, mode, config, **spec) -> bool:
+            if metric:
+                self._metric = metric
+            if mode:
+                self._mode = mode
+            self.param_space = dict(config)
+            return True
+
+        def _next_batch(self) -> list[dict]:
+            n = (self.batch_sizes[self.batches_done] if self.batches_done < len(self.batch_sizes)
+                 else self.batch_size or self.group_size)
+            self.batches_done += 1
+            if self.points is not None:
+                batch = self.points[:n]
+                del self.points[:n]
+            else:
+                if self.param_space is None:
+                    raise ValueError("SimilaritySearch needs the Tuner's param_space (or points=...)")
+                batch = [_sample(self.param_space, self.rng) for _ in range(n)]
+            if not batch:
+                return []
+            space = normalised_space(self.param_space or {})
+            groups = similarity_order(batch, space, self.group_size, seed=self.seed + self.batches_done)
+            return [batch[i] for g in groups for i in g]
+
+        def suggest(self, trial_id: str):
+            if not self.buffer:
+                self.buffer = self._next_batch()
+                if not self.buffer:
+                    return Searcher.FINISHED
+            self.emitted += 1
+            return self.buffer.pop(0)
+
+        def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
+            pass
+
+        def save(self, checkpoint_path: str) -> None:
+            import json
+            with open(checkpoint_path, "w") as f:
+                json.dump({"buffer": self.buffer, "points": self.points, "batches_done": self.batches_done,
+                           "emitted": self.emitted, "rng": repr(self.rng.getstate())}, f, default=str)
+
+        def restore(self, checkpoint_path: str) -> None:
+            import ast
+            import json
+            with open(checkpoint_path) as f:
+                d = json.load(f)
+            self.buffer, self.points = d["buffer"], d["points"]
+            self.batches_done, self.emitted = d["batches_done"], d["emitted"]
+            self.rng.setstate(ast.literal_eval(d["rng"]))
+
+    return _SimilaritySearch
+
+
+def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
+                     batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
+                     seed: int = 0, metric: str | None = None, mode: str | None = None):
+    """A Tune ``Searcher``: samples the Tuner's ``param_space`` (any Tune domain) in batches of
+    ``batch_size`` (or the listed ``batch_sizes`` first) and emits each batch grouped by
+    similarity (:func:`~jabasray.planners.pack_opt.similarity_order`, ``group_size``
+    configurations per group), so trials that arrive together pack well. ``points``: emit
+    these configurations (in similarity order per batch) instead of sampling; FINISHED after
+    the last one. Use it with ASHA (``batch_size = num_samples`` orders the whole sweep)."""
+    return _make_search_class()(group_size, batch_size, batch_sizes, points, seed, metric, mode)
+
+
+class PackedHyperband:
+    """Packed Hyperband for ``tune.Tuner`` (Pack paper, 5.2): Tune's ``HyperBandScheduler``
+    with ``max_t=R`` and ``reduction_factor=eta`` (whose brackets are Li et al.'s, see
+    :mod:`jabasray.tuner.brackets`) and a :func:`SimilaritySearch` that samples each bracket's
+    ``n`` configurations at once and emits them in kNN groups of ``members_per_device`` --
+    ``pack_opt(T)`` of the bracket -- so each bracket's configurations arrive pack by pack.
+
+    Pass ``scheduler``, ``search_alg``, ``num_samples`` (one Hyperband iteration) and
+    ``max_concurrent_trials`` to ``tune.TuneConfig`` (or call :meth:`tune_config`).
+    """
+
+    def __init__(self, R: int, eta: int = 3, members_per_device: int = 8,
+                 points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
+        from ray.tune.schedulers import HyperBandScheduler
+
+        brackets = hyperband_schedule(R, eta)
+        if R != eta ** (len(brackets) - 1):
+            raise ValueError(f"R must be a power of eta for Tune's HyperBandScheduler brackets to be "
+                             f"Li et al.'s, got R={R}, eta={eta}")
+        # Tune fills brackets from s = 0 (fewest configurations, most units) upwards
+        self.bracket_sizes = [b.num_configs for b in reversed(brackets)]
+        self.num_samples = sum(self.bracket_sizes)
+        # Resources (1/members_per_device of a device per trial) bound how many trials run. The
+        # limit only lifts Tune's "one pending trial at a time" for custom searchers; a lower one
+        # would let a ConcurrencyLimiter hold back trials a HyperBand bracket waits for.
+        self.max_concurrent_trials = self.num_samples
+        self.scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=R, reduction_factor=eta)
+        self.search_alg = SimilaritySearch(group_size=members_per_device, batch_sizes=self.bracket_sizes,
+                                           points=points, seed=seed)
+
+    def tune_config(self, metric: str, mode: str, **kwargs):
+        from ray import tune
+
+        return tune.TuneConfig(metric=metric, mode=mode, scheduler=self.scheduler,
+                               search_alg=self.search_alg, num_samples=self.num_samples,
+                               max_concurrent_trials=self.max_concurrent_trials, **kwargs)

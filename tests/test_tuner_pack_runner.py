@@ -1,0 +1,154 @@
+"""The device-side runner of packed Tune trials (torch only, no Ray): members that come and go
+train exactly as each would alone on the same shared-stream batches."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from jabasray.tuner.digits import digits_mlp_spec
+from jabasray.tuner.pack_runner import PackRunner, Unpackable, state_from_bytes, state_to_bytes
+from jabasray.tuner.training import SharedStream, build_member, cached_data
+
+SPEC = digits_mlp_spec(steps_per_unit=3)
+STREAM = 40
+A = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
+B = {"batch_size": 40, "optimizer": "momentum", "lr": 5e-2, "activation": "tanh"}
+C = {"batch_size": 30, "optimizer": "sgd", "lr": 1e-1, "activation": "relu"}
+
+
+class _Alone:
+    """Reference: one configuration trained by a plain loop on given stream positions."""
+
+    def __init__(self, config, spec=SPEC):
+        self.spec, self.config = spec, config
+        self.model, self.opt = build_member(spec, config)
+        self.stream = SharedStream(cached_data(spec)[0], STREAM, spec.seed)
+        self.b = spec.batch_size_of(config)
+
+    def unit(self, position):
+        losses = []
+        for j in range(position, position + self.spec.steps_per_unit):
+            x, y = self.stream.batch(j, self.b)
+            self.opt.zero_grad()
+            loss = self.spec.loss_fn(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            losses.append(loss.item())
+        return sum(losses) / len(losses), float(self.spec.metric_fn(self.model, cached_data(self.spec)[1]))
+
+
+def _check(row, ref_loss, ref_metric):
+    assert row["train_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert row["accuracy"] == pytest.approx(ref_metric, abs=1e-9)
+
+
+def test_members_arriving_and_leaving_train_as_alone():
+    """Unit 1: A, B; unit 2: A, B, C (C loads); unit 3: B, C (A freed); unit 4: C alone while
+    B is not asking (set aside, untouched); unit 5: B and C again."""
+    run = PackRunner(SPEC, STREAM)
+    refs = {"a": _Alone(A), "b": _Alone(B), "c": _Alone(C)}
+    assert run.load("a", A) == 0 and run.load("b", B) == 0
+    plan = [["a", "b"], ["a", "b", "c"], ["b", "c"], ["c"], ["b", "c"]]
+    for u, keys in enumerate(plan):
+        if u == 1:
+            run.load("c", C)
+        if u == 2:
+            run.free("a")
+        pos = run.position
+        rows = run.unit(keys)
+        assert sorted(rows) == sorted(keys)
+        for k in keys:
+            _check(rows[k], *refs[k].unit(pos))
+        assert run.position == pos + SPEC.steps_per_unit
+    assert rows["c"]["pack_size"] == 2 and rows["b"]["units"] == 4 and rows["c"]["units"] == 4
+    for k in ("b", "c"):                       # the checkpoint holds the member's own state_dicts
+        st = run.state(k)
+        ref = refs[k]
+        for n, t in ref.model.state_dict().items():
+            torch.testing.assert_close(st["model"][n], t)
+        assert st["steps"] == 4 * SPEC.steps_per_unit and st["units"] == 4
+
+
+def test_checkpoint_bytes_resume_the_member_exactly():
+    run = PackRunner(SPEC, STREAM)
+    run.load("a", A)
+    run.load("b", B)
+    run.unit(["a", "b"])
+    blob = state_to_bytes(run.state("a"))
+    pos = run.position
+    after = run.unit(["a", "b"])["a"]
+    other = PackRunner(SPEC, STREAM)               # a fresh device picks the trial up
+    other.position = pos
+    assert other.load("a", A, state_from_bytes(blob)) == 1
+    again = other.unit(["a"])["a"]
+    assert again["units"] == after["units"] == 2
+    assert again["train_loss"] == pytest.approx(after["train_loss"], rel=1e-5)
+    assert again["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
+
+
+class _Exploding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 10)
+
+    def forward(self, x):
+        raise RuntimeError("boom: this configuration's forward fails")
+
+
+def _model(config):
+    return _Exploding() if config.get("explode") else digits_mlp_spec().model_fn(config)
+
+
+def _metric(model, val):
+    if isinstance(model, nn.Module) and getattr(model, "bad_metric", False):
+        raise ValueError("metric failed")
+    return SPEC.metric_fn(model, val)
+
+
+def test_a_failing_member_fails_alone():
+    spec = dataclasses.replace(SPEC, model_fn=_model)
+    run = PackRunner(spec, STREAM)
+    ref = _Alone(A, spec)
+    run.load("ok", A)
+    run.load("bad", {**B, "explode": True})
+    pos = run.position
+    rows = run.unit(["ok", "bad"])
+    assert isinstance(rows["bad"], RuntimeError) and "boom" in str(rows["bad"])
+    _check(rows["ok"], *ref.unit(pos))            # the other member trained its unit normally
+    assert sorted(run.members) == ["ok"]
+    pos = run.position
+    _check(run.unit(["ok"])["ok"], *ref.unit(pos))
+
+
+def test_a_failing_metric_fails_only_its_member():
+    spec = dataclasses.replace(SPEC, metric_fn=_metric)
+    run = PackRunner(spec, STREAM)
+    run.load("ok", A)
+    run.load("bad", B)
+    run.members["bad"].model.bad_metric = True
+    rows = run.unit(["ok", "bad"])
+    assert isinstance(rows["bad"], ValueError) and isinstance(rows["ok"], dict)
+    assert sorted(run.members) == ["ok"]
+
+
+def _bn_model(config):
+    return nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def test_unpackable_model_is_refused_with_its_reason():
+    run = PackRunner(dataclasses.replace(SPEC, model_fn=_bn_model), STREAM)
+    with pytest.raises(Unpackable, match="BatchNorm"):
+        run.load("x", A)
+    assert len(run) == 0
+
+
+def test_unknown_or_duplicate_members_are_value_errors():
+    run = PackRunner(SPEC, STREAM)
+    run.load("a", A)
+    with pytest.raises(ValueError, match="already loaded"):
+        run.load("a", A)
+    with pytest.raises(ValueError, match=r"members \['zz'\] are not loaded"):
+        run.unit(["zz"])
