@@ -253,8 +253,28 @@ def test_checkpoint_and_resume_elsewhere_equals_uninterrupted(tmp_path):
         assert st.step == 9 and st.samples == 3 * (16 + 16 + 8) and st.epoch == 3
         path = b.checkpoint("bg", str(tmp_path / "again.pt"))
     same_params(moved.model, ref)
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=True)
     assert state["step"] == 9
+
+
+class _Marker:
+    """Unpickling this would create a file: what a crafted checkpoint could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_crafted_background_checkpoint_is_refused_and_never_runs(tmp_path):
+    ckpt, marker = tmp_path / "job.pt", tmp_path / "pwned"
+    torch.save({"model": _Marker(str(marker))}, ckpt)
+    with BackgroundRunner("cpu", MultiplexPolicy(max_background_batch=None)) as r:
+        with pytest.raises(ValueError, match=r"^checkpoint_path .*job\.pt of background job 'bg' "
+                                             r"is not a plain tensor file"):
+            r.submit(tiny_task(steps=2, ckpt=str(ckpt)))
+    assert not marker.exists()
 
 
 def test_bad_input_names_the_field():

@@ -317,7 +317,13 @@ class _Job:
         return str(path)
 
     def load(self, path: str) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        import pickle
+
+        try:   # tensors and plain values only: a crafted file's code never runs
+            state = torch.load(path, map_location=self.device, weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+            raise ValueError(f"checkpoint_path {path} of background job {self.task.name!r} is not a "
+                             f"plain tensor file; refusing to load it ({type(e).__name__})") from None
         self.task.model.load_state_dict(state["model"])
         self.task.optimizer.load_state_dict(state["optimizer"])
         self.status.step = int(state["step"])
