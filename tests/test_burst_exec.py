@@ -166,7 +166,7 @@ def _reference(build, batch):
         loss = F.cross_entropy(model(X), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model.state_dict(), losses
 
 
