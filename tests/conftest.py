@@ -12,7 +12,8 @@ torch.set_num_threads(1)
 
 
 def _start_session_ray(ray) -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # address="local": always a new instance, never a `ray start` cluster running on the machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              resources={"gpu_fast": 8, "gpu_slow": 8, "gpu_a": 8, "gpu_b": 8},
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
 

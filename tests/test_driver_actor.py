@@ -215,6 +215,7 @@ def test_driver_option_and_wait_false_input_checks():
     with pytest.raises(ValueError, match=r"^driver_max_restarts must be an integer >= -1"):
         DriverOptions(driver_max_restarts=-2)
     ds, _ = tiny_data(16)
-    tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JobConfig(), options=DriverOptions(driver="local"))
+    small = JobConfig(initial_global_batch=16, min_global_batch=8, max_global_batch=16, min_local_batch=4)
+    tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, small, options=DriverOptions(driver="local"))
     with pytest.raises(ValueError, match=r"^wait=False needs DriverOptions\(driver='actor'\), got driver='local'$"):
         tr.fit(wait=False)

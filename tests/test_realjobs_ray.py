@@ -129,7 +129,8 @@ def test_the_optimizers_lr_is_the_lr_at_the_initial_global_batch(reference, tmp_
     with pytest.raises(ValueError, match=r"^lr: JobConfig.lr = 0.05 disagrees with the LR of the "
                                          r"optimizer optimizer_fn builds \(0.0375\)"):
         JabasTrainer(model_fn, in_memory_copy(240), lambda p: torch.optim.SGD(p, lr=0.0375), loss_fn,
-                     JobConfig(lr=0.05), cluster=CLUSTER, run_config=RunConfig(str(tmp_path), "bad"),
+                     JobConfig(lr=0.05, max_global_batch=192), cluster=CLUSTER,
+                     run_config=RunConfig(str(tmp_path), "bad"),
                      perf_model=perf_model()).fit()
     assert not (tmp_path / "bad").exists()
 
