@@ -371,7 +371,7 @@ class JabasDriver:
             return False
         placed_before = self.pool.placement is not None
         if placed_before:
-            self._event(f"epoch {epoch}: re-placing actors for allocation {state.allocation}")
+            self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
         job, opts = self.job, self.options
         sma = None
         if job.sync == "sma" and worker_state is not None:
@@ -550,7 +550,7 @@ class JabasDriver:
         allocation = self._choose_allocation(state.cluster, forecast) if job.autoscale \
             else full_allocation(state.cluster)
         if allocation != state.allocation:
-            self._event(f"epoch {epoch}: auto-scaling {state.allocation} -> {allocation}")
+            self._event(f"after epoch {epoch + 1}: auto-scaling {state.allocation} -> {allocation}")
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
