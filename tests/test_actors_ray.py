@@ -118,7 +118,7 @@ def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
     assert hist.epochs[0].allocation == {"n0": 2} and len(hist.epochs[0].gpu_types) == 4
     assert hist.epochs[1].allocation == {"n0": 1} and len(hist.epochs[1].gpu_types) == 2
     fail = [m for m in hist.events if "failure" in m]
-    assert len(fail) == 1 and "rank 3 (fast on n0)" in fail[0] and "restarting epoch 1" in fail[0]
+    assert len(fail) == 1 and "rank 3 (fast on n0)" in fail[0] and "restarting epoch 2" in fail[0]
     # the failed attempt's intervals are gone; epoch 1 was trained once, completely
     ep1 = [r for r in hist.intervals if r.epoch == 1]
     assert sum(r.samples for r in ep1) == len(ds)

@@ -57,7 +57,7 @@ def test_actor_lost_before_any_epoch_is_recovered(ray_session, tmp_path, when):
     hist = drv.run()
     assert [e.epoch for e in hist.epochs] == [0, 1]
     fail = [m for m in hist.events if "failure" in m]
-    assert len(fail) == 1 and "restarting epoch 0 from epoch_0000 without that pair" in fail[0]
+    assert len(fail) == 1 and "restarting epoch 1 from epoch_0000 without that pair" in fail[0]
     assert all(len(e.gpu_types) == 2 for e in hist.epochs)      # one pair left
     assert sum(r.samples for r in hist.intervals if r.epoch == 0) == 160   # epoch 0 once, whole
     assert latest_checkpoint(tmp_path / "run").epochs_done == 2

@@ -636,7 +636,7 @@ class JabasDriver:
             self._event(line)
         allocation = self._choose_allocation(cluster, state.forecast or None)
         state = replace(state, cluster=cluster, allocation=allocation)
-        self._event(f"{self._describe(failure, dropped)}; restarting epoch {state.epochs_done} "
+        self._event(f"{self._describe(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
                     f"from {cp.path.name} without that pair, allocation {allocation}")
         self.last_checkpoint = cp
         return state, cp.load_worker_state()
