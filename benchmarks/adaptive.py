@@ -18,7 +18,7 @@ artefact of the emulation). Ratios are relative to ``static_small``.
     python benchmarks/adaptive.py                  # ~5-10 min on a 2-core CPU
     python benchmarks/adaptive.py --epochs 4 --variants jabas static_small
 
-Writes ``benchmarks/out/adaptive.json`` and the per-epoch B_G trajectories of the adaptive
+Writes ``<tmp>/jabasray_bench/adaptive.json`` and the per-epoch B_G trajectories of the adaptive
 variants to ``benchmarks/data/trajectories_jabas.json`` (input for the forecaster's benchmark).
 Runs on the CPU only (it needs Ray: the GPU actors are Ray actors).
 """
@@ -31,7 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import write_json
+from common import default_out, write_json
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("static_small", "static_max", "adaptive_all", "jabas")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=512)
     ap.add_argument("--target", type=float, default=0.95, help="upper cap of the target accuracy")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    ap.add_argument("--out", type=Path, default=HERE / "out" / "adaptive.json")
+    ap.add_argument("--out", type=Path, default=Path(default_out('adaptive.json')))
     ap.add_argument("--trajectories", type=Path, default=HERE / "data" / "trajectories_jabas.json")
     ap.add_argument("--device", default="cpu", choices=["cpu"],
                     help="the benchmark drives Ray actors; only CPU emulation is supported")

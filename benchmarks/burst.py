@@ -13,7 +13,7 @@ Plan quality: iteration time of the burst plan vs (a) the best uniform GPU count
 same amplification limit and (b) plain data parallelism on all G GPUs (limit ignored).
 
 Usage: python benchmarks/burst.py [--repeats 15] [--amp-limit 3.0] [--bandwidth-gbps 200]
-       [--latency-us 5] [--out benchmarks/out/burst.json]
+       [--latency-us 5] [--out <tmp>/jabasray_bench/burst.json]
 The planner is pure Python/numpy; it has no GPU path.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from common import write_json  # noqa: E402
+from common import default_out, write_json  # noqa: E402
 import model_graphs  # noqa: E402
 
 from jabasray.planners.burst import (BurstProblem, NetworkModel, candidate_gpu_counts,  # noqa: E402
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--amp-limit", type=float, default=3.0)
     ap.add_argument("--bandwidth-gbps", type=float, default=200.0, help="per-GPU network bandwidth")
     ap.add_argument("--latency-us", type=float, default=5.0, help="propagation delay per transfer")
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "burst.json"))
+    ap.add_argument("--out", default=default_out('burst.json'))
     args = ap.parse_args(argv)
     net = NetworkModel(args.bandwidth_gbps * 1e9 / 8, args.latency_us * 1e-6)
     rows = []

@@ -20,8 +20,8 @@ CNN (``burst_models.py``):
    transfers (and between iterations).  Reported: background samples trained per foreground
    iteration and the foreground iteration time with the background on.
 
-Usage: flock /work/heavy.lock python benchmarks/burst_exec.py [--rounds 5] [--iters 8]
-       [--limits 1.5 3] [--global-batch 32] [--out benchmarks/out/burst_exec.json]
+Usage: python benchmarks/burst_exec.py [--rounds 5] [--iters 8]
+       [--limits 1.5 3] [--global-batch 32] [--out <tmp>/jabasray_bench/burst_exec.json]
 On a GPU machine the same script would need NCCL and one device per rank; not done here (GPU
 figures: not measured).
 """
@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 import burst_models  # noqa: E402
-from common import write_json  # noqa: E402
+from common import default_out, write_json  # noqa: E402
 from jabasray.engine.burst import BurstExecutor  # noqa: E402
 from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy  # noqa: E402
 from jabasray.planners.burst import (BurstPlan, BurstProblem, NetworkModel,  # noqa: E402
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--profile-repeats", type=int, default=5)
     ap.add_argument("--models", nargs="+", default=["chain", "residual"])
-    ap.add_argument("--out", default=os.path.join(HERE, "out", "burst_exec.json"))
+    ap.add_argument("--out", default=default_out('burst_exec.json'))
     args = ap.parse_args(argv)
     load_before = os.getloadavg()
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ checkpoint) minus the epochs the resume started from, not counting an epoch whos
 script corrupted itself; and, for runs without an actor kill (same GPUs, so training is
 deterministic), whether the final weights equal the reference run's bit for bit.
 
-    flock /work/heavy.lock python benchmarks/chaos.py --runs 20 --out /tmp/chaos.json
+    python benchmarks/chaos.py --runs 20 --out /tmp/chaos.json
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from common import write_json
+from common import default_out, write_json
 
 TINY_SCRIPT = textwrap.dedent('''
     """Tiny deterministic job for benchmarks/chaos.py."""
@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "jabasray_chaos.json"))
+    ap.add_argument("--out", default=default_out('chaos.json'))
     ap.add_argument("--work", default=None, help="work folder (default: a new temp folder)")
     args = ap.parse_args()
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from jabasray.serialization import atomic_write_text
+
+
+def default_out(name: str) -> str:
+    """Where a benchmark writes its JSON unless ``--out`` says otherwise: outside the repository,
+    in ``$JABASRAY_BENCH_OUT`` or else ``<temp dir>/jabasray_bench``. The figures a run produced go
+    to benchmarks/RESULTS.md by hand, with the machine they ran on."""
+    root = os.environ.get("JABASRAY_BENCH_OUT") or os.path.join(tempfile.gettempdir(), "jabasray_bench")
+    return os.path.join(root, name)
 
 
 def write_json(path: str | os.PathLike, doc: Any, *, indent: int = 2, announce: bool = True) -> Path:

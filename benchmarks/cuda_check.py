@@ -8,7 +8,7 @@ all-reduce on a side stream, SMA learners run on streams and packs run batched k
 2. SMA on CUDA == SMA on CPU for the same model, data and learners (streams change nothing).
 3. A pack of K members on CUDA == each member trained alone on CUDA.
 
-Prints one line per check and writes benchmarks/out/cuda_check.json. Exit code 1 on failure.
+Prints one line per check and writes <tmp>/jabasray_bench/cuda_check.json. Exit code 1 on failure.
 
     python benchmarks/cuda_check.py [--device cuda]
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from common import write_json  # noqa: E402
+from common import default_out, write_json  # noqa: E402
 from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split  # noqa: E402
 from jabasray.engine import IIDPWorker  # noqa: E402
 
@@ -109,7 +109,7 @@ def check_pack(device: str) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "cuda_check.json"))
+    ap.add_argument("--out", default=default_out('cuda_check.json'))
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cuda_check: no CUDA device; nothing checked", file=sys.stderr)

@@ -14,7 +14,7 @@ contender's samples/s is divided by the in-memory one of the same round; the med
 per-round ratios is reported, with the time to the first batch (what a user waits before
 training starts) and the load average.
 
-    flock /work/heavy.lock python benchmarks/data_loading.py [--rounds 3] [--out PATH]
+    python benchmarks/data_loading.py [--rounds 3] [--out PATH]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.data import ImageFiles, write_image_files
 from jabasray.engine.loader import InMemoryBatches, LoaderBatches, split_batch
 from jabasray.engine.sampler import IIDPSampler
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "jabasray_bench_images"))
-    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jabasray_bench", "data_loading.json"))
+    ap.add_argument("--out", default=default_out('data_loading.json'))
     args = ap.parse_args()
     torch.set_num_threads(1)
 

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import write_json
+from common import default_out, write_json
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--kill", action="store_true", help="also measure recovery after killing the driver")
-    ap.add_argument("--out", default="/tmp/jabasray_bench/driver_actor.json")
+    ap.add_argument("--out", default=default_out('driver_actor.json'))
     args = ap.parse_args(argv)
 
     import ray

@@ -11,7 +11,7 @@
    real CUDA streams (analogue of JABAS Fig. 7).
 
 Variants are interleaved round by round (``--rounds``) and the median of the rounds is
-reported. Prints ratios and writes ``benchmarks/out/engine.json``.
+reported. Prints ratios and writes ``<tmp>/jabasray_bench/engine.json``.
 
     python benchmarks/engine.py [--device cpu|cuda] [--quick]
 """
@@ -29,13 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
 from jabasray.engine.iidp import _Timings
 from jabasray.models import MLP
 
-OUT = Path(__file__).resolve().parent / "out" / "engine.json"
 
 
 # ----------------------------------------------------------------------------- models
@@ -345,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: "
                     "VSW threads are the parallelism under test)")
     ap.add_argument("--no-dist", action="store_true", help="skip the 2-process gloo part (CPU)")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

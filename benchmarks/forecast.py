@@ -15,7 +15,7 @@ Data:
 
 Goal (paper 7.5): ensemble MAPE <= 15.8 %, fitting < 50 ms per epoch.
 
-    OMP_NUM_THREADS=1 python benchmarks/forecast.py     # writes benchmarks/out/forecast.json
+    OMP_NUM_THREADS=1 python benchmarks/forecast.py     # writes <tmp>/jabasray_bench/forecast.json
 
 (One BLAS thread: the forecaster runs in the driver next to other work, and multi-threaded BLAS
 on tiny matrices only adds contention. Wall times suffer from other load on the machine; the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.adaptive import GBSForecaster
 
 HERE = Path(__file__).resolve().parent
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GBS forecaster comparison (GPR, ESM, ensemble, ARIMA)")
     ap.add_argument("--data", type=Path, default=HERE / "data" / "trajectories_digits.json")
     ap.add_argument("--synthetic-runs", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=HERE / "out" / "forecast.json")
+    ap.add_argument("--out", type=Path, default=Path(default_out('forecast.json')))
     args = ap.parse_args(argv)
 
     # Warm up imports (sklearn / statsmodels) so the first fit's import is not timed.

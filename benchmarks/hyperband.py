@@ -21,7 +21,7 @@ never the best of each side from different rounds. For every run: wall time to f
 until the best-so-far metric is within 1 point of that run's final best, time to the fixed
 ``--target`` accuracy, best accuracy, units trained, load average.
 
-    flock /work/heavy.lock python benchmarks/hyperband.py [--rounds 2] [--R 9] [--out /tmp/x.json]
+    python benchmarks/hyperband.py [--rounds 2] [--R 9] [--out /tmp/x.json]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import write_json  # noqa: E402
+from common import default_out, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
-    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jabasray_bench", "hyperband.json"))
+    ap.add_argument("--out", default=default_out('hyperband.json'))
     args = ap.parse_args(argv)
     contenders = [c for c in args.contenders.split(",") if c]
     for c in contenders:

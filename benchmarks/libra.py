@@ -9,7 +9,7 @@
    and Algorithm 1 as printed (first group only at a chunk edge), on synthetic ResNet-50-,
    VGG-16- and BERT-base-like layer profiles under a V100 / 50 Gb RDMA-like contention model.
 
-Usage: python benchmarks/libra.py [--quick]   -> prints ratios, writes benchmarks/out/libra.json
+Usage: python benchmarks/libra.py [--quick]   -> prints ratios, writes <tmp>/jabasray_bench/libra.json
 """
 from __future__ import annotations
 

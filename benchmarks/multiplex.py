@@ -25,13 +25,12 @@ import contextlib
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy
 from jabasray.models import DigitsCNN
 
@@ -163,7 +162,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.18)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "multiplex.json"))
+    ap.add_argument("--out", default=default_out('multiplex.json'))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):

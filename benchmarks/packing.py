@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import write_json  # noqa: E402
+from common import default_out, write_json  # noqa: E402
 from jabasray.engine.packing import pack  # noqa: E402
 from jabasray.models import MLP, DigitsCNN  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "packing.json"))
+    ap.add_argument("--out", default=default_out('packing.json'))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []

@@ -14,7 +14,7 @@
     python benchmarks/perf_model.py [--device cpu|cuda] [--steps 20]
 
 On CUDA only the single-device configurations run (one GPU; the 2-process group needs two
-devices). Writes benchmarks/out/perf_model.json.
+devices). Writes <tmp>/jabasray_bench/perf_model.json.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.models import DigitsCNN
 from jabasray.planners.perf_model import PerfModel
 from jabasray.profiler.measure import profile_model
@@ -132,7 +132,7 @@ def main() -> None:
                          "= the machine's noise floor)")
     ap.add_argument("--statistic", default="median", choices=("median", "min"),
                     help="per-step statistic for profile and real runs (min: undisturbed time)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "perf_model.json"))
+    ap.add_argument("--out", default=default_out('perf_model.json'))
     args = ap.parse_args()
     torch.set_num_threads(1)
     on_cuda = args.device.startswith("cuda")

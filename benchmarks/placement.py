@@ -17,7 +17,7 @@ Per round it reports ``pinned / unpinned`` (the cost of pinning) and ``replace /
 keeping pairs saves over placing everything anew), then the medians of the per-round ratios.
 Time to a result here is the time until the job can train (what ``place`` returns after).
 
-Usage: ``flock /work/heavy.lock python benchmarks/placement.py [--rounds 3] [--out PATH]``.
+Usage: ``python benchmarks/placement.py [--rounds 3] [--out PATH]``.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import write_json
+from common import default_out, write_json
 
 NODES = 5          # raylets, 2 emulated GPUs each
 SIZES = (2, 4, 8)  # actors
@@ -72,7 +72,7 @@ def timed_place(job, data_ref, slots, before=None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="/tmp/jabasray_bench/placement.json")
+    ap.add_argument("--out", default=default_out('placement.json'))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -16,7 +16,7 @@ of each and the ratios old/new and old/new-warm, and their medians. Repeat-to-re
 for every contender, the relative spread (max - min) / median over rounds of each profiled
 compute time t(1) at every B_L, and the number of non-monotone B_L points in its profiles.
 
-Usage: flock /work/heavy.lock python benchmarks/profiling.py [--rounds 3] [--out /tmp/x.json]
+Usage: python benchmarks/profiling.py [--rounds 3] [--out /tmp/x.json]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import write_json
+from common import default_out, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_REV = "5e4ce8c"
@@ -90,7 +90,7 @@ def spread(profiles: list) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jabasray_profiling.json"))
+    ap.add_argument("--out", default=default_out('profiling.json'))
     args = ap.parse_args()
     torch.set_num_threads(1)
     from jabasray.data import load_digits_split

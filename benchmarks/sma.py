@@ -36,14 +36,13 @@ import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.data import accuracy, load_digits_split
 from jabasray.engine.iidp import IIDPWorker
 from jabasray.engine.sma import SMAWorker
@@ -212,7 +211,7 @@ def main() -> None:
     ap.add_argument("--max-epochs", type=int, default=15)
     ap.add_argument("--eval-every", type=float, default=0.25, help="fraction of an epoch")
     ap.add_argument("--seeds", default="0,1,2", help="one paired round per seed")
-    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "jabasray_bench", "sma.json"))
+    ap.add_argument("--out", default=default_out('sma.json'))
     args = ap.parse_args()
     try:
         args.learners = [int(v) for v in args.learners.split(",")]

@@ -8,7 +8,7 @@ profiles (``synthetic_profile``) with different speeds.
 The reference (``solve_configuration_reference``: plain Python, O(L M^2 N_H)) is timed once at
 the full M if a small-M probe extrapolates (x M^2) to under ``--reference-budget`` seconds,
 otherwise at the probe's M only and extrapolated (reported as such). Both must find plans of
-the same throughput (checked). Writes benchmarks/out/solver.json.
+the same throughput (checked). Writes <tmp>/jabasray_bench/solver.json.
 
     python benchmarks/solver.py [--workers 2592] [--gpus 8] [--batches 16] [--repeats 5]
 """
@@ -19,9 +19,8 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.planners.config_solver import solve_configuration, solve_configuration_reference
 from jabasray.planners.perf_model import PerfModel
 from jabasray.profiles import synthetic_profile
@@ -71,7 +70,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--reference-budget", type=float, default=60.0,
                     help="run the reference at full M only if extrapolated to take less (s)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "solver.json"))
+    ap.add_argument("--out", default=default_out('solver.json'))
     args = ap.parse_args()
 
     min_bl = args.min_local_batch
