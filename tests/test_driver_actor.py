@@ -115,7 +115,7 @@ def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(r
     assert len(restart) == 1 and "incarnation 2" in restart[0]
     assert "resumed automatically from epoch_0001" in restart[0]
     assert_same_training(result, reference)        # weights, momentum, B_G trajectory, LRs
-    assert result.checkpoint.epochs_done == 2
+    assert result.run_checkpoint.epochs_done == 2
     # the restarted incarnation redid epoch 1 from its start; the client saw it and its events
     assert seen.epochs == [1] and seen.intervals[0] == (1, 0) and seen.drivers == {"RemoteDriver"}
     assert any("driver actor restarted" in m for m in seen.events)
@@ -194,7 +194,7 @@ def test_detached_cli_run_second_client_status_attach_stop(ray_session, tmp_path
     done = len(result.history.epochs)
     assert "run det: stopped" in out and box["attach_rc"] == 0
     assert "\nepoch 1: B_G " in out and f"det: {done} epoch(s) done" in out   # attach's lines
-    assert 1 <= done < 50 and result.checkpoint.epochs_done == done
+    assert 1 <= done < 50 and result.run_checkpoint.epochs_done == done
     assert [e.epoch for e in result.history.epochs] == list(range(done))
     assert {r.epoch for r in result.history.intervals} == set(range(done))   # partial epoch not kept
     assert any(m.startswith("stopped on request") for m in result.history.events)

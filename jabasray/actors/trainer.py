@@ -294,7 +294,9 @@ class JabasTrainer:
         cache = opts.profile_cache_dir or run_dir.parent / ".profiles"
         # file-system problems and a second run on this folder are found before any work
         probe_run_folder(run_dir, extra_dirs=(cache,))
-        if opts.driver == "actor":    # the driver actor holds the lock in its own process
+        if opts.driver == "actor":    # the driver actor holds the lock in its own process;
+            with RunLock(run_dir):    # a folder in use is refused here, before anything starts
+                pass
             return self._fit(run_dir, wait)
         with RunLock(run_dir):
             return self._fit(run_dir, wait)

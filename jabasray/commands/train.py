@@ -227,7 +227,10 @@ def run(args: argparse.Namespace) -> int:
     # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
     # (fit() takes the same lock again), the actor driver takes it in its own process
     probe_run_folder(run_config.path, extra_dirs=(run_config.path.parent / ".profiles",))
-    lock = RunLock(run_config.path).acquire() if args.driver == "local" else None
+    lock: RunLock | None = RunLock(run_config.path).acquire()
+    if args.driver == "actor":      # checked here (one line, before anything starts); the
+        lock.release()              # driver actor then holds it in its own process
+        lock = None
     try:
         started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus,
                              address=args.ray_address)
