@@ -116,7 +116,10 @@ class Runner:
     def command(self, name: str, resume: bool) -> list[str]:
         cmd = [sys.executable, "-m", "jabasray.cli", "train", "--script", str(self.work / "tiny.py"),
                "--cluster", str(self.work / "cluster.yaml"), "--storage-path", str(self.work / "runs"),
-               "--name", name, "--ray-address", self.address, "--no-progress", *JOB]
+               "--name", name, "--ray-address", self.address, "--no-progress",
+               # the driver in the killed process (the driver actor outlives its client by design;
+               # its own restarts are tested in tests/test_driver_actor.py)
+               "--driver", "local", *JOB]
         return cmd + (["--resume"] if resume else [])
 
     def attempt(self, name: str, resume: bool, actor_kill_at: float | None,
