@@ -94,14 +94,7 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
     from ray import cloudpickle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    taken = ValueError(f"name: run {name!r} is already running (driver actor "
-                       f"{driver_actor_name(name)!r}); attach to it with `jabasray attach {name}` "
-                       f"or choose another name")
-    if name in running_runs():
-        ended = status(name)["state"] in DONE_STATES
-        if not ended:
-            raise taken
-        _release(name)      # an ended run whose outcome nobody collected: its name is free
+    check_name_free(name)
     node = _driver_node(options)
     kv_put(name, "spec", cloudpickle.dumps((tuple(driver_args), dict(driver_kwargs))))
     try:
@@ -110,7 +103,22 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
             max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
-        raise taken from None
+        raise _name_taken(name) from None
+
+
+def _name_taken(name: str) -> ValueError:
+    return ValueError(f"name: run {name!r} is already running (driver actor "
+                      f"{driver_actor_name(name)!r}); attach to it with `jabasray attach {name}` "
+                      f"or choose another name")
+
+
+def check_name_free(name: str) -> None:
+    """One-line ValueError when a driver actor of run ``name`` is running; an ended run whose
+    outcome nobody collected is released (its name is free again)."""
+    if name in running_runs():
+        if status(name)["state"] not in DONE_STATES:
+            raise _name_taken(name)
+        _release(name)
 
 
 def _release(name: str, handle: Any = None, follower: str | None = None, timeout_s: float = 60.0) -> None:

@@ -295,7 +295,12 @@ class JabasTrainer:
         # file-system problems and a second run on this folder are found before any work
         probe_run_folder(run_dir, extra_dirs=(cache,))
         if opts.driver == "actor":    # the driver actor holds the lock in its own process;
-            with RunLock(run_dir):    # a folder in use is refused here, before anything starts
+            import ray                # a name or folder in use is refused here, before anything
+                                      # starts (the name needs Ray, when it is already up)
+            if ray.is_initialized():
+                from .run_client import check_name_free
+                check_name_free(self.run_config.name)
+            with RunLock(run_dir):
                 pass
             return self._fit(run_dir, wait)
         with RunLock(run_dir):
