@@ -363,6 +363,13 @@ def overlap_slowdowns(model: ContentionModel, threads: int = 1) -> tuple[float, 
     return sigma_c, sigma_u
 
 
+def measured_slowdowns(meas: ContentionMeasurement) -> tuple[float, float]:
+    """:func:`overlap_slowdowns` of the one-thread fit of ``meas``, each at least 1: a speed-up
+    under overlap is measurement noise, so it counts as no interference (never as a gain)."""
+    sigma_c, sigma_u = overlap_slowdowns(fit_one_thread_count(meas), meas.threads)
+    return max(1.0, sigma_c), max(1.0, sigma_u)
+
+
 def synthetic_rows(model: ContentionModel, threads: Sequence[int], sizes: Sequence[float],
                    compute_times: Sequence[float], *, noise: float = 0.0,
                    seed: int = 0) -> tuple[list[ComputeRow], list[CommRow]]:

@@ -80,7 +80,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
-from .libra_model import fit_one_thread_count, overlap_slowdowns
+from .libra_model import measured_slowdowns
 from ..profiles import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
 from ..validation import check_choice, check_float, check_int
@@ -270,11 +270,7 @@ class PerfModel:
         measurement (module notes), None when it has none."""
         if gpu not in self._slow:
             meas = self.profile(gpu).contention
-            if meas is None:
-                self._slow[gpu] = None
-            else:   # a measured speed-up under overlap is noise: no interference, not negative
-                sc, su = overlap_slowdowns(fit_one_thread_count(meas), meas.threads)
-                self._slow[gpu] = (max(1.0, sc), max(1.0, su))
+            self._slow[gpu] = None if meas is None else measured_slowdowns(meas)
         return self._slow[gpu]
 
     def tau(self, gpu: str, method: str | None = None) -> float:
