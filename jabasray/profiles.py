@@ -8,7 +8,9 @@ A profile holds what the JABAS iteration-time model (paper section 5.1, Eq. 1-6)
 * the optimizer time t_optim and the weight-copy time t_copy (Eq. 5);
 * the gradient bucket sizes b_1..b_l in backward order and the total parameter size W (Eq. 4, 5);
 * the all-reduce regressions of Eq. 3, within a node and (if measured) across nodes;
-* the per-step host overhead outside Eq. 6 (``step_overhead``; see planners/perf_model.py).
+* the per-step host overhead outside Eq. 6 (``step_overhead``; see planners/perf_model.py);
+* optionally the contention measured on this host (``contention``, a
+  :class:`ContentionMeasurement`): LIBRA's Eq. 5-6 and the SWS/OWS interference are fitted to it.
 
 ``Profile.scaled(speed, gpu_type)`` emulates a faster/slower GPU on CPU by dividing every
 compute time (forward/backward, optimizer, weight copy) by ``speed``; communication is left as
@@ -103,6 +105,40 @@ class AllReduceFit(JsonMixin):
 
 
 @dataclass(frozen=True)
+class ContentionMeasurement(JsonMixin):
+    """Compute/communication contention measured on a ``num_workers``-process gloo group on one
+    host (:func:`jabasray.profiler.contention.measure_gloo_contention`): every rank times
+    all-reduces of ``sizes`` bytes alone and while a compute thread runs on it, and a compute
+    task alone and while all-reduces run. Plain measurements: LIBRA's Eq. 5-6 are fitted to them
+    in :func:`jabasray.planners.libra_model.fit_one_thread_count`.
+
+    ``threads`` is the communication thread count of the measurement; gloo offers no such knob,
+    so it is the single nominal value 1 (LIBRA's thread dimension is not measurable there).
+    """
+
+    num_workers: int             # N: processes in the gloo group
+    sizes: list[float]           # all-reduce sizes c (bytes)
+    comm_alone: list[float]      # s per all-reduce of sizes[i], nothing else running
+    comm_overlapped: list[float] # s per all-reduce of sizes[i] while a compute thread runs
+    compute_alone: float         # b: s per compute task alone
+    compute_overlapped: float    # g: s per compute task while all-reduces run
+    threads: int = 1             # communication threads (gloo: no knob, one nominal value)
+
+    def __post_init__(self) -> None:
+        check_int("contention.num_workers", self.num_workers, min_value=2)
+        check_int("contention.threads", self.threads, min_value=1)
+        n = len(self.sizes)
+        if n < 2 or len(self.comm_alone) != n or len(self.comm_overlapped) != n:
+            raise ValueError(f"contention.sizes, comm_alone and comm_overlapped must have the same "
+                             f"length >= 2, got {n}, {len(self.comm_alone)}, {len(self.comm_overlapped)}")
+        for name in ("sizes", "comm_alone", "comm_overlapped"):
+            for i, v in enumerate(getattr(self, name)):
+                check_float(f"contention.{name}[{i}]", v, min_value=0, min_exclusive=True)
+        check_float("contention.compute_alone", self.compute_alone, min_value=0, min_exclusive=True)
+        check_float("contention.compute_overlapped", self.compute_overlapped, min_value=0, min_exclusive=True)
+
+
+@dataclass(frozen=True)
 class Profile(JsonMixin):
     """Everything the iteration-time model needs about one model on one GPU type."""
 
@@ -121,6 +157,7 @@ class Profile(JsonMixin):
     speed: float = 1.0                    # emulation factor applied by ``scaled`` (1 = measured)
     memory_budget_gb: float | None = None # memory bound used to find max B_L / n_max
     step_overhead: float = 0.0            # s per iteration outside Eq. 6 (host bookkeeping), see perf_model
+    contention: ContentionMeasurement | None = None  # measured compute/comm contention (None: not measured)
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:

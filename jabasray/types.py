@@ -232,7 +232,10 @@ class Plan(JsonMixin):
     workers: list[WorkerConfig]            # one per GPU of group H, in group order
     iteration_time: float                  # predicted seconds per iteration (max over GPUs)
     requested_global_batch_size: int = 0   # the B_G the solver was asked for
-    weight_sync: str = "auto"              # "sws" | "ows" | "auto" as predicted
+    weight_sync: str = "auto"              # "sws" | "ows" as predicted for every GPU, "mixed" when
+                                           # they differ, "auto" when the model does not say
+    worker_weight_sync: list[str] = field(default_factory=list)  # per workers[i]: the method the
+                                           # prediction assumed, which its actors run ("auto": engine rule)
     bucket_plan: list[list[str]] | None = None  # gradient buckets (param names, backward order) the
                                                 # actors run; None: the engine's size-capped default
 

@@ -334,9 +334,10 @@ class JabasDriver:
                 next(iter(profiles.values())), world_size, self.options.bucket_cap_mb)
         return self._bucket_plans[world_size]
 
-    def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int]]:
-        """(num_vsw, num_ga, B_L) of every rank: its pair's WorkerConfig; in SMA mode num_vsw is
-        the rank's learner count (tuner) instead of the plan's."""
+    def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int, str | None]]:
+        """(num_vsw, num_ga, B_L, weight sync) of every rank: its pair's WorkerConfig and the
+        weight sync the plan's prediction assumed for it (None: the engine's own rule); in SMA
+        mode num_vsw is the rank's learner count (tuner) instead of the plan's."""
         slots = self.pool.slots
         if len(plan.workers) != len(slots) // 2:
             raise ValueError(f"plan.workers must have one entry per GPU pair "
@@ -345,7 +346,9 @@ class JabasDriver:
         for slot in slots:
             w = plan.workers[slot.pair]
             m = self._learners.counts[slot.rank] if self._learners is not None else w.num_vsw
-            out.append((int(m), int(w.num_ga), int(plan.local_batch_size)))
+            ws = plan.worker_weight_sync[slot.pair] if plan.worker_weight_sync else "auto"
+            ws = None if self._learners is not None or ws == "auto" else ws
+            out.append((int(m), int(w.num_ga), int(plan.local_batch_size), ws))
         return out
 
     # ------------------------------------------------------------------ placement
@@ -453,7 +456,7 @@ class JabasDriver:
         t0 = time.perf_counter()
         configs = self._rank_configs(plan)
         self.pool.configure(configs)
-        layout = [m * (ga + 1) for m, ga, _ in configs]   # = layout_for(...) without SMA
+        layout = [m * (ga + 1) for m, ga, *_ in configs]   # = layout_for(...) without SMA
         run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
         req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
                               num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / run_batch)),
@@ -471,7 +474,7 @@ class JabasDriver:
                              local_batch=plan.local_batch_size, plan=plan,
                              loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
                              phi=first.phi, lr=first.lr, time_s=dt, samples=done,
-                             learners=[m for m, _, _ in configs] if self._learners else [],
+                             learners=[m for m, *_ in configs] if self._learners else [],
                              layout=list(layout),
                              predicted_time_s=plan.iteration_time * first.num_iterations)
         self.metrics.intervals.append(rec)

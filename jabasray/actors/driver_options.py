@@ -45,7 +45,8 @@ class DriverOptions(JsonMixin):
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
         check_choice("device", self.device, ("cpu", "cuda"))
-        check_choice("bucket_planner", self.bucket_planner, ("size", "libra"))
+        from ..profiler.buckets import BUCKET_PLANNERS
+        check_choice("bucket_planner", self.bucket_planner, BUCKET_PLANNERS)
         if self.emulate is None:
             self.emulate = self.device == "cpu"
         check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)

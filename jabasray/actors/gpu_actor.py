@@ -241,10 +241,13 @@ class GPUActor(BackgroundHostMixin):
             self._val.close()
 
     # ------------------------------------------------------------------ state
-    def configure(self, num_vsw: int, num_ga: int, local_batch: int) -> None:
+    def configure(self, num_vsw: int, num_ga: int, local_batch: int, weight_sync: str | None = None) -> None:
         """Apply this GPU's part of a plan in place (collective: call on all actors at once,
-        even those whose own part did not change - the global worker count is exchanged)."""
+        even those whose own part did not change - the global worker count is exchanged).
+        ``weight_sync``: "sws"/"ows" as the plan predicted it (None: keep the engine's rule)."""
         self.worker.configure(num_vsw, num_ga, local_batch)
+        if weight_sync is not None:
+            self.worker.set_weight_sync(weight_sync)
 
     def configure_burst(self, plan: dict, global_batch: int) -> None:
         """Burst mode: run the ``BurstPlan`` (as a dict) for B_G = ``global_batch`` (collective)."""

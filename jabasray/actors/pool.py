@@ -90,7 +90,7 @@ class ActorPool:
         return call_all(self.placement.actors, method, *args, per_rank=per_rank, ranks=ranks,
                         grace_s=self.failure_grace_s)
 
-    def configure(self, configs: list[tuple[int, int, int]]) -> None:
+    def configure(self, configs: list[tuple]) -> None:
         """``configure`` every rank (one collective call) unless nothing changed since the last."""
         if tuple(configs) != self._applied:
             self.call_all("configure", per_rank=list(configs))

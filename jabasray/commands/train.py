@@ -76,6 +76,10 @@ def register(subparsers: Any) -> None:
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
     p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
+    from ..profiler.buckets import BUCKET_PLANNERS
+    p.add_argument("--bucket-planner", default="size", choices=BUCKET_PLANNERS,
+                   help="gradient buckets: 'size' (capped at 25 MB, DDP-like) or 'libra' (LIBRA's fusion "
+                        "planned on the measured contention)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
@@ -217,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
                             force_replacement=args.force_replacement, reprofile=args.reprofile,
-                            driver=args.driver, driver_node=args.driver_node)
+                            driver=args.driver, driver_node=args.driver_node,
+                            bucket_planner=args.bucket_planner)
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,

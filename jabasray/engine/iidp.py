@@ -294,6 +294,11 @@ class IIDPWorker:
         """The method in use: ``"sws"`` or ``"ows"`` (``"auto"`` resolved)."""
         return self._method
 
+    def set_weight_sync(self, method: str) -> None:
+        """Use ``"sws"`` or ``"ows"`` from the next step on (a plan's predicted choice; the
+        shard optimizer exists either way, so switching between steps is safe)."""
+        self._method = check_choice("weight_sync", method, ("sws", "ows"))
+
     @property
     def bucket_nbytes(self) -> list[int]:
         return bucket_nbytes(self._specs)

@@ -259,12 +259,15 @@ def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float,
 
 
 # ---------------------------------------------------------------------------- Algorithm 1
-def _weight_sync_of(model: Any, gpus: Sequence[str]) -> str:
+def _weight_syncs(model: Any, workers: Sequence[WorkerConfig], local_batch: int) -> tuple[str, list[str]]:
+    """The weight sync the model predicts for each worker's configuration (``weight_sync_method``
+    of the model, e.g. PerfModel's faster of SWS/OWS) and the common one ("mixed" when GPUs
+    differ). A model without the method: "auto" everywhere (the engine's own rule decides)."""
     fn = getattr(model, "weight_sync_method", None)
     if not callable(fn):
-        return "auto"
-    methods = {fn(g) for g in gpus}
-    return methods.pop() if len(methods) == 1 else "auto"
+        return "auto", ["auto"] * len(workers)
+    per = [str(fn(w.gpu, local_batch, w.num_vsw)) for w in workers]
+    return (per[0] if len(set(per)) == 1 else "mixed"), per
 
 
 def local_batch_candidates(min_local_batch: int, max_local_batch: int) -> range:
@@ -322,10 +325,11 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
     t_iter, ks = res
     thp = local_batch * m * 2 / t_iter
     workers = [WorkerConfig(g, int(tables[g].nvsw[k]), int(tables[g].nga[k])) for g, k in zip(gpus, ks)]
+    common, per_worker = _weight_syncs(model, workers, local_batch)
     plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
                 workers=workers, iteration_time=t_iter,
                 requested_global_batch_size=global_batch_size,
-                weight_sync=_weight_sync_of(model, types))
+                weight_sync=common, worker_weight_sync=per_worker)
     return plan, LocalBatchOutcome(local_batch, m, t_iter, thp)
 
 
@@ -466,10 +470,11 @@ def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[s
         if thp > best_thp:
             best_thp = thp
             workers = [WorkerConfig(g, pruned[i][k][1], pruned[i][k][2]) for i, (g, k) in enumerate(zip(gpus, ks))]
+            common, per_worker = _weight_syncs(model, workers, local_batch)
             best = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
                         workers=workers, iteration_time=t_iter,
                         requested_global_batch_size=global_batch_size,
-                        weight_sync=_weight_sync_of(model, list(dict.fromkeys(gpus))))
+                        weight_sync=common, worker_weight_sync=per_worker)
     return best
 
 

@@ -30,11 +30,12 @@ error of the predicted times against the measured rows), like Sec. V-B validates
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
 
+from ..profiles import ContentionMeasurement
 from ..serialization import JsonMixin
 from ..validation import check_float, check_int
 
@@ -310,6 +311,63 @@ def fit_contention_model(compute_rows: Sequence[ComputeRow], comm_rows: Sequence
         log.warning("LIBRA contention model fits poorly (MAPE g=%.3g p=%.3g q=%.3g)",
                     err_g.mape, err_p.mape, err_q.mape)
     return model
+
+
+def fit_one_thread_count(meas: ContentionMeasurement) -> ContentionModel:
+    """Eq. 5-6 fitted to measurements taken at ONE communication thread count (gloo, where no
+    thread/CTA knob exists; see :class:`jabasray.profiles.ContentionMeasurement`).
+
+    With a single r only the values at that r are identifiable, so the thread terms are flat:
+
+    * Eq. 5: ``g(b) = b / alpha1`` with ``alpha1 = b_meas / g_meas`` (alpha2 = 0);
+    * Eq. 3-4 alone (q): ``t = a + c_hat / rate_q``, linear least squares over the sizes gives the
+      startup ``a`` (clipped at 0; hop latency ``a / 2(N-1)``) and ``1 / rate_q``;
+    * Eq. 6 overlapped (p): ``t - a = c_hat / rate_p``, least squares through the origin with the
+      same ``a`` (LIBRA also subtracts one separately measured startup from both);
+    * gamma2 = 0, so ``rate(r) = gamma1`` for every r (gamma3 is irrelevant, stored as 1).
+
+    A non-positive slope (sizes too small to show the bandwidth) is a ValueError naming the sizes.
+    """
+    n = meas.num_workers
+    c_hat = _ring_bytes(n, meas.sizes)
+    alone = np.asarray(meas.comm_alone, dtype=float)
+    over = np.asarray(meas.comm_overlapped, dtype=float)
+    design = np.column_stack([np.ones_like(c_hat), c_hat])
+    (a, inv_q), *_ = np.linalg.lstsq(design, alone, rcond=None)
+    a = max(0.0, float(a))
+    if a == 0.0:
+        inv_q = float(np.dot(c_hat, alone) / np.dot(c_hat, c_hat))
+    inv_p = float(np.dot(c_hat, over - a) / np.dot(c_hat, c_hat))
+    span = 1e-6 * float(max(alone.max(), over.max()))   # transmission ~0 at the largest size: no bandwidth seen
+    if not (inv_q * float(c_hat.max()) > span and inv_p * float(c_hat.max()) > span):
+        raise ValueError(f"contention.sizes {list(meas.sizes)} do not show the all-reduce bandwidth "
+                         f"(non-positive time per byte); measure larger all-reduces")
+    r = np.asarray([meas.threads], dtype=float)
+    compute = ComputeParams(alpha1=meas.compute_alone / meas.compute_overlapped, alpha2=0.0)
+    q = CommParams(gamma1=1.0 / float(inv_q), gamma2=0.0, gamma3=1.0)
+    p = CommParams(gamma1=1.0 / inv_p, gamma2=0.0, gamma3=1.0)
+    model = ContentionModel(compute=compute, overlapped=p, alone=q, num_workers=n,
+                            hop_latency=a / (2.0 * (n - 1)))
+    errors = {"g": _fit_error(np.atleast_1d(model.g(meas.compute_alone, r)), np.array([meas.compute_overlapped])),
+              "p": _fit_error(model.startup + model.p(meas.sizes, r), over),
+              "q": _fit_error(model.startup + model.q(meas.sizes, r), alone)}
+    return replace(model, fit_errors=errors)
+
+
+def overlap_slowdowns(model: ContentionModel, threads: int = 1) -> tuple[float, float]:
+    """``(sigma_comm, sigma_compute)``: how much slower an all-reduce's transmission runs while
+    computation overlaps it (q rate / p rate, Eq. 6) and how much slower computation runs while
+    an all-reduce overlaps it (1 / (alpha1 - alpha2 r), Eq. 5), at ``threads`` threads."""
+    sigma_c = float(model.alone.rate(threads)) / float(model.overlapped.rate(threads))
+    sigma_u = 1.0 / float(model.compute.speed(threads))
+    return sigma_c, sigma_u
+
+
+def measured_slowdowns(meas: ContentionMeasurement) -> tuple[float, float]:
+    """:func:`overlap_slowdowns` of the one-thread fit of ``meas``, each at least 1: a speed-up
+    under overlap is measurement noise, so it counts as no interference (never as a gain)."""
+    sigma_c, sigma_u = overlap_slowdowns(fit_one_thread_count(meas), meas.threads)
+    return max(1.0, sigma_c), max(1.0, sigma_u)
 
 
 def synthetic_rows(model: ContentionModel, threads: Sequence[int], sizes: Sequence[float],

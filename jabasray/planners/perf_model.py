@@ -36,8 +36,36 @@ the cores, so compute terms (t_vsw, t_update, t_overhead) are multiplied by N_G 
 the auto-scaler then no longer sees 4 actors on 2 cores as twice the compute of 2. None (real
 GPUs): no such term.
 
-The weight-sync method follows IIDP's selection rule (section 4): with ``weight_sync="auto"``
-SWS is predicted when mean bucket size / bucket cap > R_buffer (0.5), OWS otherwise.
+Weight sync chosen by the model (``weight_sync="auto"``; ours, replacing the fixed threshold
+when the profile carries a contention measurement). Eq. 6 is evaluated for SWS and for OWS and
+the faster is taken (a tie goes to SWS: one optimizer call, no shard bookkeeping). With Eq. 5
+alone OWS (tau = b_l / W <= 1) is never predicted slower than SWS; the paper's R_buffer rule
+("mean bucket / user cap > 0.5 -> SWS") exists because the overlapped update *interferes* with
+the all-reduce it overlaps, which Eq. 5 does not model. We model that interference explicitly
+from the measured contention (:class:`jabasray.profiles.ContentionMeasurement`, fitted with
+LIBRA's Eq. 5-6 by :func:`jabasray.planners.libra_model.fit_one_thread_count`):
+
+* sigma_c = q rate / p rate >= 1: the all-reduce's slowdown while computation overlaps it;
+* sigma_u = 1 / (alpha1 - alpha2 r): the computation's slowdown while an all-reduce overlaps it;
+* U = t_optim + t_copy (n_vsw - 1) (Eq. 5 with tau = 1); V = (1 - tau) U, the update work OWS
+  overlaps with communication; C = t_comm (Eq. 4).
+
+Both tasks run slowed while both run (LIBRA Eq. 8-11 with g = sigma_u V, p = sigma_c C), so the
+communication phase of OWS ends at
+
+    T_ows = C + sigma_u V (1 - 1/sigma_c)   if sigma_u V <= sigma_c C  (the update ends first)
+          = V + sigma_c C (1 - 1/sigma_u)   otherwise                  (the all-reduce ends first)
+
+and  t_OWS = t_vsw n_GA + t_fwd + max(t_bwd, T_ows) + tau U,
+     t_SWS = t_vsw n_GA + t_fwd + max(t_bwd, C) + U   (Eq. 6 unchanged).
+
+OWS loses when the interference costs more than the hidden update, e.g. (update ending first,
+communication-bound) when sigma_u (1 - 1/sigma_c) > 1. Large buffers are where this bites: few
+buckets, so a long overlapped update per bucket next to a long all-reduce - the case R_buffer
+stands in for. ``IterationBreakdown.t_comm`` reports T_ows for OWS (the interference included).
+Without a measurement (``Profile.contention is None``) the paper's model is kept unchanged:
+Eq. 5-6 as printed and the R_buffer rule for "auto". Both ignore the three-way overlap with
+backward (as Eq. 6 does) and the per-shard call overhead of the shard optimizer.
 
 No torch or ray import here: profiles are plain data (:mod:`jabasray.profiles`).
 """
@@ -52,6 +80,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
+from .libra_model import measured_slowdowns
 from ..profiles import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
 from ..validation import check_choice, check_float, check_int
@@ -73,6 +102,7 @@ class IterationBreakdown(JsonMixin):
     num_ga: int       # n_GA
     total: float      # Eq. 6 + t_overhead
     t_overhead: float = 0.0  # per-step host overhead of the profile (see module notes)
+    weight_sync: str = ""    # "sws" | "ows": the method these terms are for
 
 
 def throughput_fit(point: BatchProfile) -> tuple[float, float]:
@@ -108,7 +138,8 @@ class PerfModel:
     num_gpus : N_G, GPUs taking part in the all-reduce (both groups of the allocation).
     multi_node : use the inter-node all-reduce fit (falls back to the intra-node one, with a
         warning, when a profile has none).
-    weight_sync : "auto" (IIDP's R_buffer rule), "sws" or "ows".
+    weight_sync : "auto" (the faster of SWS and OWS by Eq. 6 with measured interference, or
+        IIDP's R_buffer rule when the profile has no contention measurement), "sws" or "ows".
     r_buffer : threshold of the selection rule (paper: 0.5).
 
     ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation (sharing the
@@ -132,6 +163,7 @@ class PerfModel:
         self.host_devices = None if host_devices is None else check_int("host_devices", host_devices, min_value=1)
         self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._comm: dict[str, float] = {}
+        self._slow: dict[str, tuple[float, float] | None] = {}
 
     def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
         m = PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
@@ -218,24 +250,40 @@ class PerfModel:
             self._comm[gpu] = t
         return t
 
-    def weight_sync_method(self, gpu: str) -> str:
-        """"sws" or "ows": the configured method, or IIDP's R_buffer rule for "auto"."""
+    def weight_sync_method(self, gpu: str, local_batch: int | None = None, num_vsw: int = 1) -> str:
+        """"sws" or "ows" for this GPU type and configuration: the configured method; for "auto"
+        the faster by Eq. 6 with interference (module notes; at B_L = ``local_batch``, default the
+        smallest profiled one), or the R_buffer rule without a contention measurement."""
+        if self.weight_sync != "auto" or self.overlap_slowdowns(gpu) is None:
+            return self._fixed_method(gpu)
+        bl = self.profile(gpu).local_batches[0] if local_batch is None else local_batch
+        return self.breakdown(gpu, bl, num_vsw, 0).weight_sync
+
+    def _fixed_method(self, gpu: str) -> str:
         if self.weight_sync != "auto":
             return self.weight_sync
         prof = self.profile(gpu)
         return choose_weight_sync(prof.bucket_sizes, prof.bucket_cap_mb, self.r_buffer)
 
-    def tau(self, gpu: str) -> float:
-        """tau of Eq. 5: b_l / W for OWS, 1 for SWS."""
-        if self.weight_sync_method(gpu) == "sws":
+    def overlap_slowdowns(self, gpu: str) -> tuple[float, float] | None:
+        """(sigma_c, sigma_u) of the interference model from the profile's contention
+        measurement (module notes), None when it has none."""
+        if gpu not in self._slow:
+            meas = self.profile(gpu).contention
+            self._slow[gpu] = None if meas is None else measured_slowdowns(meas)
+        return self._slow[gpu]
+
+    def tau(self, gpu: str, method: str | None = None) -> float:
+        """tau of Eq. 5: b_l / W for OWS, 1 for SWS (``method`` None: the configured/R_buffer one)."""
+        if (method or self._fixed_method(gpu)) == "sws":
             return 1.0
         prof = self.profile(gpu)
         return min(1.0, prof.bucket_sizes[-1] / prof.param_bytes)
 
-    def update_time(self, gpu: str, num_vsw: int) -> float:
+    def update_time(self, gpu: str, num_vsw: int, method: str | None = None) -> float:
         """Eq. 5."""
         prof = self.profile(gpu)
-        return self.tau(gpu) * (prof.optimizer_time + prof.copy_time * (num_vsw - 1))
+        return self.tau(gpu, method) * (prof.optimizer_time + prof.copy_time * (num_vsw - 1))
 
     @property
     def host_share(self) -> float:
@@ -247,17 +295,32 @@ class PerfModel:
 
     # ------------------------------------------------------------ Eq. 6
     def breakdown(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> IterationBreakdown:
+        """Eq. 6 terms for the configured weight sync; for "auto" with a contention measurement
+        the faster of SWS and OWS (module notes; a tie goes to SWS)."""
+        if self.weight_sync == "auto" and self.overlap_slowdowns(gpu) is not None:
+            sws = self._breakdown(gpu, local_batch, num_vsw, num_ga, "sws")
+            ows = self._breakdown(gpu, local_batch, num_vsw, num_ga, "ows")
+            return ows if ows.total < sws.total else sws
+        return self._breakdown(gpu, local_batch, num_vsw, num_ga, self._fixed_method(gpu))
+
+    def _breakdown(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int, method: str
+                   ) -> IterationBreakdown:
         check_int("num_ga", num_ga, min_value=0)
         t_vsw, zeta = self._vsw_and_zeta(gpu, local_batch, num_vsw)
         share = self.host_share
         t_vsw *= share
         t_fwd, t_bwd = zeta * t_vsw, (1 - zeta) * t_vsw
         t_comm = self.comm_time(gpu) if self.num_gpus > 1 else 0.0
-        t_update = self.update_time(gpu, num_vsw) * share
+        t_update = self.update_time(gpu, num_vsw, method) * share
+        slow = self.overlap_slowdowns(gpu)
+        if method == "ows" and slow is not None:
+            hidden = self.update_time(gpu, num_vsw, "sws") * share - t_update   # V = (1 - tau) U
+            t_comm = ows_comm_phase(t_comm, hidden, *slow)
         t_over = self.profile(gpu).step_overhead * share
         total = t_vsw * num_ga + t_fwd + max(t_bwd, t_comm) + t_update + t_over
         return IterationBreakdown(t_vsw=t_vsw, t_fwd=t_fwd, t_bwd=t_bwd, t_comm=t_comm,
-                                  t_update=t_update, num_ga=num_ga, total=total, t_overhead=t_over)
+                                  t_update=t_update, num_ga=num_ga, total=total, t_overhead=t_over,
+                                  weight_sync=method)
 
     def iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
         """Eq. 6 (+ the profile's step overhead), seconds per iteration."""
@@ -277,9 +340,22 @@ class PerfModel:
                 f"multi_node={self.multi_node}, weight_sync={self.weight_sync!r})")
 
 
+def ows_comm_phase(comm: float, update: float, sigma_c: float, sigma_u: float) -> float:
+    """End of OWS's communication phase: an all-reduce of ``comm`` s and an update of ``update``
+    s (both standalone times) run concurrently, each slowed (x sigma_c, x sigma_u) while both run
+    (LIBRA Eq. 8-11; module notes): ``comm + sigma_u update (1 - 1/sigma_c)`` when the update
+    ends first, ``update + sigma_c comm (1 - 1/sigma_u)`` otherwise."""
+    if comm <= 0 or update <= 0:
+        return max(comm, update)
+    if sigma_u * update <= sigma_c * comm:
+        return comm + sigma_u * update * (1.0 - 1.0 / sigma_c)
+    return update + sigma_c * comm * (1.0 - 1.0 / sigma_u)
+
+
 def emulated_profiles(base: Profile, speeds: Mapping[str, float]) -> dict[str, Profile]:
     """``{gpu_type: base.scaled(speed, gpu_type)}`` for CPU-emulated clusters."""
     return {g: base.scaled(s, g) for g, s in speeds.items()}
 
 
-__all__ = ["PerfModel", "IterationBreakdown", "throughput_fit", "vsw_time_at", "emulated_profiles"]
+__all__ = ["PerfModel", "IterationBreakdown", "throughput_fit", "vsw_time_at", "emulated_profiles",
+           "ows_comm_phase"]

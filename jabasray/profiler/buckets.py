@@ -9,14 +9,16 @@ LIBRA (Algorithm 2) on what this machine measures:
 * contention model (Eq. 3-6): the transmission term from the profile's measured all-reduce fit
   (Eq. 3 of JABAS: t = alpha * d 4 (N-1)/N / K + beta), mapped onto LIBRA's ring form
   a + c_hat / rate with rate = K / (2 alpha) and startup a = beta (hop latency beta / 2(N-1));
-  gloo exposes no communication-thread knob, so there is one thread choice and Eq. 6's thread
-  dependence is flat (gamma2 = 0);
-* NOT measured here: the compute slowdown under a concurrent all-reduce (Eq. 5). The driver
-  process has no peer to all-reduce with, so g(b) = b (alpha1 = 1, alpha2 = 0). The DP then
-  trades each bucket's startup cost against overlap with the remaining backward - LIBRA's fusion
-  part - but not the contention part. Fitting Eq. 5 needs a measurement inside the actors'
-  process group (:func:`jabasray.profiler.contention.measure_contention_rows` with a gloo
-  ``comm_fn``), which is left for later.
+  that is q (the all-reduce alone). With a contention measurement (``Profile.contention``, the
+  driver measures it on a gloo group for CPU actors, :mod:`jabasray.profiler.contention`) the
+  overlapped terms come from it: p = q slowed by sigma_c (overlapped rate = rate / sigma_c) and
+  Eq. 5's g(b) = sigma_u b, with (sigma_c, sigma_u) from
+  :func:`jabasray.planners.libra_model.measured_slowdowns`. Without one, g(b) = b and p = q
+  (no contention claimed), as before.
+* thread/CTA allocation: not applicable on gloo (no per-collective thread setting; one nominal
+  thread choice, the thread terms of Eq. 5-6 are flat), so the DP plans fusion only. On NCCL the
+  choice would be the communicator's CTA/channel count; that is not wired (no communicator per
+  choice) and not measured here.
 
 The plan is the engine's bucket plan (parameter names per bucket, backward order); the driver
 records it in every :class:`~jabasray.types.Plan` and the actors build their worker with it
@@ -28,7 +30,7 @@ import logging
 from typing import Any, Callable
 
 from ..planners.libra import group_params_by_layer, plan_buckets, to_engine_bucket_plan
-from ..planners.libra_model import CommParams, ComputeParams, ContentionModel
+from ..planners.libra_model import CommParams, ComputeParams, ContentionModel, measured_slowdowns
 from ..profiles import Profile
 
 log = logging.getLogger(__name__)
@@ -38,12 +40,15 @@ GLOO_THREADS = [1]   # gloo has no thread/CTA setting: one nominal choice
 
 
 def contention_from_profile(profile: Profile, num_workers: int) -> ContentionModel:
-    """LIBRA's model from the profile's Eq. 3 fit, without compute contention (module notes)."""
+    """LIBRA's model for ``num_workers`` ranks from the profile's Eq. 3 fit and, if measured,
+    its contention (module notes)."""
     fit = profile.allreduce_intra
     n = max(2, int(num_workers))
     rate = fit.bandwidth / (2.0 * fit.alpha) if fit.alpha > 0 else 1e12
     hop = max(0.0, fit.beta) / (2 * (n - 1))
-    return ContentionModel(compute=ComputeParams(1.0, 0.0), overlapped=CommParams(rate, 0.0, 1.0),
+    sigma_c, sigma_u = (1.0, 1.0) if profile.contention is None else measured_slowdowns(profile.contention)
+    return ContentionModel(compute=ComputeParams(1.0 / sigma_u, 0.0),
+                           overlapped=CommParams(rate / sigma_c, 0.0, 1.0),
                            alone=CommParams(rate, 0.0, 1.0), num_workers=n, hop_latency=hop)
 
 

@@ -29,7 +29,13 @@ def driver_cache_key(model_signature: str, *, device: str, emulate: bool, min_lo
     gpu_type = "cpu" if emulate else _default_gpu_type(torch.device(device))
     return profile_cache_key(model_signature, gpu_type, measurement_settings(
         torch.device(device).type, min_local_batch, None, 4, None, bucket_cap_mb, weight_sync,
-        DRIVER_WARMUP, DRIVER_REPEATS, "trimmed"))
+        DRIVER_WARMUP, DRIVER_REPEATS, "trimmed", contention=measures_contention(device)))
+
+
+def measures_contention(device: str) -> bool:
+    """The driver measures the gloo contention (Profile.contention) for CPU actors only: they run
+    gloo on the cores the measurement used; NCCL's contention on a GPU is not measured."""
+    return str(device).startswith("cpu")
 
 
 def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, loss_fn: Callable,
@@ -45,7 +51,7 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
                          min_local_batch=min_local_batch, weight_sync=weight_sync,
                          bucket_cap_mb=bucket_cap_mb, cache_dir=Path(cache_dir),
                          warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
-                         refresh=refresh)
+                         contention=measures_contention(device), refresh=refresh)
     if emulate:
         if base.allreduce_inter is None:
             base = replace(base, allreduce_inter=base.allreduce_intra)
@@ -75,4 +81,4 @@ def cluster_perf_model(cluster: ClusterSpec, weight_sync: str, profiles: dict[st
     return PerfModel(profiles, weight_sync=weight_sync, host_devices=host_devices)
 
 
-__all__ = ["driver_cache_key", "cluster_profiles", "cluster_perf_model", "emulation_host_devices"]
+__all__ = ["driver_cache_key", "measures_contention", "cluster_profiles", "cluster_perf_model", "emulation_host_devices"]

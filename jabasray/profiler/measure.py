@@ -165,24 +165,17 @@ def _allreduce_worker(rank: int, world: int, init_file: str, out_file: str, size
         dist.destroy_process_group()
 
 
-def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size: int = 2,
-                      repeats: int = 5, warmup: int = 2, bandwidth: float = 1.25e9,
-                      timeout_s: float = 120.0) -> tuple[AllReduceFit, list[float]]:
-    """Time gloo all-reduces of float32 tensors of ``sizes`` bytes among ``world_size`` local
-    processes (127.0.0.1) and fit Eq. 3. Returns (fit, median seconds per size)."""
-    check_int("world_size", world_size, min_value=2)
-    check_int("repeats", repeats, min_value=1)
-    sizes = [check_int("allreduce_sizes[i]", int(s), min_value=4) for s in sizes]
-    if len(set(sizes)) < 2:
-        raise ValueError(f"allreduce_sizes must hold at least two different sizes, got {sizes}")
-    # Plain subprocesses (not multiprocessing spawn): independent of the caller's __main__.
-    with tempfile.TemporaryDirectory(prefix="jabas-allreduce-") as tmp:
-        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
-        cfg = json.dumps({"world": world_size, "init": init_file, "out": out_file, "sizes": sizes,
-                          "repeats": repeats, "warmup": warmup})
+def run_gloo_children(module: str, world_size: int, cfg: dict, timeout_s: float) -> dict:
+    """Run ``python -m <module> --gloo-child <rank> <cfg json>`` for every rank of a local gloo
+    group (127.0.0.1, one torch thread each) and return the JSON that rank 0 writes to
+    ``cfg["out"]``. ``cfg`` gets ``world``, ``init`` (the file:// rendezvous) and ``out``.
+    Plain subprocesses (not multiprocessing spawn): independent of the caller's __main__."""
+    with tempfile.TemporaryDirectory(prefix="jabas-gloo-") as tmp:
+        out_file = os.path.join(tmp, "out.json")
+        cfg = dict(cfg, world=world_size, init=os.path.join(tmp, "init"), out=out_file)
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        procs = [subprocess.Popen([sys.executable, "-m", "jabasray.profiler.measure", "--allreduce-child",
-                                   str(rank), cfg], env=env, stderr=subprocess.PIPE, text=True)
+        procs = [subprocess.Popen([sys.executable, "-m", module, "--gloo-child", str(rank), json.dumps(cfg)],
+                                  env=env, stderr=subprocess.PIPE, text=True)
                  for rank in range(world_size)]
         errors = []
         try:
@@ -198,32 +191,55 @@ def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size
                     p.kill()
                     p.wait()
         if errors:
-            raise RuntimeError(f"all-reduce measurement failed: {errors[0][0]}")
-        data = json.loads(Path(out_file).read_text())
+            raise RuntimeError(f"gloo measurement ({module}) failed: {errors[0][0]}")
+        return json.loads(Path(out_file).read_text())
+
+
+def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size: int = 2,
+                      repeats: int = 5, warmup: int = 2, bandwidth: float = 1.25e9,
+                      timeout_s: float = 120.0) -> tuple[AllReduceFit, list[float]]:
+    """Time gloo all-reduces of float32 tensors of ``sizes`` bytes among ``world_size`` local
+    processes (127.0.0.1) and fit Eq. 3. Returns (fit, median seconds per size)."""
+    check_int("world_size", world_size, min_value=2)
+    check_int("repeats", repeats, min_value=1)
+    sizes = [check_int("allreduce_sizes[i]", int(s), min_value=4) for s in sizes]
+    if len(set(sizes)) < 2:
+        raise ValueError(f"allreduce_sizes must hold at least two different sizes, got {sizes}")
+    data = run_gloo_children("jabasray.profiler.measure", world_size,
+                             {"sizes": sizes, "repeats": repeats, "warmup": warmup}, timeout_s)
     fit = AllReduceFit.fit(data["sizes"], data["times"], num_gpus=world_size, bandwidth=bandwidth)
     return fit, data["times"]
+
+
+def host_cached(cache_dir: str | Path | None, kind: str, key: dict, measure: Callable[[], Any],
+                load: Callable[[str], Any], refresh: bool = False) -> Any:
+    """A host measurement (not model-specific) cached in ``cache_dir`` as
+    ``<kind>-<hash>.json``; the key always includes the host name, the torch version and the
+    profiler revision. ``measure()`` returns an object with ``to_json``; ``load(text)`` reads it."""
+    import socket
+    if cache_dir is None:
+        return measure()
+    full = dict(key, host=socket.gethostname(), torch=torch.__version__, revision=PROFILER_REVISION)
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(cache_dir) / f"{kind}-{digest}.json"
+    if path.exists() and not refresh:
+        try:
+            return load(path.read_text())
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("ignoring unusable cached %s measurement %s: %s", kind, path, e)
+    value = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, value.to_json())
+    return value
 
 
 def cached_allreduce_fit(cache_dir: str | Path | None, sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                          world_size: int = 2, refresh: bool = False) -> AllReduceFit:
     """:func:`measure_allreduce`, cached in ``cache_dir`` per host: the fit depends on the host,
     the torch (gloo) version, the world size and the sizes, not on the model, so one measurement
-    serves every model profiled on this host (key: ``allreduce-<host>-<hash>.json``)."""
-    import socket
-    if cache_dir is None:
-        return measure_allreduce(sizes, world_size)[0]
-    key = json.dumps({"host": socket.gethostname(), "torch": torch.__version__, "world": world_size,
-                      "sizes": [int(x) for x in sizes], "revision": PROFILER_REVISION}, sort_keys=True)
-    path = Path(cache_dir) / f"allreduce-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
-    if path.exists() and not refresh:
-        try:
-            return AllReduceFit.from_json(path.read_text())
-        except (ValueError, TypeError, KeyError) as e:
-            log.warning("ignoring unusable cached all-reduce fit %s: %s", path, e)
-    fit = measure_allreduce(sizes, world_size)[0]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, fit.to_json())
-    return fit
+    serves every model profiled on this host (:func:`host_cached`, kind ``allreduce``)."""
+    return host_cached(cache_dir, "allreduce", {"world": world_size, "sizes": [int(x) for x in sizes]},
+                       lambda: measure_allreduce(sizes, world_size)[0], AllReduceFit.from_json, refresh)
 
 
 # ---------------------------------------------------------------------------- compute
@@ -243,9 +259,12 @@ PROFILER_REVISION = 2       # bump when the measurement procedure changes (part 
 
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
                          max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
-                         weight_sync: str, warmup: int, repeats: int, statistic: str) -> dict:
-    """What a profile depends on besides the model and the device type: the cache key's settings."""
-    return {"device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
+                         weight_sync: str, warmup: int, repeats: int, statistic: str,
+                         contention: bool = False) -> dict:
+    """What a profile depends on besides the model and the device type: the cache key's settings
+    (``contention`` enters the key only when set, so keys of profiles without it are unchanged)."""
+    extra = {"contention": True} if contention else {}
+    return {**extra, "device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
             "min_local_batch": int(min_local_batch),
             "max_local_batch": None if max_local_batch is None else int(max_local_batch),
             "max_num_vsw": int(max_num_vsw),
@@ -375,6 +394,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
+                  contention: bool = False,
                   cache_dir: str | Path | None = None, refresh: bool = False) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
@@ -388,7 +408,10 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     measurement setting incl. the torch version (:func:`measurement_settings`); ``refresh``
     re-measures regardless.
     ``allreduce=False`` skips the gloo measurement and uses ``allreduce_fit`` (or a nominal
-    fit: alpha 1, beta 0, flagged in the log).
+    fit: alpha 1, beta 0, flagged in the log). ``contention=True`` adds the host's gloo
+    compute/communication contention (:func:`jabasray.profiler.contention.cached_contention`,
+    cached per host) as ``Profile.contention``: the measurement LIBRA's Eq. 5-6 and the SWS/OWS
+    interference are fitted to (CPU/gloo only; it says nothing about NCCL).
     """
     from ..engine import IIDPWorker
 
@@ -416,7 +439,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     sig = model_signature(base)
 
     settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
-                                    memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic)
+                                    memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
+                                    contention)
     key = profile_cache_key(sig, gpu_type, settings)
     cache_path = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
@@ -508,12 +532,16 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         else:
             log.warning("all-reduce not measured: using a nominal Eq. 3 fit (alpha=1, beta=0)")
             allreduce_fit = AllReduceFit(alpha=1.0, beta=0.0)
+    measured_contention = None
+    if contention:
+        from .contention import cached_contention
+        measured_contention = cached_contention(cache_dir, refresh=refresh)
     prof = Profile(model_signature=sig, gpu_type=gpu_type, min_local_batch=min_local_batch,
                    batches=batches, optimizer_time=statistics.median(update_times), copy_time=copy_t,
                    bucket_sizes=bucket_sizes, param_bytes=_param_bytes(base),
                    allreduce_intra=allreduce_fit, allreduce_inter=inter_node_fit, device=dev.type,
                    bucket_cap_mb=bucket_cap_mb, memory_budget_gb=memory_budget_gb,
-                   step_overhead=statistics.median(overheads))
+                   step_overhead=statistics.median(overheads), contention=measured_contention)
     if cache_path is not None:
         prof.save(cache_path)
         log.info("profile saved to %s", cache_path)
@@ -524,8 +552,8 @@ __all__ = ["profile_model", "model_signature", "measure_allreduce", "estimate_me
            "DEFAULT_ALLREDUCE_SIZES"]
 
 
-if __name__ == "__main__":  # child process of measure_allreduce
-    if len(sys.argv) == 4 and sys.argv[1] == "--allreduce-child":
+if __name__ == "__main__":  # child process of measure_allreduce (run_gloo_children)
+    if len(sys.argv) == 4 and sys.argv[1] == "--gloo-child":
         _cfg = json.loads(sys.argv[3])
         _allreduce_worker(int(sys.argv[2]), _cfg["world"], _cfg["init"], _cfg["out"], _cfg["sizes"],
                           _cfg["repeats"], _cfg["warmup"])
