@@ -9,7 +9,19 @@
    and Algorithm 1 as printed (first group only at a chunk edge), on synthetic ResNet-50-,
    VGG-16- and BERT-base-like layer profiles under a V100 / 50 Gb RDMA-like contention model.
 
+3. ``--measured``: MEASURED iteration time of the bucket plan the driver sends with
+   ``bucket_planner="libra"`` (:func:`jabasray.profiler.buckets.libra_bucket_plan`: the model's
+   layer profile, the profile's Eq. 3 fit and its measured gloo contention) vs the engine's 25 MB
+   size-capped buckets, on 2 and 4 gloo processes of this machine. Every rank holds both
+   IIDP workers (same weights, same data, SWS for both, so only the buckets differ); in each
+   round both run ``--iters`` steps back to back, the order alternating (A B, B A, ...); a
+   round's ratio is size time / LIBRA time (> 1: LIBRA faster); the median over rounds is
+   reported with the load average. JSON goes outside the repository by default.
+
 Usage: python benchmarks/libra.py [--quick]   -> prints ratios, writes <tmp>/jabasray_bench/libra.json
+       python benchmarks/libra.py --measured [--rounds R --iters I]
+                                  [--model mlp10mb|mlp48mb]
+                                  -> writes <tmp>/jabasray_bench/libra_side_by_side_<model>.json
 """
 from __future__ import annotations
 
@@ -20,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import write_json
+from common import default_out, write_json
 from jabasray.planners import libra
 from jabasray.planners.libra import (LayerProfile, allocate_threads, co_optimize, default_plan,
                                      evaluate_plan, exhaustive_plan, plan_buckets, theorem1_bound)
@@ -172,11 +184,169 @@ def predicted_backward(K: int, Z: int) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- measured, side by side
+SIDE_MODELS = {"mlp10mb": dict(in_features=512, hidden=(1024, 1024, 1024), num_classes=10),      # 1 bucket of 25 MB
+               "mlp48mb": dict(in_features=1024, hidden=(2048, 2048, 2048, 1024), num_classes=10)}  # 2 buckets
+SIDE_MODEL = dict(SIDE_MODELS["mlp10mb"])   # set by --model; spawned ranks get it as an argument
+SIDE_BATCH = 32
+
+
+def _side_model(cfg: dict | None = None):
+    from jabasray.models import MLP
+    return MLP(**(cfg or SIDE_MODEL))
+
+
+def _side_sample(n: int, seed: int = 0):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, SIDE_MODEL["in_features"], generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _side_rank(rank: int, world: int, init_file: str, plans: dict, rounds: int, iters: int, out_file: str,
+               model_cfg: dict) -> None:
+    """One rank: both workers, paired rounds; rank 0 writes the per-round times (max over ranks)."""
+    import json
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from jabasray.engine import IIDPWorker
+
+    torch.set_num_threads(1)
+    SIDE_MODEL.update(model_cfg)            # a spawned rank starts from the module default
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        workers = {}
+        for name, plan in plans.items():
+            torch.manual_seed(0)
+            workers[name] = IIDPWorker(_side_model(), lambda ps: torch.optim.SGD(ps, lr=0.01), F.cross_entropy,
+                                       process_group=dist.group.WORLD, weight_sync="sws",
+                                       bucket_plan=plan, bucket_cap_mb=25.0)
+            workers[name].configure(1, 0, SIDE_BATCH)
+        batch = [_side_sample(SIDE_BATCH, seed=rank)]
+        for w in workers.values():               # warm-up
+            for _ in range(2):
+                w.train_step(batch)
+        names = list(plans)
+        times = {n: [] for n in names}
+        loads = []
+        for r in range(rounds):
+            order = names if r % 2 == 0 else names[::-1]
+            loads.append(os.getloadavg()[0])
+            for n in order:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    workers[n].train_step(batch)
+                times[n].append((time.perf_counter() - t0) / iters)
+        flat = torch.tensor([t for n in names for t in times[n]], dtype=torch.float64)
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)     # a step ends when its slowest rank does
+        if rank == 0:
+            vals = flat.tolist()
+            doc = {n: vals[i * rounds:(i + 1) * rounds] for i, n in enumerate(names)}
+            doc["load_average_per_round"] = loads
+            doc["buckets"] = {n: len(w.bucket_nbytes) for n, w in workers.items()}
+            doc["bucket_bytes"] = {n: list(w.bucket_nbytes) for n, w in workers.items()}
+            with open(out_file, "w") as f:
+                json.dump(doc, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def side_by_side(worlds: list[int], rounds: int, iters: int, cache_dir: str) -> list[dict]:
+    import json
+    import multiprocessing as mp
+    import os
+    import statistics
+    import tempfile
+
+    import torch.nn.functional as F
+
+    from jabasray.engine.buckets import default_bucket_plan
+    from jabasray.planners.libra import plan_buckets
+    from jabasray.profiler.buckets import GLOO_THREADS, contention_from_profile, libra_bucket_plan
+    from jabasray.profiler.contention import layer_profiles
+    from jabasray.profiler.measure import profile_model
+
+    t0 = time.perf_counter()
+    # the driver's CPU path: profile with the host's all-reduce fit and gloo contention (cached)
+    prof = profile_model(_side_model, _side_sample, loss_fn=F.cross_entropy, min_local_batch=SIDE_BATCH,
+                         max_local_batch=SIDE_BATCH, max_num_vsw=1, warmup=1, repeats=3,
+                         contention=True, cache_dir=cache_dir)
+    print(f"profile (all-reduce fit + gloo contention, cached in {cache_dir}): {time.perf_counter() - t0:.1f}s; "
+          f"contention x{prof.contention.comm_overlapped[-1] / prof.contention.comm_alone[-1]:.2f} all-reduce, "
+          f"x{prof.contention.compute_overlapped / prof.contention.compute_alone:.2f} compute")
+    net = _side_model()
+    x, y = _side_sample(SIDE_BATCH)
+    rows = []
+    for world in worlds:
+        libra = libra_bucket_plan(_side_model, _side_sample, F.cross_entropy, prof, world, 25.0)
+        size = default_bucket_plan(net, 25.0)
+        predicted = plan_buckets(contention_from_profile(prof, world), layer_profiles(net, x, y, F.cross_entropy),
+                                 GLOO_THREADS, bucket_cap_mb=25.0)
+        ctx = mp.get_context("spawn")
+        with tempfile.TemporaryDirectory(prefix="jabas-libra-bench-") as tmp:
+            out_file = os.path.join(tmp, "out.json")
+            plans = {"size": size, "libra": libra}
+            procs = [ctx.Process(target=_side_rank, args=(r, world, os.path.join(tmp, "init"), plans, rounds,
+                                                          iters, out_file, dict(SIDE_MODEL)))
+                     for r in range(world)]
+            t1 = time.perf_counter()
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(600)
+            bad = [p.exitcode for p in procs if p.exitcode != 0]
+            if bad:
+                raise RuntimeError(f"side-by-side run on {world} processes failed (exit codes {bad})")
+            doc = json.loads(open(out_file).read())
+        ratios = [s_ / l_ for s_, l_ in zip(doc["size"], doc["libra"])]
+        row = {"world_size": world, "rounds": rounds, "iters_per_round": iters,
+               "size_step_s": doc["size"], "libra_step_s": doc["libra"], "ratio_size_over_libra": ratios,
+               "median_ratio": statistics.median(ratios),
+               "median_size_step_s": statistics.median(doc["size"]),
+               "median_libra_step_s": statistics.median(doc["libra"]),
+               "buckets": doc["buckets"], "bucket_bytes": doc["bucket_bytes"],
+               "predicted_backward_libra_s": predicted.backward_time,
+               "predicted_backward_size_s": predicted.baseline_time,
+               "load_average_per_round": doc["load_average_per_round"],
+               "wall_s": time.perf_counter() - t1}
+        rows.append(row)
+        print(f"N={world}: LIBRA {doc['buckets']['libra']} bucket(s) vs size {doc['buckets']['size']}; "
+              f"step median size {row['median_size_step_s'] * 1e3:.1f} ms, LIBRA {row['median_libra_step_s'] * 1e3:.1f} ms; "
+              f"ratio size/LIBRA per round {['%.3f' % r for r in ratios]}, median x{row['median_ratio']:.3f}; "
+              f"load {['%.1f' % v for v in doc['load_average_per_round']]}")
+    return rows
+
+
 def main() -> None:
+    import os
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "out" / "libra.json"))
+    ap.add_argument("--out", default=None, help="JSON output (default: <tmp>/jabasray_bench/libra.json; "
+                    "with --measured <tmp>/jabasray_bench/libra_side_by_side_<model>.json)")
+    ap.add_argument("--measured", action="store_true",
+                    help="measured side by side: LIBRA's buckets vs 25 MB size buckets on 2 and 4 gloo processes")
+    ap.add_argument("--worlds", default="2,4", help="--measured: gloo process counts")
+    ap.add_argument("--rounds", type=int, default=8, help="--measured: paired rounds")
+    ap.add_argument("--iters", type=int, default=4, help="--measured: steps per contender per round")
+    ap.add_argument("--cache-dir", default=default_out("cache"), help="--measured: profile cache")
+    ap.add_argument("--model", default="mlp10mb", choices=sorted(SIDE_MODELS), help="--measured: the model")
     args = ap.parse_args()
+    if args.measured:
+        SIDE_MODEL.clear()
+        SIDE_MODEL.update(SIDE_MODELS[args.model])
+        load_before = os.getloadavg()
+        rows = side_by_side([int(w) for w in args.worlds.split(",")], args.rounds, args.iters, args.cache_dir)
+        write_json(args.out or default_out(f"libra_side_by_side_{args.model}.json"),
+                   {"machine": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "model": args.model, "model_config": SIDE_MODEL, "batch": SIDE_BATCH, "load_average_before": load_before,
+                    "load_average_after": os.getloadavg(), "rows": rows})
+        return
     ex_sizes = [4, 6, 8] if args.quick else [4, 6, 8, 10, 12]
     scale_sizes = [10, 25] if args.quick else [10, 25, 50, 100]
     print("1a. co-optimisation DP vs exhaustive (K=4, Z=150, J=4 thread choices)")
@@ -187,7 +357,7 @@ def main() -> None:
     part2 = predicted_backward(K=10, Z=150)
     out = {"machine": platform.platform(), "processor": platform.processor(),
            "runtime_vs_exhaustive": part1, "dp_scaling": part1b, "predicted_backward": part2}
-    write_json(args.out, out)
+    write_json(args.out or default_out("libra.json"), out)
 
 
 if __name__ == "__main__":
