@@ -42,6 +42,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def without_session_ray():
     """For a module that starts its own Ray (e.g. a ``ray.cluster_utils.Cluster``): the

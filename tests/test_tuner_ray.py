@@ -36,6 +36,17 @@ class _Recorder(tune.Callback):
         self.results.append((trial.trial_id, result["training_iteration"], result.get("pack_size")))
 
 
+@pytest.fixture(scope="module")
+def ray_session(without_session_ray):
+    """This module's own Ray instance (overrides the session one): Tune schedules trials on the
+    2 CPUs, which must not be held by what earlier modules' runs leave behind."""
+    ray = without_session_ray
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()
+
+
 def _tuner(trainable, tmp_path, name, tune_config, **run):
     return tune.Tuner(trainable, param_space=SPACE, tune_config=tune_config,
                       run_config=tune.RunConfig(name=name, storage_path=str(tmp_path), verbose=0, **run))

@@ -33,7 +33,9 @@ class DriverOptions(JsonMixin):
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
     sma_max_learners: int = 8           # upper bound of learners per GPU (memory)
-    online_correction: bool = True      # measured interval times correct the model (planners.correction)
+    online_correction: bool = False     # measured interval times correct the model (planners.correction);
+                                        # off by default: plans then depend on timings, so a run is no
+                                        # longer reproducible bit for bit (resume == uninterrupted)
     correction_smoothing: float = 0.5   # weight of one interval in the per-GPU-type factor (log EWMA)
     reprofile_threshold: float = 2.0    # a type's factor beyond this (either way): re-measure the profile
     max_reprofiles: int = 1             # re-profilings per run (each costs a profiling run)

@@ -76,6 +76,9 @@ def register(subparsers: Any) -> None:
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
     p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
+    p.add_argument("--online-correction", action="store_true",
+                   help="correct the iteration-time model from measured interval times (plans then "
+                   "depend on timings: a run is no longer reproducible bit for bit)")
     from ..profiler.buckets import BUCKET_PLANNERS
     p.add_argument("--bucket-planner", default="size", choices=BUCKET_PLANNERS,
                    help="gradient buckets: 'size' (capped at 25 MB, DDP-like) or 'libra' (LIBRA's fusion "
@@ -221,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate,
                             force_replacement=args.force_replacement, reprofile=args.reprofile,
+                            online_correction=args.online_correction,
                             driver=args.driver, driver_node=args.driver_node,
                             bucket_planner=args.bucket_planner)
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
