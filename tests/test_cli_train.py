@@ -91,7 +91,6 @@ def test_script_without_model_fn_is_refused(tmp_path, capsys):
 def test_script_job_and_options_are_read(tmp_path):
     """--script provides the job's callables; JobConfig options override JobConfig defaults
     (the embedded defaults only apply to the built-in digits job)."""
-    import argparse
 
     from jabasray.cli import build_parser
     from jabasray.commands.train import EMBEDDED_DEFAULTS, job_config_from_args, load_script

@@ -18,7 +18,7 @@ import pytest
 from jabasray.planners import PerfModel, solve_for_batch
 from jabasray.planners.libra_model import fit_one_thread_count, overlap_slowdowns
 from jabasray.planners.perf_model import ows_comm_phase
-from jabasray.profiles import AllReduceFit, ContentionMeasurement, synthetic_profile
+from jabasray.profiles import ContentionMeasurement, synthetic_profile
 
 SIZES = [262144.0, 1048576.0, 4194304.0]
 

@@ -95,7 +95,6 @@ recursion is unstable on a quadratic (an eigenvalue below -1); the default mu = 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import time
