@@ -155,9 +155,15 @@ def stop(name: str, at_epoch_end: bool = False, wait: bool = True, poll_s: float
     st = _ask(name, handle, "stop", at_epoch_end)
     if st["state"] in DONE_STATES:
         raise ValueError(f"run {name!r} has already {st['state']}; running runs: {_runs_text()}")
+    from ray.exceptions import RayActorError
+
     while wait and st["state"] not in DONE_STATES:
         time.sleep(poll_s)
-        st = _ask(name, handle, "status")
+        try:
+            st = _ask(name, handle, "status")
+        except RayActorError:
+            # it ended and exited between two polls (its followers had collected the outcome)
+            return {**st, "state": "stopped"}
     return st
 
 
