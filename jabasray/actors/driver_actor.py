@@ -126,15 +126,12 @@ class ActorJabasDriver(JabasDriver):
         self.stop_now = threading.Event()          # stop before the next interval
         self.stop_at_epoch_end = threading.Event() # stop after the current epoch's checkpoint
         self.position = (0, 0)                     # (epoch, interval) about to run
-        self._started = 0
+        # GPU actors: gpu:<run>:<incarnation>:g<placement>:<node>:rank<r> (placement.actor_name),
+        # the prefix a restarted driver finds this run's leftovers by (remove_leftovers)
+        self.pool.name_prefix, self.pool.label = gpu_actor_prefix(run_name).rstrip(":"), str(incarnation)
 
     def _make_actor(self, slot: Any, world_size: int, ray_opts: dict) -> Any:
-        # the pool's name says generation, node and rank (placement.actor_name); the prefix
-        # lets a restarted driver find this run's leftovers (remove_leftovers)
-        self._started += 1
-        where = ray_opts["name"].split(":", 2)[2] if "name" in ray_opts else str(self._started)
-        name = f"{gpu_actor_prefix(self.run_name)}{self.incarnation}:{where}"
-        return super()._make_actor(slot, world_size, dict(ray_opts, name=name, namespace=NAMESPACE))
+        return super()._make_actor(slot, world_size, dict(ray_opts, namespace=NAMESPACE))
 
     def _ensure_placement(self, state: Any, worker_state: Any, epoch: int) -> bool:
         replaced = super()._ensure_placement(state, worker_state, epoch)

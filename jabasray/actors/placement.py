@@ -134,13 +134,13 @@ def alive_ray_nodes() -> set[str]:
 NODE_ID_LABEL = "ray.io/node-id"   # the label Ray gives every node (its node id)
 
 
-def actor_name(label: str, generation: int, slot: Slot) -> str:
+def actor_name(label: str, generation: int, slot: Slot, prefix: str = "jabasray") -> str:
     """The name of a GPU actor in ``ray list actors`` and the dashboard:
     ``jabasray:<label>:g<generation>:<node>:rank<rank>`` (label = the run, with a short unique
     suffix; the generation counts placements, so a name is never reused while an actor of an
     earlier placement is still being torn down). The rank is the one the actor was created for;
     an actor kept across a re-placement keeps its name."""
-    return f"jabasray:{label}:g{generation}:{slot.node}:rank{slot.rank}"
+    return f"{prefix}:{label}:g{generation}:{slot.node}:rank{slot.rank}"
 
 
 EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>

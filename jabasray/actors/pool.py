@@ -36,6 +36,7 @@ class ActorPool:
                  label: str = "job") -> None:
         self._make = make_actor
         self.label = f"{label}-{uuid.uuid4().hex[:6]}"
+        self.name_prefix = "jabasray"      # first part of the actors' names (actor_name)
         self.device, self.emulate = device, emulate
         self.placement_timeout_s = placement_timeout_s
         self.collective_timeout_s = collective_timeout_s
@@ -72,7 +73,7 @@ class ActorPool:
         gen = self._generation
 
         def make(s: Slot, opts: dict) -> Any:
-            return self._make(s, world, {**opts, "name": actor_name(self.label, gen, s)})
+            return self._make(s, world, {**opts, "name": actor_name(self.label, gen, s, self.name_prefix)})
 
         self.placement, new = place_actors(slots, make, emulate=self.emulate,
                                            timeout_s=self.placement_timeout_s, reuse=self.placement)
