@@ -6,7 +6,8 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   function trainable (:func:`jabasray.tuner.make_trainable`) reporting every unit with a
   checkpoint every unit (as Tune's docs show), 1 CPU per trial, ``reuse_actors=True``;
 * ``B tune_hyperband``: the same trainable under Tune's ``HyperBandScheduler(max_t=R,
-  reduction_factor=eta)``;
+  reduction_factor=eta)`` (with the finished-bracket fix of :mod:`jabasray.tuner.schedulers`,
+  which D uses too: without it either contender can hang when a trial ends at max_t);
 * ``C packed_asha``: :func:`jabasray.tuner.packed` (trials packed per CPU "device",
   ``--members`` per device) under the same ``ASHAScheduler``, with ``SimilaritySearch`` order;
 * ``D packed_hyperband``: :class:`jabasray.tuner.PackedHyperband` (Tune's HyperBandScheduler +
@@ -78,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, HyperBandScheduler
+    from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
 
     from jabasray.planners.pack_opt import TABLE3_SPACE
     from jabasray.tuner import PackedHyperband, SimilaritySearch, hyperband_schedule, make_trainable, packed
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
+    from jabasray.tuner.schedulers import hyperband_scheduler
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "tune_hyperband":
             return plain, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                                           search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
-                                          scheduler=HyperBandScheduler(max_t=args.R, reduction_factor=args.eta))
+                                          scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
         trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members)
         if name == "packed_asha":
             return trainable, tune.TuneConfig(

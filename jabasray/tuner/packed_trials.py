@@ -353,7 +353,8 @@ def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
 
 class PackedHyperband:
     """Packed Hyperband for ``tune.Tuner`` (Pack paper, 5.2): Tune's ``HyperBandScheduler``
-    with ``max_t=R`` and ``reduction_factor=eta`` (whose brackets are Li et al.'s, see
+    (with the finished-bracket fix of :mod:`jabasray.tuner.schedulers`) with ``max_t=R`` and
+    ``reduction_factor=eta`` (whose brackets are Li et al.'s, see
     :mod:`jabasray.tuner.brackets`) and a :func:`SimilaritySearch` that samples each bracket's
     ``n`` configurations at once and emits them in kNN groups of ``members_per_device`` --
     ``pack_opt(T)`` of the bracket -- so each bracket's configurations arrive pack by pack.
@@ -364,7 +365,7 @@ class PackedHyperband:
 
     def __init__(self, R: int, eta: int = 3, members_per_device: int = 8,
                  points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
-        from ray.tune.schedulers import HyperBandScheduler
+        from jabasray.tuner.schedulers import hyperband_scheduler
 
         brackets = hyperband_schedule(R, eta)
         if R != eta ** (len(brackets) - 1):
@@ -377,7 +378,8 @@ class PackedHyperband:
         # limit only lifts Tune's "one pending trial at a time" for custom searchers; a lower one
         # would let a ConcurrencyLimiter hold back trials a HyperBand bracket waits for.
         self.max_concurrent_trials = self.num_samples
-        self.scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=R, reduction_factor=eta)
+        # Tune's HyperBandScheduler plus the finished-bracket fix (see jabasray.tuner.schedulers)
+        self.scheduler = hyperband_scheduler(max_t=R, reduction_factor=eta)
         self.search_alg = SimilaritySearch(group_size=members_per_device, batch_sizes=self.bracket_sizes,
                                            points=points, seed=seed)
 

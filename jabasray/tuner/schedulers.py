@@ -1,0 +1,49 @@
+"""Tune's ``HyperBandScheduler`` with one missing case handled: a finished bracket's paused trials.
+
+Tune's HyperBand pauses a trial that reaches its rung while others of the bracket are still
+running; when the last of them reports the rung, ``_process_bracket`` halves the bracket (or,
+at ``max_t``, stops the paused trials: ``_Bracket.cleanup_full``). But when that last trial
+*ends on its own* -- a function trainable that returns after ``max_t`` units, which is what a
+trainable written for ``max_t`` does -- Tune calls ``on_trial_complete`` ->
+``on_trial_remove``, which processes the bracket only ``if not bracket.finished()``. A
+finished bracket is skipped, so the trials paused at ``max_t`` stay PAUSED, nothing is left to
+run, and ``Tuner.fit()`` loops forever (seen on Ray 2.60 with packed trials whose last unit
+ended in the same controller step as another trial's rung result).
+
+:func:`hyperband_scheduler` returns a subclass that, after Tune's own removal bookkeeping,
+stops the paused trials of a bracket that the removal finished -- exactly what
+``_process_bracket`` does for a finished bracket when the last trial reports instead of ending.
+Ray is imported lazily, like the rest of :mod:`jabasray.tuner`.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+__all__ = ["hyperband_scheduler"]
+
+
+def _make_class():
+    from ray.tune.schedulers import HyperBandScheduler
+
+    class FinishingHyperBand(HyperBandScheduler):
+        """``HyperBandScheduler`` whose finished brackets never keep paused trials."""
+
+        def on_trial_remove(self, tune_controller, trial) -> None:
+            bracket, _ = self._trial_info[trial]
+            super().on_trial_remove(tune_controller, trial)
+            if bracket.finished():
+                paused = [t for t in bracket.current_trials() if t.status == t.PAUSED]
+                if paused:
+                    log.info("HyperBand bracket finished when trial %s ended: stopping %d paused "
+                             "trial(s) at max_t", trial, len(paused))
+                bracket.cleanup_full(tune_controller)
+
+    return FinishingHyperBand
+
+
+def hyperband_scheduler(max_t: int, reduction_factor: int, time_attr: str = "training_iteration", **kwargs):
+    """Tune's ``HyperBandScheduler(time_attr, max_t, reduction_factor, **kwargs)`` with the
+    finished-bracket fix of this module (same brackets, same decisions otherwise)."""
+    return _make_class()(time_attr=time_attr, max_t=max_t, reduction_factor=reduction_factor, **kwargs)

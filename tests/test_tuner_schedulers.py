@@ -1,0 +1,83 @@
+"""The finished-bracket fix of :mod:`jabasray.tuner.schedulers`, driven the way Tune's controller
+drives a scheduler (``on_trial_add`` / ``on_trial_result`` / ``on_trial_complete``), with fake
+trials and a controller that records ``stop_trial`` -- no Ray cluster."""
+from __future__ import annotations
+
+import pytest
+
+from jabasray.tuner.schedulers import hyperband_scheduler
+
+schedulers = pytest.importorskip("ray.tune.schedulers")
+from ray.tune.experiment import Trial  # noqa: E402
+
+
+class _Trial:
+    PAUSED, RUNNING, PENDING, TERMINATED = Trial.PAUSED, Trial.RUNNING, Trial.PENDING, Trial.TERMINATED
+
+    def __init__(self, name):
+        self.trial_id, self.status, self.is_saving = name, Trial.RUNNING, False
+
+    def __repr__(self):
+        return self.trial_id
+
+
+class _Controller:
+    def __init__(self):
+        self.stopped = []
+
+    def stop_trial(self, trial):
+        self.stopped.append(trial)
+        trial.status = Trial.TERMINATED
+
+
+def _finish_by_ending(scheduler):
+    """Bracket of two trials at max_t = 3: A reports its last unit first and is PAUSED (B is
+    still running); then B's trainable returns after its last unit (Tune: on_trial_complete)."""
+    ctl = _Controller()
+    a, b = _Trial("A"), _Trial("B")
+    scheduler.on_trial_add(ctl, a)
+    scheduler.on_trial_add(ctl, b)
+    assert scheduler._trial_info[a][0] is scheduler._trial_info[b][0]      # one bracket
+    for it in (1, 2):
+        for t in (a, b):
+            assert scheduler.on_trial_result(ctl, t, {"training_iteration": it, "acc": it}) == "CONTINUE"
+    assert scheduler.on_trial_result(ctl, a, {"training_iteration": 3, "acc": 3}) == "PAUSE"
+    a.status = Trial.PAUSED
+    b.status = Trial.TERMINATED
+    scheduler.on_trial_complete(ctl, b, {"training_iteration": 3, "acc": 3})
+    return ctl, a
+
+
+def _stock():
+    return schedulers.HyperBandScheduler(time_attr="training_iteration", metric="acc", mode="max",
+                                         max_t=3, reduction_factor=3)
+
+
+def test_paused_trial_of_a_bracket_finished_by_a_trial_ending_is_stopped():
+    ctl, a = _finish_by_ending(hyperband_scheduler(3, 3, metric="acc", mode="max"))
+    assert ctl.stopped == [a]                            # nothing left PAUSED: fit() can end
+
+
+def test_stock_hyperband_leaves_that_trial_paused_forever():
+    """Why the subclass exists (Ray 2.60): Tune's own scheduler stops nothing, no trial is left
+    to run, and the controller loops. If this starts failing, Tune fixed it upstream."""
+    sched = _stock()
+    ctl, a = _finish_by_ending(sched)
+    assert ctl.stopped == [] and a.status == Trial.PAUSED
+    assert sched.choose_trial_to_run(ctl) is None
+
+
+def test_same_decisions_as_tune_when_the_last_trial_reports():
+    """When the last trial reports max_t instead of ending, both stop the paused trial in
+    _process_bracket and return STOP for the reporter."""
+    out = []
+    for sched in (_stock(), hyperband_scheduler(3, 3, metric="acc", mode="max")):
+        ctl = _Controller()
+        a, b = _Trial("A"), _Trial("B")
+        sched.on_trial_add(ctl, a)
+        sched.on_trial_add(ctl, b)
+        assert sched.on_trial_result(ctl, a, {"training_iteration": 3, "acc": 1}) == "PAUSE"
+        a.status = Trial.PAUSED
+        out.append((sched.on_trial_result(ctl, b, {"training_iteration": 3, "acc": 2}),
+                    [t.trial_id for t in ctl.stopped]))
+    assert out[0] == out[1] == ("STOP", ["A"])
