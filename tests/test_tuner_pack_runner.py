@@ -10,34 +10,13 @@ from torch import nn
 
 from jabasray.tuner.digits import digits_mlp_spec
 from jabasray.tuner.pack_runner import PackRunner, Unpackable, state_from_bytes, state_to_bytes
-from jabasray.tuner.training import SharedStream, build_member, cached_data
+from jabasray.tuner.training import build_member, cached_data
+from tuner_helpers import STREAM, Alone as _Alone
 
 SPEC = digits_mlp_spec(steps_per_unit=3)
-STREAM = 40
 A = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
 B = {"batch_size": 40, "optimizer": "momentum", "lr": 5e-2, "activation": "tanh"}
 C = {"batch_size": 30, "optimizer": "sgd", "lr": 1e-1, "activation": "relu"}
-
-
-class _Alone:
-    """Reference: one configuration trained by a plain loop on given stream positions."""
-
-    def __init__(self, config, spec=SPEC):
-        self.spec, self.config = spec, config
-        self.model, self.opt = build_member(spec, config)
-        self.stream = SharedStream(cached_data(spec)[0], STREAM, spec.seed)
-        self.b = spec.batch_size_of(config)
-
-    def unit(self, position):
-        losses = []
-        for j in range(position, position + self.spec.steps_per_unit):
-            x, y = self.stream.batch(j, self.b)
-            self.opt.zero_grad()
-            loss = self.spec.loss_fn(self.model(x), y)
-            loss.backward()
-            self.opt.step()
-            losses.append(loss.item())
-        return sum(losses) / len(losses), float(self.spec.metric_fn(self.model, cached_data(self.spec)[1]))
 
 
 def _check(row, ref_loss, ref_metric):
@@ -49,7 +28,7 @@ def test_members_arriving_and_leaving_train_as_alone():
     """Unit 1: A, B; unit 2: A, B, C (C loads); unit 3: B, C (A freed); unit 4: C alone while
     B is not asking (set aside, untouched); unit 5: B and C again."""
     run = PackRunner(SPEC, STREAM)
-    refs = {"a": _Alone(A), "b": _Alone(B), "c": _Alone(C)}
+    refs = {"a": _Alone(A, SPEC), "b": _Alone(B, SPEC), "c": _Alone(C, SPEC)}
     assert run.load("a", A) == 0 and run.load("b", B) == 0
     plan = [["a", "b"], ["a", "b", "c"], ["b", "c"], ["c"], ["b", "c"]]
     for u, keys in enumerate(plan):

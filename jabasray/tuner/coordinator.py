@@ -8,18 +8,25 @@ Every configuration stays its own Tune trial (a function trainable, see
 and hand it their config; the coordinator holds a :class:`~jabasray.tuner.pack_runner.PackRunner`
 that trains all of them as ONE packed model.
 
-One unit of training is a barrier over the registered members:
+One unit of training is a barrier over the registered members, run ONE UNIT AHEAD of Tune:
 
-1. each trial calls :meth:`PackCoordinator.unit` (then waits);
-2. when every registered member has called -- or ``wait_s`` after the first call, whichever
-   comes first -- the runner trains the waiting members one unit together in a worker thread
-   (the event loop keeps accepting arrivals and departures meanwhile). A member that did not
-   call is *set aside*: its state is kept here and its slot freed, and it re-joins from that
-   state if it ever asks again. This matters because Tune does not always end a trial's
+1. a trial registers (:meth:`load`) and asks for its next unit (:meth:`unit`), then waits;
+2. a unit starts as soon as every registered member has claimed the result of its previous
+   unit (or has none yet) -- it does not wait for the trials to ask. So while Tune processes
+   unit ``n`` of every trial (its result, checkpoint and scheduling decision: the trials' round
+   trip), the runner already trains unit ``n + 1``; a trial's next request then finds its
+   result ready, or waits only for the rest of the compute. At most one result per member is
+   ever unclaimed, so at most one unit per member is speculative: when Tune stops or pauses
+   the trial after unit ``n`` (its checkpoint is that of unit ``n``), :meth:`free` discards the
+   speculative unit ``n + 1`` and nothing of it is ever reported. The units after which a
+   checkpoint is due (``checkpoint_every``, the last one) carry the member's state bytes;
+3. a member that has not claimed its result ``wait_s`` after the others were ready is *set
+   aside*: its state (and unclaimed result) is kept here and its slot freed, and it re-joins
+   from that state if it ever asks. This matters because Tune does not always end a trial's
    thread when it stops or pauses it: with ``reuse_actors=True`` the actor is cached with the
    thread still blocked in ``tune.report`` (Tune's ``_maybe_cache_trial_actor``), so such a
    member would otherwise hold its slot and stall every unit;
-3. each call returns its member's metrics (and its checkpoint bytes when asked); the trial
+4. each call returns its member's metrics (and its checkpoint bytes when due); the trial
    calls ``tune.report`` -- the scheduler sees an ordinary trial reporting every unit.
 
 Arrivals (:meth:`load`) join at the next unit; a trial the scheduler stops or pauses leaves
@@ -54,11 +61,16 @@ class PackCoordinator:
         space: :class:`~jabasray.planners.pack_opt.NormalisedSpace` for :meth:`affinity`, or None.
         threads: torch threads of the training thread.
         device: the torch device the members train on (overrides ``spec.device``), or None.
+        wait_s: longest wait for a member that has not claimed its previous result.
+        idle_exit_s: a coordinator with no member exits after this.
+        max_units: units after which a member trains no more (its trial ends).
+        checkpoint_every: a unit whose number is a multiple of this (and the last one) returns
+            the member's state bytes with its metrics; 0: only the last one.
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
                  threads: int = 1, device: str | None = None, wait_s: float = 2.0,
-                 idle_exit_s: float = 60.0) -> None:
+                 idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1) -> None:
         import dataclasses
 
         import cloudpickle
@@ -68,17 +80,25 @@ class PackCoordinator:
             self.spec = dataclasses.replace(self.spec, device=device)
         self.stream_batch, self.capacity, self.space = stream_batch, capacity, space
         self.threads, self.wait_s, self.idle_exit_s = threads, wait_s, idle_exit_s
+        self.max_units, self.checkpoint_every = max_units, checkpoint_every
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
-        self.waiting: dict[str, tuple[asyncio.Future, bool]] = {}
-        self.aside: dict[str, tuple[dict, bytes]] = {}   # set-aside members: config, state
-        self.first_wait = 0.0
+        self.units: dict[str, int] = {}            # units each registered member has trained
+        self.token: dict[str, int] = {}            # which load of the key (a unit's result for an
+        self.loads = 0                             # earlier load of the same key is discarded)
+        self.loading: set[str] = set()             # registered, state still loading
+        self.waiting: dict[str, asyncio.Future] = {}     # trials waiting for their next unit
+        self.ready: dict[str, tuple] = {}          # computed, not yet claimed (one unit ahead)
+        self.failed: dict[str, BaseException] = {}  # a member's unit failed: raised when it asks
+        self.aside: dict[str, tuple[dict, bytes, tuple | None]] = {}   # config, state, unclaimed
+        self.first_ready = 0.0                     # when the next unit could first have started
         self.running = False
         self.timer: asyncio.TimerHandle | None = None
         self.last_active = time.monotonic()
         self.watchdog: asyncio.Task | None = None
         self.units_run = 0
+        self.units_discarded = 0                   # speculative units of members that left
         self._make_runner()                        # torch, data, stream: before the first trial asks
 
     # -- helpers -----------------------------------------------------------------------------
@@ -107,6 +127,57 @@ class PackCoordinator:
                 log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
                 ray.actor.exit_actor()
 
+    def _wants_state(self, unit: int) -> bool:
+        """A checkpoint is due after ``unit`` (the trial's rule: every ``checkpoint_every``
+        units and the last one)."""
+        return unit == self.max_units or bool(self.checkpoint_every and unit % self.checkpoint_every == 0)
+
+    def _trainable(self, key: str) -> bool:
+        """Loaded, its previous result claimed, and not at ``max_units``."""
+        return (key not in self.loading and key not in self.ready
+                and (self.max_units is None or self.units[key] < self.max_units))
+
+    def _register(self, key: str, config: dict) -> None:
+        self.loads += 1
+        self.configs[key], self.units[key], self.token[key] = dict(config), 0, self.loads
+        self.loading.add(key)
+
+    def _forget(self, key: str) -> None:
+        """Drop the member's bookkeeping here (the runner is freed by the caller)."""
+        self.configs.pop(key, None)
+        self.units.pop(key, None)
+        self.token.pop(key, None)
+        self.loading.discard(key)
+        if self.ready.pop(key, None) is not None:
+            self.units_discarded += 1
+        fut = self.waiting.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    async def _load_state(self, key: str, config: dict, state: bytes | None) -> int:
+        """Load the member into the runner (``key`` registered and ``loading`` before); returns
+        its units. Raises if it was freed meanwhile (then nothing of it is left)."""
+        token = self.token[key]
+
+        def work() -> int:
+            from jabasray.tuner.pack_runner import state_from_bytes
+
+            return self.runner.load(key, config, state_from_bytes(state) if state else None)
+
+        try:
+            units = await self._in_thread(work)
+        except BaseException:
+            if self.token.get(key) == token:
+                self._forget(key)
+            raise
+        if self.token.get(key) != token:            # freed (or re-loaded) while loading
+            if key not in self.configs:             # a re-load frees and loads it itself
+                await self._in_thread(self.runner.free, key)
+            raise ValueError(f"trial {key!r} was freed while loading")
+        self.loading.discard(key)
+        self.units[key] = units
+        return units
+
     # -- the trials' calls -------------------------------------------------------------------
     def affinity(self, config: dict) -> tuple[int, float]:
         """``(free member slots, mean normalised distance of config to the members)``."""
@@ -118,121 +189,145 @@ class PackCoordinator:
 
     async def load(self, key: str, config: dict, state: bytes | None = None) -> dict:
         """Pack's ``load``: ``{"units": n}`` (units already trained), ``{"full": True}`` or
-        ``{"unpackable": reason}``."""
+        ``{"unpackable": reason}``. A member with this key already here (its trial restarts
+        before its free arrived, or Tune resumes it from its checkpoint) starts over from
+        ``state``: what was trained after that checkpoint is discarded."""
+        from jabasray.tuner.pack_runner import Unpackable
+
         self._touch()
         self.aside.pop(key, None)
-        if key in self.configs:                    # the trial restarts before its free arrived
-            self.configs.pop(key)
+        self.failed.pop(key, None)
+        if key in self.configs:
+            self._forget(key)
             await self._in_thread(self.runner.free, key)
         if len(self.configs) >= self.capacity:
             return {"full": True}
-        self.configs[key] = dict(config)           # reserve the slot before yielding
-
-        def work() -> int:
-            from jabasray.tuner.pack_runner import state_from_bytes
-
-            return self.runner.load(key, config, state_from_bytes(state) if state else None)
-
-        from jabasray.tuner.pack_runner import Unpackable
+        self._register(key, config)                 # reserve the slot before yielding
         try:
-            units = await self._in_thread(work)
+            units = await self._load_state(key, config, state)
         except Unpackable as e:
-            self.configs.pop(key, None)
             return {"unpackable": str(e)}
-        except BaseException:
-            self.configs.pop(key, None)
-            raise
+        self._kick()
         return {"units": units}
 
     async def free(self, key: str) -> None:
-        """Pack's ``free``: the trial was stopped, paused or has finished."""
+        """Pack's ``free``: the trial was stopped, paused or has finished (a speculative unit
+        it did not claim is discarded)."""
         self._touch()
         self.aside.pop(key, None)
-        if self.configs.pop(key, None) is None:
+        self.failed.pop(key, None)
+        if key not in self.configs:
             return
-        fut = self.waiting.pop(key, None)
-        if fut is not None and not fut[0].done():
-            fut[0].cancel()
+        self._forget(key)
         await self._in_thread(self.runner.free, key)
         self._kick()
 
     async def unit(self, key: str, want_state: bool = False) -> tuple[dict, bytes | None]:
-        """Train one unit with the other members (the barrier of the module docstring);
-        returns the member's metrics and, if ``want_state``, its checkpoint bytes."""
+        """The member's next unit (trained with the other members, usually ahead of this
+        call: see the module docstring): its metrics and, when a checkpoint is due after it
+        (the coordinator's ``checkpoint_every`` rule), its state bytes. ``want_state`` is
+        accepted for callers of the earlier interface and ignored."""
         self._touch()
+        if key in self.failed:
+            raise self.failed.pop(key)
         if key not in self.configs and key in self.aside:       # set aside earlier: re-join
-            config, state = self.aside.pop(key)
-            self.configs[key] = config
-
-            def reload() -> int:
-                from jabasray.tuner.pack_runner import state_from_bytes
-                return self.runner.load(key, config, state_from_bytes(state))
-            await self._in_thread(reload)
+            config, state, unclaimed = self.aside.pop(key)
+            self._register(key, config)
+            await self._load_state(key, config, state)
+            if unclaimed is not None:
+                self.ready[key] = unclaimed
         if key not in self.configs:
             raise ValueError(f"trial {key!r} is not loaded")
+        if key in self.ready:                                    # trained ahead: claim it
+            result = self.ready.pop(key)
+            self._kick()
+            return result
+        if key in self.waiting:
+            raise ValueError(f"trial {key!r} already waits for a unit")
         fut = asyncio.get_running_loop().create_future()
-        if not self.waiting:
-            self.first_wait = time.monotonic()
-        self.waiting[key] = (fut, want_state)
+        self.waiting[key] = fut
         self._kick()
         return await fut
 
     def stats(self) -> dict:
         return {"members": sorted(self.configs), "units_run": self.units_run,
-                "position": getattr(self.runner, "position", 0)}
+                "units_discarded": self.units_discarded, "position": getattr(self.runner, "position", 0)}
 
     # -- the barrier -------------------------------------------------------------------------
     def _kick(self) -> None:
-        if self.running or not self.waiting:
+        """Start the next unit when every registered member is trainable, or ``wait_s`` after
+        it could first have started with whoever is (members behind are set aside)."""
+        if self.running:
             return
-        missing = set(self.configs) - set(self.waiting)
-        late = self.first_wait + self.wait_s - time.monotonic()
-        if missing and late > 0:
+        keys = [k for k in self.configs if self._trainable(k)]
+        if not keys:
+            return
+        behind = [k for k in self.configs if k in self.ready]     # result unclaimed: trial late
+        now = time.monotonic()
+        if self.first_ready == 0.0:
+            self.first_ready = now
+        late = self.first_ready + self.wait_s - now
+        if (behind or self.loading) and late > 0:
             if self.timer is None:
                 def fire() -> None:
                     self.timer = None
                     self._kick()
                 self.timer = asyncio.get_running_loop().call_later(late, fire)
             return
-        if missing:
-            log.info("setting aside %d member(s) that did not ask within %.1f s", len(missing), self.wait_s)
-        aside = {k: self.configs.pop(k) for k in missing}
-        batch = dict(self.waiting)
-        self.waiting.clear()
+        if behind:
+            log.info("setting aside %d member(s) that did not claim a unit within %.1f s", len(behind), self.wait_s)
+        aside = {k: (self.configs[k], self.ready.pop(k)) for k in behind}
+        for k in behind:
+            self.configs.pop(k)
+            self.units.pop(k)
+            self.token.pop(k)
+        self.first_ready = 0.0
         self.running = True
-        asyncio.get_running_loop().create_task(self._run(batch, aside))
+        tokens = {k: self.token[k] for k in keys}
+        asyncio.get_running_loop().create_task(self._run(tokens, aside))
 
-    async def _run(self, batch: dict[str, tuple[asyncio.Future, bool]], aside: dict[str, dict]) -> None:
+    async def _run(self, tokens: dict[str, int], aside: dict[str, tuple[dict, tuple]]) -> None:
         from jabasray.tuner.pack_runner import state_to_bytes
 
-        keys = list(batch)
+        keys = list(tokens)
 
         def work() -> dict:
             if aside:
                 states = self.runner.states(list(aside))
-                for k, config in aside.items():
-                    self.aside[k] = (config, state_to_bytes(states[k]))
+                for k, (config, unclaimed) in aside.items():
+                    self.aside[k] = (config, state_to_bytes(states[k]), unclaimed)
                     self.runner.free(k)
             results = self.runner.unit(keys)
-            want = [k for k, r in results.items() if batch[k][1] and not isinstance(r, Exception)]
+            want = [k for k, r in results.items() if not isinstance(r, Exception) and self._wants_state(r["units"])]
             states = self.runner.states(want) if want else {}
             return {k: r if isinstance(r, Exception) else (r, state_to_bytes(states[k]) if k in states else None)
                     for k, r in results.items()}
 
         try:
             results = await self._in_thread(work)
-        except Exception as e:                      # noqa: BLE001 -- hand it to every caller
+        except Exception as e:                      # noqa: BLE001 -- hand it to every member
             results = {k: e for k in keys}
         self.units_run += 1
+        failed = [k for k, r in results.items() if isinstance(r, Exception)]
+        if failed:                                  # the runner keeps no failed member
+            await self._in_thread(lambda: [self.runner.free(k) for k in failed])
         for k, r in results.items():
-            fut = batch[k][0]
-            if fut.done():
+            if self.token.get(k) != tokens[k]:      # freed (or re-loaded) while training: discard
+                self.units_discarded += 1
                 continue
-            if isinstance(r, Exception):
-                self.configs.pop(k, None)           # a failed member leaves the pack
-                fut.set_exception(r)
-            else:
+            fut = self.waiting.pop(k, None)
+            if isinstance(r, Exception):            # a failed member leaves the pack
+                self._forget(k)
+                if fut is not None and not fut.done():
+                    fut.set_exception(r)
+                else:
+                    self.failed[k] = r
+                continue
+            self.units[k] = int(r[0]["units"])
+            if fut is not None and not fut.done():
                 fut.set_result(r)
+            else:
+                self.ready[k] = r                   # ahead: claimed by the trial's next call
         self.running = False
         self._touch()
         self._kick()

@@ -70,7 +70,7 @@ class PackedJob:
     cpus_per_device: float              # CPUs of one CPU "device" (a coordinator's threads)
     gpu: bool                           # spec.device is CUDA: one coordinator per GPU
     space: NormalisedSpace | None       # distances for the choice of a device
-    wait_s: float                       # barrier: longest wait for a member's unit request
+    wait_s: float                       # barrier: longest wait for a member to claim its unit
     idle_exit_s: float                  # a coordinator with no member exits after this
     token: str                          # names this sweep's coordinators
 
@@ -92,8 +92,9 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         checkpoint_every: units between checkpoints (the member's own ``state_dict``s in
             ``member.pt``; needed by pausing schedulers and ``FailureConfig``); 0: none.
         cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
-        wait_s: the longest a unit waits for a registered trial that has not asked for it
-            (the trial is then set aside with its state and re-joins when it asks).
+        wait_s: the longest a unit waits for a registered trial that has not claimed its
+            previous unit (the trial is then set aside with its state and re-joins when it
+            asks). Units run one ahead of Tune: see :mod:`jabasray.tuner.coordinator`.
         idle_exit_s: seconds a coordinator without members lives on.
     """
     import cloudpickle
@@ -152,7 +153,7 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         opts["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     return ray.remote(PackCoordinator).options(**opts).remote(
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
-        job.wait_s, job.idle_exit_s)
+        job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every)
 
 
 def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
@@ -216,8 +217,9 @@ def _run_trial(config: dict, job: PackedJob) -> None:
     units = int(reply["units"])
     try:
         while units < job.max_units:
-            want = units + 1 == job.max_units or (job.checkpoint_every and (units + 1) % job.checkpoint_every == 0)
-            metrics, blob = ray.get(handle.unit.remote(key, bool(want)))
+            # usually trained ahead while Tune processed the previous report (coordinator.py);
+            # the state comes with the units the coordinator's checkpoint_every rule names
+            metrics, blob = ray.get(handle.unit.remote(key))
             units = int(metrics["units"])
             if blob is None:
                 tune.report(metrics)

@@ -1,0 +1,119 @@
+"""The packing coordinator's barrier, one unit ahead of Tune, driven directly on an asyncio loop
+(no Ray: the coordinator is a plain class that Ray wraps as an actor). Exact bookkeeping: what
+trains ahead equals the reference loop, checkpoints come when due, nothing trains past
+max_units, a speculative unit of a member that leaves is discarded, a late member is set aside
+with its unclaimed result and gets it back."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import cloudpickle
+import pytest
+
+from jabasray.tuner.coordinator import PackCoordinator
+from jabasray.tuner.digits import digits_mlp_spec
+from jabasray.tuner.pack_runner import state_from_bytes
+from tuner_helpers import STREAM, Alone
+
+SPEC = digits_mlp_spec(steps_per_unit=2)
+A = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
+B = {"batch_size": 40, "optimizer": "momentum", "lr": 5e-2, "activation": "tanh"}
+
+
+def _run(scenario, **kw):
+    """Run ``scenario(coordinator)`` on a fresh loop; always release the coordinator."""
+    args = dict(capacity=4, wait_s=0.5, idle_exit_s=1e6, max_units=3, checkpoint_every=1) | kw
+
+    async def main():
+        c = PackCoordinator(cloudpickle.dumps(SPEC), STREAM, **args)
+        try:
+            return await asyncio.wait_for(scenario(c), timeout=120)
+        finally:
+            if c.watchdog is not None:
+                c.watchdog.cancel()
+            c.pool.shutdown(wait=True)
+    return asyncio.run(main())
+
+
+async def _until(pred, timeout=60.0):
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _check(row, ref):
+    assert row["train_loss"] == pytest.approx(ref[0], rel=1e-5, abs=1e-6)
+    assert row["accuracy"] == pytest.approx(ref[1], abs=1e-9)
+
+
+def test_units_run_ahead_exactly_as_the_reference_with_checkpoints_when_due():
+    refs = {"a": Alone(A, SPEC), "b": Alone(B, SPEC)}
+
+    async def scenario(c):
+        assert await asyncio.gather(c.load("a", A), c.load("b", B)) == [{"units": 0}] * 2
+        rows = []
+        first = await asyncio.gather(c.unit("a"), c.unit("b"))          # unit 1: both asked
+        rows.append(first)
+        for n in (2, 3):
+            # unit n trains before anyone asks for it (Tune is still busy with unit n - 1)
+            await _until(lambda: c.units_run == n and not c.running)
+            assert set(c.ready) == {"a", "b"} and not c.waiting
+            rows.append(await asyncio.gather(c.unit("a"), c.unit("b")))  # claimed at once
+        await asyncio.sleep(0.3)
+        return rows, c.units_run, c.units_discarded
+
+    rows, units_run, discarded = _run(scenario, checkpoint_every=2)
+    assert units_run == 3 and discarded == 0                            # nothing past max_units
+    for n, pair in enumerate(rows, start=1):
+        for key, (row, blob) in zip("ab", pair):
+            assert row["units"] == n and row["steps"] == 2 * n and row["pack_size"] == 2
+            _check(row, refs[key].unit(2 * (n - 1)))                    # shared stream positions
+            assert (blob is not None) == (n in (2, 3))                  # every 2nd unit and the last
+            if blob is not None:
+                assert state_from_bytes(blob)["units"] == n
+
+
+def test_a_member_that_leaves_discards_its_speculative_unit_and_resumes_from_its_checkpoint():
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        (_, blob_a1), _ = await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)       # unit 2 ahead for a and b
+        await c.free("a")                                               # Tune paused a after unit 1
+        assert c.units_discarded == 1 and "a" not in c.configs
+        row_b, _ = await c.unit("b")
+        assert row_b["units"] == 2
+        assert await c.load("a", A, blob_a1) == {"units": 1}            # resumed from its checkpoint
+        row_a, blob = await c.unit("a")
+        return row_a, blob
+
+    row_a, blob = _run(scenario)
+    assert row_a["units"] == 2 and row_a["steps"] == 4                  # unit 2 again, not unit 3
+    assert state_from_bytes(blob)["steps"] == 4
+
+
+def test_a_late_member_is_set_aside_with_its_unclaimed_unit_and_gets_it_back():
+    refs = {"a": Alone(A, SPEC), "b": Alone(B, SPEC)}
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)
+        a2, _ = await c.unit("a")                                       # b does not claim unit 2
+        await _until(lambda: c.units_run == 3 and not c.running)       # after wait_s: a alone
+        assert "b" in c.aside and "b" not in c.configs
+        b2, _ = await c.unit("b")                                       # its unit 2, kept aside
+        assert "b" in c.configs and "b" not in c.aside
+        a3, _ = await c.unit("a")
+        b3, _ = await c.unit("b")                                       # trains alone: position 6
+        return a2, b2, a3, b3
+
+    a2, b2, a3, b3 = _run(scenario, wait_s=0.3)
+    assert [r["units"] for r in (a2, b2, a3, b3)] == [2, 2, 3, 3]
+    refs["a"].unit(0), refs["b"].unit(0)
+    _check(a2, refs["a"].unit(2))
+    _check(b2, refs["b"].unit(2))
+    _check(a3, refs["a"].unit(4))
+    assert a3["pack_size"] == 1 and b3["pack_size"] == 1
+    _check(b3, refs["b"].unit(6))
