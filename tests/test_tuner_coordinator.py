@@ -22,8 +22,9 @@ B = {"batch_size": 40, "optimizer": "momentum", "lr": 5e-2, "activation": "tanh"
 
 
 def _run(scenario, **kw):
-    """Run ``scenario(coordinator)`` on a fresh loop; always release the coordinator."""
-    args = dict(capacity=4, wait_s=0.5, idle_exit_s=1e6, max_units=3, checkpoint_every=1) | kw
+    """Run ``scenario(coordinator)`` on a fresh loop; always release the coordinator. The
+    default ``wait_s`` is long, so that no member is set aside unless a test waits for it."""
+    args = dict(capacity=4, wait_s=10.0, idle_exit_s=1e6, max_units=3, checkpoint_every=1) | kw
 
     async def main():
         c = PackCoordinator(cloudpickle.dumps(SPEC), STREAM, **args)
@@ -109,7 +110,7 @@ def test_a_late_member_is_set_aside_with_its_unclaimed_unit_and_gets_it_back():
         b3, _ = await c.unit("b")                                       # trains alone: position 6
         return a2, b2, a3, b3
 
-    a2, b2, a3, b3 = _run(scenario, wait_s=0.3)
+    a2, b2, a3, b3 = _run(scenario, wait_s=1.0)
     assert [r["units"] for r in (a2, b2, a3, b3)] == [2, 2, 3, 3]
     refs["a"].unit(0), refs["b"].unit(0)
     _check(a2, refs["a"].unit(2))
