@@ -20,11 +20,18 @@ How one ``train_step`` executes
    parameters of each bucket are final.
 3. **Local aggregation + overlapped all-reduce**: when ALL VSWs have finished bucket ``b``,
    the thread that finished it last adds the other VSWs' bucket ``b`` into the main VSW's
-   bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and starts an
-   asynchronous all-reduce (SUM) of it on the process group, while the VSWs go on with the
-   backward of earlier layers. Buckets are launched strictly in plan order (a bucket that
-   becomes ready early waits for its predecessors), so every rank issues its collectives in
-   the same order - the DDP reducer's rule. Parameters that received no gradient in the last
+   bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and hands the
+   bucket to the worker's **communication thread**, which starts an asynchronous all-reduce
+   (SUM) of it on the process group, while the VSWs go on with the backward of earlier
+   layers. Buckets are launched strictly in plan order (a bucket that becomes ready early
+   waits for its predecessors), so every rank issues its collectives in the same order - the
+   DDP reducer's rule. Why a communication thread: the hook runs INSIDE a backward pass (on
+   CUDA on the device's single autograd thread), so it must never block; the all-reduce
+   window's ``comm_guard`` (DeepPool's pause of the background job) may wait for a
+   background step whose own ``backward()`` needs that same autograd thread - a deadlock if
+   the guard were entered from the hook. The hook therefore only aggregates locally (non
+   blocking: kernels queued on the ``comm`` stream) and enqueues; the guard and every
+   collective are entered/issued on the communication thread, never within autograd. Parameters that received no gradient in the last
    micro-batch (unused parameters, empty micro-batches) are marked final when their VSW ends;
    a parameter with no gradient at all gets a ZERO gradient (a complete bucket, as in DDP),
    whereas plain PyTorch would leave ``grad=None`` and skip it - the same for SGD without
@@ -68,7 +75,7 @@ from .loader import batch_size, to_device
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, supervised_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
-from .streams import Lanes, VSWThreadPool
+from .streams import DispatcherThread, Lanes, VSWThreadPool
 from .weight_sync import ShardOptimizer, resolve_weight_sync
 
 log = logging.getLogger(__name__)
@@ -153,7 +160,8 @@ class IIDPWorker:
             after the last all-reduce of the step has completed (bucket and loss all-reduces;
             the 8-byte sample-count all-reduce of a ragged step starts before compute and is
             not covered). Only steps that communicate (``process_group`` set) enter it. It is
-            entered on the VSW thread that launches bucket 0 and exited on the caller's
+            entered on the worker's communication thread (never inside a backward pass: it
+            may block, e.g. until a background step finished) and exited on the caller's
             thread. ``None`` (default): nothing is called. Settable as the attribute
             ``comm_guard`` between steps.
         step_fn: ``step_fn(model, micro_batch) -> mean loss`` (0-d tensor) instead of the
@@ -238,6 +246,7 @@ class IIDPWorker:
         self._flat_grads = process_group is not None if flat_grads is None else flat_grads
         self._lanes = Lanes(self.device)
         self._pool = VSWThreadPool(0)
+        self._comm: DispatcherThread | None = None   # communication thread (process group only)
         self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
         self._lanes.resize(1)
         params = [p for _, p in trainable_parameters(model)]
@@ -404,7 +413,8 @@ class IIDPWorker:
                 self._vsw_bucket_done(vsw, b)
 
     def _launch(self, b: int) -> None:
-        """Local aggregation of bucket ``b`` into the main VSW, then async global all-reduce."""
+        """Local aggregation of bucket ``b`` into the main VSW (autograd hook: queues kernels,
+        never blocks), then the async global all-reduce is handed to the communication thread."""
         lanes = self._lanes
         main = self._vsws[0].buffers
         with lanes.context(lanes.comm):
@@ -414,14 +424,45 @@ class IIDPWorker:
                 main.add_bucket_from(v.buffers, b)
             if self._snapshot is not None:
                 self._snapshot[b] = main.bucket_flat_copy(b)
-            if self.process_group is not None:
-                if b == 0:          # launches are in plan order: bucket 0 opens the window
-                    self._enter_comm_guard()
-                self._works[b] = dist.all_reduce(main.grads[b], op=dist.ReduceOp.SUM,
-                                                 group=self.process_group, async_op=True)
+        if self.process_group is not None:
+            # never block here (autograd hook): the guard and the collective run on the
+            # communication thread, in submission (= plan) order
+            self._works[b] = self._comm_thread().submit(lambda: self._all_reduce_bucket(b))
+
+    def _comm_thread(self) -> DispatcherThread:
+        if self._comm is None:
+            self._comm = DispatcherThread("iidp-comm")
+        return self._comm
+
+    def _all_reduce_bucket(self, b: int) -> Any:
+        """Communication thread: open the guard at bucket 0, start bucket ``b``'s all-reduce
+        (CUDA: on the ``comm`` stream, after the aggregation queued there); returns its work."""
+        lanes = self._lanes
+        with lanes.device_context(), lanes.context(lanes.comm):
+            if b == 0:              # launches are in plan order: bucket 0 opens the window
+                self._enter_comm_guard()
+            return dist.all_reduce(self._vsws[0].buffers.grads[b], op=dist.ReduceOp.SUM,
+                                   group=self.process_group, async_op=True)
+
+    def _launched(self) -> None:
+        """Caller's thread: wait until the communication thread started every bucket's
+        all-reduce (re-raises a launch error); from then on the guard is held."""
+        for fut in self._works:
+            if fut is not None:
+                fut.result()
+
+    def _drain_launches(self) -> None:
+        """After a failed step: let the communication thread finish what was submitted (so
+        it cannot enter the guard after the step gave it up); errors are the step's."""
+        for fut in self._works:
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the step already fails
+                    pass
 
     def _enter_comm_guard(self) -> None:
-        """Enter ``comm_guard("allreduce")`` (under ``self._lock``, from ``_launch``)."""
+        """Enter ``comm_guard("allreduce")`` (communication thread, from bucket 0's launch)."""
         guard = self.comm_guard
         if guard is None or self._guard_cm is not None:
             return
@@ -438,9 +479,9 @@ class IIDPWorker:
 
     def _wait_bucket(self, b: int) -> None:
         """Make the update stream (CUDA) / this thread (CPU) wait for bucket ``b``'s all-reduce."""
-        work = self._works[b]
-        if work is not None:
-            work.wait()       # CUDA/NCCL: makes the current (update) stream wait
+        fut = self._works[b]
+        if fut is not None:
+            fut.result().wait()   # CUDA/NCCL: makes the current (update) stream wait
         elif self._lanes.is_cuda:
             self._lanes.update.wait_stream(self._lanes.comm)
 
@@ -484,6 +525,7 @@ class IIDPWorker:
         try:
             return self._train_step(micro_batches, keep_local_grad, ragged)
         except BaseException as e:
+            self._drain_launches()
             self._exit_comm_guard(e)      # a failed step never leaves the guard entered
             raise
 
@@ -533,6 +575,9 @@ class IIDPWorker:
 
         losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
         t_compute = self._clock() - t0
+
+        if pg is not None:
+            self._launched()      # every bucket is in flight, the guard (if any) held
 
         # --- loss statistic (all-reduced with the gradients; waited at the end)
         with lanes.context(lanes.update):
@@ -696,11 +741,16 @@ class IIDPWorker:
     def close(self) -> None:
         """Stop the VSW threads and remove the hooks from the main model."""
         self._pool.close()
+        if self._comm is not None:
+            self._comm.stop()
+            self._comm = None
         for v in self._vsws:
             v.remove_hooks()
 
     def __del__(self) -> None:  # best effort
         try:
             self._pool.close()
+            if self._comm is not None:
+                self._comm.stop()
         except Exception:  # noqa: BLE001
             pass

@@ -52,6 +52,13 @@ class Lanes:
             return contextlib.nullcontext()
         return torch.cuda.stream(stream)
 
+    def device_context(self) -> contextlib.AbstractContextManager:
+        """``with lanes.device_context():`` makes this device current on the calling thread
+        (CUDA: a fresh thread starts on device 0); no-op on CPU."""
+        if not self.is_cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
+
     def current(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
@@ -74,8 +81,9 @@ class Lanes:
             torch.cuda.synchronize(self.device)
 
 
-class _DispatcherThread:
-    """One persistent VSW dispatcher thread with its own job queue."""
+class DispatcherThread:
+    """One persistent thread with its own job queue (a VSW dispatcher, or IIDP's
+    communication thread); ``submit(fn)`` returns a Future, jobs run in submission order."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,7 +117,7 @@ class VSWThreadPool:
     caller's thread."""
 
     def __init__(self, num_workers: int = 0) -> None:
-        self._threads: list[_DispatcherThread] = []
+        self._threads: list[DispatcherThread] = []
         self.resize(num_workers)
 
     @property
@@ -119,7 +127,7 @@ class VSWThreadPool:
     def resize(self, num_workers: int) -> None:
         """Hold exactly ``num_workers`` threads (existing threads are kept)."""
         while len(self._threads) < num_workers:
-            self._threads.append(_DispatcherThread(f"vsw-{len(self._threads) + 1}"))
+            self._threads.append(DispatcherThread(f"vsw-{len(self._threads) + 1}"))
         while len(self._threads) > num_workers:
             self._threads.pop().stop()
 

@@ -1,0 +1,149 @@
+"""The CUDA code paths on a real GPU (issue 19): every test is ``@pytest.mark.cuda`` and is
+skipped (reported as skipped) where ``torch.cuda.is_available()`` is False. Tiny models, a few
+steps each, no Ray: the whole file runs in seconds on one GPU.
+
+    python -m pytest -q -m cuda tests/test_cuda.py
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split
+from jabasray.engine import IIDPWorker
+from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy, epoch_order
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+CAP = 0.0005          # MiB: several buckets
+TOL = 1e-5
+
+
+def _nccl_group():
+    """A one-rank NCCL process group (no global init, nothing to tear down)."""
+    if not dist.is_nccl_available():
+        pytest.skip("this torch build has no NCCL")
+    return dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)
+
+
+def _to(batches, device=DEV):
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def _bg_task(name="bg", steps=20, batch_size=8, n=40, capturable=False, opt="sgd", seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).to(DEV)
+    g = torch.Generator().manual_seed(123)
+    ds = TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+    if opt == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=capturable)
+    return BackgroundTask(name=name, model=model, dataset=ds, optimizer=optimizer,
+                          loss_fn=F.cross_entropy, batch_size=batch_size, steps=steps)
+
+
+def _plain_loop(task: BackgroundTask, model0: nn.Module, opt_fn, steps: int) -> nn.Module:
+    """The background job's documented data order (epoch_order slices), trained eagerly."""
+    model = copy.deepcopy(model0)
+    opt = opt_fn(model.parameters())
+    X, Y = task.dataset.tensors
+    n, epoch, cursor = len(Y), 0, 0
+    perm = epoch_order(n, task.seed, epoch)
+    for _ in range(steps):
+        idx = perm[cursor:cursor + task.batch_size]
+        cursor += len(idx)
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(X[idx].to(DEV)), Y[idx].to(DEV)).backward()
+        opt.step()
+        if cursor >= n:
+            epoch, cursor = epoch + 1, 0
+            perm = epoch_order(n, task.seed, epoch)
+    return model
+
+
+# ------------------------------------------------------------------------------- IIDP
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+@pytest.mark.parametrize("method", ["sws", "ows"])
+@pytest.mark.parametrize("num_vsw,num_ga", [(1, 0), (2, 1), (4, 0)])
+def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga):
+    """VSWs on their own CUDA streams (+ OWS's side stream) == one plain step on the union."""
+    b = 4
+    ref = make_model(0).to(DEV)
+    ref_opt = OPTIMIZERS[opt](list(ref.parameters()))
+    w = IIDPWorker(make_model(0), OPTIMIZERS[opt], F.cross_entropy, device=DEV,
+                   weight_sync=method, bucket_cap_mb=CAP)
+    w.configure(num_vsw, num_ga, b)
+    n = num_vsw * (num_ga + 1)
+    for step in range(3):
+        X, y = make_data(step, n * b)
+        X, y = X.to(DEV), y.to(DEV)
+        w.train_step(split(X, y, [b] * n))
+        reference_step(ref, ref_opt, X, y)
+        assert max_rel_diff(w.model, ref) < TOL
+    w.close()
+
+
+def test_sws_equals_ows_on_cuda():
+    ws = {}
+    for method in ("sws", "ows"):
+        w = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, device=DEV,
+                       weight_sync=method, bucket_cap_mb=CAP, process_group=_nccl_group())
+        w.configure(2, 1, 4)
+        for step in range(3):
+            X, y = make_data(step, 16)
+            w.train_step(_to(split(X, y, [4] * 4)))
+        ws[method] = w
+    assert max_rel_diff(ws["ows"].model, ws["sws"].model) < TOL
+    for w in ws.values():
+        w.close()
+
+
+@pytest.mark.parametrize("method", ["sws", "ows"])
+def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
+    """A background job runs on the device while IIDP steps all-reduce over NCCL with the
+    runner's ``foreground_critical`` as ``comm_guard`` (entered on the communication thread,
+    never inside backward): every step finishes (no deadlock, bounded wait), equals a plain
+    step on the union, and the background job made progress."""
+    policy = MultiplexPolicy(slowdown_target=None, cuda_graphs=False, max_background_batch=None)
+    with BackgroundRunner(DEV, policy) as runner:
+        task = _bg_task(steps=100_000)
+        runner.submit(task)
+        ref = make_model(0).to(DEV)
+        ref_opt = OPTIMIZERS["adam"](list(ref.parameters()))
+        w = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, device=DEV,
+                       weight_sync=method, bucket_cap_mb=CAP, process_group=_nccl_group(),
+                       comm_guard=runner.foreground_critical)
+        w.configure(2, 1, 4)
+        diffs: list[float] = []
+        errors: list[BaseException] = []
+
+        def foreground():
+            try:
+                for step in range(4):
+                    X, y = make_data(step, 16)
+                    X, y = X.to(DEV), y.to(DEV)
+                    w.train_step(split(X, y, [4] * 4))
+                    reference_step(ref, ref_opt, X, y)
+                    diffs.append(max_rel_diff(w.model, ref))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=foreground, daemon=True)
+        t.start()
+        t.join(timeout=120)
+        assert not t.is_alive(), "IIDP steps next to a background job did not finish (deadlock?)"
+        assert not errors, errors
+        assert len(diffs) == 4 and max(diffs) < TOL
+        st = runner.cancel("bg")
+        assert st.step > 0 and st.error is None
+        w.close()
