@@ -147,3 +147,27 @@ def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
         st = runner.cancel("bg")
         assert st.step > 0 and st.error is None
         w.close()
+
+
+# ------------------------------------------------------------------------------- priorities
+
+def test_stream_priorities_are_actually_set():
+    """VSW/comm/update lanes (IIDP, SMA) and the runner's foreground stream are at the greatest
+    priority, the background stream at the least, and the two differ."""
+    from jabasray.engine.streams import stream_priorities
+
+    fg, bg = stream_priorities(torch.cuda.Stream.priority_range())
+    assert fg < bg, f"this GPU reports no usable priority range {torch.cuda.Stream.priority_range()}"
+    w = IIDPWorker(make_model(0), OPTIMIZERS["sgd_momentum"], F.cross_entropy, device=DEV,
+                   bucket_cap_mb=CAP)
+    w.configure(3, 0, 4)
+    lanes = w._lanes
+    assert [s.priority for s in lanes.vsw] == [fg] * 3
+    assert lanes.comm.priority == fg and lanes.update.priority == fg
+    w.close()
+    with BackgroundRunner(DEV, MultiplexPolicy()) as runner:
+        assert runner.bg_stream.priority == bg
+        assert runner.foreground_stream.priority == fg
+    with BackgroundRunner(DEV, MultiplexPolicy.naive()) as runner:   # priorities off
+        assert runner.bg_stream.priority == 0
+        assert runner.foreground_stream == torch.cuda.current_stream()

@@ -8,9 +8,12 @@ A low-priority *background* training job uses the spare capacity of a device whi
 :class:`MultiplexPolicy` so a benchmark can add them one at a time (Fig. 11):
 
 1. Stream priorities (``stream_priority``): on CUDA the background issues on a stream of the
-   lowest priority and the foreground gets a stream of the highest priority
-   (:attr:`BackgroundRunner.foreground_stream`); CUDA's rule is "lower number = higher
-   priority", the range comes from ``torch.cuda.Stream.priority_range()``.
+   LEAST priority and the foreground on streams of the GREATEST priority
+   (:func:`jabasray.engine.streams.stream_priorities`; CUDA: lower number = higher priority,
+   ``priority_range()`` is ``(least, greatest)``, e.g. ``(0, -5)``, and the default 0 is the
+   least, so it is the foreground that must be raised). An IIDP / SMA worker's streams
+   (:class:`~jabasray.engine.streams.Lanes`) are foreground streams already; a foreground loop
+   of its own issues on :attr:`BackgroundRunner.foreground_stream`.
 2. Launch pacing (``max_outstanding``): at most this many background launches (one training
    step, or one graph launch) may be queued on the device per job; the runner records a CUDA
    event after each launch and blocks the background thread on the oldest one before issuing
@@ -55,6 +58,7 @@ import torch
 from torch import nn
 
 from ..validation import check_float, check_int, check_steps_or_epochs
+from .streams import new_stream
 
 log = logging.getLogger(__name__)
 
@@ -377,14 +381,16 @@ class BackgroundRunner:
         self._fg_busy = 0.0
         self._t_start = time.perf_counter()
         self.bg_stream: Any = None
+        # the stream a foreground loop that is not an IIDP/SMA worker (whose Lanes are
+        # foreground streams already) should issue on: greatest priority with stream_priority,
+        # else the current (default-priority) stream
         self.foreground_stream: Any = None
         if self.is_cuda:
-            lo, hi = _priority_range()
             if self.policy.stream_priority:
-                self.bg_stream = torch.cuda.Stream(device=self.device, priority=lo)
-                self.foreground_stream = torch.cuda.Stream(device=self.device, priority=hi)
+                self.bg_stream = new_stream(self.device, "background")
+                self.foreground_stream = new_stream(self.device, "foreground")
             else:
-                self.bg_stream = torch.cuda.Stream(device=self.device)
+                self.bg_stream = new_stream(self.device, "default")
                 self.foreground_stream = torch.cuda.current_stream(self.device)
         self._thread = threading.Thread(target=self._loop, name="jabas-background", daemon=True)
         self._thread.start()
@@ -700,12 +706,6 @@ def _eager_step(task: BackgroundTask, x: torch.Tensor, y: torch.Tensor) -> torch
     loss.backward()
     task.optimizer.step()
     return loss.detach()
-
-
-def _priority_range() -> tuple[int, int]:
-    """(lowest, highest) CUDA stream priority; CUDA: lower number = higher priority."""
-    a, b = torch.cuda.Stream.priority_range()
-    return max(a, b), min(a, b)
 
 
 class _GraphedStep:
