@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split
 from jabasray.engine import IIDPWorker
-from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy, epoch_order
+from jabasray.engine.multiplex import (GRAPH_WARMUP_STEPS, BackgroundRunner, BackgroundTask, MultiplexPolicy,
+                                       epoch_order)
 
 pytestmark = pytest.mark.cuda
 
@@ -171,3 +172,34 @@ def test_stream_priorities_are_actually_set():
     with BackgroundRunner(DEV, MultiplexPolicy.naive()) as runner:   # priorities off
         assert runner.bg_stream.priority == 0
         assert runner.foreground_stream == torch.cuda.current_stream()
+
+
+# ------------------------------------------------------------------------------- background job
+
+@pytest.mark.parametrize("opt,graphs,expect_graphed", [
+    ("sgd", False, False),            # eager
+    ("sgd", True, True),              # SGD is capturable
+    ("adam_capturable", True, True),  # Adam(capturable=True) is capturable
+    ("adam", True, False),            # plain Adam: not captured, runs eagerly
+])
+def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, expect_graphed):
+    """A background job on the low-priority stream, eager or replaying a CUDA graph, does
+    exactly the plain loop's steps: the graph warm-up is the job's own first steps and capture
+    adds no training step (weights after N steps == N eager steps). A ragged last batch of an
+    epoch runs eagerly next to the graph."""
+    steps = GRAPH_WARMUP_STEPS + 8
+    task = _bg_task(steps=steps, batch_size=16, n=40, opt="sgd" if opt == "sgd" else "adam",
+                    capturable=opt == "adam_capturable")
+    model0 = copy.deepcopy(task.model)
+    if opt == "sgd":
+        opt_fn = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    else:
+        opt_fn = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+    ref = _plain_loop(task, model0, opt_fn, steps)
+    policy = MultiplexPolicy(cuda_graphs=graphs, slowdown_target=None, max_background_batch=None)
+    with BackgroundRunner(DEV, policy) as runner:
+        runner.submit(task)
+        st = runner.wait("bg", timeout=120)
+    assert st.state == "done" and st.step == steps, st
+    assert st.graphed is expect_graphed
+    assert max_rel_diff(task.model, ref) < TOL

@@ -20,8 +20,17 @@ A low-priority *background* training job uses the spare capacity of a device whi
    more (:class:`LaunchPacer`). This keeps the shared driver/device queues short, so the
    foreground's launches are not stuck behind background work (head-of-line blocking).
 3. CUDA graphs (``cuda_graphs``): a job's whole training step (forward, backward, optimizer)
-   is captured once (``torch.cuda.graph``) and replayed with one launch; a capture failure or a
-   batch of another shape falls back to eager execution with a log line.
+   is captured once (``torch.cuda.graph``) and replayed with one launch. Only when the
+   optimizer can be captured (:func:`graph_capture_blocker`: every param group
+   ``capturable=True`` for optimizers with that option - Adam, AdamW, ...; plain SGD, whose
+   step has no step-count tensor; nothing else), otherwise the job runs eagerly and says why
+   once. Warm-up changes nothing: the whole-network recipe's side-stream warm-up steps ARE the
+   job's own first ``GRAPH_WARMUP_STEPS`` steps, run eagerly on their own batches on the
+   (non-default) background stream - they create the optimizer state the graph then updates in
+   place - and capture itself executes nothing; the captured step first runs (replay) on the
+   batch it was captured for. So a graphed job does exactly the eager job's steps. A capture
+   failure or a batch of another shape falls back to eager execution with a log line. The LR
+   is a constant of the graph (background jobs have no scheduler).
 4. Slowdown feedback (``slowdown_target``, ``pause_ops``, ``op_slowdown_threshold``):
    (a) operations known or observed to suffer from collocation (all-reduce first of all) pause
    the background while the foreground runs them (``with runner.foreground_critical(op)`` or
@@ -189,6 +198,31 @@ class LaunchPacer:
             self.outstanding.popleft().synchronize()
 
 
+GRAPH_WARMUP_STEPS = 3    # eager steps (on the background stream) before a capture
+
+
+def graph_capture_blocker(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer.step()`` cannot be captured in a CUDA graph, or ``None`` if it can.
+
+    torch 2.13's rule: an optimizer with a ``capturable`` option (Adam, AdamW, Adamax, NAdam,
+    RAdam, RMSprop, Rprop, ASGD, Adadelta) raises inside a capture unless every param group has
+    ``capturable=True`` (its step counters then live on the device); plain ``SGD`` keeps no
+    step counter (its momentum buffers are made by the eager warm-up steps and updated in
+    place); any other optimizer (Adagrad's CPU step tensor, LBFGS's closure, ...) is not
+    known to be capturable.
+    """
+    name = type(optimizer).__name__
+    if "capturable" in optimizer.defaults:
+        off = [i for i, g in enumerate(optimizer.param_groups) if not g.get("capturable", False)]
+        if off:
+            return (f"{name} param group(s) {off} have capturable=False "
+                    f"(construct it with capturable=True to allow graph capture)")
+        return None
+    if type(optimizer) is torch.optim.SGD:
+        return None
+    return f"{name} is not known to be CUDA-graph capturable (only SGD or capturable=True optimizers)"
+
+
 # --------------------------------------------------------------------------------------------
 # Jobs.
 # --------------------------------------------------------------------------------------------
@@ -270,7 +304,8 @@ class _Job:
         self.cancel = False
         self.pacer = LaunchPacer(max_outstanding)
         self.graph: Any = None
-        self.graph_failed = False
+        self.graph_failed = False             # no graph for this job (not capturable / failed)
+        self.eager_steps = 0                  # eager steps on this runner (graph warm-up)
         self.loss_t: torch.Tensor | None = None
         self.last_event: Any = None           # CUDA: event after its newest launch
         self.lock = threading.Lock()
@@ -410,6 +445,11 @@ class BackgroundRunner:
                      task.name, bs, cap)
             bs = cap
         job = _Job(task, self.device, bs, self.policy.max_outstanding)
+        if self.is_cuda and self.policy.cuda_graphs:
+            blocker = graph_capture_blocker(task.optimizer)
+            if blocker is not None:          # said once per job; it runs eagerly
+                log.info("background job %s: no CUDA graph, running eagerly: %s", task.name, blocker)
+                job.graph_failed = True
         if job.status.step >= job.status.total_steps:
             job.status.state = "done"
         with self._cv:
@@ -685,15 +725,17 @@ class BackgroundRunner:
         with torch.cuda.stream(self.bg_stream):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            if (self.policy.cuda_graphs and not job.graph_failed
-                    and len(y) == job.batch_size and job.graph is None):
+            full = len(y) == job.batch_size
+            if (self.policy.cuda_graphs and not job.graph_failed and full and job.graph is None
+                    and job.eager_steps >= GRAPH_WARMUP_STEPS):
                 job.graph = _GraphedStep.capture(task, x, y, self.bg_stream)
                 job.graph_failed = job.graph is None
                 job.status.graphed = job.graph is not None
-            if job.graph is not None and len(y) == job.batch_size:
+            if job.graph is not None and full:
                 job.loss_t = job.graph.replay(x, y)
             else:
                 job.loss_t = _eager_step(task, x, y)
+                job.eager_steps += 1
             ev = torch.cuda.Event()
             ev.record(self.bg_stream)
             return ev
@@ -711,9 +753,11 @@ def _eager_step(task: BackgroundTask, x: torch.Tensor, y: torch.Tensor) -> torch
 class _GraphedStep:
     """A whole training step captured as one CUDA graph (static input/target tensors).
 
-    Follows the whole-network capture recipe: a few eager warm-up steps on a side stream (they
-    create optimizer state and are real training steps on the first batch), then capture of
-    ``zero_grad -> forward -> loss -> backward -> optimizer.step`` on the background stream.
+    Follows the whole-network capture recipe, except that the warm-up steps are the job's
+    own eager steps (module notes, item 3): capture of ``forward -> loss -> backward ->
+    optimizer.step`` (gradients set to None first, so backward allocates them in the graph's
+    pool) on the background stream. Capture records kernels and executes none, so it changes
+    no weight and no optimizer state.
     """
 
     def __init__(self, graph: Any, static_x: torch.Tensor, static_y: torch.Tensor,
@@ -725,14 +769,6 @@ class _GraphedStep:
                 stream: Any) -> "_GraphedStep | None":
         try:
             static_x, static_y = x.clone(), y.clone()
-            side = torch.cuda.Stream(device=x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):   # warm-up; leaves optimizer state allocated
-                    task.optimizer.zero_grad(set_to_none=True)
-                    task.loss_fn(task.model(static_x), static_y).backward()
-                    task.optimizer.step()
-            torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             task.optimizer.zero_grad(set_to_none=True)
             # thread_local: the foreground thread keeps issuing work while we capture.
