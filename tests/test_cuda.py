@@ -73,16 +73,19 @@ def _plain_loop(task: BackgroundTask, model0: nn.Module, opt_fn, steps: int) -> 
 
 # ------------------------------------------------------------------------------- IIDP
 
+@pytest.mark.parametrize("execution", ["auto", "threads"])
 @pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
 @pytest.mark.parametrize("method", ["sws", "ows"])
 @pytest.mark.parametrize("num_vsw,num_ga", [(1, 0), (2, 1), (4, 0)])
-def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga):
-    """VSWs on their own CUDA streams (+ OWS's side stream) == one plain step on the union."""
+def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga, execution):
+    """VSWs on their own CUDA streams (+ OWS's side stream) == one plain step on the union,
+    with the CUDA default scheme (one issuing thread) and with one thread per VSW."""
     b = 4
     ref = make_model(0).to(DEV)
     ref_opt = OPTIMIZERS[opt](list(ref.parameters()))
     w = IIDPWorker(make_model(0), OPTIMIZERS[opt], F.cross_entropy, device=DEV,
-                   weight_sync=method, bucket_cap_mb=CAP)
+                   weight_sync=method, bucket_cap_mb=CAP, vsw_execution=execution)
+    assert w.vsw_execution == ("one_thread" if execution == "auto" else execution)
     w.configure(num_vsw, num_ga, b)
     n = num_vsw * (num_ga + 1)
     for step in range(3):
@@ -91,6 +94,26 @@ def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga):
         w.train_step(split(X, y, [b] * n))
         reference_step(ref, ref_opt, X, y)
         assert max_rel_diff(w.model, ref) < TOL
+    w.close()
+
+
+@pytest.mark.parametrize("method", ["sws", "ows"])
+def test_iidp_ragged_step_with_nccl_equals_plain_step(method):
+    """Ragged last step (an empty VSW, an empty last micro-batch) over a one-rank NCCL group."""
+    ref = make_model(0).to(DEV)
+    ref_opt = OPTIMIZERS["adam"](list(ref.parameters()))
+    w = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, device=DEV,
+                   weight_sync=method, bucket_cap_mb=CAP, process_group=_nccl_group())
+    w.configure(2, 2, 4)
+    X, y = make_data(1, 24)
+    w.train_step(_to(split(X, y, [4] * 6)))
+    reference_step(ref, ref_opt, X.to(DEV), y.to(DEV))
+    sizes = [4, 1, 0, 0, 0, 0]
+    X, y = make_data(2, sum(sizes))
+    st = w.train_step(_to(split(X, y, sizes)), ragged=True)
+    ref_loss = reference_step(ref, ref_opt, X.to(DEV), y.to(DEV))
+    assert st.loss == pytest.approx(ref_loss, rel=1e-5)
+    assert max_rel_diff(w.model, ref) < TOL
     w.close()
 
 

@@ -57,15 +57,17 @@ def _group():
     return dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
 
 
+@pytest.mark.parametrize("execution", ["threads", "one_thread"])
 @pytest.mark.parametrize("method", ["sws", "ows"])
-def test_guard_and_collectives_never_run_inside_backward(method, monkeypatch):
+def test_guard_and_collectives_never_run_inside_backward(method, execution, monkeypatch):
     """Every all-reduce is issued outside any backward pass and inside the guard; the guard is
     entered outside backward, is not held while any VSW's backward hook runs, and a guard that
     waits for the VSWs to finish never times out. Weights equal an unguarded worker's bit for
     bit and a plain step on the union (1e-5)."""
     guard = _BackgroundLikeGuard()
     guarded = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, weight_sync=method,
-                         bucket_cap_mb=CAP, process_group=_group(), comm_guard=guard)
+                         bucket_cap_mb=CAP, process_group=_group(), comm_guard=guard,
+                         vsw_execution=execution)
     guard.worker = guarded
     plain = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, weight_sync=method,
                        bucket_cap_mb=CAP, process_group=_group())

@@ -46,6 +46,33 @@ How one ``train_step`` executes
    optimizer. SWS: wait all buckets, full step, copy all buckets to the other VSWs. OWS: per
    bucket, wait its all-reduce, shard-step its parameters and copy that shard.
 
+VSW execution (issue 19)
+------------------------
+Two schemes issue the VSWs' forward/backward, with the same arithmetic (each VSW's
+micro-batches in order; bucket aggregation and launches from the hooks as above):
+
+* ``"threads"`` (CPU default): one persistent dispatcher thread per VSW
+  (:class:`~jabasray.engine.streams.VSWThreadPool`), VSW 0 on the caller's thread. On CPU the
+  kernels run on the issuing thread and release the GIL, so the VSWs really compute in
+  parallel.
+* ``"one_thread"`` (CUDA default): the caller's thread issues all VSWs, each onto its own
+  (foreground-priority) stream, GA round by GA round - the forwards of every VSW's k-th
+  micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy no
+  concurrency. Every ``backward()`` of a CUDA graph is executed by the device's ONE autograd
+  worker thread, whichever thread calls it, so the VSW threads' backward launches were
+  serialised there anyway (issue 19), and their Python forwards contend for the GIL. What
+  makes VSWs overlap on a GPU is that each VSW's kernels are queued on its own stream ahead
+  of the device: launches are asynchronous, so while the device still executes VSW k's
+  forward/backward kernels, the host is already issuing VSW k+1's onto another stream, and
+  the device runs them side by side. Issuing from one thread does exactly that without
+  cross-thread hand-offs, and holds all VSWs' activations of one round at once, as the
+  concurrent VSWs of the paper do (which is what the profiler's n_max probe measures).
+  Per-VSW CUDA graphs were rejected: the bucket hooks (aggregation, launching all-reduces)
+  are host code inside backward and cannot be captured.
+
+``vsw_execution="auto"`` picks the device's default; either scheme can be forced (the CPU
+tests run ``"one_thread"`` too, proving it equals the plain step).
+
 Parameters of every VSW are views into 64-byte-aligned flat parameter buffers (one per
 bucket), so the weight copy of step 5 is one ``copy_`` per bucket; do not move ``model`` to
 another device after handing it to the worker (that would re-allocate the parameters).
@@ -81,6 +108,7 @@ from .weight_sync import ShardOptimizer, resolve_weight_sync
 log = logging.getLogger(__name__)
 
 MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
+VSW_EXECUTIONS = ("auto", "threads", "one_thread")
 
 
 @dataclass
@@ -172,6 +200,8 @@ class IIDPWorker:
             the plain large-batch step) to this L2 norm before the update (None: no clipping).
             The norm couples all parameters, so clipping (like fp16's inf check) runs the update
             after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
+        vsw_execution: ``"auto"`` (CUDA: ``"one_thread"``, CPU: ``"threads"``),
+            ``"threads"`` or ``"one_thread"`` (module notes, "VSW execution").
 
     The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
     group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
@@ -186,8 +216,10 @@ class IIDPWorker:
                  flat_grads: bool | None = None,
                  comm_guard: Callable[[str], ContextManager[Any]] | None = None,
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                 precision: str = "fp32", grad_clip_norm: float | None = None) -> None:
+                 precision: str = "fp32", grad_clip_norm: float | None = None,
+                 vsw_execution: str = "auto") -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("vsw_execution", vsw_execution, VSW_EXECUTIONS)
         check_choice("precision", precision, PRECISIONS)
         if grad_clip_norm is not None:
             check_float("grad_clip_norm", grad_clip_norm, min_value=0, min_exclusive=True)
@@ -245,6 +277,8 @@ class IIDPWorker:
         # stay autograd's tensors (no bucket copy at all)
         self._flat_grads = process_group is not None if flat_grads is None else flat_grads
         self._lanes = Lanes(self.device)
+        self._execution = (("one_thread" if self._lanes.is_cuda else "threads")
+                           if vsw_execution == "auto" else vsw_execution)
         self._pool = VSWThreadPool(0)
         self._comm: DispatcherThread | None = None   # communication thread (process group only)
         self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
@@ -299,6 +333,11 @@ class IIDPWorker:
         return self._global_num_workers
 
     @property
+    def vsw_execution(self) -> str:
+        """The VSW execution scheme in use: ``"threads"`` or ``"one_thread"``."""
+        return self._execution
+
+    @property
     def weight_sync_method(self) -> str:
         """The method in use: ``"sws"`` or ``"ows"`` (``"auto"`` resolved)."""
         return self._method
@@ -339,7 +378,7 @@ class IIDPWorker:
             v.remove_hooks()
         del self._vsws[num_vsw:]
         self._lanes.resize(num_vsw)
-        self._pool.resize(num_vsw - 1)
+        self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
         log.debug("IIDP configured: n_vsw=%d n_ga=%d B_L=%d (global workers %d)",
                   num_vsw, num_ga, local_batch_size, self._global_num_workers)
@@ -554,26 +593,34 @@ class IIDPWorker:
         start_ev = lanes.record()
         training = self.model.training
 
-        def run_vsw(vsw: _VSW) -> torch.Tensor:
-            stream = lanes.vsw[vsw.index]
-            with lanes.context(stream):
-                lanes.wait(stream, start_ev)
-                vsw.reset()
-                vsw.buffers.begin_step()
-                if vsw.index > 0 and vsw.module.training != training:
-                    vsw.module.train(training)
-                base = vsw.index * G
-                idx = [base + j for j in range(G) if sizes[base + j] > 0]
-                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-                vsw.in_step = True
-                try:
-                    self._run_micro_batches(vsw, idx, micro_batches, weights, loss_sum)
-                    self._finish_vsw(vsw)
-                finally:
-                    vsw.in_step = vsw.counting = False
-                return loss_sum
+        def begin_vsw(vsw: _VSW) -> tuple[list[int], torch.Tensor]:
+            """(on the VSW's stream) its non-empty micro-batches and a loss accumulator"""
+            lanes.wait(lanes.vsw[vsw.index], start_ev)
+            vsw.reset()
+            vsw.buffers.begin_step()
+            if vsw.index > 0 and vsw.module.training != training:
+                vsw.module.train(training)
+            base = vsw.index * G
+            vsw.in_step = True
+            return ([base + j for j in range(G) if sizes[base + j] > 0],
+                    torch.zeros((), dtype=torch.float64, device=self.device))
 
-        losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        if self._execution == "threads":
+            def run_vsw(vsw: _VSW) -> torch.Tensor:
+                with lanes.context(lanes.vsw[vsw.index]):
+                    try:
+                        idx, loss_sum = begin_vsw(vsw)
+                        for k, i in enumerate(idx):
+                            scaled = self._forward(vsw, micro_batches[i], weights[i], loss_sum)
+                            self._backward(vsw, scaled, last=k == len(idx) - 1)
+                        self._finish_vsw(vsw)
+                    finally:
+                        vsw.in_step = vsw.counting = False
+                    return loss_sum
+
+            losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        else:
+            losses = self._run_vsws_one_thread(begin_vsw, micro_batches, weights)
         t_compute = self._clock() - t0
 
         if pg is not None:
@@ -615,19 +662,57 @@ class IIDPWorker:
                          weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
                          copy_time=tm.copy)
 
-    def _run_micro_batches(self, vsw: _VSW, idx: list[int], micro_batches: Sequence[MicroBatch],
-                           weights: list[float], loss_sum: torch.Tensor) -> None:
-        """Forward + backward of VSW ``vsw``'s non-empty micro-batches ``idx`` (GA steps);
-        the hooks count bucket completion during the last one."""
-        for k, i in enumerate(idx):
-            batch = to_device(micro_batches[i], self.device)
-            vsw.counting = k == len(idx) - 1
-            with autocast(self.device, self.precision):
-                loss = check_loss(self.step_fn(vsw.module, batch))
-            w = weights[i]
-            loss_sum += loss.detach().double() * w
-            scaled = loss if w == 1.0 else loss * w
-            (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+    def _run_vsws_one_thread(self, begin_vsw: Callable[[_VSW], tuple[list[int], torch.Tensor]],
+                             micro_batches: Sequence[MicroBatch], weights: list[float]) -> list[torch.Tensor]:
+        """The ``"one_thread"`` scheme (CUDA default; module notes "VSW execution"): the
+        calling thread issues every VSW onto its own stream, GA round by GA round: the
+        forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
+        its stream's context, so backward kernels stay on that stream). The device runs the
+        VSWs' queued kernels concurrently while the host issues the next VSW's work."""
+        lanes, vsws = self._lanes, self._vsws
+        try:
+            plans = []
+            for v in vsws:
+                with lanes.context(lanes.vsw[v.index]):
+                    plans.append(begin_vsw(v))
+            for v, (idx, _) in zip(vsws, plans):
+                if not idx:                      # no samples at all (ragged): finished now
+                    self._finish_vsw(v)
+            for k in range(max(len(idx) for idx, _ in plans)):
+                issued = []
+                for v, (idx, loss_sum) in zip(vsws, plans):
+                    if k < len(idx):
+                        with lanes.context(lanes.vsw[v.index]):
+                            issued.append((v, self._forward(v, micro_batches[idx[k]],
+                                                            weights[idx[k]], loss_sum),
+                                           k == len(idx) - 1))
+                for v, scaled, last in issued:
+                    with lanes.context(lanes.vsw[v.index]):
+                        self._backward(v, scaled, last)
+                        if last:
+                            self._finish_vsw(v)
+            return [loss_sum for _, loss_sum in plans]
+        finally:
+            for v in vsws:
+                v.in_step = v.counting = False
+
+    def _forward(self, vsw: _VSW, micro_batch: MicroBatch, weight: float,
+                 loss_sum: torch.Tensor) -> torch.Tensor:
+        """Forward of one micro-batch on ``vsw`` (current stream); adds ``loss * weight`` to
+        ``loss_sum``; returns the (weighted, fp16-scaled) loss to back-propagate."""
+        batch = to_device(micro_batch, self.device)
+        with autocast(self.device, self.precision):
+            loss = check_loss(self.step_fn(vsw.module, batch))
+        loss_sum += loss.detach().double() * weight
+        scaled = loss if weight == 1.0 else loss * weight
+        return self._scaler.scale(scaled) if self._scaler is not None else scaled
+
+    @staticmethod
+    def _backward(vsw: _VSW, scaled: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch of ``vsw``; during its ``last`` one the hooks count
+        bucket completion (GA steps before it only accumulate)."""
+        vsw.counting = last
+        scaled.backward()
 
     def _update(self, divisor: float) -> "_Timings":
         """Wait for the all-reduces, average, update and copy (SWS or OWS); runs on the
