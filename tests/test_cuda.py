@@ -226,3 +226,38 @@ def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, e
     assert st.state == "done" and st.step == steps, st
     assert st.graphed is expect_graphed
     assert max_rel_diff(task.model, ref) < TOL
+
+
+# ------------------------------------------------------------------------------- profiler
+
+def test_profiler_probes_n_max_up_to_the_memory_limit():
+    """With the process's GPU memory capped at 1 GiB (set_per_process_memory_fraction), the
+    profiler's n_max probe ends at the out-of-memory limit (well below its bound of
+    CUDA_NUM_VSW_BOUND), n_max VSWs really fit, and the probe leaves the device usable."""
+    from jabasray.profiler.measure import CUDA_NUM_VSW_BOUND, profile_model
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+
+    def data(n):
+        g = torch.Generator().manual_seed(n)
+        return torch.randn(n, 2048, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(2 ** 30 / total)
+    try:
+        prof = profile_model(model, data, device=DEV, min_local_batch=64, max_local_batch=128,
+                             warmup=0, repeats=1, allreduce=False)
+        n_max = [b.max_num_vsw for b in prof.batches]
+        assert len(n_max) == 2 and all(1 < n < CUDA_NUM_VSW_BOUND for n in n_max), n_max
+        w = IIDPWorker(model(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                       F.cross_entropy, device=DEV)
+        w.configure(n_max[0], 0, 64)
+        x, y = data(64)
+        w.train_step([(x, y)] * n_max[0])           # n_max fits
+        w.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
