@@ -28,6 +28,16 @@ CAP = 0.0005          # MiB: several buckets
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """No TF32 (cuDNN convolutions use it by default): the equalities below compare fp32
+    results of different batch shapes / kernels at 1e-5."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def _nccl_group():
     """A one-rank NCCL process group (no global init, nothing to tear down)."""
     if not dist.is_nccl_available():
@@ -261,3 +271,60 @@ def test_profiler_probes_n_max_up_to_the_memory_limit():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------- SMA
+
+@pytest.mark.parametrize("overlap_sync", [False, True])
+def test_sma_on_streams_equals_sma_on_cpu(overlap_sync):
+    """Crossbow SMA learners on their own streams (global sync on a side stream, overlapping the
+    next iteration with ``overlap_sync``) compute what the CPU path computes."""
+    from jabasray.engine.sma import SMAWorker
+
+    out = {}
+    for dev in ("cpu", DEV):
+        w = SMAWorker(make_model(1), F.cross_entropy, lr=0.05, momentum=0.9, device=dev,
+                      overlap_sync=overlap_sync if dev == DEV else False)
+        w.configure(num_vsw=3, num_ga=1, local_batch_size=4)
+        for step in range(4):
+            X, y = make_data(100 + step, 6 * 4)
+            w.train_step([(a.to(dev), t.to(dev)) for a, t in split(X, y, [4] * 6)])
+        if dev == DEV:
+            torch.cuda.synchronize()
+        out[dev] = copy.deepcopy(w.model).cpu()
+    assert max_rel_diff(out[DEV], out["cpu"]) < 1e-4
+
+
+# ------------------------------------------------------------------------------- pack
+
+@pytest.mark.parametrize("execution", ["auto", "vmap"])
+def test_packed_members_equal_members_trained_alone(execution):
+    """K packed members (folded batched kernels / vmap, fused SGD / Adam / Adagrad updates,
+    misaligned batch sizes) on the GPU == each member trained alone on the GPU."""
+    from jabasray.engine.packing import pack
+    from jabasray.models import MLP
+
+    makers = [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+              lambda p: torch.optim.Adam(p, lr=1e-3), lambda p: torch.optim.Adagrad(p, lr=0.05)]
+    models, alone = [], []
+    for k in range(4):
+        torch.manual_seed(k)
+        m = MLP(act=("relu", "tanh")[k % 2]).to(DEV)
+        models.append(m)
+        alone.append(copy.deepcopy(m))
+    opts = [makers[k](m.parameters()) for k, m in enumerate(models)]
+    alone_opts = [makers[k](m.parameters()) for k, m in enumerate(alone)]
+    sizes = [32, 16, 32, 8]
+    p = pack(models, opts, sizes, loss_fn=F.cross_entropy, execution=execution)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        X = torch.randn(32, 64, generator=g).to(DEV)
+        y = torch.randint(0, 10, (32,), generator=g).to(DEV)
+        p.train_step(X, y)
+        for k, m in enumerate(alone):
+            alone_opts[k].zero_grad()
+            F.cross_entropy(m(X[:sizes[k]]), y[:sizes[k]]).backward()
+            alone_opts[k].step()
+    for k in range(4):
+        mk, _ = p.free(k)
+        assert max_rel_diff(mk, alone[k]) < 1e-4
