@@ -45,8 +45,8 @@ def _nccl_group():
     return dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)
 
 
-def _to(batches, device=DEV):
-    return [(x.to(device), y.to(device)) for x, y in batches]
+def _to(batches):
+    return [(x.to(DEV), y.to(DEV)) for x, y in batches]
 
 
 def _bg_task(name="bg", steps=20, batch_size=8, n=40, capturable=False, opt="sgd", seed=0):
