@@ -248,11 +248,12 @@ def test_profiler_probes_n_max_up_to_the_memory_limit():
 
     def model():
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
+        # 64 MiB of weights: each VSW adds ~128 MiB (weights + gradients), so ~6 fit in 1 GiB
+        return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))
 
     def data(n):
         g = torch.Generator().manual_seed(n)
-        return torch.randn(n, 2048, generator=g), torch.randint(0, 10, (n,), generator=g)
+        return torch.randn(n, 4096, generator=g), torch.randint(0, 10, (n,), generator=g)
 
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
