@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import default_out, write_json
+from common import default_out, positive_ints, write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
 from jabasray.engine.iidp import _Timings
@@ -420,12 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="CUDA throughput part: upper bound of the n_max probe (default 16)")
     ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
-    try:
-        local_batches = [int(v) for v in args.local_batches.split(",")]
-        if not local_batches or min(local_batches) < 1:
-            raise ValueError
-    except ValueError:
-        ap.error(f"--local-batches must be comma-separated positive ints, got {args.local_batches!r}")
+    local_batches = positive_ints(ap, "--local-batches", args.local_batches)
     if args.max_vsw < 1:
         ap.error(f"--max-vsw must be >= 1, got {args.max_vsw}")
     device = torch.device(args.device)

@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import default_out, write_json  # noqa: E402
+from common import default_out, positive_ints, write_json  # noqa: E402
 from jabasray.engine.packing import pack  # noqa: E402
 from jabasray.models import MLP, DigitsCNN  # noqa: E402
 
@@ -134,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default="2,4,8", help="comma-separated pack sizes K (default 2,4,8)")
     ap.add_argument("--out", default=default_out('packing.json'))
     args = ap.parse_args(argv)
-    try:
-        ks = [int(v) for v in args.ks.split(",")]
-        if not ks or min(ks) < 1:
-            raise ValueError
-    except ValueError:
-        ap.error(f"--ks must be comma-separated positive ints, got {args.ks!r}")
+    ks = positive_ints(ap, "--ks", args.ks)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device available")
     load_before = os.getloadavg()
