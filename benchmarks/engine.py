@@ -295,8 +295,8 @@ def probe_resnet_n_max(device: torch.device, local_batch: int, bound: int) -> in
             w.train_step(_micro_batches(n, local_batch, (3, 32, 32), device))
         return oom_probe(step, lambda: w.configure(1, 0, local_batch))
     n_max = probe_max_fitting(fits, bound)
+    w.configure(1, 0, local_batch)     # drop the replicas before the cache is emptied
     w.close()
-    del w
     torch.cuda.empty_cache()
     return n_max
 
@@ -348,7 +348,7 @@ def bench_vsw_throughput(device: torch.device, local_batches: list[int], max_vsw
                   f"{row['threads_over_one_thread_median']:.2f}")
             for w in workers.values():
                 w.close()
-            del workers
+            workers.clear()
             torch.cuda.empty_cache()
     return rows
 
