@@ -26,3 +26,14 @@ def write_json(path: str | os.PathLike, doc: Any, *, indent: int = 2, announce: 
     if announce:
         print(f"wrote {path}")
     return written
+
+
+def positive_ints(parser: Any, flag: str, text: str) -> list[int]:
+    """``"16,32,64"`` -> ``[16, 32, 64]``; anything else is a CLI error (exit 2) naming ``flag``."""
+    try:
+        values = [int(v) for v in text.split(",")]
+        if not values or min(values) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"{flag} must be comma-separated positive ints, got {text!r}")
+    return values

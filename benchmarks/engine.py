@@ -7,18 +7,23 @@
 3. CPU only (skip with ``--no-dist``): two processes over gloo on 127.0.0.1, 2 VSWs each:
    SWS vs OWS vs SWS without comm/backward overlap (all-reduce launched after the whole
    backward), wall time per step and exposed (waited-for) communication time.
-4. ``--device cuda`` only: throughput vs num_vsw at fixed B_L on a ResNet-18-sized model with
-   real CUDA streams (analogue of JABAS Fig. 7).
+4. ``--device cuda`` only: throughput vs num_vsw = 1 .. n_max (probed to the memory limit,
+   bounded by ``--max-vsw``) at several B_L (``--local-batches``) on the ResNet-18-sized model
+   below, with real CUDA streams (analogue of JABAS Fig. 7), in paired rounds of three
+   contenders doing the same work: VSWs issued from one thread (the CUDA scheme), VSWs on one
+   thread each, and ONE worker with the same total batch n * B_L. Per-round ratios and their
+   median are reported.
 
 Variants are interleaved round by round (``--rounds``) and the median of the rounds is
 reported. Prints ratios and writes ``<tmp>/jabasray_bench/engine.json``.
 
-    python benchmarks/engine.py [--device cpu|cuda] [--quick]
+    python benchmarks/engine.py [--device cpu|cuda] [--quick] [--local-batches 16,32,64] [--max-vsw 16]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import default_out, write_json
+from common import default_out, positive_ints, write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
 from jabasray.engine.iidp import _Timings
@@ -160,7 +165,13 @@ def _interleaved(variants: dict[str, Callable[[], None]], rounds: int, iters: in
         out[f"{k}:wall"] = statistics.median(wall[k])
         out[f"{k}:cpu"] = statistics.median(cpu[k])
         out[k] = out[f"{k}:wall"] if device.type == "cuda" else out[f"{k}:cpu"]
+        out[f"{k}:rounds"] = wall[k] if device.type == "cuda" else cpu[k]   # per round, in order
     return out
+
+
+def _round_ratios(res: dict, num: str, den: str) -> list[float]:
+    """Per-round ratios ``num / den`` of an :func:`_interleaved` result (same rounds)."""
+    return [a / b for a, b in zip(res[f"{num}:rounds"], res[f"{den}:rounds"])]
 
 
 def _data(n: int, shape: tuple[int, ...], device: torch.device, seed: int = 0):
@@ -262,24 +273,83 @@ def bench_weight_sync(device: torch.device, local_batch: int, max_vsw: int, roun
     return rows
 
 
-def bench_vsw_throughput(device: torch.device, local_batch: int, max_vsw: int, rounds: int, iters: int) -> list[dict]:
-    """Throughput (samples/s) of ResNet-18 vs num_vsw at fixed B_L, VSWs on their own streams."""
+def _resnet_worker(device: torch.device, num_vsw: int, local_batch: int,
+                   execution: str = "auto") -> IIDPWorker:
+    torch.manual_seed(0)
+    w = IIDPWorker(ResNet18().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                   F.cross_entropy, device=device, vsw_execution=execution)
+    w.configure(num_vsw, 0, local_batch)
+    return w
+
+
+def probe_resnet_n_max(device: torch.device, local_batch: int, bound: int) -> int:
+    """n_max of the ResNet-18 worker at ``local_batch``: the profiler's probe (doubling +
+    bisection, one untimed step per probe, OOM = does not fit), at most ``bound``."""
+    from jabasray.profiler.measure import oom_probe, probe_max_fitting
+
+    w = _resnet_worker(device, 1, local_batch)
+
+    def fits(n: int) -> bool:
+        def step() -> None:
+            w.configure(n, 0, local_batch)
+            w.train_step(_micro_batches(n, local_batch, (3, 32, 32), device))
+        return oom_probe(step, lambda: w.configure(1, 0, local_batch))
+    n_max = probe_max_fitting(fits, bound)
+    w.configure(1, 0, local_batch)     # drop the replicas before the cache is emptied
+    w.close()
+    torch.cuda.empty_cache()
+    return n_max
+
+
+def vsw_counts(n_max: int) -> list[int]:
+    """The n_vsw points timed: 1, 2, 3, 4, 6, 8, 12, 16, ... up to n_max, and n_max."""
+    pts, k = [1, 2, 3, 4], 4
+    while k * 2 <= n_max:
+        pts += [k * 3 // 2, k * 2]
+        k *= 2
+    return sorted({n for n in pts if n <= n_max} | {n_max})
+
+
+def bench_vsw_throughput(device: torch.device, local_batches: list[int], max_vsw: int, rounds: int,
+                         iters: int) -> list[dict]:
+    """Throughput (samples/s) of ResNet-18 vs num_vsw = 1..n_max at each B_L (JABAS Fig. 7), in
+    paired rounds: VSWs issued from one thread (CUDA scheme) vs one thread per VSW vs one worker
+    with the same total batch n * B_L."""
     rows = []
-    base = None
-    for n in range(1, max_vsw + 1):
-        torch.manual_seed(0)
-        w = IIDPWorker(ResNet18().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                       F.cross_entropy, device=device)
-        w.configure(n, 0, local_batch)
-        mbs = _micro_batches(n, local_batch, (3, 32, 32), device)
-        res = _interleaved({"step": lambda: w.train_step(mbs)}, rounds, iters, 3, device)
-        thp = n * local_batch / res["step"]
-        base = base or thp
-        rows.append({"num_vsw": n, "local_batch": local_batch, "iteration_ms": res["step"] * 1e3,
-                     "samples_per_s": thp, "speedup_vs_1": thp / base, "weight_sync": w.weight_sync_method})
-        print(f"[vsw throughput] ResNet-18 B_L={local_batch} n_vsw={n}: {thp:.0f} samples/s "
-              f"({thp / base:.2f}x of 1 VSW)")
-        w.close()
+    for bl in local_batches:
+        n_max = probe_resnet_n_max(device, bl, max_vsw)
+        print(f"[vsw throughput] B_L={bl}: n_max={n_max} (probed to the memory limit, bound {max_vsw})")
+        base = None
+        for n in vsw_counts(n_max):
+            workers = {"one_thread": _resnet_worker(device, n, bl, "one_thread"),
+                       "threads": _resnet_worker(device, n, bl, "threads"),
+                       "one_worker": _resnet_worker(device, 1, n * bl)}
+            mbs = _micro_batches(n, bl, (3, 32, 32), device)
+            whole = _micro_batches(1, n * bl, (3, 32, 32), device)
+            fns = {"one_thread": lambda: workers["one_thread"].train_step(mbs),
+                   "threads": lambda: workers["threads"].train_step(mbs),
+                   "one_worker": lambda: workers["one_worker"].train_step(whole)}
+            res = _interleaved(fns, rounds, iters, 3, device)
+            thp = n * bl / res["one_thread"]
+            base = base or thp
+            vs_one = _round_ratios(res, "one_worker", "one_thread")     # > 1: VSWs faster
+            vs_threads = _round_ratios(res, "threads", "one_thread")   # > 1: one_thread faster
+            row = {"local_batch": bl, "num_vsw": n, "n_max": n_max,
+                   "iteration_ms": {k: res[k] * 1e3 for k in fns},
+                   "samples_per_s": thp, "speedup_vs_1_vsw": thp / base,
+                   "one_worker_over_vsw_per_round": vs_one,
+                   "one_worker_over_vsw_median": statistics.median(vs_one),
+                   "threads_over_one_thread_per_round": vs_threads,
+                   "threads_over_one_thread_median": statistics.median(vs_threads)}
+            rows.append(row)
+            print(f"[vsw throughput] ResNet-18 B_L={bl} n_vsw={n}: {thp:.0f} samples/s "
+                  f"({thp / base:.2f}x of 1 VSW); one worker at {n * bl} / VSWs: median "
+                  f"{row['one_worker_over_vsw_median']:.2f}; threads / one_thread: median "
+                  f"{row['threads_over_one_thread_median']:.2f}")
+            for w in workers.values():
+                w.close()
+            workers.clear()
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -344,8 +414,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1: "
                     "VSW threads are the parallelism under test)")
     ap.add_argument("--no-dist", action="store_true", help="skip the 2-process gloo part (CPU)")
+    ap.add_argument("--local-batches", default="16,32,64",
+                    help="CUDA throughput part: comma-separated B_L values (default 16,32,64)")
+    ap.add_argument("--max-vsw", type=int, default=16,
+                    help="CUDA throughput part: upper bound of the n_max probe (default 16)")
     ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
+    local_batches = positive_ints(ap, "--local-batches", args.local_batches)
+    if args.max_vsw < 1:
+        ap.error(f"--max-vsw must be >= 1, got {args.max_vsw}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device available")
@@ -357,13 +434,15 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device {device} ({machine}), torch {torch.__version__}; times are medians of "
           f"{'wall' if device.type == 'cuda' else 'process CPU'} time per step")
     result = {"device": str(device), "machine": machine, "torch": torch.__version__,
+              "load_average": os.getloadavg(),
               "rounds": rounds, "iters_per_round": iters}
     result["overhead"] = [bench_overhead(device, b, rounds, iters) for b in (32, 128)]
     result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
     if device.type == "cpu" and not args.no_dist:
         result["distributed_gloo"] = bench_distributed(rounds, iters)
     if device.type == "cuda":
-        result["vsw_throughput"] = bench_vsw_throughput(device, 32, 4, rounds, iters)
+        result["vsw_throughput"] = bench_vsw_throughput(device, local_batches, args.max_vsw,
+                                                        rounds, iters)
     write_json(args.out, result)
     return result
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -167,6 +168,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.device.startswith("cuda"):
         args.device = "cuda:0"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device available")
+    load_before = os.getloadavg()
     fg = Foreground(args)
     variants: dict[str, MultiplexPolicy | None | str] = {"fg_alone": None, "bg_alone": "bg"}
     variants.update(policies(args))
@@ -188,15 +192,27 @@ def main() -> None:
         r["rounds"] = rs
         results[name] = r
     base = results["fg_alone"]["fg_sps"]
+    for name, rs in rounds.items():     # paired: the variant vs fg_alone of the SAME round
+        if name not in ("fg_alone", "bg_alone"):
+            per = [a["fg_sps"] / r["fg_sps"] - 1.0 for a, r in zip(rounds["fg_alone"], rs) if r["fg_sps"]]
+            results[name]["fg_slowdown_per_round"] = per
+            results[name]["fg_slowdown_median_of_rounds"] = statistics.median(per) if per else None
     print(f"median of {args.rounds} interleaved rounds; device={args.device} width={args.width} fg_batch={args.fg_batch} "
           f"bg_batch={args.bg_batch} small={args.small_batch} steps={args.steps}")
-    print(f"{'variant':14s} {'fg sps':>9s} {'fg slow%':>9s} {'bg sps':>9s} {'total/fg':>9s}")
+    print(f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; 'paired%' = "
+          f"median over rounds of the slowdown vs fg_alone of the same round")
+    print(f"{'variant':14s} {'fg sps':>9s} {'fg slow%':>9s} {'paired%':>9s} {'bg sps':>9s} {'total/fg':>9s}")
     for name, r in results.items():
         r["fg_slowdown"] = (base / r["fg_sps"] - 1.0) if r["fg_sps"] else None
         r["total_vs_fg_alone"] = (r["fg_sps"] + r["bg_sps"]) / base
         slow = "-" if r["fg_slowdown"] is None else f"{100 * r['fg_slowdown']:.1f}"
-        print(f"{name:14s} {r['fg_sps']:9.0f} {slow:>9s} {r['bg_sps']:9.0f} {r['total_vs_fg_alone']:9.2f}")
-    write_json(args.out, {"args": vars(args), "results": results})
+        paired = r.get("fg_slowdown_median_of_rounds")
+        paired = "-" if paired is None else f"{100 * paired:.1f}"
+        print(f"{name:14s} {r['fg_sps']:9.0f} {slow:>9s} {paired:>9s} {r['bg_sps']:9.0f} "
+              f"{r['total_vs_fg_alone']:9.2f}")
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    write_json(args.out, {"args": vars(args), "device": device_name, "results": results,
+                          "load_average": {"before": load_before, "after": os.getloadavg()}})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ The variants run interleaved in ONE process (repeats alternate between them); we
 minimum over repeats (other processes on a shared machine only ever add time; medians are in
 the JSON too). No Ray. ``--device cuda`` runs on a GPU.
 
-    python benchmarks/packing.py [--device cpu|cuda] [--batch 32] [--repeats 7] [--steps 50]
+    python benchmarks/packing.py [--device cpu|cuda] [--batch 32] [--repeats 7] [--steps 50] [--ks 2,4,8]
+
+``IMPV_median_of_rounds`` is the median of per-round (paired) IMPVs; ``IMPV`` the older
+best-of-repeats figure, kept for comparison with earlier rows of RESULTS.md.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from torch import nn
 from torch.func import functional_call, stack_module_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from common import default_out, write_json  # noqa: E402
+from common import default_out, positive_ints, write_json  # noqa: E402
 from jabasray.engine.packing import pack  # noqa: E402
 from jabasray.models import MLP, DigitsCNN  # noqa: E402
 
@@ -110,7 +113,10 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
     # min over interleaved repeats: the machine is shared, other processes only ever ADD time
     best = {k: min(v) for k, v in times.items()}
     medians = {f"median_{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
+    # paired: seq and pack of the SAME repeat (round), then the median of those ratios
+    impv_rounds = [(s_ - p_) / s_ for s_, p_ in zip(times["seq"], times["pack"])]
     return {"model": model_name, "K": K, "optimizers": opt_mix, "batch": batch, **medians,
+            "IMPV_per_round": impv_rounds, "IMPV_median_of_rounds": statistics.median(impv_rounds),
             "T_seq_ms": best["seq"] * 1e3, "T_pack_ms": best["pack"] * 1e3,
             "T_torch_func_ms": best["torch_func"] * 1e3,
             "IMPV": (best["seq"] - best["pack"]) / best["seq"],
@@ -125,22 +131,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--ks", default="2,4,8", help="comma-separated pack sizes K (default 2,4,8)")
     ap.add_argument("--out", default=default_out('packing.json'))
     args = ap.parse_args(argv)
+    ks = positive_ints(ap, "--ks", args.ks)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device available")
+    load_before = os.getloadavg()
     torch.set_num_threads(args.threads)
     rows = []
     for model_name in ("mlp", "cnn"):
         for opt_mix in ("same", "mixed"):
-            for K in (2, 4, 8):
+            for K in ks:
                 r = measure(model_name, K, opt_mix, args.device, args.batch, args.repeats, args.steps)
                 rows.append(r)
                 print(f"{model_name:4s} K={K} opt={opt_mix:5s}  seq {r['T_seq_ms']:7.3f} ms  "
-                      f"pack {r['T_pack_ms']:7.3f} ms  IMPV {r['IMPV']:+.2f} ({r['speedup']:.2f}x)  "
+                      f"pack {r['T_pack_ms']:7.3f} ms  IMPV {r['IMPV']:+.2f} ({r['speedup']:.2f}x; "
+                      f"median of paired rounds {r['IMPV_median_of_rounds']:+.2f})  "
                       f"torch.func {r['T_torch_func_ms']:7.3f} ms (IMPV {r['IMPV_torch_func']:+.2f})",
                       flush=True)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else \
         f"{platform.processor() or platform.machine()} CPU, {args.threads} torch thread(s)"
-    write_json(args.out, {"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows})
+    write_json(args.out, {"device": dev, "torch": torch.__version__, "args": vars(args), "rows": rows,
+                          "load_average": {"before": load_before, "after": os.getloadavg()}})
     return 0
 
 

@@ -20,11 +20,18 @@ How one ``train_step`` executes
    parameters of each bucket are final.
 3. **Local aggregation + overlapped all-reduce**: when ALL VSWs have finished bucket ``b``,
    the thread that finished it last adds the other VSWs' bucket ``b`` into the main VSW's
-   bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and starts an
-   asynchronous all-reduce (SUM) of it on the process group, while the VSWs go on with the
-   backward of earlier layers. Buckets are launched strictly in plan order (a bucket that
-   becomes ready early waits for its predecessors), so every rank issues its collectives in
-   the same order - the DDP reducer's rule. Parameters that received no gradient in the last
+   bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and hands the
+   bucket to the worker's **communication thread**, which starts an asynchronous all-reduce
+   (SUM) of it on the process group, while the VSWs go on with the backward of earlier
+   layers. Buckets are launched strictly in plan order (a bucket that becomes ready early
+   waits for its predecessors), so every rank issues its collectives in the same order - the
+   DDP reducer's rule. Why a communication thread: the hook runs INSIDE a backward pass (on
+   CUDA on the device's single autograd thread), so it must never block; the all-reduce
+   window's ``comm_guard`` (DeepPool's pause of the background job) may wait for a
+   background step whose own ``backward()`` needs that same autograd thread - a deadlock if
+   the guard were entered from the hook. The hook therefore only aggregates locally (non
+   blocking: kernels queued on the ``comm`` stream) and enqueues; the guard and every
+   collective are entered/issued on the communication thread, never within autograd. Parameters that received no gradient in the last
    micro-batch (unused parameters, empty micro-batches) are marked final when their VSW ends;
    a parameter with no gradient at all gets a ZERO gradient (a complete bucket, as in DDP),
    whereas plain PyTorch would leave ``grad=None`` and skip it - the same for SGD without
@@ -38,6 +45,33 @@ How one ``train_step`` executes
 5. **One-way weight sync** (:mod:`~jabasray.engine.weight_sync`): only the main VSW holds the
    optimizer. SWS: wait all buckets, full step, copy all buckets to the other VSWs. OWS: per
    bucket, wait its all-reduce, shard-step its parameters and copy that shard.
+
+VSW execution (issue 19)
+------------------------
+Two schemes issue the VSWs' forward/backward, with the same arithmetic (each VSW's
+micro-batches in order; bucket aggregation and launches from the hooks as above):
+
+* ``"threads"`` (CPU default): one persistent dispatcher thread per VSW
+  (:class:`~jabasray.engine.streams.VSWThreadPool`), VSW 0 on the caller's thread. On CPU the
+  kernels run on the issuing thread and release the GIL, so the VSWs really compute in
+  parallel.
+* ``"one_thread"`` (CUDA default): the caller's thread issues all VSWs, each onto its own
+  (foreground-priority) stream, GA round by GA round - the forwards of every VSW's k-th
+  micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy no
+  concurrency. Every ``backward()`` of a CUDA graph is executed by the device's ONE autograd
+  worker thread, whichever thread calls it, so the VSW threads' backward launches were
+  serialised there anyway (issue 19), and their Python forwards contend for the GIL. What
+  makes VSWs overlap on a GPU is that each VSW's kernels are queued on its own stream ahead
+  of the device: launches are asynchronous, so while the device still executes VSW k's
+  forward/backward kernels, the host is already issuing VSW k+1's onto another stream, and
+  the device runs them side by side. Issuing from one thread does exactly that without
+  cross-thread hand-offs, and holds all VSWs' activations of one round at once, as the
+  concurrent VSWs of the paper do (which is what the profiler's n_max probe measures).
+  Per-VSW CUDA graphs were rejected: the bucket hooks (aggregation, launching all-reduces)
+  are host code inside backward and cannot be captured.
+
+``vsw_execution="auto"`` picks the device's default; either scheme can be forced (the CPU
+tests run ``"one_thread"`` too, proving it equals the plain step).
 
 Parameters of every VSW are views into 64-byte-aligned flat parameter buffers (one per
 bucket), so the weight copy of step 5 is one ``copy_`` per bucket; do not move ``model`` to
@@ -68,12 +102,13 @@ from .loader import batch_size, to_device
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, supervised_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
-from .streams import Lanes, VSWThreadPool
+from .streams import DispatcherThread, Lanes, VSWThreadPool
 from .weight_sync import ShardOptimizer, resolve_weight_sync
 
 log = logging.getLogger(__name__)
 
 MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
+VSW_EXECUTIONS = ("auto", "threads", "one_thread")
 
 
 @dataclass
@@ -153,7 +188,8 @@ class IIDPWorker:
             after the last all-reduce of the step has completed (bucket and loss all-reduces;
             the 8-byte sample-count all-reduce of a ragged step starts before compute and is
             not covered). Only steps that communicate (``process_group`` set) enter it. It is
-            entered on the VSW thread that launches bucket 0 and exited on the caller's
+            entered on the worker's communication thread (never inside a backward pass: it
+            may block, e.g. until a background step finished) and exited on the caller's
             thread. ``None`` (default): nothing is called. Settable as the attribute
             ``comm_guard`` between steps.
         step_fn: ``step_fn(model, micro_batch) -> mean loss`` (0-d tensor) instead of the
@@ -164,6 +200,8 @@ class IIDPWorker:
             the plain large-batch step) to this L2 norm before the update (None: no clipping).
             The norm couples all parameters, so clipping (like fp16's inf check) runs the update
             after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
+        vsw_execution: ``"auto"`` (CUDA: ``"one_thread"``, CPU: ``"threads"``),
+            ``"threads"`` or ``"one_thread"`` (module notes, "VSW execution").
 
     The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
     group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
@@ -178,8 +216,10 @@ class IIDPWorker:
                  flat_grads: bool | None = None,
                  comm_guard: Callable[[str], ContextManager[Any]] | None = None,
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-                 precision: str = "fp32", grad_clip_norm: float | None = None) -> None:
+                 precision: str = "fp32", grad_clip_norm: float | None = None,
+                 vsw_execution: str = "auto") -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("vsw_execution", vsw_execution, VSW_EXECUTIONS)
         check_choice("precision", precision, PRECISIONS)
         if grad_clip_norm is not None:
             check_float("grad_clip_norm", grad_clip_norm, min_value=0, min_exclusive=True)
@@ -237,7 +277,10 @@ class IIDPWorker:
         # stay autograd's tensors (no bucket copy at all)
         self._flat_grads = process_group is not None if flat_grads is None else flat_grads
         self._lanes = Lanes(self.device)
+        self._execution = (("one_thread" if self._lanes.is_cuda else "threads")
+                           if vsw_execution == "auto" else vsw_execution)
         self._pool = VSWThreadPool(0)
+        self._comm: DispatcherThread | None = None   # communication thread (process group only)
         self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
         self._lanes.resize(1)
         params = [p for _, p in trainable_parameters(model)]
@@ -290,6 +333,11 @@ class IIDPWorker:
         return self._global_num_workers
 
     @property
+    def vsw_execution(self) -> str:
+        """The VSW execution scheme in use: ``"threads"`` or ``"one_thread"``."""
+        return self._execution
+
+    @property
     def weight_sync_method(self) -> str:
         """The method in use: ``"sws"`` or ``"ows"`` (``"auto"`` resolved)."""
         return self._method
@@ -330,7 +378,7 @@ class IIDPWorker:
             v.remove_hooks()
         del self._vsws[num_vsw:]
         self._lanes.resize(num_vsw)
-        self._pool.resize(num_vsw - 1)
+        self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
         log.debug("IIDP configured: n_vsw=%d n_ga=%d B_L=%d (global workers %d)",
                   num_vsw, num_ga, local_batch_size, self._global_num_workers)
@@ -404,7 +452,8 @@ class IIDPWorker:
                 self._vsw_bucket_done(vsw, b)
 
     def _launch(self, b: int) -> None:
-        """Local aggregation of bucket ``b`` into the main VSW, then async global all-reduce."""
+        """Local aggregation of bucket ``b`` into the main VSW (autograd hook: queues kernels,
+        never blocks), then the async global all-reduce is handed to the communication thread."""
         lanes = self._lanes
         main = self._vsws[0].buffers
         with lanes.context(lanes.comm):
@@ -414,14 +463,45 @@ class IIDPWorker:
                 main.add_bucket_from(v.buffers, b)
             if self._snapshot is not None:
                 self._snapshot[b] = main.bucket_flat_copy(b)
-            if self.process_group is not None:
-                if b == 0:          # launches are in plan order: bucket 0 opens the window
-                    self._enter_comm_guard()
-                self._works[b] = dist.all_reduce(main.grads[b], op=dist.ReduceOp.SUM,
-                                                 group=self.process_group, async_op=True)
+        if self.process_group is not None:
+            # never block here (autograd hook): the guard and the collective run on the
+            # communication thread, in submission (= plan) order
+            self._works[b] = self._comm_thread().submit(lambda: self._all_reduce_bucket(b))
+
+    def _comm_thread(self) -> DispatcherThread:
+        if self._comm is None:
+            self._comm = DispatcherThread("iidp-comm")
+        return self._comm
+
+    def _all_reduce_bucket(self, b: int) -> Any:
+        """Communication thread: open the guard at bucket 0, start bucket ``b``'s all-reduce
+        (CUDA: on the ``comm`` stream, after the aggregation queued there); returns its work."""
+        lanes = self._lanes
+        with lanes.device_context(), lanes.context(lanes.comm):
+            if b == 0:              # launches are in plan order: bucket 0 opens the window
+                self._enter_comm_guard()
+            return dist.all_reduce(self._vsws[0].buffers.grads[b], op=dist.ReduceOp.SUM,
+                                   group=self.process_group, async_op=True)
+
+    def _launched(self) -> None:
+        """Caller's thread: wait until the communication thread started every bucket's
+        all-reduce (re-raises a launch error); from then on the guard is held."""
+        for fut in self._works:
+            if fut is not None:
+                fut.result()
+
+    def _drain_launches(self) -> None:
+        """After a failed step: let the communication thread finish what was submitted (so
+        it cannot enter the guard after the step gave it up); errors are the step's."""
+        for fut in self._works:
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException:  # noqa: BLE001 - the step already fails
+                    pass
 
     def _enter_comm_guard(self) -> None:
-        """Enter ``comm_guard("allreduce")`` (under ``self._lock``, from ``_launch``)."""
+        """Enter ``comm_guard("allreduce")`` (communication thread, from bucket 0's launch)."""
         guard = self.comm_guard
         if guard is None or self._guard_cm is not None:
             return
@@ -438,9 +518,9 @@ class IIDPWorker:
 
     def _wait_bucket(self, b: int) -> None:
         """Make the update stream (CUDA) / this thread (CPU) wait for bucket ``b``'s all-reduce."""
-        work = self._works[b]
-        if work is not None:
-            work.wait()       # CUDA/NCCL: makes the current (update) stream wait
+        fut = self._works[b]
+        if fut is not None:
+            fut.result().wait()   # CUDA/NCCL: makes the current (update) stream wait
         elif self._lanes.is_cuda:
             self._lanes.update.wait_stream(self._lanes.comm)
 
@@ -484,6 +564,7 @@ class IIDPWorker:
         try:
             return self._train_step(micro_batches, keep_local_grad, ragged)
         except BaseException as e:
+            self._drain_launches()
             self._exit_comm_guard(e)      # a failed step never leaves the guard entered
             raise
 
@@ -512,27 +593,38 @@ class IIDPWorker:
         start_ev = lanes.record()
         training = self.model.training
 
-        def run_vsw(vsw: _VSW) -> torch.Tensor:
-            stream = lanes.vsw[vsw.index]
-            with lanes.context(stream):
-                lanes.wait(stream, start_ev)
-                vsw.reset()
-                vsw.buffers.begin_step()
-                if vsw.index > 0 and vsw.module.training != training:
-                    vsw.module.train(training)
-                base = vsw.index * G
-                idx = [base + j for j in range(G) if sizes[base + j] > 0]
-                loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-                vsw.in_step = True
-                try:
-                    self._run_micro_batches(vsw, idx, micro_batches, weights, loss_sum)
-                    self._finish_vsw(vsw)
-                finally:
-                    vsw.in_step = vsw.counting = False
-                return loss_sum
+        def begin_vsw(vsw: _VSW) -> tuple[list[int], torch.Tensor]:
+            """(on the VSW's stream) its non-empty micro-batches and a loss accumulator"""
+            lanes.wait(lanes.vsw[vsw.index], start_ev)
+            vsw.reset()
+            vsw.buffers.begin_step()
+            if vsw.index > 0 and vsw.module.training != training:
+                vsw.module.train(training)
+            base = vsw.index * G
+            vsw.in_step = True
+            return ([base + j for j in range(G) if sizes[base + j] > 0],
+                    torch.zeros((), dtype=torch.float64, device=self.device))
 
-        losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        if self._execution == "threads":
+            def run_vsw(vsw: _VSW) -> torch.Tensor:
+                with lanes.context(lanes.vsw[vsw.index]):
+                    try:
+                        idx, loss_sum = begin_vsw(vsw)
+                        for k, i in enumerate(idx):
+                            scaled = self._forward(vsw, micro_batches[i], weights[i], loss_sum)
+                            self._backward(vsw, scaled, last=k == len(idx) - 1)
+                        self._finish_vsw(vsw)
+                    finally:
+                        vsw.in_step = vsw.counting = False
+                    return loss_sum
+
+            losses = self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        else:
+            losses = self._run_vsws_one_thread(begin_vsw, micro_batches, weights)
         t_compute = self._clock() - t0
+
+        if pg is not None:
+            self._launched()      # every bucket is in flight, the guard (if any) held
 
         # --- loss statistic (all-reduced with the gradients; waited at the end)
         with lanes.context(lanes.update):
@@ -570,19 +662,57 @@ class IIDPWorker:
                          weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
                          copy_time=tm.copy)
 
-    def _run_micro_batches(self, vsw: _VSW, idx: list[int], micro_batches: Sequence[MicroBatch],
-                           weights: list[float], loss_sum: torch.Tensor) -> None:
-        """Forward + backward of VSW ``vsw``'s non-empty micro-batches ``idx`` (GA steps);
-        the hooks count bucket completion during the last one."""
-        for k, i in enumerate(idx):
-            batch = to_device(micro_batches[i], self.device)
-            vsw.counting = k == len(idx) - 1
-            with autocast(self.device, self.precision):
-                loss = check_loss(self.step_fn(vsw.module, batch))
-            w = weights[i]
-            loss_sum += loss.detach().double() * w
-            scaled = loss if w == 1.0 else loss * w
-            (self._scaler.scale(scaled) if self._scaler is not None else scaled).backward()
+    def _run_vsws_one_thread(self, begin_vsw: Callable[[_VSW], tuple[list[int], torch.Tensor]],
+                             micro_batches: Sequence[MicroBatch], weights: list[float]) -> list[torch.Tensor]:
+        """The ``"one_thread"`` scheme (CUDA default; module notes "VSW execution"): the
+        calling thread issues every VSW onto its own stream, GA round by GA round: the
+        forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
+        its stream's context, so backward kernels stay on that stream). The device runs the
+        VSWs' queued kernels concurrently while the host issues the next VSW's work."""
+        lanes, vsws = self._lanes, self._vsws
+        try:
+            plans = []
+            for v in vsws:
+                with lanes.context(lanes.vsw[v.index]):
+                    plans.append(begin_vsw(v))
+            for v, (idx, _) in zip(vsws, plans):
+                if not idx:                      # no samples at all (ragged): finished now
+                    self._finish_vsw(v)
+            for k in range(max(len(idx) for idx, _ in plans)):
+                issued = []
+                for v, (idx, loss_sum) in zip(vsws, plans):
+                    if k < len(idx):
+                        with lanes.context(lanes.vsw[v.index]):
+                            issued.append((v, self._forward(v, micro_batches[idx[k]],
+                                                            weights[idx[k]], loss_sum),
+                                           k == len(idx) - 1))
+                for v, scaled, last in issued:
+                    with lanes.context(lanes.vsw[v.index]):
+                        self._backward(v, scaled, last)
+                        if last:
+                            self._finish_vsw(v)
+            return [loss_sum for _, loss_sum in plans]
+        finally:
+            for v in vsws:
+                v.in_step = v.counting = False
+
+    def _forward(self, vsw: _VSW, micro_batch: MicroBatch, weight: float,
+                 loss_sum: torch.Tensor) -> torch.Tensor:
+        """Forward of one micro-batch on ``vsw`` (current stream); adds ``loss * weight`` to
+        ``loss_sum``; returns the (weighted, fp16-scaled) loss to back-propagate."""
+        batch = to_device(micro_batch, self.device)
+        with autocast(self.device, self.precision):
+            loss = check_loss(self.step_fn(vsw.module, batch))
+        loss_sum += loss.detach().double() * weight
+        scaled = loss if weight == 1.0 else loss * weight
+        return self._scaler.scale(scaled) if self._scaler is not None else scaled
+
+    @staticmethod
+    def _backward(vsw: _VSW, scaled: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch of ``vsw``; during its ``last`` one the hooks count
+        bucket completion (GA steps before it only accumulate)."""
+        vsw.counting = last
+        scaled.backward()
 
     def _update(self, divisor: float) -> "_Timings":
         """Wait for the all-reduces, average, update and copy (SWS or OWS); runs on the
@@ -696,11 +826,16 @@ class IIDPWorker:
     def close(self) -> None:
         """Stop the VSW threads and remove the hooks from the main model."""
         self._pool.close()
+        if self._comm is not None:
+            self._comm.stop()
+            self._comm = None
         for v in self._vsws:
             v.remove_hooks()
 
     def __del__(self) -> None:  # best effort
         try:
             self._pool.close()
+            if self._comm is not None:
+                self._comm.stop()
         except Exception:  # noqa: BLE001
             pass

@@ -8,17 +8,29 @@ A low-priority *background* training job uses the spare capacity of a device whi
 :class:`MultiplexPolicy` so a benchmark can add them one at a time (Fig. 11):
 
 1. Stream priorities (``stream_priority``): on CUDA the background issues on a stream of the
-   lowest priority and the foreground gets a stream of the highest priority
-   (:attr:`BackgroundRunner.foreground_stream`); CUDA's rule is "lower number = higher
-   priority", the range comes from ``torch.cuda.Stream.priority_range()``.
+   LEAST priority and the foreground on streams of the GREATEST priority
+   (:func:`jabasray.engine.streams.stream_priorities`; CUDA: lower number = higher priority,
+   ``priority_range()`` is ``(least, greatest)``, e.g. ``(0, -5)``, and the default 0 is the
+   least, so it is the foreground that must be raised). An IIDP / SMA worker's streams
+   (:class:`~jabasray.engine.streams.Lanes`) are foreground streams already; a foreground loop
+   of its own issues on :attr:`BackgroundRunner.foreground_stream`.
 2. Launch pacing (``max_outstanding``): at most this many background launches (one training
    step, or one graph launch) may be queued on the device per job; the runner records a CUDA
    event after each launch and blocks the background thread on the oldest one before issuing
    more (:class:`LaunchPacer`). This keeps the shared driver/device queues short, so the
    foreground's launches are not stuck behind background work (head-of-line blocking).
 3. CUDA graphs (``cuda_graphs``): a job's whole training step (forward, backward, optimizer)
-   is captured once (``torch.cuda.graph``) and replayed with one launch; a capture failure or a
-   batch of another shape falls back to eager execution with a log line.
+   is captured once (``torch.cuda.graph``) and replayed with one launch. Only when the
+   optimizer can be captured (:func:`graph_capture_blocker`: every param group
+   ``capturable=True`` for optimizers with that option - Adam, AdamW, ...; plain SGD, whose
+   step has no step-count tensor; nothing else), otherwise the job runs eagerly and says why
+   once. Warm-up changes nothing: the whole-network recipe's side-stream warm-up steps ARE the
+   job's own first ``GRAPH_WARMUP_STEPS`` steps, run eagerly on their own batches on the
+   (non-default) background stream - they create the optimizer state the graph then updates in
+   place - and capture itself executes nothing; the captured step first runs (replay) on the
+   batch it was captured for. So a graphed job does exactly the eager job's steps. A capture
+   failure or a batch of another shape falls back to eager execution with a log line. The LR
+   is a constant of the graph (background jobs have no scheduler).
 4. Slowdown feedback (``slowdown_target``, ``pause_ops``, ``op_slowdown_threshold``):
    (a) operations known or observed to suffer from collocation (all-reduce first of all) pause
    the background while the foreground runs them (``with runner.foreground_critical(op)`` or
@@ -55,6 +67,7 @@ import torch
 from torch import nn
 
 from ..validation import check_float, check_int, check_steps_or_epochs
+from .streams import new_stream
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +198,31 @@ class LaunchPacer:
             self.outstanding.popleft().synchronize()
 
 
+GRAPH_WARMUP_STEPS = 3    # eager steps (on the background stream) before a capture
+
+
+def graph_capture_blocker(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer.step()`` cannot be captured in a CUDA graph, or ``None`` if it can.
+
+    torch 2.13's rule: an optimizer with a ``capturable`` option (Adam, AdamW, Adamax, NAdam,
+    RAdam, RMSprop, Rprop, ASGD, Adadelta) raises inside a capture unless every param group has
+    ``capturable=True`` (its step counters then live on the device); plain ``SGD`` keeps no
+    step counter (its momentum buffers are made by the eager warm-up steps and updated in
+    place); any other optimizer (Adagrad's CPU step tensor, LBFGS's closure, ...) is not
+    known to be capturable.
+    """
+    name = type(optimizer).__name__
+    if "capturable" in optimizer.defaults:
+        off = [i for i, g in enumerate(optimizer.param_groups) if not g.get("capturable", False)]
+        if off:
+            return (f"{name} param group(s) {off} have capturable=False "
+                    f"(construct it with capturable=True to allow graph capture)")
+        return None
+    if type(optimizer) is torch.optim.SGD:
+        return None
+    return f"{name} is not known to be CUDA-graph capturable (only SGD or capturable=True optimizers)"
+
+
 # --------------------------------------------------------------------------------------------
 # Jobs.
 # --------------------------------------------------------------------------------------------
@@ -266,7 +304,8 @@ class _Job:
         self.cancel = False
         self.pacer = LaunchPacer(max_outstanding)
         self.graph: Any = None
-        self.graph_failed = False
+        self.graph_failed = False             # no graph for this job (not capturable / failed)
+        self.eager_steps = 0                  # eager steps on this runner (graph warm-up)
         self.loss_t: torch.Tensor | None = None
         self.last_event: Any = None           # CUDA: event after its newest launch
         self.lock = threading.Lock()
@@ -377,14 +416,16 @@ class BackgroundRunner:
         self._fg_busy = 0.0
         self._t_start = time.perf_counter()
         self.bg_stream: Any = None
+        # the stream a foreground loop that is not an IIDP/SMA worker (whose Lanes are
+        # foreground streams already) should issue on: greatest priority with stream_priority,
+        # else the current (default-priority) stream
         self.foreground_stream: Any = None
         if self.is_cuda:
-            lo, hi = _priority_range()
             if self.policy.stream_priority:
-                self.bg_stream = torch.cuda.Stream(device=self.device, priority=lo)
-                self.foreground_stream = torch.cuda.Stream(device=self.device, priority=hi)
+                self.bg_stream = new_stream(self.device, "background")
+                self.foreground_stream = new_stream(self.device, "foreground")
             else:
-                self.bg_stream = torch.cuda.Stream(device=self.device)
+                self.bg_stream = new_stream(self.device, "default")
                 self.foreground_stream = torch.cuda.current_stream(self.device)
         self._thread = threading.Thread(target=self._loop, name="jabas-background", daemon=True)
         self._thread.start()
@@ -404,6 +445,11 @@ class BackgroundRunner:
                      task.name, bs, cap)
             bs = cap
         job = _Job(task, self.device, bs, self.policy.max_outstanding)
+        if self.is_cuda and self.policy.cuda_graphs:
+            blocker = graph_capture_blocker(task.optimizer)
+            if blocker is not None:          # said once per job; it runs eagerly
+                log.info("background job %s: no CUDA graph, running eagerly: %s", task.name, blocker)
+                job.graph_failed = True
         if job.status.step >= job.status.total_steps:
             job.status.state = "done"
         with self._cv:
@@ -679,15 +725,17 @@ class BackgroundRunner:
         with torch.cuda.stream(self.bg_stream):
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            if (self.policy.cuda_graphs and not job.graph_failed
-                    and len(y) == job.batch_size and job.graph is None):
+            full = len(y) == job.batch_size
+            if (self.policy.cuda_graphs and not job.graph_failed and full and job.graph is None
+                    and job.eager_steps >= GRAPH_WARMUP_STEPS):
                 job.graph = _GraphedStep.capture(task, x, y, self.bg_stream)
                 job.graph_failed = job.graph is None
                 job.status.graphed = job.graph is not None
-            if job.graph is not None and len(y) == job.batch_size:
+            if job.graph is not None and full:
                 job.loss_t = job.graph.replay(x, y)
             else:
                 job.loss_t = _eager_step(task, x, y)
+                job.eager_steps += 1
             ev = torch.cuda.Event()
             ev.record(self.bg_stream)
             return ev
@@ -702,18 +750,14 @@ def _eager_step(task: BackgroundTask, x: torch.Tensor, y: torch.Tensor) -> torch
     return loss.detach()
 
 
-def _priority_range() -> tuple[int, int]:
-    """(lowest, highest) CUDA stream priority; CUDA: lower number = higher priority."""
-    a, b = torch.cuda.Stream.priority_range()
-    return max(a, b), min(a, b)
-
-
 class _GraphedStep:
     """A whole training step captured as one CUDA graph (static input/target tensors).
 
-    Follows the whole-network capture recipe: a few eager warm-up steps on a side stream (they
-    create optimizer state and are real training steps on the first batch), then capture of
-    ``zero_grad -> forward -> loss -> backward -> optimizer.step`` on the background stream.
+    Follows the whole-network capture recipe, except that the warm-up steps are the job's
+    own eager steps (module notes, item 3): capture of ``forward -> loss -> backward ->
+    optimizer.step`` (gradients set to None first, so backward allocates them in the graph's
+    pool) on the background stream. Capture records kernels and executes none, so it changes
+    no weight and no optimizer state.
     """
 
     def __init__(self, graph: Any, static_x: torch.Tensor, static_y: torch.Tensor,
@@ -725,14 +769,6 @@ class _GraphedStep:
                 stream: Any) -> "_GraphedStep | None":
         try:
             static_x, static_y = x.clone(), y.clone()
-            side = torch.cuda.Stream(device=x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):   # warm-up; leaves optimizer state allocated
-                    task.optimizer.zero_grad(set_to_none=True)
-                    task.loss_fn(task.model(static_x), static_y).backward()
-                    task.optimizer.step()
-            torch.cuda.current_stream(x.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             task.optimizer.zero_grad(set_to_none=True)
             # thread_local: the foreground thread keeps issuing work while we capture.

@@ -10,6 +10,13 @@ device-specific parts:
   ``None``, every event is ``None`` and ``context(None)`` is a no-op: CPU kernels run
   synchronously on the thread that issues them, so ordering is given by the threads and the
   locks of the caller - the same happens-before relations that the events express on CUDA.
+* Stream priorities (DeepPool section 5): every lane is a *foreground* stream, created at the
+  device's HIGHEST priority, so that a background job's kernels (issued on a *background*,
+  lowest-priority stream by :class:`~jabasray.engine.multiplex.BackgroundRunner`) yield to
+  them in the device's block scheduler. CUDA's rule: a LOWER number is a HIGHER priority;
+  ``torch.cuda.Stream.priority_range()`` returns ``(least, greatest)``, e.g. ``(0, -5)``, and
+  the default priority 0 is already the least one - so a background stream cannot go below
+  the default, the foreground must be raised above it (:func:`stream_priorities`).
 * :class:`VSWThreadPool` is a persistent pool of dispatcher threads (no thread is created per
   step). ``run(fns)`` runs ``fns[0]`` (the main VSW) inline on the calling thread and the rest
   on the pool, so ``num_vsw=1`` costs no thread hand-off at all.
@@ -25,11 +32,48 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-class Lanes:
-    """Streams and events of one device (CUDA), or their no-op CPU twins."""
+STREAM_ROLES = ("foreground", "background", "default")
 
-    def __init__(self, device: torch.device) -> None:
+
+def stream_priorities(priority_range: tuple[int, int]) -> tuple[int, int]:
+    """``(foreground, background)`` priorities from ``torch.cuda.Stream.priority_range()``.
+
+    CUDA: lower number = higher priority; the range is ``(least, greatest)``, e.g. ``(0, -5)``
+    -> foreground ``-5`` (greatest), background ``0`` (least). Either order of the pair is
+    accepted; a device without priorities reports ``(0, 0)`` and both are 0.
+    """
+    try:
+        a, b = (int(v) for v in priority_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"priority_range must be a pair of ints (least, greatest), "
+                         f"got {priority_range!r}") from None
+    return min(a, b), max(a, b)
+
+
+def stream_priority(role: str) -> int:
+    """The CUDA priority of a stream of ``role`` on this machine (``"default"``: 0)."""
+    if role not in STREAM_ROLES:
+        raise ValueError(f"role must be one of {list(STREAM_ROLES)}, got {role!r}")
+    if role == "default":
+        return 0
+    fg, bg = stream_priorities(torch.cuda.Stream.priority_range())
+    return fg if role == "foreground" else bg
+
+
+def new_stream(device: torch.device | str, role: str = "foreground") -> Any:
+    """A new CUDA stream on ``device`` with the priority of ``role`` (see the module notes)."""
+    return torch.cuda.Stream(device=device, priority=stream_priority(role))
+
+
+class Lanes:
+    """Streams and events of one device (CUDA, all foreground priority), or their no-op CPU
+    twins."""
+
+    def __init__(self, device: torch.device, role: str = "foreground") -> None:
+        if role not in STREAM_ROLES:
+            raise ValueError(f"role must be one of {list(STREAM_ROLES)}, got {role!r}")
         self.device = device
+        self.role = role
         self.is_cuda = device.type == "cuda"
         self.vsw: list[Any] = []
         self.comm = self._new_stream()
@@ -38,7 +82,7 @@ class Lanes:
     def _new_stream(self) -> Any:
         if not self.is_cuda:
             return None
-        return torch.cuda.Stream(device=self.device)
+        return new_stream(self.device, self.role)
 
     def resize(self, num_vsw: int) -> None:
         """Keep one stream per VSW (streams are reused across reconfigurations)."""
@@ -51,6 +95,13 @@ class Lanes:
         if stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(stream)
+
+    def device_context(self) -> contextlib.AbstractContextManager:
+        """``with lanes.device_context():`` makes this device current on the calling thread
+        (CUDA: a fresh thread starts on device 0); no-op on CPU."""
+        if not self.is_cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def current(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.is_cuda else None
@@ -74,8 +125,9 @@ class Lanes:
             torch.cuda.synchronize(self.device)
 
 
-class _DispatcherThread:
-    """One persistent VSW dispatcher thread with its own job queue."""
+class DispatcherThread:
+    """One persistent thread with its own job queue (a VSW dispatcher, or IIDP's
+    communication thread); ``submit(fn)`` returns a Future, jobs run in submission order."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,7 +161,7 @@ class VSWThreadPool:
     caller's thread."""
 
     def __init__(self, num_workers: int = 0) -> None:
-        self._threads: list[_DispatcherThread] = []
+        self._threads: list[DispatcherThread] = []
         self.resize(num_workers)
 
     @property
@@ -119,7 +171,7 @@ class VSWThreadPool:
     def resize(self, num_workers: int) -> None:
         """Hold exactly ``num_workers`` threads (existing threads are kept)."""
         while len(self._threads) < num_workers:
-            self._threads.append(_DispatcherThread(f"vsw-{len(self._threads) + 1}"))
+            self._threads.append(DispatcherThread(f"vsw-{len(self._threads) + 1}"))
         while len(self._threads) > num_workers:
             self._threads.pop().stop()
 

@@ -6,7 +6,12 @@ What is measured (JABAS section 5.1):
   on CUDA found by probing (a training step per size until ``torch.cuda.OutOfMemoryError``),
   on CPU bounded by ``memory_budget_gb`` with the memory estimate of :func:`estimate_memory`;
   ``max_local_batch`` additionally caps the search (profiling time);
-* for every B_L, n_max (the most VSWs that fit, same rule, capped by ``max_num_vsw``) and the
+* for every B_L, n_max (the most VSWs that fit: on CUDA probed up to the memory limit, by
+  doubling then bisection (:func:`probe_max_fitting`, one untimed step per probe, an
+  ``OutOfMemoryError`` empties the cache and means "does not fit"), bounded by ``max_num_vsw``
+  (default ``CUDA_NUM_VSW_BOUND``); on CPU there is no memory limit to probe, so n_max is the
+  cap ``max_num_vsw`` (default ``CPU_NUM_VSW_CAP``), or the largest n within
+  ``memory_budget_gb`` by the estimate) and the
   engine's ``compute_time`` (forward + backward of all VSWs) at n_vsw = 1 and n_vsw = n_max:
   the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps);
 * zeta, the forward share of forward + backward, timed directly on a copy of the model;
@@ -255,6 +260,58 @@ STATISTICS = {"median": statistics.median, "min": min, "trimmed": lower_median}
 MONOTONE_TOLERANCE = 0.10   # t(B_L) may fall below t(previous B_L) by this fraction before re-measuring
 MONOTONE_RETRIES = 2        # re-measurements of a non-monotone point (then it is clipped, with a warning)
 PROFILER_REVISION = 2       # bump when the measurement procedure changes (part of the cache key)
+CUDA_NUM_VSW_BOUND = 32     # default upper bound of the CUDA n_max probe (probing stops at OOM)
+CPU_NUM_VSW_CAP = 4         # default n_max on CPU: no device memory limit to probe there
+
+
+def probe_max_fitting(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest ``n`` in ``1..upper`` with ``fits(n)``, for a monotone ``fits`` (memory grows
+    with n: ``fits(n)`` implies ``fits(m)`` for ``m < n``) and ``fits(1)`` known to hold.
+
+    Doubling ``n = 2, 4, 8, ...`` (clipped to ``upper``) until the first failure, then
+    bisection between the last fit and that failure: at most ``2 * ceil(log2(upper))`` calls,
+    none above the first failing n.
+    """
+    check_int("upper", upper, min_value=1)
+    good, bad = 1, None
+    n = 2
+    while good < upper:
+        n = min(n, upper)
+        if fits(n):
+            good = n
+            n *= 2
+        else:
+            bad = n
+            break
+    if bad is None:
+        return good
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def oom_probe(step: Callable[[], Any], recover: Callable[[], None]) -> bool:
+    """Run ``step()``; True if it ran, False if it ran out of device memory
+    (``torch.cuda.OutOfMemoryError``, or a RuntimeError saying "out of memory"): then, with the
+    exception and its frames released, ``recover()`` (shrink back) and
+    ``torch.cuda.empty_cache()`` so the next probe starts from a clean cache. Other errors
+    propagate."""
+    try:
+        step()
+        return True
+    except RuntimeError as e:
+        if not _is_oom(e):
+            raise
+    recover()
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()                   # tensors held by cycles through the failed step's frames
+        torch.cuda.empty_cache()
+    return False
 
 
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
@@ -390,7 +447,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
                   device: str = "cpu", gpu_type: str | None = None, min_local_batch: int = 8,
                   max_local_batch: int | None = None, memory_budget_gb: float | None = None,
-                  max_num_vsw: int = 4, warmup: int = 1, repeats: int = 3, statistic: str = "trimmed",
+                  max_num_vsw: int | None = None, warmup: int = 1, repeats: int = 3, statistic: str = "trimmed",
                   weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
@@ -401,7 +458,9 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``.
     ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
     ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
-    other than the cap). ``statistic`` over the ``repeats`` timed steps: "trimmed" (default, the
+    other than the cap). ``max_num_vsw``: upper bound of n_max (default: probe up to
+    ``CUDA_NUM_VSW_BOUND`` on CUDA, where the memory limit ends the probe; ``CPU_NUM_VSW_CAP``
+    on CPU, which has no memory limit to probe). ``statistic`` over the ``repeats`` timed steps: "trimmed" (default, the
     median of the faster half: robust to load spikes on a shared machine), "median" or "min".
     Compute times must grow with B_L; points that do not are re-measured (see
     :func:`_make_monotone`). The cache key holds the model signature, the device type and every
@@ -416,7 +475,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     from ..engine import IIDPWorker
 
     check_int("min_local_batch", min_local_batch, min_value=1)
-    check_int("max_num_vsw", max_num_vsw, min_value=1)
+    if max_num_vsw is not None:
+        check_int("max_num_vsw", max_num_vsw, min_value=1)
     check_int("warmup", warmup, min_value=0)
     check_int("repeats", repeats, min_value=1)
     stat = STATISTICS[check_choice("statistic", statistic, tuple(STATISTICS))]
@@ -430,6 +490,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         raise ValueError(f"device must be 'cpu' or 'cuda[:index]', got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device must be 'cpu' on this machine (CUDA is not available), got {device!r}")
+    if max_num_vsw is None:
+        max_num_vsw = CUDA_NUM_VSW_BOUND if dev.type == "cuda" else CPU_NUM_VSW_CAP
     base = model() if callable(model) and not isinstance(model, nn.Module) else model
     if not isinstance(base, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a factory of one, got {type(base).__name__}")
@@ -470,30 +532,28 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         if not fits_estimate(bl, n):
             return None
         x, y = sample(bl)
-        try:
+        out: list = []
+
+        def step() -> None:
             worker.configure(n, 0, bl)
             if reps == 0:
                 worker.train_step([(x, y)] * n)
-                return (0.0, 0.0, 0.0)
-            return _step_stats(worker, [(x, y)] * n, warmup, reps, stat)
-        except RuntimeError as e:
-            if dev.type == "cuda" and _is_oom(e):
-                worker.configure(1, 0, bl)
-                torch.cuda.empty_cache()
-                return None
-            raise
+                out.append((0.0, 0.0, 0.0))
+            else:
+                out.append(_step_stats(worker, [(x, y)] * n, warmup, reps, stat))
+
+        if dev.type != "cuda":
+            step()
+        elif not oom_probe(step, lambda: worker.configure(1, 0, bl)):
+            return None
+        return out[0]
 
     def find_n_max(bl: int) -> int:
         """The most VSWs that fit. Without a memory bound to probe (CPU without a budget) that is
-        ``max_num_vsw`` at once; otherwise one untimed probe step per n (CUDA: until OOM)."""
+        ``max_num_vsw`` at once; otherwise untimed probe steps (CUDA: up to the memory limit)."""
         if dev.type == "cpu" and mem is None:
             return max_num_vsw
-        n_max = 1
-        for n in range(2, max_num_vsw + 1):
-            if try_step(bl, n, reps=0) is None:
-                break
-            n_max = n
-        return n_max
+        return probe_max_fitting(lambda n: try_step(bl, n, reps=0) is not None, max_num_vsw)
 
     # Eq. 1 needs only n = 1 and n = n_max per B_L: intermediate n are probed (fit or not),
     # never timed.
@@ -549,7 +609,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
 
 __all__ = ["profile_model", "model_signature", "measure_allreduce", "estimate_memory",
-           "DEFAULT_ALLREDUCE_SIZES"]
+           "probe_max_fitting", "oom_probe", "DEFAULT_ALLREDUCE_SIZES"]
 
 
 if __name__ == "__main__":  # child process of measure_allreduce (run_gloo_children)
