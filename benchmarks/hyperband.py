@@ -12,6 +12,9 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   ``--members`` per device) under the same ``ASHAScheduler``, with ``SimilaritySearch`` order;
 * ``D packed_hyperband``: :class:`jabasray.tuner.PackedHyperband` (Tune's HyperBandScheduler +
   kNN order per bracket) with packed trials.
+* ``packed_asha_sync`` (only when named in ``--contenders``): C with ``run_ahead=False`` --
+  every unit waits for all its members' trials to ask -- to measure what running one unit
+  ahead of Tune gains (``packed_asha_sync/packed_asha`` ratios).
 
 Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
 the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (MLP-3 on
@@ -41,6 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import default_out, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
+EXTRA_CONTENDERS = ("packed_asha_sync",)       # only when named in --contenders
 
 
 def trajectory_stats(points: list[tuple[float, float]], target: float) -> dict:
@@ -74,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     contenders = [c for c in args.contenders.split(",") if c]
     for c in contenders:
-        if c not in CONTENDERS:
-            print(f"contenders must be among {', '.join(CONTENDERS)}, got {c!r}", file=sys.stderr)
+        if c not in CONTENDERS + EXTRA_CONTENDERS:
+            print(f"contenders must be among {', '.join(CONTENDERS + EXTRA_CONTENDERS)}, got {c!r}",
+                  file=sys.stderr)
             return 2
 
     import ray
@@ -121,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             return plain, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                                           search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
                                           scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
-        trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members)
-        if name == "packed_asha":
+        trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members,
+                           run_ahead=name != "packed_asha_sync")
+        if name in ("packed_asha", "packed_asha_sync"):
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {}
     for base, other in (("tune_asha", "packed_asha"), ("tune_hyperband", "packed_hyperband"),
-                        ("tune_asha", "packed_hyperband")):
+                        ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha")):
         for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s"):
             r = ratios(base, other, key)
             if r is not None:

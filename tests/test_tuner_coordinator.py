@@ -118,3 +118,23 @@ def test_a_late_member_is_set_aside_with_its_unclaimed_unit_and_gets_it_back():
     _check(a3, refs["a"].unit(4))
     assert a3["pack_size"] == 1 and b3["pack_size"] == 1
     _check(b3, refs["b"].unit(6))
+
+
+def test_without_run_ahead_a_unit_waits_until_every_trial_asked():
+    refs = {"a": Alone(A, SPEC), "b": Alone(B, SPEC)}
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        first = await asyncio.gather(c.unit("a"), c.unit("b"))
+        task_a = asyncio.ensure_future(c.unit("a"))                    # only a asks for unit 2
+        await asyncio.sleep(0.5)
+        idle = (c.units_run, c.running)                                 # nothing ran ahead for b
+        second = await asyncio.gather(task_a, c.unit("b"))
+        return first, idle, second, c.units_discarded
+
+    first, idle, second, discarded = _run(scenario, run_ahead=False)
+    assert idle == (1, False) and discarded == 0
+    for n, pair in ((1, first), (2, second)):
+        for key, (row, _) in zip("ab", pair):
+            assert row["units"] == n and row["pack_size"] == 2
+            _check(row, refs[key].unit(2 * (n - 1)))

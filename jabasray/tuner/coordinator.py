@@ -66,11 +66,15 @@ class PackCoordinator:
         max_units: units after which a member trains no more (its trial ends).
         checkpoint_every: a unit whose number is a multiple of this (and the last one) returns
             the member's state bytes with its metrics; 0: only the last one.
+        run_ahead: train a unit as soon as every member claimed its previous one (True), or
+            only once every member's trial has asked for it (False: the barrier waits for
+            Tune's round trip of every trial, nothing is speculative).
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
                  threads: int = 1, device: str | None = None, wait_s: float = 2.0,
-                 idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1) -> None:
+                 idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1,
+                 run_ahead: bool = True) -> None:
         import dataclasses
 
         import cloudpickle
@@ -80,7 +84,7 @@ class PackCoordinator:
             self.spec = dataclasses.replace(self.spec, device=device)
         self.stream_batch, self.capacity, self.space = stream_batch, capacity, space
         self.threads, self.wait_s, self.idle_exit_s = threads, wait_s, idle_exit_s
-        self.max_units, self.checkpoint_every = max_units, checkpoint_every
+        self.max_units, self.checkpoint_every, self.run_ahead = max_units, checkpoint_every, run_ahead
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
@@ -133,9 +137,18 @@ class PackCoordinator:
         return unit == self.max_units or bool(self.checkpoint_every and unit % self.checkpoint_every == 0)
 
     def _trainable(self, key: str) -> bool:
-        """Loaded, its previous result claimed, and not at ``max_units``."""
+        """Loaded, its previous result claimed, not at ``max_units`` (and, without
+        ``run_ahead``, its trial has asked for the unit)."""
         return (key not in self.loading and key not in self.ready
-                and (self.max_units is None or self.units[key] < self.max_units))
+                and (self.max_units is None or self.units[key] < self.max_units)
+                and (self.run_ahead or key in self.waiting))
+
+    def _behind(self) -> list[str]:
+        """Members the next unit waits for (at most ``wait_s``): an unclaimed result, or
+        (without ``run_ahead``) a trial that has not asked yet."""
+        return [k for k in self.configs if k in self.ready or (
+            not self.run_ahead and k not in self.loading and k not in self.waiting
+            and (self.max_units is None or self.units[k] < self.max_units))]
 
     def _register(self, key: str, config: dict) -> None:
         self.loads += 1
@@ -262,7 +275,7 @@ class PackCoordinator:
         keys = [k for k in self.configs if self._trainable(k)]
         if not keys:
             return
-        behind = [k for k in self.configs if k in self.ready]     # result unclaimed: trial late
+        behind = self._behind()
         now = time.monotonic()
         if self.first_ready == 0.0:
             self.first_ready = now
@@ -276,7 +289,7 @@ class PackCoordinator:
             return
         if behind:
             log.info("setting aside %d member(s) that did not claim a unit within %.1f s", len(behind), self.wait_s)
-        aside = {k: (self.configs[k], self.ready.pop(k)) for k in behind}
+        aside = {k: (self.configs[k], self.ready.pop(k, None)) for k in behind}
         for k in behind:
             self.configs.pop(k)
             self.units.pop(k)

@@ -73,12 +73,13 @@ class PackedJob:
     wait_s: float                       # barrier: longest wait for a member to claim its unit
     idle_exit_s: float                  # a coordinator with no member exits after this
     token: str                          # names this sweep's coordinators
+    run_ahead: bool = True              # units start before the trials ask (coordinator.py)
 
 
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int = 8,
            checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 2.0,
-           idle_exit_s: float = 60.0):
+           idle_exit_s: float = 60.0, run_ahead: bool = True):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
     Args:
@@ -96,6 +97,9 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             previous unit (the trial is then set aside with its state and re-joins when it
             asks). Units run one ahead of Tune: see :mod:`jabasray.tuner.coordinator`.
         idle_exit_s: seconds a coordinator without members lives on.
+        run_ahead: train every member's next unit while Tune still processes its previous
+            report (default), at the cost of one discarded unit per trial that the scheduler
+            stops or pauses; False: a unit waits until every member's trial asked for it.
     """
     import cloudpickle
     from ray import tune
@@ -120,7 +124,7 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
                     checkpoint_every, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
-                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12])
+                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead))
     import ray
 
     if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
@@ -153,7 +157,7 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         opts["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     return ray.remote(PackCoordinator).options(**opts).remote(
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
-        job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every)
+        job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead)
 
 
 def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
