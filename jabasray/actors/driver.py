@@ -83,8 +83,8 @@ class _EpochTally:
 
 
 class JabasDriver:
-    """Runs one JABAS job on Ray actors (in-process, or itself as a Ray actor via
-    ``ray.remote(JabasDriver)``). ``run()`` returns the :class:`MetricsHistory`.
+    """Runs one JABAS job on Ray actors from this process (the driver actor of
+    :mod:`.driver_actor` hosts it to run it remotely). ``run()`` returns the :class:`MetricsHistory`.
 
     Args:
         model_fn, dataset, optimizer_fn, loss_fn: the user's job (``optimizer_fn(params)``).
@@ -677,13 +677,6 @@ class JabasDriver:
             cb.on_event(self, message)
 
 
-def start_remote_driver(*args: Any, **kwargs: Any) -> Any:
-    """The driver as a Ray actor (no CPU reserved): ``ray.get(handle.run.remote())`` returns the
-    MetricsHistory. Arguments as for :class:`JabasDriver`; callbacks then run inside the actor."""
-    import ray
-    return ray.remote(num_cpus=0)(JabasDriver).remote(*args, **kwargs)
-
-
 def _check_burst_job(dataset: Any, hooks: Any, job: JobConfig) -> None:
     """Burst mode runs the planner's layer graph with the default supervised step on an
     in-memory dataset (the executor shards (inputs, targets) rows per layer); anything else
@@ -719,5 +712,5 @@ def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: list[floa
     return normalize_allocation(cluster, decision.allocation.node_pairs)
 
 
-__all__ = ["JabasDriver", "DriverOptions", "DriverCallback", "ActorFailure", "start_remote_driver",
+__all__ = ["JabasDriver", "DriverOptions", "DriverCallback", "ActorFailure",
            "autoscale_allocation", "plan_tolerance"]
