@@ -20,7 +20,7 @@ Runtime phase, per epoch (steps 4-9):
 
 Faults: when a GPU actor dies (``RayActorError``), the driver drops that GPU's pair from the
 cluster, reloads the last checkpoint (the start of the failed epoch), re-chooses the allocation
-on the remaining GPUs and redoes the epoch; no completed epoch is lost.
+on the remaining GPUs and redoes the epoch; no completed epoch is lost (:mod:`.recovery`).
 
 SMA (``JobConfig.sync == "sma"``): the number of Crossbow learners of each rank is tuned per
 pair of GPUs (Alg. 2), see :mod:`.sma_learners`. ``IntervalRecord.learners``/``layout`` record
@@ -48,18 +48,17 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
-from ..errors import JobFailed
 from ..types import ClusterSpec, Plan
 from ..planners.correction import CorrectedModel, OnlineCorrection
 from .burst_host import BurstPlans, burst_record
-from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
-from .placement import (Slot, alive_ray_nodes, drop_dead_nodes, drop_pair, full_allocation, group_gpus,
-                        normalize_allocation, slots_for)
+from .placement import Slot, full_allocation, group_gpus, normalize_allocation, slots_for
 from .pool import ActorPool
+from .recovery import check_resumable, dead_slots, describe_failure, give_up, latest_intact_checkpoint, restart_point
 from .sma_learners import RankLearners
 from .sma_state import pack_sma, restore_sma
 
@@ -201,10 +200,8 @@ class JabasDriver:
                 except ActorFailure as failure:
                     restarts += 1
                     if restarts > self.options.max_restarts:
-                        raise JobFailed(f"giving up after {restarts} GPU actor failures "
-                                        f"(max_restarts={self.options.max_restarts}); the last: "
-                                        f"{self._describe(failure)}; {self._resume_hint()}"
-                                        ) from failure
+                        raise give_up(failure, self.slots(), restarts, self.options.max_restarts,
+                                      self.run_dir) from failure
                     state, worker_state = self._recover(failure, ctl)
         finally:
             self.shutdown()
@@ -250,7 +247,7 @@ class JabasDriver:
         fresh start is checkpointed at once (worker state None: actors build the model from
         ``model_fn`` with the job's seed), so a GPU actor lost during start-up, placement or the
         first epoch is recovered like a later loss."""
-        cp, skipped = self._latest_intact_checkpoint()
+        cp, skipped = latest_intact_checkpoint(self.run_dir)
         if cp is None:
             allocation = self._choose_allocation(self.cluster, None)
             state = DriverState(epochs_done=0, iteration=0, cluster=self.cluster,
@@ -263,7 +260,7 @@ class JabasDriver:
                                                    keep=self.options.keep_checkpoints)
             return state, None
         state = cp.load_driver_state()
-        self._check_resumable(state)
+        check_resumable(state, self.job.to_dict())
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         self.last_checkpoint = cp
@@ -271,16 +268,6 @@ class JabasDriver:
             self._event(line)
         self._event(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")
         return state, cp.load_worker_state()
-
-    def _check_resumable(self, state: DriverState) -> None:
-        """Everything but ``epochs`` must match the checkpointed job (else results would mix)."""
-        old, new = dict(state.job_config), self.job.to_dict()
-        old.pop("epochs", None)
-        new.pop("epochs", None)
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if diff:
-            raise ValueError(f"job_config differs from the checkpointed run in {diff}; "
-                             f"use another run name or the same configuration to resume")
 
     # ------------------------------------------------------------------ allocation and plans
     def _alloc_model(self, num_gpus: int, multi_node: bool) -> Any:
@@ -615,60 +602,21 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Drop the dead GPUs' pairs, reload the last checkpoint, re-choose the allocation."""
-        dropped = self._dead_slots(failure)
+        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
+        pairs (:func:`.recovery.restart_point`), re-choose the allocation."""
+        dropped = dead_slots(self.slots(), failure)
         self.shutdown()
-        cp, skipped = self._latest_intact_checkpoint()
-        if cp is None:
-            raise JobFailed(f"{self._describe(failure, dropped)}; no intact checkpoint in "
-                            f"{self.run_dir} to restart from") from failure.cause
-        state = cp.load_driver_state()
-        cluster = state.cluster
-        for key in dict.fromkeys((s.node, s.pair) for s in dropped):  # one pair per dead pair
-            cluster = drop_pair(cluster, key[0])
-            if cluster is None:
-                raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left; "
-                                f"{self._resume_hint()}") from failure.cause
-        cluster = drop_dead_nodes(cluster, alive_ray_nodes())   # a lost Ray node: all its GPUs
-        if cluster is None:
-            raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left on the live "
-                            f"Ray nodes; {self._resume_hint()}") from failure.cause
+        cp, state, skipped = restart_point(self.run_dir, failure, dropped)
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         for line in skipped:
             self._event(line)
-        allocation = self._choose_allocation(cluster, state.forecast or None)
-        state = replace(state, cluster=cluster, allocation=allocation)
-        self._event(f"{self._describe(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
+        allocation = self._choose_allocation(state.cluster, state.forecast or None)
+        state = replace(state, allocation=allocation)
+        self._event(f"{describe_failure(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
                     f"from {cp.path.name} without that pair, allocation {allocation}")
         self.last_checkpoint = cp
         return state, cp.load_worker_state()
-
-    def _dead_slots(self, failure: ActorFailure) -> list[Slot]:
-        slots = self.slots()
-        return [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
-
-    def _describe(self, failure: ActorFailure, dropped: list[Slot] | None = None) -> str:
-        """``GPU actor failure: rank 1 (fast on f0) (ActorDiedError)`` for ``failure``'s dead
-        ranks (``dropped``: their slots, when the actors are already released)."""
-        if dropped is None:
-            dropped = self._dead_slots(failure)
-        what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
-            f"ranks {failure.dead_ranks}"
-        return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
-
-    def _latest_intact_checkpoint(self) -> tuple[Checkpoint | None, list[str]]:
-        """The newest checkpoint that verifies, and one line per corrupt newer one (the caller
-        reports them as events once the checkpoint's metrics history is in place)."""
-        skipped: list[str] = []
-        return latest_checkpoint(self.run_dir, skipped), skipped
-
-    def _resume_hint(self) -> str:
-        cp = latest_checkpoint(self.run_dir)
-        if cp is None:
-            return f"no intact checkpoint in {self.run_dir}"
-        return (f"last checkpoint {cp.path} ({cp.epochs_done} epoch(s) done; continue with "
-                f"`jabasray train --resume` or fit() on the same run folder)")
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)
