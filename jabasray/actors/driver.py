@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import CorrectedModel, OnlineCorrection
-from .burst_host import BurstPlans, burst_record
+from .burst_host import BurstIntervals, BurstPlans, check_burst_job
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
@@ -150,12 +150,10 @@ class JabasDriver:
         self.correction = OnlineCorrection(self.options.correction_smoothing,
                                            self.options.reprofile_threshold)
         self._reprofiles = 0
-        self._burst = job.parallelism == "burst"      # DeepPool burst parallelism (burst_host)
-        if self._burst:
-            _check_burst_job(dataset, hooks, job)
-        self._burst_plans = BurstPlans(model_fn, dataset, job.amp_limit, self.options.device) \
-            if self._burst else None
-        self._burst_applied: int | None = None        # B_G whose plan the placed actors run
+        self._burst = None                            # DeepPool burst parallelism (burst_host)
+        if job.parallelism == "burst":
+            check_burst_job(dataset, hooks, job)
+            self._burst = BurstIntervals(BurstPlans(model_fn, dataset, job.amp_limit, self.options.device))
         if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.options.sma_max_learners}), got {job.sma_learners}")
@@ -373,7 +371,8 @@ class JabasDriver:
         if sma is not None:
             self._call_all("load_state_dict", per_rank=[(ray.put(st),) for st in sma.states])
         self._placed_epoch = epoch
-        self._burst_applied = None            # new actors run no burst plan yet
+        if self._burst:
+            self._burst.placed()
         self._learners = None if job.sync != "sma" else RankLearners(
             [s.pair for s in slots], job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
             opts.sma_max_learners, opts.sma_tuner_relative,
@@ -435,23 +434,23 @@ class JabasDriver:
                       tally: _EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
-        if self._burst:
-            return self._run_burst_interval(state, ctl, interval, cursor, tally)
         job, n = self.job, self.dataset_size
         target = ctl.global_batch
+        if self._burst:
+            rec, end = self._burst.run(job, n, state.epochs_done, state.iteration, interval, cursor,
+                                       target, self.pool, self._train)
+            self.metrics.intervals.append(rec)
+            self._finish_interval(state, ctl, rec, tally)
+            return end
         plan = self._plan(self.pool.slots, target)
         t0 = time.perf_counter()
         configs = self._rank_configs(plan)
         self.pool.configure(configs)
         layout = [m * (ga + 1) for m, ga, *_ in configs]   # = layout_for(...) without SMA
         run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
-        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
-                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / run_batch)),
-                              local_batch=plan.local_batch_size, layout=layout,
-                              iteration=state.iteration, base_lr=job.lr,
-                              base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
-                              warmup_iterations=job.warmup_iterations, similarity=True,
-                              lr_batch=plan.global_batch_size if self._learners else None)
+        req = IntervalRequest.for_job(job, state.epochs_done, state.iteration, cursor, n, run_batch,
+                                      local_batch=plan.local_batch_size, layout=layout, similarity=True,
+                                      lr_batch=plan.global_batch_size if self._learners else None)
         replies, end = self._train(req)
         dt = time.perf_counter() - t0
         done, first = sum(r.samples for r in replies), replies[0]
@@ -496,36 +495,6 @@ class JabasDriver:
         tally.train_time += rec.time_s
         if rec.predicted_time_s is not None:
             tally.predicted_time += rec.predicted_time_s
-
-    def _run_burst_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
-                            tally: _EpochTally) -> int:
-        """Burst mode: the plan for B_G on all placed GPUs, p iterations, Phi to the rule."""
-        job, n, slots = self.job, self.dataset_size, self.pool.slots
-        target = ctl.global_batch
-        plan = self._burst_plans.plan(target, len(slots))
-        if self._burst_applied != target:
-            self._call_all("configure_burst", plan.to_dict(), target)
-            self._burst_applied = target
-        t0 = time.perf_counter()
-        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
-                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / target)),
-                              local_batch=target, layout=[1], iteration=state.iteration,
-                              base_lr=job.lr, base_batch=job.initial_global_batch,
-                              lr_scaling=job.lr_scaling, warmup_iterations=job.warmup_iterations,
-                              similarity=job.adaptive)
-        replies, end = self._train(req)
-        dt = time.perf_counter() - t0
-        done, first = sum(r.samples for r in replies), replies[0]
-        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
-        rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
-                             num_iterations=first.num_iterations, cursor=cursor,
-                             requested_global_batch=target, global_batch=target, local_batch=0,
-                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
-                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
-                             burst=burst_record(plan, measured))
-        self.metrics.intervals.append(rec)
-        self._finish_interval(state, ctl, rec, tally)
-        return end
 
     def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
                    t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
@@ -623,23 +592,6 @@ class JabasDriver:
         self.metrics.events.append(message)
         for cb in self.callbacks:
             cb.on_event(self, message)
-
-
-def _check_burst_job(dataset: Any, hooks: Any, job: JobConfig) -> None:
-    """Burst mode runs the planner's layer graph with the default supervised step on an
-    in-memory dataset (the executor shards (inputs, targets) rows per layer); anything else
-    fails here, before any actor starts."""
-    unsupported = [name for name in ("dataset_fn", "step_fn", "lr_scheduler_fn")
-                   if hooks is not None and getattr(hooks, name) is not None]
-    if dataset is None and "dataset_fn" not in unsupported:
-        unsupported.append("dataset_fn")
-    if job.precision != "fp32":
-        unsupported.append(f"precision={job.precision!r}")
-    if job.grad_clip_norm is not None:
-        unsupported.append("grad_clip_norm")
-    if unsupported:
-        raise ValueError(f"parallelism='burst' supports an in-memory dataset=, the default "
-                         f"supervised step, fp32 and no clipping; got {', '.join(unsupported)}")
 
 
 def _ray_cpus() -> float | None:
