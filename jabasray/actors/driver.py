@@ -41,7 +41,6 @@ recorded per interval in the metrics.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,7 +48,9 @@ from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
-from ..planners.correction import CorrectedModel, OnlineCorrection
+from ..planners.correction import OnlineCorrection
+from ..planners.job_planner import JobPlanner, choose_for_job, initial_trajectory
+from ..profiler.buckets import LibraBucketPlans
 from .burst_host import BurstIntervals, BurstPlans, check_burst_job
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
@@ -63,11 +64,6 @@ from .sma_learners import RankLearners
 from .sma_state import pack_sma, restore_sma
 
 log = logging.getLogger(__name__)
-
-
-def plan_tolerance(job: JobConfig) -> float:
-    """Tolerance of the plan policy: half an adaptation step (alpha / 2), see plan_policy."""
-    return job.alpha / 2
 
 
 @dataclass
@@ -133,22 +129,22 @@ class JabasDriver:
         self.background = background
         self._given_model = perf_model
         self._profiles = profiles
-        self._model: Any = perf_model  # built in run() when not given
         opts = self.options
+        # the plan policy over the iteration-time model (given here; built in run() otherwise)
+        correction = OnlineCorrection(opts.correction_smoothing, opts.reprofile_threshold)
+        self.planner = JobPlanner(job, self.dataset_size, perf_model,
+                                  correction if opts.online_correction else None)
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
                               opts.collective_timeout_s, opts.failure_grace_s,
                               label=self.run_dir.name)
         self._placed_epoch = -1
-        self._plan_cache: dict[tuple, Plan] = {}
-        self._bucket_plans: dict[int, list[list[str]]] = {}   # world size -> LIBRA bucket plan
-        self._alloc_models: dict[tuple[int, bool], Any] = {}   # of self._model
+        self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
+            if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None
         self._val_ref: Any = None
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
         self._learners: RankLearners | None = None    # SMA: learners per rank (Crossbow Alg. 2)
-        self.correction = OnlineCorrection(self.options.correction_smoothing,
-                                           self.options.reprofile_threshold)
         self._reprofiles = 0
         self._burst = None                            # DeepPool burst parallelism (burst_host)
         if job.parallelism == "burst":
@@ -185,9 +181,7 @@ class JabasDriver:
 
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self._model = None if self._burst else self._build_model(refresh=self.options.reprofile)
-        self._alloc_models.clear()   # both derive from self._model
-        self._plan_cache.clear()
+        self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
         restarts = 0
@@ -217,28 +211,18 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self, refresh: bool = False) -> Any:
-        """The iteration-time model: given, from given profiles, or profiled (cached; ``refresh``
-        re-measures), wrapped in the online correction unless ``options.online_correction`` is off."""
-        from functools import partial
+        """The iteration-time model (:func:`jabasray.profiler.cluster.job_perf_model`): given,
+        from given profiles, or profiled (cached; ``refresh`` re-measures)."""
+        from ..profiler.cluster import job_perf_model
 
-        from ..planners.plan_policy import check_min_local_batch
-        from ..profiler.cluster import cluster_perf_model, cluster_profiles, emulation_host_devices
-
-        opts, job = self.options, self.job
-        host = emulation_host_devices(opts.torch_threads, _ray_cpus()) if opts.emulate else None
-        if self._given_model is None and self._profiles is None and self._profile_data is None:
-            raise ValueError("profiles or perf_model must be given when the batches are not "
-                             "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
-        model = self._given_model or cluster_perf_model(self.cluster, job.weight_sync, self._profiles, partial(
-            cluster_profiles, self.model_fn, self._profile_data, self.cluster, loss_fn=self.loss_fn,
+        opts = self.options
+        return job_perf_model(
+            self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
-            min_local_batch=job.min_local_batch, weight_sync=job.weight_sync,
-            bucket_cap_mb=opts.bucket_cap_mb,
-            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"), refresh=refresh),
-            host_devices=host)
-        check_min_local_batch(model, self.cluster.gpu_types, job.min_local_batch)
-        self.correction.reset()
-        return CorrectedModel(model, self.correction) if opts.online_correction else model
+            torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
+            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
+            host_cpus=_ray_cpus() if opts.emulate else None, perf_model=self._given_model,
+            profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """The newest intact checkpoint (corrupt newer ones are reported), or a fresh start. A
@@ -268,15 +252,6 @@ class JabasDriver:
         return state, cp.load_worker_state()
 
     # ------------------------------------------------------------------ allocation and plans
-    def _alloc_model(self, num_gpus: int, multi_node: bool) -> Any:
-        """The iteration-time model retargeted to an allocation (``for_allocation``, if any),
-        built once per (num_gpus, multi_node) so its caches survive across plans."""
-        key = (num_gpus, multi_node)
-        if key not in self._alloc_models:
-            fa = getattr(self._model, "for_allocation", None)
-            self._alloc_models[key] = fa(num_gpus, multi_node) if callable(fa) else self._model
-        return self._alloc_models[key]
-
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None
                            ) -> dict[str, int]:
         """Auto-scaling (JABAS 6.3) over all candidate allocations of ``cluster``; without
@@ -284,40 +259,14 @@ class JabasDriver:
         every interval of the epoch."""
         if not self.job.autoscale or self._burst:   # burst: DeepPool's fixed G (all GPUs)
             return full_allocation(cluster)
-        return autoscale_allocation(cluster, self._model, list(forecast or self._initial_trajectory()),
-                                    self.dataset_size, self.job)
+        return autoscale_allocation(cluster, self.planner.model, forecast or initial_trajectory(
+            self.job, self.dataset_size), self.dataset_size, self.job)
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
-        """The plan policy (:func:`jabasray.planners.solve_for_batch`) on the GPUs of ``slots``
-        for B_G, cached per (B_G, group, multi-node)."""
-        from ..planners import solve_for_batch
-
-        gg = group_gpus(slots)
-        multi_node = len({s.node for s in slots}) > 1   # the model depends on it (all-reduce)
-        key = (global_batch, tuple(gg), multi_node)
-        if key not in self._plan_cache:
-            plan = solve_for_batch(global_batch, gg, self._alloc_model(len(slots), multi_node),
-                                   self.job.min_local_batch, tolerance=plan_tolerance(self.job))
-            self._plan_cache[key] = replace(plan, bucket_plan=self._bucket_plans.get(len(slots)))
-        return self._plan_cache[key]
-
-    def _bucket_plan(self, world_size: int) -> list[list[str]] | None:
-        """The gradient buckets for ``world_size`` actors: LIBRA's (``bucket_planner="libra"``,
-        :mod:`jabasray.profiler.buckets`) or None (the engine's size-capped buckets)."""
-        if self.options.bucket_planner != "libra" or self.job.sync == "sma":
-            return None
-        if world_size not in self._bucket_plans:
-            from ..profiler.buckets import libra_bucket_plan
-            from ..profiler.measure import _batch_fn
-
-            profiles = getattr(self._model, "profiles", None)
-            if not profiles:
-                raise ValueError("bucket_planner 'libra' needs profiles (the model has none); "
-                                 "pass profiles or let the driver profile")
-            self._bucket_plans[world_size] = libra_bucket_plan(
-                self.model_fn, _batch_fn(self._profile_data), self.loss_fn,
-                next(iter(profiles.values())), world_size, self.options.bucket_cap_mb)
-        return self._bucket_plans[world_size]
+        """The plan policy (:meth:`jabasray.planners.job_planner.JobPlanner.plan`) on the GPUs of
+        ``slots`` for B_G, with the LIBRA bucket plan of that world size (if any)."""
+        plan = self.planner.plan(global_batch, group_gpus(slots), _multi_node(slots))
+        return replace(plan, bucket_plan=self._buckets.planned(len(slots)) if self._buckets else None)
 
     def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int, str | None]]:
         """(num_vsw, num_ga, B_L, weight sync) of every rank: its pair's WorkerConfig and the
@@ -367,7 +316,8 @@ class JabasDriver:
             sma = restore_sma(worker_state, [s.gpu_type for s in slots], job.sma_learners)
         shared = worker_state if worker_state is not None and sma is None else None
         self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,
-                        bucket_plan=self._bucket_plan(len(slots)))
+                        bucket_plan=self._buckets.plan(len(slots), getattr(self.planner.model, "profiles", None))
+                        if self._buckets else None)
         if sma is not None:
             self._call_all("load_state_dict", per_rank=[(ray.put(st),) for st in sma.states])
         self._placed_epoch = epoch
@@ -413,22 +363,11 @@ class JabasDriver:
             interval += 1
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
 
-    def _initial_trajectory(self) -> list[float]:
-        """Initial phase (no forecast yet): B_G^init for every interval of the epoch."""
-        job = self.job
-        n = max(1, math.ceil(self.dataset_size / (job.adapt_interval * job.initial_global_batch)))
-        return [float(job.initial_global_batch)] * n
-
     def _predict_epoch(self, forecast: Sequence[float]) -> float | None:
         """The auto-scaler's epoch-time estimate for the placed allocation on the forecast (the
         same function and plans it chose the allocation with); None when it has no plan."""
-        from ..planners.autoscale import epoch_time
-
         slots = self.pool.slots
-        model = self._alloc_model(len(slots), len({s.node for s in slots}) > 1)
-        traj = [max(1, int(round(b))) for b in (forecast or self._initial_trajectory())]
-        return epoch_time(group_gpus(slots), model, traj, self.dataset_size, self.job.adapt_interval,
-                          self.job.min_local_batch, tolerance=plan_tolerance(self.job)).epoch_time
+        return self.planner.epoch_time(group_gpus(slots), _multi_node(slots), forecast)
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
                       tally: _EpochTally) -> int:
@@ -464,10 +403,9 @@ class JabasDriver:
                              layout=list(layout),
                              predicted_time_s=plan.iteration_time * first.num_iterations)
         self.metrics.intervals.append(rec)
-        if self.options.online_correction and first.num_iterations > 0:
-            self.correction.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
-                                    dt / first.num_iterations)
-            self._plan_cache.clear()     # plans were made with the old factors
+        if first.num_iterations > 0:   # online correction (if on): measured vs predicted
+            self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
+                                 dt / first.num_iterations)
         if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)
@@ -500,14 +438,13 @@ class JabasDriver:
                    t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
         metrics of the epoch."""
-        job, epoch, slots = self.job, state.epochs_done, self.pool.slots
+        epoch, slots = state.epochs_done, self.pool.slots
         worker_state = self._worker_state()   # burst: also completes every rank's model
         val_metrics = self._evaluate()
         trajectory = ctl.end_epoch()
         forecast = self._forecast(ctl.completed_trajectories)
         self._maybe_reprofile()
-        allocation = self._choose_allocation(state.cluster, forecast) if job.autoscale \
-            else full_allocation(state.cluster)
+        allocation = self._choose_allocation(state.cluster, forecast)
         if allocation != state.allocation:
             self._event(f"after epoch {epoch + 1}: auto-scaling {state.allocation} -> {allocation}")
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
@@ -537,16 +474,13 @@ class JabasDriver:
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond
         ``reprofile_threshold``), at most ``max_reprofiles`` times; given models/profiles are kept."""
-        opts = self.options
-        if not (opts.online_correction and self.correction.needs_reprofile()) or \
-                self._given_model is not None or self._profiles or self._reprofiles >= opts.max_reprofiles:
+        note = self.planner.reprofile_note()
+        if note is None or self._given_model is not None or self._profiles or \
+                self._reprofiles >= self.options.max_reprofiles:
             return
         self._reprofiles += 1
-        factors = ", ".join(f"{g} x{f:.2f}" for g, f in sorted(self.correction.state_dict().items()))
-        self._event(f"model off by more than x{opts.reprofile_threshold:g} ({factors}): re-profiling")
-        self._model = self._build_model(refresh=True)
-        self._alloc_models.clear()
-        self._plan_cache.clear()
+        self._event(note)
+        self.planner.use_model(self._build_model(refresh=True))
 
     def _evaluate(self) -> dict[str, float]:
         """Validation after an epoch: every actor evaluates its shard (the user's eval_fn), the
@@ -600,17 +534,17 @@ def _ray_cpus() -> float | None:
     return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 
-def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: list[float],
-                         dataset_size: int, job: JobConfig) -> dict[str, int]:
-    """``planners.autoscale.choose_allocation`` (with the driver's plan policy) -> ``{node: pairs}``."""
-    from ..planners.autoscale import choose_allocation
+def _multi_node(slots: list[Slot]) -> bool:
+    """Whether ``slots`` span several nodes (the model's all-reduce depends on it)."""
+    return len({s.node for s in slots}) > 1
 
-    trajectory = [max(1, int(round(b))) for b in trajectory]
-    decision = choose_allocation(cluster, model, trajectory, dataset_size, job.adapt_interval,
-                                 job.min_local_batch, objective=job.autoscale_objective,
-                                 cost_budget=job.cost_budget, tolerance=plan_tolerance(job))
-    return normalize_allocation(cluster, decision.allocation.node_pairs)
+
+def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[float],
+                         dataset_size: int, job: JobConfig) -> dict[str, int]:
+    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: pairs}``."""
+    return normalize_allocation(cluster, choose_for_job(cluster, model, trajectory, dataset_size,
+                                                        job).allocation.node_pairs)
 
 
 __all__ = ["JabasDriver", "DriverOptions", "DriverCallback", "ActorFailure",
-           "autoscale_allocation", "plan_tolerance"]
+           "autoscale_allocation"]
