@@ -27,10 +27,18 @@ pair of GPUs (Alg. 2), see :mod:`.sma_learners`. ``IntervalRecord.learners``/``l
 the counts. Every rank's SMA state (its own learners) is checkpointed and each rank gets its
 own back on restore (:mod:`.sma_state`), not rank 0's as in IIDP mode.
 
-Structure: this module only orchestrates. The plan for a B_G is
-:func:`jabasray.planners.solve_for_batch` (the policy the auto-scaler also assumes), the
-fault-tolerant fan-out is :func:`.fanout.call_all`, profiling is
-:func:`jabasray.profiler.cluster_profiles`, placement is :mod:`.placement`.
+Online correction (``DriverOptions.online_correction``, beyond the paper): every interval's
+measured iteration time corrects the model the next plans and decisions use
+(:mod:`jabasray.planners.correction`); a model off by more than ``reprofile_threshold`` is
+re-profiled (at most ``max_reprofiles`` times).
+
+Structure: this module only orchestrates, one small method per step. The job's plan policy
+(plans, per-allocation models, epoch-time estimate, correction) is
+:class:`jabasray.planners.job_planner.JobPlanner`; the model is built by
+:func:`jabasray.profiler.cluster.job_perf_model`, LIBRA bucket plans by
+:class:`jabasray.profiler.buckets.LibraBucketPlans`; the fault-tolerant fan-out is
+:func:`.fanout.call_all` (through :class:`.pool.ActorPool`), recovery :mod:`.recovery`, burst
+intervals :mod:`.burst_host`, SMA learner counts :mod:`.sma_learners`, placement :mod:`.placement`.
 
 Deviation (documented): the adaptive controller keeps the *requested* B_G (rule output) rather
 than the solver's rounded B_G*. Alg. 1 rounds B_G to a multiple of 2*B_L; with small batches a
@@ -42,21 +50,21 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
-from ..planners.job_planner import JobPlanner, choose_for_job, initial_trajectory
+from ..planners.job_planner import JobPlanner, choose_for_job, initial_trajectory, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from .burst_host import BurstIntervals, BurstPlans, check_burst_job
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
-from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
+from .metrics import EpochRecord, EpochTally, IntervalRecord, MetricsHistory, save_metrics
 from .placement import Slot, full_allocation, group_gpus, normalize_allocation, slots_for
 from .pool import ActorPool
 from .recovery import check_resumable, dead_slots, describe_failure, give_up, latest_intact_checkpoint, restart_point
@@ -64,17 +72,6 @@ from .sma_learners import RankLearners
 from .sma_state import pack_sma, restore_sma
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _EpochTally:
-    """What the intervals of one epoch add up to."""
-
-    iterations: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    train_time: float = 0.0
-    predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
 
 
 class JabasDriver:
@@ -269,21 +266,10 @@ class JabasDriver:
         return replace(plan, bucket_plan=self._buckets.planned(len(slots)) if self._buckets else None)
 
     def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int, str | None]]:
-        """(num_vsw, num_ga, B_L, weight sync) of every rank: its pair's WorkerConfig and the
-        weight sync the plan's prediction assumed for it (None: the engine's own rule); in SMA
-        mode num_vsw is the rank's learner count (tuner) instead of the plan's."""
-        slots = self.pool.slots
-        if len(plan.workers) != len(slots) // 2:
-            raise ValueError(f"plan.workers must have one entry per GPU pair "
-                             f"({len(slots) // 2}), got {len(plan.workers)}")
-        out = []
-        for slot in slots:
-            w = plan.workers[slot.pair]
-            m = self._learners.counts[slot.rank] if self._learners is not None else w.num_vsw
-            ws = plan.worker_weight_sync[slot.pair] if plan.worker_weight_sync else "auto"
-            ws = None if self._learners is not None or ws == "auto" else ws
-            out.append((int(m), int(w.num_ga), int(plan.local_batch_size), ws))
-        return out
+        """:func:`jabasray.planners.job_planner.rank_configs` of the placed ranks (SMA: with
+        their learner counts)."""
+        return rank_configs(plan, [s.pair for s in self.pool.slots],
+                            self._learners.counts if self._learners is not None else None)
 
     # ------------------------------------------------------------------ placement
     def _make_actor(self, slot: Slot, world_size: int, ray_opts: dict) -> Any:
@@ -357,7 +343,7 @@ class JabasDriver:
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
         predicted = None if self._burst else self._predict_epoch(state.forecast)   # burst: no IIDP model
-        tally, cursor, interval = _EpochTally(), 0, 0
+        tally, cursor, interval = EpochTally(), 0, 0
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
@@ -370,7 +356,7 @@ class JabasDriver:
         return self.planner.epoch_time(group_gpus(slots), _multi_node(slots), forecast)
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
-                      tally: _EpochTally) -> int:
+                      tally: EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
         job, n = self.job, self.dataset_size
@@ -421,20 +407,15 @@ class JabasDriver:
         return replies, end.pop()
 
     def _finish_interval(self, state: DriverState, ctl: Any, rec: IntervalRecord,
-                         tally: _EpochTally) -> None:
+                         tally: EpochTally) -> None:
         """Callbacks, Phi to the adaptive rule, iteration count and the epoch's tally."""
         for cb in self.callbacks:
             cb.on_interval(self, rec)
         ctl.update(rec.phi if rec.phi is not None else self.job.gamma)
         state.iteration += rec.num_iterations
-        tally.iterations += rec.num_iterations
-        tally.samples += rec.samples
-        tally.loss_sum += rec.loss * rec.num_iterations
-        tally.train_time += rec.time_s
-        if rec.predicted_time_s is not None:
-            tally.predicted_time += rec.predicted_time_s
+        tally.add(rec)
 
-    def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
+    def _end_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, replaced: bool,
                    t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
         metrics of the epoch."""
@@ -450,10 +431,8 @@ class JabasDriver:
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
-                             train_loss=tally.loss_sum / max(1, tally.iterations),
-                             val_accuracy=val_metrics.get("accuracy"),
-                             time_s=0.0, gpu_seconds=0.0, samples=tally.samples,
-                             throughput=tally.samples / tally.train_time if tally.train_time > 0 else 0.0,
+                             train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
+                             time_s=0.0, gpu_seconds=0.0, samples=tally.samples, throughput=tally.throughput,
                              replaced=replaced, train_time_s=tally.train_time,
                              predicted_train_time_s=tally.predicted_time, predicted_time_s=predicted,
                              val_metrics=val_metrics,

@@ -8,6 +8,7 @@ epoch, over the job's iteration-time model (optionally corrected online), with i
 * :func:`choose_for_job`: the auto-scaler (:func:`.autoscale.choose_allocation`, JABAS 6.3) with
   the job's interval, min B_L, objective, cost budget and tolerance, on a trajectory rounded to
   whole batches (>= 1).
+* :func:`rank_configs`: what every rank of a placement runs of a plan.
 * :class:`JobPlanner`: the model the job plans with (``use_model``: wrapped in the online
   correction when there is one, its factors reset), that model retargeted per allocation
   (``for_allocation(num_gpus, multi_node)``, once per key so its caches survive), the plan for a
@@ -51,6 +52,25 @@ def choose_for_job(cluster: ClusterSpec, model: Any, trajectory: Sequence[float]
     return choose_allocation(cluster, model, batch_trajectory(trajectory), dataset_size, job.adapt_interval,
                              job.min_local_batch, objective=job.autoscale_objective,
                              cost_budget=job.cost_budget, tolerance=plan_tolerance(job))
+
+
+def rank_configs(plan: Plan, pairs: Sequence[int], learners: Sequence[int] | None = None
+                 ) -> list[tuple[int, int, int, str | None]]:
+    """(num_vsw, num_ga, B_L, weight sync) of every rank, rank r in GPU pair ``pairs[r]``: its
+    pair's WorkerConfig and the weight sync the plan's prediction assumed for it (None: the
+    engine's own rule). SMA (``learners``: the learner count of every rank): num_vsw is the
+    rank's learner count (tuner) instead of the plan's, and the weight sync is None."""
+    if len(plan.workers) != len(pairs) // 2:
+        raise ValueError(f"plan.workers must have one entry per GPU pair "
+                         f"({len(pairs) // 2}), got {len(plan.workers)}")
+    out = []
+    for rank, pair in enumerate(pairs):
+        w = plan.workers[pair]
+        m = learners[rank] if learners is not None else w.num_vsw
+        ws = plan.worker_weight_sync[pair] if plan.worker_weight_sync else "auto"
+        ws = None if learners is not None or ws == "auto" else ws
+        out.append((int(m), int(w.num_ga), int(plan.local_batch_size), ws))
+    return out
 
 
 class JobPlanner:
@@ -127,4 +147,5 @@ class JobPlanner:
         return f"model off by more than x{c.threshold:g} ({factors}): re-profiling"
 
 
-__all__ = ["JobPlanner", "plan_tolerance", "initial_trajectory", "batch_trajectory", "choose_for_job"]
+__all__ = ["JobPlanner", "plan_tolerance", "initial_trajectory", "batch_trajectory", "choose_for_job",
+           "rank_configs"]
