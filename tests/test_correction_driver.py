@@ -8,8 +8,9 @@ per-iteration time, t_meas the interval's time / iterations) and checks that
 
 * each interval's plan is the uncorrected plan with its time multiplied by the factor the
   replay holds before that interval (one GPU type: the correction scales every time alike);
-* the driver ends with the replayed factor, and it is not 1 (the hand-made profile predicts
-  tens of ms per iteration, the tiny MLP runs in about one);
+* the driver ends with the replayed factor, far below 1: the hand-made profile is that of a GPU
+  100 times slower than the emulated one (seconds per iteration predicted; the tiny MLP takes
+  milliseconds, tens under heavy load);
 * epoch 1's predicted time is the auto-scaler's estimate on the corrected model with the
   factor after epoch 0, i.e. the uncorrected estimate times that factor; epoch 0's is the
   uncorrected one.
@@ -36,7 +37,7 @@ def test_measured_times_correct_the_next_plans_and_the_next_epoch_estimate(ray_s
     job = JobConfig(epochs=2, initial_global_batch=32, min_global_batch=16, max_global_batch=64,
                     min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])   # one pair
-    base = perf_model()
+    base = perf_model({"fast": 0.01})
     opts = DriverOptions(online_correction=True, correction_smoothing=SMOOTHING,
                          reprofile_threshold=1e6, evaluate=False, failure_grace_s=10)
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
@@ -72,11 +73,10 @@ def test_measured_times_correct_the_next_plans_and_the_next_epoch_estimate(ray_s
 
     factor = drv.planner.correction.factor("fast")
     assert factor == pytest.approx(replay.factor("fast"), rel=1e-12)
-    assert abs(factor - 1.0) > 0.05                       # the measurements moved the model
+    assert factor < 0.5                                   # the measurements moved the model
     # epoch 1 was planned and estimated with the factor epoch 0's intervals produced
     ep0 = [r for r in hist.intervals if r.epoch == 0]
     assert len(ep0) >= 2
     assert hist.epochs[0].predicted_time_s == pytest.approx(estimate(model, hist.epochs[0].predicted_trajectory),
                                                             rel=1e-12)
-    assert hist.epochs[1].predicted_time_s != pytest.approx(estimate(model, hist.epochs[1].predicted_trajectory),
-                                                            rel=0.05)
+    assert hist.epochs[1].predicted_time_s < 0.5 * estimate(model, hist.epochs[1].predicted_trajectory)
