@@ -8,7 +8,7 @@ import torch
 
 from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.checkpoint import latest_checkpoint
-from jabasray.actors.driver import DriverOptions, JabasDriver, start_remote_driver
+from jabasray.actors.driver import DriverOptions, JabasDriver
 from jabasray.actors.gpu_actor import GPUActor, IntervalRequest
 from jabasray.actors.placement import place_actors, release, slots_for
 from jabasray.actors.rendezvous import RendezvousServer
@@ -100,20 +100,18 @@ def test_group_similarity_one_collective_matches_reference(ray_session):
 
 
 def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
-    """The driver runs as a Ray actor; the hook kills rank 3 (second pair) mid-epoch 1. The
-    driver reloads the epoch-1 checkpoint, drops that pair, redoes epoch 1 on one pair and
-    finishes; epoch 0 is kept as it was."""
-    import ray
-
+    """The hook kills rank 3 (second pair) mid-epoch 1. The driver reloads the epoch-1
+    checkpoint, drops that pair, redoes epoch 1 on one pair and finishes; epoch 0 is kept as it
+    was. (The driver runs in this process: the driver actor replaces the callbacks with its own
+    progress sink, and its restart is tested in test_driver_actor.py.)"""
     ds, val = tiny_data(240)
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
     job = JobConfig(epochs=2, initial_global_batch=32, min_global_batch=16, max_global_batch=64,
                     min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
-    drv = start_remote_driver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
-                              val_dataset=val, perf_model=perf_model(),
-                              options=DriverOptions(failure_grace_s=10),
-                              callbacks=[KillOnce(epoch=1, rank=3)])
-    hist = ray.get(drv.run.remote())
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
+                      val_dataset=val, perf_model=perf_model(), options=DriverOptions(failure_grace_s=10),
+                      callbacks=[KillOnce(epoch=1, rank=3)])
+    hist = drv.run()
     assert [e.epoch for e in hist.epochs] == [0, 1]
     assert hist.epochs[0].allocation == {"n0": 2} and len(hist.epochs[0].gpu_types) == 4
     assert hist.epochs[1].allocation == {"n0": 1} and len(hist.epochs[1].gpu_types) == 2
@@ -125,8 +123,7 @@ def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
     assert [r.interval for r in ep1] == list(range(len(ep1)))
     cp = latest_checkpoint(tmp_path / "run")
     assert cp.epochs_done == 2 and cp.load_driver_state().cluster.nodes[0].num_gpus == 2
-    assert ray.get(drv.gpu_actors.remote()) == []        # released at the end
-    ray.kill(drv)
+    assert drv.gpu_actors() == []        # released at the end
 
 
 def test_min_local_batch_beyond_every_gpu_is_a_one_line_error(ray_session, tmp_path):

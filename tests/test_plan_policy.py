@@ -151,7 +151,8 @@ def test_autoscaler_assumes_the_plans_the_driver_runs():
     the plan in the auto-scaler's decision is the plan the driver's _plan gives on the chosen
     allocation's slots -- the same function, the same model retargeting, the same tolerance."""
     from actors_helpers import perf_model
-    from jabasray.actors.driver import JabasDriver, plan_tolerance
+    from jabasray.actors.driver import JabasDriver
+    from jabasray.planners.job_planner import plan_tolerance
     from jabasray.actors.placement import slots_for
     from jabasray.adaptive import GBSForecaster
     from jabasray.config import JobConfig

@@ -17,7 +17,7 @@ from typing import Any
 _EXPORTS = {
     "JabasTrainer": "trainer", "Result": "trainer", "ensure_ray": "trainer",
     "JabasDriver": "driver", "DriverOptions": "driver", "DriverCallback": "driver",
-    "ActorFailure": "fanout", "start_remote_driver": "driver",
+    "ActorFailure": "fanout",
     "GPUActor": "gpu_actor", "IntervalRequest": "gpu_actor", "IntervalReply": "gpu_actor",
     "MetricsHistory": "metrics", "IntervalRecord": "metrics", "EpochRecord": "metrics",
     "plot_history": "metrics",

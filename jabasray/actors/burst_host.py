@@ -5,6 +5,10 @@ Driver side (:class:`BurstPlans`): the model's layer graph is profiled once per 
 driver's process (``profiler.layer_graph.build_layer_graph``, per-GPU batch B_G / g for the
 power-of-two counts up to G), planned with the job's ``amp_limit`` and cached per (B_G, G)
 (``planners.burst.BurstPlanCache``).  The network model is ``DEFAULT_NETWORK`` unless given.
+:class:`BurstIntervals` runs one interval for the driver: the plan for the current B_G on all
+placed GPUs (sent with ``configure_burst`` only when B_G changed or the actors were re-placed),
+p iterations, and the interval's record (with :func:`burst_record`). :func:`check_burst_job`
+rejects what burst mode does not run before any actor starts.
 
 Actor side (:class:`BurstWorker`, the actor's ``worker`` in burst mode): one executor per B_G
 (process subgroups are made once per plan); switching plans first consolidates weights and
@@ -26,7 +30,9 @@ import math
 import time
 from typing import Any, Callable
 
+from ..config import JobConfig
 from ..planners.burst import BurstPlan, BurstPlanCache, NetworkModel, candidate_gpu_counts
+from .metrics import IntervalRecord
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +85,60 @@ def burst_record(plan: BurstPlan, measured_iteration_s: float) -> dict:
             "parallel_blocks": [b.branch + "->" + b.join for b in plan.blocks if any(b.parallel)],
             "predicted_iteration_s": predicted, "measured_iteration_s": measured_iteration_s,
             "error": measured_iteration_s / predicted - 1.0 if predicted > 0 else None}
+
+
+class BurstIntervals:
+    """Driver side of a burst interval (module notes); ``placed()`` after every (re-)placement."""
+
+    def __init__(self, plans: BurstPlans) -> None:
+        self.plans = plans
+        self.applied: int | None = None        # B_G whose plan the placed actors run
+
+    def placed(self) -> None:
+        """New actors run no burst plan yet."""
+        self.applied = None
+
+    def run(self, job: JobConfig, dataset_size: int, epoch: int, iteration: int, interval: int,
+            cursor: int, target: int, pool: Any, train: Callable) -> tuple[IntervalRecord, int]:
+        """The plan for B_G = ``target`` on ``pool``'s GPUs, p iterations from ``cursor``
+        (``train(request) -> (replies, end cursor)``). Returns the record and the end cursor."""
+        from .gpu_actor import IntervalRequest
+
+        plan = self.plans.plan(target, len(pool.slots))
+        if self.applied != target:
+            pool.call_all("configure_burst", plan.to_dict(), target)
+            self.applied = target
+        t0 = time.perf_counter()
+        req = IntervalRequest.for_job(job, epoch, iteration, cursor, dataset_size, target,
+                                      local_batch=target, layout=[1], similarity=job.adaptive)
+        replies, end = train(req)
+        dt = time.perf_counter() - t0
+        done, first = sum(r.samples for r in replies), replies[0]
+        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
+        rec = IntervalRecord(epoch=epoch, interval=interval, iteration=iteration,
+                             num_iterations=first.num_iterations, cursor=cursor,
+                             requested_global_batch=target, global_batch=target, local_batch=0,
+                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
+                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
+                             burst=burst_record(plan, measured))
+        return rec, end
+
+
+def check_burst_job(dataset: Any, hooks: Any, job: JobConfig) -> None:
+    """Burst mode runs the planner's layer graph with the default supervised step on an
+    in-memory dataset (the executor shards (inputs, targets) rows per layer); anything else
+    fails here, before any actor starts."""
+    unsupported = [name for name in ("dataset_fn", "step_fn", "lr_scheduler_fn")
+                   if hooks is not None and getattr(hooks, name) is not None]
+    if dataset is None and "dataset_fn" not in unsupported:
+        unsupported.append("dataset_fn")
+    if job.precision != "fp32":
+        unsupported.append(f"precision={job.precision!r}")
+    if job.grad_clip_norm is not None:
+        unsupported.append("grad_clip_norm")
+    if unsupported:
+        raise ValueError(f"parallelism='burst' supports an in-memory dataset=, the default "
+                         f"supervised step, fp32 and no clipping; got {', '.join(unsupported)}")
 
 
 def example_inputs(dataset: Any, gather: Callable) -> Any:

@@ -20,17 +20,25 @@ Runtime phase, per epoch (steps 4-9):
 
 Faults: when a GPU actor dies (``RayActorError``), the driver drops that GPU's pair from the
 cluster, reloads the last checkpoint (the start of the failed epoch), re-chooses the allocation
-on the remaining GPUs and redoes the epoch; no completed epoch is lost.
+on the remaining GPUs and redoes the epoch; no completed epoch is lost (:mod:`.recovery`).
 
 SMA (``JobConfig.sync == "sma"``): the number of Crossbow learners of each rank is tuned per
 pair of GPUs (Alg. 2), see :mod:`.sma_learners`. ``IntervalRecord.learners``/``layout`` record
 the counts. Every rank's SMA state (its own learners) is checkpointed and each rank gets its
 own back on restore (:mod:`.sma_state`), not rank 0's as in IIDP mode.
 
-Structure: this module only orchestrates. The plan for a B_G is
-:func:`jabasray.planners.solve_for_batch` (the policy the auto-scaler also assumes), the
-fault-tolerant fan-out is :func:`.fanout.call_all`, profiling is
-:func:`jabasray.profiler.cluster_profiles`, placement is :mod:`.placement`.
+Online correction (``DriverOptions.online_correction``, beyond the paper): every interval's
+measured iteration time corrects the model the next plans and decisions use
+(:mod:`jabasray.planners.correction`); a model off by more than ``reprofile_threshold`` is
+re-profiled (at most ``max_reprofiles`` times).
+
+Structure: this module only orchestrates, one small method per step. The job's plan policy
+(plans, per-allocation models, epoch-time estimate, correction) is
+:class:`jabasray.planners.job_planner.JobPlanner`; the model is built by
+:func:`jabasray.profiler.cluster.job_perf_model`, LIBRA bucket plans by
+:class:`jabasray.profiler.buckets.LibraBucketPlans`; the fault-tolerant fan-out is
+:func:`.fanout.call_all` (through :class:`.pool.ActorPool`), recovery :mod:`.recovery`, burst
+intervals :mod:`.burst_host`, SMA learner counts :mod:`.sma_learners`, placement :mod:`.placement`.
 
 Deviation (documented): the adaptive controller keeps the *requested* B_G (rule output) rather
 than the solver's rounded B_G*. Alg. 1 rounds B_G to a multiple of 2*B_L; with small batches a
@@ -41,50 +49,34 @@ recorded per interval in the metrics.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
-from ..errors import JobFailed
 from ..types import ClusterSpec, Plan
-from ..planners.correction import CorrectedModel, OnlineCorrection
-from .burst_host import BurstPlans, burst_record
-from .checkpoint import Checkpoint, DriverState, latest_checkpoint, save_checkpoint
+from ..planners.correction import OnlineCorrection
+from ..planners.job_planner import JobPlanner, choose_for_job, initial_trajectory, rank_configs
+from ..profiler.buckets import LibraBucketPlans
+from .burst_host import BurstIntervals, BurstPlans, check_burst_job
+from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions
 from .fanout import ActorFailure
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
-from .metrics import EpochRecord, IntervalRecord, MetricsHistory, save_metrics
-from .placement import (Slot, alive_ray_nodes, drop_dead_nodes, drop_pair, full_allocation, group_gpus,
-                        normalize_allocation, slots_for)
+from .metrics import EpochRecord, EpochTally, IntervalRecord, MetricsHistory, save_metrics
+from .placement import Slot, full_allocation, group_gpus, normalize_allocation, slots_for
 from .pool import ActorPool
+from .recovery import check_resumable, dead_slots, describe_failure, give_up, latest_intact_checkpoint, restart_point
 from .sma_learners import RankLearners
 from .sma_state import pack_sma, restore_sma
 
 log = logging.getLogger(__name__)
 
 
-def plan_tolerance(job: JobConfig) -> float:
-    """Tolerance of the plan policy: half an adaptation step (alpha / 2), see plan_policy."""
-    return job.alpha / 2
-
-
-@dataclass
-class _EpochTally:
-    """What the intervals of one epoch add up to."""
-
-    iterations: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    train_time: float = 0.0
-    predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
-
-
 class JabasDriver:
-    """Runs one JABAS job on Ray actors (in-process, or itself as a Ray actor via
-    ``ray.remote(JabasDriver)``). ``run()`` returns the :class:`MetricsHistory`.
+    """Runs one JABAS job on Ray actors from this process (the driver actor of
+    :mod:`.driver_actor` hosts it to run it remotely). ``run()`` returns the :class:`MetricsHistory`.
 
     Args:
         model_fn, dataset, optimizer_fn, loss_fn: the user's job (``optimizer_fn(params)``).
@@ -134,29 +126,27 @@ class JabasDriver:
         self.background = background
         self._given_model = perf_model
         self._profiles = profiles
-        self._model: Any = perf_model  # built in run() when not given
         opts = self.options
+        # the plan policy over the iteration-time model (given here; built in run() otherwise)
+        correction = OnlineCorrection(opts.correction_smoothing, opts.reprofile_threshold)
+        self.planner = JobPlanner(job, self.dataset_size, perf_model,
+                                  correction if opts.online_correction else None)
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
                               opts.collective_timeout_s, opts.failure_grace_s,
                               label=self.run_dir.name)
         self._placed_epoch = -1
-        self._plan_cache: dict[tuple, Plan] = {}
-        self._bucket_plans: dict[int, list[list[str]]] = {}   # world size -> LIBRA bucket plan
-        self._alloc_models: dict[tuple[int, bool], Any] = {}   # of self._model
+        self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
+            if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None
         self._val_ref: Any = None
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
         self._learners: RankLearners | None = None    # SMA: learners per rank (Crossbow Alg. 2)
-        self.correction = OnlineCorrection(self.options.correction_smoothing,
-                                           self.options.reprofile_threshold)
         self._reprofiles = 0
-        self._burst = job.parallelism == "burst"      # DeepPool burst parallelism (burst_host)
-        if self._burst:
-            _check_burst_job(dataset, hooks, job)
-        self._burst_plans = BurstPlans(model_fn, dataset, job.amp_limit, self.options.device) \
-            if self._burst else None
-        self._burst_applied: int | None = None        # B_G whose plan the placed actors run
+        self._burst = None                            # DeepPool burst parallelism (burst_host)
+        if job.parallelism == "burst":
+            check_burst_job(dataset, hooks, job)
+            self._burst = BurstIntervals(BurstPlans(model_fn, dataset, job.amp_limit, self.options.device))
         if job.sync == "sma" and job.sma_learners > self.options.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.options.sma_max_learners}), got {job.sma_learners}")
@@ -188,9 +178,7 @@ class JabasDriver:
 
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self._model = None if self._burst else self._build_model(refresh=self.options.reprofile)
-        self._alloc_models.clear()   # both derive from self._model
-        self._plan_cache.clear()
+        self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
         restarts = 0
@@ -201,10 +189,8 @@ class JabasDriver:
                 except ActorFailure as failure:
                     restarts += 1
                     if restarts > self.options.max_restarts:
-                        raise JobFailed(f"giving up after {restarts} GPU actor failures "
-                                        f"(max_restarts={self.options.max_restarts}); the last: "
-                                        f"{self._describe(failure)}; {self._resume_hint()}"
-                                        ) from failure
+                        raise give_up(failure, self.slots(), restarts, self.options.max_restarts,
+                                      self.run_dir) from failure
                     state, worker_state = self._recover(failure, ctl)
         finally:
             self.shutdown()
@@ -222,35 +208,25 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self, refresh: bool = False) -> Any:
-        """The iteration-time model: given, from given profiles, or profiled (cached; ``refresh``
-        re-measures), wrapped in the online correction unless ``options.online_correction`` is off."""
-        from functools import partial
+        """The iteration-time model (:func:`jabasray.profiler.cluster.job_perf_model`): given,
+        from given profiles, or profiled (cached; ``refresh`` re-measures)."""
+        from ..profiler.cluster import job_perf_model
 
-        from ..planners.plan_policy import check_min_local_batch
-        from ..profiler.cluster import cluster_perf_model, cluster_profiles, emulation_host_devices
-
-        opts, job = self.options, self.job
-        host = emulation_host_devices(opts.torch_threads, _ray_cpus()) if opts.emulate else None
-        if self._given_model is None and self._profiles is None and self._profile_data is None:
-            raise ValueError("profiles or perf_model must be given when the batches are not "
-                             "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
-        model = self._given_model or cluster_perf_model(self.cluster, job.weight_sync, self._profiles, partial(
-            cluster_profiles, self.model_fn, self._profile_data, self.cluster, loss_fn=self.loss_fn,
+        opts = self.options
+        return job_perf_model(
+            self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
-            min_local_batch=job.min_local_batch, weight_sync=job.weight_sync,
-            bucket_cap_mb=opts.bucket_cap_mb,
-            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"), refresh=refresh),
-            host_devices=host)
-        check_min_local_batch(model, self.cluster.gpu_types, job.min_local_batch)
-        self.correction.reset()
-        return CorrectedModel(model, self.correction) if opts.online_correction else model
+            torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
+            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
+            host_cpus=_ray_cpus() if opts.emulate else None, perf_model=self._given_model,
+            profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """The newest intact checkpoint (corrupt newer ones are reported), or a fresh start. A
         fresh start is checkpointed at once (worker state None: actors build the model from
         ``model_fn`` with the job's seed), so a GPU actor lost during start-up, placement or the
         first epoch is recovered like a later loss."""
-        cp, skipped = self._latest_intact_checkpoint()
+        cp, skipped = latest_intact_checkpoint(self.run_dir)
         if cp is None:
             allocation = self._choose_allocation(self.cluster, None)
             state = DriverState(epochs_done=0, iteration=0, cluster=self.cluster,
@@ -263,7 +239,7 @@ class JabasDriver:
                                                    keep=self.options.keep_checkpoints)
             return state, None
         state = cp.load_driver_state()
-        self._check_resumable(state)
+        check_resumable(state, self.job.to_dict())
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         self.last_checkpoint = cp
@@ -272,26 +248,7 @@ class JabasDriver:
         self._event(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")
         return state, cp.load_worker_state()
 
-    def _check_resumable(self, state: DriverState) -> None:
-        """Everything but ``epochs`` must match the checkpointed job (else results would mix)."""
-        old, new = dict(state.job_config), self.job.to_dict()
-        old.pop("epochs", None)
-        new.pop("epochs", None)
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-        if diff:
-            raise ValueError(f"job_config differs from the checkpointed run in {diff}; "
-                             f"use another run name or the same configuration to resume")
-
     # ------------------------------------------------------------------ allocation and plans
-    def _alloc_model(self, num_gpus: int, multi_node: bool) -> Any:
-        """The iteration-time model retargeted to an allocation (``for_allocation``, if any),
-        built once per (num_gpus, multi_node) so its caches survive across plans."""
-        key = (num_gpus, multi_node)
-        if key not in self._alloc_models:
-            fa = getattr(self._model, "for_allocation", None)
-            self._alloc_models[key] = fa(num_gpus, multi_node) if callable(fa) else self._model
-        return self._alloc_models[key]
-
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None
                            ) -> dict[str, int]:
         """Auto-scaling (JABAS 6.3) over all candidate allocations of ``cluster``; without
@@ -299,57 +256,20 @@ class JabasDriver:
         every interval of the epoch."""
         if not self.job.autoscale or self._burst:   # burst: DeepPool's fixed G (all GPUs)
             return full_allocation(cluster)
-        return autoscale_allocation(cluster, self._model, list(forecast or self._initial_trajectory()),
-                                    self.dataset_size, self.job)
+        return autoscale_allocation(cluster, self.planner.model, forecast or initial_trajectory(
+            self.job, self.dataset_size), self.dataset_size, self.job)
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
-        """The plan policy (:func:`jabasray.planners.solve_for_batch`) on the GPUs of ``slots``
-        for B_G, cached per (B_G, group, multi-node)."""
-        from ..planners import solve_for_batch
-
-        gg = group_gpus(slots)
-        multi_node = len({s.node for s in slots}) > 1   # the model depends on it (all-reduce)
-        key = (global_batch, tuple(gg), multi_node)
-        if key not in self._plan_cache:
-            plan = solve_for_batch(global_batch, gg, self._alloc_model(len(slots), multi_node),
-                                   self.job.min_local_batch, tolerance=plan_tolerance(self.job))
-            self._plan_cache[key] = replace(plan, bucket_plan=self._bucket_plans.get(len(slots)))
-        return self._plan_cache[key]
-
-    def _bucket_plan(self, world_size: int) -> list[list[str]] | None:
-        """The gradient buckets for ``world_size`` actors: LIBRA's (``bucket_planner="libra"``,
-        :mod:`jabasray.profiler.buckets`) or None (the engine's size-capped buckets)."""
-        if self.options.bucket_planner != "libra" or self.job.sync == "sma":
-            return None
-        if world_size not in self._bucket_plans:
-            from ..profiler.buckets import libra_bucket_plan
-            from ..profiler.measure import _batch_fn
-
-            profiles = getattr(self._model, "profiles", None)
-            if not profiles:
-                raise ValueError("bucket_planner 'libra' needs profiles (the model has none); "
-                                 "pass profiles or let the driver profile")
-            self._bucket_plans[world_size] = libra_bucket_plan(
-                self.model_fn, _batch_fn(self._profile_data), self.loss_fn,
-                next(iter(profiles.values())), world_size, self.options.bucket_cap_mb)
-        return self._bucket_plans[world_size]
+        """The plan policy (:meth:`jabasray.planners.job_planner.JobPlanner.plan`) on the GPUs of
+        ``slots`` for B_G, with the LIBRA bucket plan of that world size (if any)."""
+        plan = self.planner.plan(global_batch, group_gpus(slots), _multi_node(slots))
+        return replace(plan, bucket_plan=self._buckets.planned(len(slots)) if self._buckets else None)
 
     def _rank_configs(self, plan: Plan) -> list[tuple[int, int, int, str | None]]:
-        """(num_vsw, num_ga, B_L, weight sync) of every rank: its pair's WorkerConfig and the
-        weight sync the plan's prediction assumed for it (None: the engine's own rule); in SMA
-        mode num_vsw is the rank's learner count (tuner) instead of the plan's."""
-        slots = self.pool.slots
-        if len(plan.workers) != len(slots) // 2:
-            raise ValueError(f"plan.workers must have one entry per GPU pair "
-                             f"({len(slots) // 2}), got {len(plan.workers)}")
-        out = []
-        for slot in slots:
-            w = plan.workers[slot.pair]
-            m = self._learners.counts[slot.rank] if self._learners is not None else w.num_vsw
-            ws = plan.worker_weight_sync[slot.pair] if plan.worker_weight_sync else "auto"
-            ws = None if self._learners is not None or ws == "auto" else ws
-            out.append((int(m), int(w.num_ga), int(plan.local_batch_size), ws))
-        return out
+        """:func:`jabasray.planners.job_planner.rank_configs` of the placed ranks (SMA: with
+        their learner counts)."""
+        return rank_configs(plan, [s.pair for s in self.pool.slots],
+                            self._learners.counts if self._learners is not None else None)
 
     # ------------------------------------------------------------------ placement
     def _make_actor(self, slot: Slot, world_size: int, ray_opts: dict) -> Any:
@@ -382,11 +302,13 @@ class JabasDriver:
             sma = restore_sma(worker_state, [s.gpu_type for s in slots], job.sma_learners)
         shared = worker_state if worker_state is not None and sma is None else None
         self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,
-                        bucket_plan=self._bucket_plan(len(slots)))
+                        bucket_plan=self._buckets.plan(len(slots), getattr(self.planner.model, "profiles", None))
+                        if self._buckets else None)
         if sma is not None:
             self._call_all("load_state_dict", per_rank=[(ray.put(st),) for st in sma.states])
         self._placed_epoch = epoch
-        self._burst_applied = None            # new actors run no burst plan yet
+        if self._burst:
+            self._burst.placed()
         self._learners = None if job.sync != "sma" else RankLearners(
             [s.pair for s in slots], job.sma_learners, opts.sma_autotune, opts.sma_tuner_tau,
             opts.sma_max_learners, opts.sma_tuner_relative,
@@ -421,50 +343,39 @@ class JabasDriver:
                 state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state,
                 keep=self.options.keep_checkpoints)
         predicted = None if self._burst else self._predict_epoch(state.forecast)   # burst: no IIDP model
-        tally, cursor, interval = _EpochTally(), 0, 0
+        tally, cursor, interval = EpochTally(), 0, 0
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
 
-    def _initial_trajectory(self) -> list[float]:
-        """Initial phase (no forecast yet): B_G^init for every interval of the epoch."""
-        job = self.job
-        n = max(1, math.ceil(self.dataset_size / (job.adapt_interval * job.initial_global_batch)))
-        return [float(job.initial_global_batch)] * n
-
     def _predict_epoch(self, forecast: Sequence[float]) -> float | None:
         """The auto-scaler's epoch-time estimate for the placed allocation on the forecast (the
         same function and plans it chose the allocation with); None when it has no plan."""
-        from ..planners.autoscale import epoch_time
-
         slots = self.pool.slots
-        model = self._alloc_model(len(slots), len({s.node for s in slots}) > 1)
-        traj = [max(1, int(round(b))) for b in (forecast or self._initial_trajectory())]
-        return epoch_time(group_gpus(slots), model, traj, self.dataset_size, self.job.adapt_interval,
-                          self.job.min_local_batch, tolerance=plan_tolerance(self.job)).epoch_time
+        return self.planner.epoch_time(group_gpus(slots), _multi_node(slots), forecast)
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
-                      tally: _EpochTally) -> int:
+                      tally: EpochTally) -> int:
         """Plan B_G, apply it, train p iterations, feed Phi to the adaptive rule. Returns the
         new epoch cursor."""
-        if self._burst:
-            return self._run_burst_interval(state, ctl, interval, cursor, tally)
         job, n = self.job, self.dataset_size
         target = ctl.global_batch
+        if self._burst:
+            rec, end = self._burst.run(job, n, state.epochs_done, state.iteration, interval, cursor,
+                                       target, self.pool, self._train)
+            self.metrics.intervals.append(rec)
+            self._finish_interval(state, ctl, rec, tally)
+            return end
         plan = self._plan(self.pool.slots, target)
         t0 = time.perf_counter()
         configs = self._rank_configs(plan)
         self.pool.configure(configs)
         layout = [m * (ga + 1) for m, ga, *_ in configs]   # = layout_for(...) without SMA
         run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
-        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
-                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / run_batch)),
-                              local_batch=plan.local_batch_size, layout=layout,
-                              iteration=state.iteration, base_lr=job.lr,
-                              base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
-                              warmup_iterations=job.warmup_iterations, similarity=True,
-                              lr_batch=plan.global_batch_size if self._learners else None)
+        req = IntervalRequest.for_job(job, state.epochs_done, state.iteration, cursor, n, run_batch,
+                                      local_batch=plan.local_batch_size, layout=layout, similarity=True,
+                                      lr_batch=plan.global_batch_size if self._learners else None)
         replies, end = self._train(req)
         dt = time.perf_counter() - t0
         done, first = sum(r.samples for r in replies), replies[0]
@@ -478,10 +389,9 @@ class JabasDriver:
                              layout=list(layout),
                              predicted_time_s=plan.iteration_time * first.num_iterations)
         self.metrics.intervals.append(rec)
-        if self.options.online_correction and first.num_iterations > 0:
-            self.correction.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
-                                    dt / first.num_iterations)
-            self._plan_cache.clear()     # plans were made with the old factors
+        if first.num_iterations > 0:   # online correction (if on): measured vs predicted
+            self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
+                                 dt / first.num_iterations)
         if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)
@@ -497,70 +407,32 @@ class JabasDriver:
         return replies, end.pop()
 
     def _finish_interval(self, state: DriverState, ctl: Any, rec: IntervalRecord,
-                         tally: _EpochTally) -> None:
+                         tally: EpochTally) -> None:
         """Callbacks, Phi to the adaptive rule, iteration count and the epoch's tally."""
         for cb in self.callbacks:
             cb.on_interval(self, rec)
         ctl.update(rec.phi if rec.phi is not None else self.job.gamma)
         state.iteration += rec.num_iterations
-        tally.iterations += rec.num_iterations
-        tally.samples += rec.samples
-        tally.loss_sum += rec.loss * rec.num_iterations
-        tally.train_time += rec.time_s
-        if rec.predicted_time_s is not None:
-            tally.predicted_time += rec.predicted_time_s
+        tally.add(rec)
 
-    def _run_burst_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
-                            tally: _EpochTally) -> int:
-        """Burst mode: the plan for B_G on all placed GPUs, p iterations, Phi to the rule."""
-        job, n, slots = self.job, self.dataset_size, self.pool.slots
-        target = ctl.global_batch
-        plan = self._burst_plans.plan(target, len(slots))
-        if self._burst_applied != target:
-            self._call_all("configure_burst", plan.to_dict(), target)
-            self._burst_applied = target
-        t0 = time.perf_counter()
-        req = IntervalRequest(epoch=state.epochs_done, cursor=cursor,
-                              num_iterations=min(job.adapt_interval, math.ceil((n - cursor) / target)),
-                              local_batch=target, layout=[1], iteration=state.iteration,
-                              base_lr=job.lr, base_batch=job.initial_global_batch,
-                              lr_scaling=job.lr_scaling, warmup_iterations=job.warmup_iterations,
-                              similarity=job.adaptive)
-        replies, end = self._train(req)
-        dt = time.perf_counter() - t0
-        done, first = sum(r.samples for r in replies), replies[0]
-        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
-        rec = IntervalRecord(epoch=state.epochs_done, interval=interval, iteration=state.iteration,
-                             num_iterations=first.num_iterations, cursor=cursor,
-                             requested_global_batch=target, global_batch=target, local_batch=0,
-                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
-                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
-                             burst=burst_record(plan, measured))
-        self.metrics.intervals.append(rec)
-        self._finish_interval(state, ctl, rec, tally)
-        return end
-
-    def _end_epoch(self, state: DriverState, ctl: Any, tally: _EpochTally, replaced: bool,
+    def _end_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, replaced: bool,
                    t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
         metrics of the epoch."""
-        job, epoch, slots = self.job, state.epochs_done, self.pool.slots
+        epoch, slots = state.epochs_done, self.pool.slots
         worker_state = self._worker_state()   # burst: also completes every rank's model
         val_metrics = self._evaluate()
         trajectory = ctl.end_epoch()
         forecast = self._forecast(ctl.completed_trajectories)
         self._maybe_reprofile()
-        allocation = self._choose_allocation(state.cluster, forecast) if job.autoscale \
-            else full_allocation(state.cluster)
+        allocation = self._choose_allocation(state.cluster, forecast)
         if allocation != state.allocation:
             self._event(f"after epoch {epoch + 1}: auto-scaling {state.allocation} -> {allocation}")
         record = EpochRecord(epoch=epoch, allocation=dict(state.allocation),
                              gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                              predicted_trajectory=list(state.forecast),
-                             train_loss=tally.loss_sum / max(1, tally.iterations),
-                             val_accuracy=val_metrics.get("accuracy"),
-                             time_s=0.0, gpu_seconds=0.0, samples=tally.samples,
-                             throughput=tally.samples / tally.train_time if tally.train_time > 0 else 0.0,
+                             train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
+                             time_s=0.0, gpu_seconds=0.0, samples=tally.samples, throughput=tally.throughput,
                              replaced=replaced, train_time_s=tally.train_time,
                              predicted_train_time_s=tally.predicted_time, predicted_time_s=predicted,
                              val_metrics=val_metrics,
@@ -581,16 +453,13 @@ class JabasDriver:
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond
         ``reprofile_threshold``), at most ``max_reprofiles`` times; given models/profiles are kept."""
-        opts = self.options
-        if not (opts.online_correction and self.correction.needs_reprofile()) or \
-                self._given_model is not None or self._profiles or self._reprofiles >= opts.max_reprofiles:
+        note = self.planner.reprofile_note()
+        if note is None or self._given_model is not None or self._profiles or \
+                self._reprofiles >= self.options.max_reprofiles:
             return
         self._reprofiles += 1
-        factors = ", ".join(f"{g} x{f:.2f}" for g, f in sorted(self.correction.state_dict().items()))
-        self._event(f"model off by more than x{opts.reprofile_threshold:g} ({factors}): re-profiling")
-        self._model = self._build_model(refresh=True)
-        self._alloc_models.clear()
-        self._plan_cache.clear()
+        self._event(note)
+        self.planner.use_model(self._build_model(refresh=True))
 
     def _evaluate(self) -> dict[str, float]:
         """Validation after an epoch: every actor evaluates its shard (the user's eval_fn), the
@@ -615,60 +484,21 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Drop the dead GPUs' pairs, reload the last checkpoint, re-choose the allocation."""
-        dropped = self._dead_slots(failure)
+        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
+        pairs (:func:`.recovery.restart_point`), re-choose the allocation."""
+        dropped = dead_slots(self.slots(), failure)
         self.shutdown()
-        cp, skipped = self._latest_intact_checkpoint()
-        if cp is None:
-            raise JobFailed(f"{self._describe(failure, dropped)}; no intact checkpoint in "
-                            f"{self.run_dir} to restart from") from failure.cause
-        state = cp.load_driver_state()
-        cluster = state.cluster
-        for key in dict.fromkeys((s.node, s.pair) for s in dropped):  # one pair per dead pair
-            cluster = drop_pair(cluster, key[0])
-            if cluster is None:
-                raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left; "
-                                f"{self._resume_hint()}") from failure.cause
-        cluster = drop_dead_nodes(cluster, alive_ray_nodes())   # a lost Ray node: all its GPUs
-        if cluster is None:
-            raise JobFailed(f"{self._describe(failure, dropped)}: no GPU pair left on the live "
-                            f"Ray nodes; {self._resume_hint()}") from failure.cause
+        cp, state, skipped = restart_point(self.run_dir, failure, dropped)
         ctl.load_state_dict(state.adaptive)
         self.metrics = state.metrics
         for line in skipped:
             self._event(line)
-        allocation = self._choose_allocation(cluster, state.forecast or None)
-        state = replace(state, cluster=cluster, allocation=allocation)
-        self._event(f"{self._describe(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
+        allocation = self._choose_allocation(state.cluster, state.forecast or None)
+        state = replace(state, allocation=allocation)
+        self._event(f"{describe_failure(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
                     f"from {cp.path.name} without that pair, allocation {allocation}")
         self.last_checkpoint = cp
         return state, cp.load_worker_state()
-
-    def _dead_slots(self, failure: ActorFailure) -> list[Slot]:
-        slots = self.slots()
-        return [slots[r] for r in failure.dead_ranks if 0 <= r < len(slots)]
-
-    def _describe(self, failure: ActorFailure, dropped: list[Slot] | None = None) -> str:
-        """``GPU actor failure: rank 1 (fast on f0) (ActorDiedError)`` for ``failure``'s dead
-        ranks (``dropped``: their slots, when the actors are already released)."""
-        if dropped is None:
-            dropped = self._dead_slots(failure)
-        what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
-            f"ranks {failure.dead_ranks}"
-        return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
-
-    def _latest_intact_checkpoint(self) -> tuple[Checkpoint | None, list[str]]:
-        """The newest checkpoint that verifies, and one line per corrupt newer one (the caller
-        reports them as events once the checkpoint's metrics history is in place)."""
-        skipped: list[str] = []
-        return latest_checkpoint(self.run_dir, skipped), skipped
-
-    def _resume_hint(self) -> str:
-        cp = latest_checkpoint(self.run_dir)
-        if cp is None:
-            return f"no intact checkpoint in {self.run_dir}"
-        return (f"last checkpoint {cp.path} ({cp.epochs_done} epoch(s) done; continue with "
-                f"`jabasray train --resume` or fit() on the same run folder)")
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)
@@ -677,47 +507,23 @@ class JabasDriver:
             cb.on_event(self, message)
 
 
-def start_remote_driver(*args: Any, **kwargs: Any) -> Any:
-    """The driver as a Ray actor (no CPU reserved): ``ray.get(handle.run.remote())`` returns the
-    MetricsHistory. Arguments as for :class:`JabasDriver`; callbacks then run inside the actor."""
-    import ray
-    return ray.remote(num_cpus=0)(JabasDriver).remote(*args, **kwargs)
-
-
-def _check_burst_job(dataset: Any, hooks: Any, job: JobConfig) -> None:
-    """Burst mode runs the planner's layer graph with the default supervised step on an
-    in-memory dataset (the executor shards (inputs, targets) rows per layer); anything else
-    fails here, before any actor starts."""
-    unsupported = [name for name in ("dataset_fn", "step_fn", "lr_scheduler_fn")
-                   if hooks is not None and getattr(hooks, name) is not None]
-    if dataset is None and "dataset_fn" not in unsupported:
-        unsupported.append("dataset_fn")
-    if job.precision != "fp32":
-        unsupported.append(f"precision={job.precision!r}")
-    if job.grad_clip_norm is not None:
-        unsupported.append("grad_clip_norm")
-    if unsupported:
-        raise ValueError(f"parallelism='burst' supports an in-memory dataset=, the default "
-                         f"supervised step, fp32 and no clipping; got {', '.join(unsupported)}")
-
-
 def _ray_cpus() -> float | None:
     """CPUs of the running Ray cluster (None without Ray)."""
     import ray
     return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 
-def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: list[float],
+def _multi_node(slots: list[Slot]) -> bool:
+    """Whether ``slots`` span several nodes (the model's all-reduce depends on it)."""
+    return len({s.node for s in slots}) > 1
+
+
+def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[float],
                          dataset_size: int, job: JobConfig) -> dict[str, int]:
-    """``planners.autoscale.choose_allocation`` (with the driver's plan policy) -> ``{node: pairs}``."""
-    from ..planners.autoscale import choose_allocation
-
-    trajectory = [max(1, int(round(b))) for b in trajectory]
-    decision = choose_allocation(cluster, model, trajectory, dataset_size, job.adapt_interval,
-                                 job.min_local_batch, objective=job.autoscale_objective,
-                                 cost_budget=job.cost_budget, tolerance=plan_tolerance(job))
-    return normalize_allocation(cluster, decision.allocation.node_pairs)
+    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: pairs}``."""
+    return normalize_allocation(cluster, choose_for_job(cluster, model, trajectory, dataset_size,
+                                                        job).allocation.node_pairs)
 
 
-__all__ = ["JabasDriver", "DriverOptions", "DriverCallback", "ActorFailure", "start_remote_driver",
-           "autoscale_allocation", "plan_tolerance"]
+__all__ = ["JabasDriver", "DriverOptions", "DriverCallback", "ActorFailure",
+           "autoscale_allocation"]

@@ -74,6 +74,17 @@ class IntervalRequest(JsonMixin):
     similarity: bool = True     # compute Phi on the last iteration
     lr_batch: int | None = None  # B_G the LR rule follows; None: local_batch * sum(layout)
 
+    @classmethod
+    def for_job(cls, job: JobConfig, epoch: int, iteration: int, cursor: int, dataset_size: int,
+                run_batch: int, **fields: Any) -> "IntervalRequest":
+        """The request of the interval at ``cursor``: p = ``job.adapt_interval`` iterations of
+        ``run_batch`` samples (fewer at the epoch end, ``ceil((n - cursor) / run_batch)``), the
+        job's LR rule; ``fields``: B_L, layout and the mode's own fields."""
+        return cls(epoch=epoch, cursor=cursor, iteration=iteration,
+                   num_iterations=min(job.adapt_interval, math.ceil((dataset_size - cursor) / run_batch)),
+                   base_lr=job.lr, base_batch=job.initial_global_batch, lr_scaling=job.lr_scaling,
+                   warmup_iterations=job.warmup_iterations, **fields)
+
 
 @dataclass
 class IntervalReply(JsonMixin):

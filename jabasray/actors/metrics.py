@@ -122,6 +122,35 @@ class MetricsHistory(JsonMixin):
                               events=list(self.events))
 
 
+@dataclass
+class EpochTally:
+    """What the intervals of one epoch add up to (the totals of its :class:`EpochRecord`)."""
+
+    iterations: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0            # sum over intervals of mean loss * iterations
+    train_time: float = 0.0
+    predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
+
+    def add(self, rec: IntervalRecord) -> None:
+        self.iterations += rec.num_iterations
+        self.samples += rec.samples
+        self.loss_sum += rec.loss * rec.num_iterations
+        self.train_time += rec.time_s
+        if rec.predicted_time_s is not None:
+            self.predicted_time += rec.predicted_time_s
+
+    @property
+    def train_loss(self) -> float:
+        """Mean training loss per iteration."""
+        return self.loss_sum / max(1, self.iterations)
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second of training time (0 before any)."""
+        return self.samples / self.train_time if self.train_time > 0 else 0.0
+
+
 def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
     """Combine per-shard means: ``sum_s n_s m_s / sum_s n_s`` for every metric (shards without
     samples are skipped). Exact for any per-sample mean (loss, accuracy, top-k)."""

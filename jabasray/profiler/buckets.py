@@ -68,4 +68,32 @@ def libra_bucket_plan(model_fn: Callable, sample: Callable[[int], tuple[Any, Any
     return to_engine_bucket_plan(plan, group_params_by_layer(n for n, _ in trainable_parameters(net)))
 
 
-__all__ = ["BUCKET_PLANNERS", "contention_from_profile", "libra_bucket_plan"]
+class LibraBucketPlans:
+    """A job's LIBRA bucket plans, one per world size, each measured and planned once
+    (:func:`libra_bucket_plan` on the first of the model's profiles; the profiling rows are
+    ``rows``, (inputs, targets) pairs)."""
+
+    def __init__(self, model_fn: Callable, rows: Any, loss_fn: Callable, bucket_cap_mb: float) -> None:
+        self.model_fn, self.rows, self.loss_fn = model_fn, rows, loss_fn
+        self.bucket_cap_mb = bucket_cap_mb
+        self._plans: dict[int, list[list[str]]] = {}
+
+    def plan(self, world_size: int, profiles: dict[str, Profile] | None) -> list[list[str]]:
+        """The bucket plan for ``world_size`` ranks (``profiles``: the model's; ValueError if none)."""
+        if world_size not in self._plans:
+            from .measure import _batch_fn
+
+            if not profiles:
+                raise ValueError("bucket_planner 'libra' needs profiles (the model has none); "
+                                 "pass profiles or let the driver profile")
+            self._plans[world_size] = libra_bucket_plan(
+                self.model_fn, _batch_fn(self.rows), self.loss_fn, next(iter(profiles.values())),
+                world_size, self.bucket_cap_mb)
+        return self._plans[world_size]
+
+    def planned(self, world_size: int) -> list[list[str]] | None:
+        """The plan made for ``world_size`` (None if none yet)."""
+        return self._plans.get(world_size)
+
+
+__all__ = ["BUCKET_PLANNERS", "contention_from_profile", "libra_bucket_plan", "LibraBucketPlans"]
