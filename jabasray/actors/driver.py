@@ -100,7 +100,7 @@ class JabasDriver:
         self._placed_epoch = -1
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
             if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
-        self._data_ref: Any = None   # Ray object of the training set (run()); _val_ref: validation
+        self._data_ref: Any = None   # Ray objects of the training and validation sets (run())
         self._val_ref: Any = None
         self.metrics = MetricsHistory()
         self.last_checkpoint: Checkpoint | None = None
