@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from ..config import JobConfig
 from ..planners.burst import BurstPlan, BurstPlanCache, NetworkModel, candidate_gpu_counts
-from .metrics import IntervalRecord
+from .metrics import IntervalRecord, interval_record
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,16 @@ class BurstIntervals:
         self.plans = plans
         self.applied: int | None = None        # B_G whose plan the placed actors run
 
+    @classmethod
+    def for_job(cls, job: JobConfig, model_fn: Callable, dataset: Any, hooks: Any, device: str
+                ) -> "BurstIntervals | None":
+        """The burst intervals of a ``parallelism="burst"`` job (checked first,
+        :func:`check_burst_job`), else None."""
+        if job.parallelism != "burst":
+            return None
+        check_burst_job(dataset, hooks, job)
+        return cls(BurstPlans(model_fn, dataset, job.amp_limit, device))
+
     def placed(self) -> None:
         """New actors run no burst plan yet."""
         self.applied = None
@@ -113,14 +123,10 @@ class BurstIntervals:
                                       local_batch=target, layout=[1], similarity=job.adaptive)
         replies, end = train(req)
         dt = time.perf_counter() - t0
-        done, first = sum(r.samples for r in replies), replies[0]
-        measured = max(r.wall_time for r in replies) / max(1, first.num_iterations)
-        rec = IntervalRecord(epoch=epoch, interval=interval, iteration=iteration,
-                             num_iterations=first.num_iterations, cursor=cursor,
-                             requested_global_batch=target, global_batch=target, local_batch=0,
-                             plan=None, loss=first.loss, throughput=done / dt if dt > 0 else 0.0,
-                             phi=first.phi, lr=first.lr, time_s=dt, samples=done,
-                             burst=burst_record(plan, measured))
+        measured = max(r.wall_time for r in replies) / max(1, replies[0].num_iterations)
+        rec = interval_record(replies, dt, epoch=epoch, interval=interval, iteration=iteration,
+                              cursor=cursor, requested_global_batch=target, global_batch=target,
+                              local_batch=0, plan=None, burst=burst_record(plan, measured))
         return rec, end
 
 

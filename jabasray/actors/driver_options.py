@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..serialization import JsonMixin
 
@@ -70,6 +70,31 @@ class DriverOptions(JsonMixin):
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):
             check_float(f, getattr(self, f), min_value=0, min_exclusive=True)
 
+    def check_job(self, job: Any) -> None:
+        """What these options bound of a job (a JobConfig): sync="sma" needs sma_learners <=
+        sma_max_learners (ValueError, one line)."""
+        if job.sync == "sma" and job.sma_learners > self.sma_max_learners:
+            raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
+                             f"({self.sma_max_learners}), got {job.sma_learners}")
+
+
+def check_driver_inputs(job: Any, cluster: Any, dataset: Any, dataset_size: int | None) -> int:
+    """The driver's checks of its job (a JobConfig) and cluster (a ClusterSpec); returns the
+    training set's size: ``dataset_size``, else ``len(dataset)`` (dataset=None: every actor builds
+    it with ``hooks.dataset_fn`` and the size comes from the trainer's probe, so the driver never
+    reads a sample). ValueError (one line) on a wrong type or an empty dataset."""
+    from ..config import JobConfig
+    from ..types import ClusterSpec
+
+    if not isinstance(job, JobConfig):
+        raise ValueError(f"job_config must be a JobConfig, got {type(job).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    size = int(dataset_size if dataset_size is not None else len(dataset))
+    if size < 1:
+        raise ValueError("dataset must hold at least one sample, got an empty dataset")
+    return size
+
 
 class DriverCallback:
     """Hooks the driver calls (override what you need). Progress bars and test fault injection
@@ -85,4 +110,4 @@ class DriverCallback:
         pass
 
 
-__all__ = ["DriverOptions", "DriverCallback"]
+__all__ = ["DriverOptions", "DriverCallback", "check_driver_inputs"]

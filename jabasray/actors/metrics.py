@@ -17,7 +17,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..serialization import JsonMixin, atomic_write_text
 from ..types import Plan
@@ -131,8 +131,10 @@ class EpochTally:
     loss_sum: float = 0.0            # sum over intervals of mean loss * iterations
     train_time: float = 0.0
     predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
+    lr: float | None = None          # LR of the last interval's last iteration
 
     def add(self, rec: IntervalRecord) -> None:
+        self.lr = rec.lr
         self.iterations += rec.num_iterations
         self.samples += rec.samples
         self.loss_sum += rec.loss * rec.num_iterations
@@ -149,6 +151,32 @@ class EpochTally:
     def throughput(self) -> float:
         """Samples per second of training time (0 before any)."""
         return self.samples / self.train_time if self.train_time > 0 else 0.0
+
+
+def interval_record(replies: Sequence[Any], time_s: float, **fields: Any) -> IntervalRecord:
+    """An interval's record from the actors' replies (``IntervalReply``; rank 0's iteration
+    count, mean loss, Phi and LR, the samples of all ranks, throughput = samples / ``time_s``)
+    and the driver-side wall time ``time_s``; ``fields``: the other fields."""
+    done, first = sum(r.samples for r in replies), replies[0]
+    return IntervalRecord(num_iterations=first.num_iterations, loss=first.loss, phi=first.phi,
+                          lr=first.lr, time_s=time_s, samples=done,
+                          throughput=done / time_s if time_s > 0 else 0.0, **fields)
+
+
+def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
+                 gpu_types: list[str], trajectory: list[int], forecast: Sequence[float],
+                 val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
+                 time_s: float) -> EpochRecord:
+    """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
+    the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
+    ``time_s`` and GPU-seconds = ``time_s`` x the number of GPUs."""
+    return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
+                       trajectory=trajectory, predicted_trajectory=list(forecast),
+                       train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
+                       time_s=time_s, gpu_seconds=time_s * len(gpu_types), samples=tally.samples,
+                       throughput=tally.throughput, replaced=replaced,
+                       train_time_s=tally.train_time, predicted_train_time_s=tally.predicted_time,
+                       predicted_time_s=predicted_time_s, val_metrics=val_metrics, lr=tally.lr)
 
 
 def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:

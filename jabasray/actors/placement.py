@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from ..config import JobConfig
+from ..planners.job_planner import choose_for_job, initial_trajectory
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, NodeSpec
 from ..validation import check_int
@@ -77,6 +79,25 @@ def full_allocation(cluster: ClusterSpec) -> dict[str, int]:
     return {n.name: n.num_pairs for n in cluster.nodes if n.num_pairs}
 
 
+def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[float],
+                         dataset_size: int, job: JobConfig) -> dict[str, int]:
+    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: pairs}``."""
+    return normalize_allocation(cluster, choose_for_job(cluster, model, trajectory, dataset_size,
+                                                        job).allocation.node_pairs)
+
+
+def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
+                   dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
+    """The allocation a job runs next on ``cluster``: every pair when ``fixed`` (no
+    ``job.autoscale``, or burst parallelism's fixed G), else the auto-scaler (JABAS 6.3) over all
+    candidate allocations on the ``forecast`` B_G trajectory (None or empty: the initial phase,
+    B_G^init for every interval of the epoch)."""
+    if fixed:
+        return full_allocation(cluster)
+    return autoscale_allocation(cluster, model, forecast or initial_trajectory(job, dataset_size),
+                                dataset_size, job)
+
+
 def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
     """Ranks for an allocation (see module docstring for the layout)."""
     allocation = normalize_allocation(cluster, allocation)
@@ -95,6 +116,11 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
 def group_gpus(slots: list[Slot]) -> list[str]:
     """GPU types of group H (group 0), in pair order: the ``G``/``H`` input of the solver."""
     return [s.gpu_type for s in slots if s.group == 0]
+
+
+def multi_node(slots: list[Slot]) -> bool:
+    """Whether ``slots`` span several nodes (the model's all-reduce depends on it)."""
+    return len({s.node for s in slots}) > 1
 
 
 def layout_for(slots: list[Slot], workers: list[Any]) -> list[int]:
@@ -129,6 +155,12 @@ def alive_ray_nodes() -> set[str]:
     """Ids of the Ray nodes alive now."""
     import ray
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def ray_cpus() -> float | None:
+    """CPUs of the running Ray cluster (None without Ray)."""
+    import ray
+    return ray.cluster_resources().get("CPU") if ray.is_initialized() else None
 
 
 NODE_ID_LABEL = "ray.io/node-id"   # the label Ray gives every node (its node id)

@@ -13,6 +13,7 @@ import uuid
 from typing import Any, Callable
 
 from .fanout import call_all
+from .metrics import reduce_metrics
 from .placement import Placement, Slot, actor_name, place_actors, release
 from .rendezvous import RendezvousServer, backend_for
 
@@ -60,10 +61,11 @@ class ActorPool:
                 [(s.pair_key, s.rank) for s in self.placement.slots] == [(s.pair_key, s.rank) for s in slots])
 
     def place(self, slots: list[Slot], worker_state_ref: Any = None, fresh: bool = False,
-              bucket_plan: list[list[str]] | None = None) -> None:
+              bucket_plan: list[list[str]] | None = None, rank_state_refs: list | None = None) -> None:
         """Place actors for ``slots`` (pairs that stay keep their actors unless ``fresh``), join
         them in a new process group (workers built with ``bucket_plan``; None: size-capped
-        buckets) and load ``worker_state_ref`` (a Ray object) if given."""
+        buckets) and load ``worker_state_ref`` (a Ray object) into every rank, or
+        ``rank_state_refs[r]`` into rank r (SMA: every rank its own state), if given."""
         if fresh:
             self.shutdown()
         elif self._rdv:
@@ -83,6 +85,8 @@ class ActorPool:
         self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])
         if worker_state_ref is not None:
             self.call_all("load_state_dict", worker_state_ref)
+        if rank_state_refs is not None:
+            self.call_all("load_state_dict", per_rank=[(ref,) for ref in rank_state_refs])
         self._applied = None
 
     def call_all(self, method: str, *args: Any, per_rank: list[tuple] | None = None,
@@ -90,6 +94,21 @@ class ActorPool:
         """:func:`.fanout.call_all` on the placed actors (raises ``ActorFailure``)."""
         return call_all(self.placement.actors, method, *args, per_rank=per_rank, ranks=ranks,
                         grace_s=self.failure_grace_s)
+
+    def train(self, req: Any) -> tuple[list, int]:
+        """``run_interval(req)`` on every actor: the replies (rank order) and their common end
+        cursor (RuntimeError when the actors disagree on it)."""
+        replies = self.call_all("run_interval", req)
+        end = {r.end_cursor for r in replies}
+        if len(end) != 1:
+            raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")
+        return replies, end.pop()
+
+    def evaluate(self, val_ref: Any) -> dict[str, float]:
+        """Validation: every actor evaluates its shard of ``val_ref`` (the user's eval_fn; None:
+        the actors' own validation set), the shards' means combined weighted by their sample
+        counts (:func:`.metrics.reduce_metrics`, exact for per-sample means)."""
+        return reduce_metrics(self.call_all("evaluate", val_ref))
 
     def configure(self, configs: list[tuple]) -> None:
         """``configure`` every rank (one collective call) unless nothing changed since the last."""

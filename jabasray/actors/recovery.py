@@ -1,5 +1,13 @@
-"""Recovery and resume of a run: where the driver restarts after a GPU actor died, what it tells
+"""Recovery and resume of a run: where the driver starts (a fresh start or the run's newest
+checkpoint, :func:`restore_or_start`), where it restarts after a GPU actor died, what it tells
 the user, and whether a checkpointed run may be resumed with this job.
+
+Start (:func:`restore_or_start`): a run folder with an intact checkpoint is resumed from the
+newest one (its job must match, :func:`check_resumable`; the adaptive controller, metrics
+history and worker state continue from it); otherwise the run starts afresh with the
+allocation the driver chooses for the initial phase, and the driver checkpoints that start at
+once (worker state None: the actors build the model from ``model_fn`` with the job's seed), so a
+GPU actor lost during start-up, placement or the first epoch is recovered like a later loss.
 
 Fault model (the project's; the JABAS paper has none): a GPU actor that dies surfaces from the
 fan-out as :class:`.fanout.ActorFailure` naming the dead ranks. The driver then releases every
@@ -11,17 +19,18 @@ actor and :func:`restart_point` gives it
 2. its driver state on the cluster left: one pair dropped per dead pair (:func:`.placement.drop_pair`),
    then every GPU of a Ray node that is gone (:func:`.placement.drop_dead_nodes`).
 
-The driver re-chooses the allocation on that cluster and redoes the epoch: no completed epoch
-is lost. When no checkpoint or no pair is left, :class:`JobFailed` says what happened in one line
+The driver re-chooses the allocation on that cluster (:func:`restart`) and redoes the epoch:
+no completed epoch is lost. When no checkpoint or no pair is left, :class:`JobFailed` says what happened in one line
 (:func:`describe_failure`) and how to continue (:func:`resume_hint`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import JobFailed
+from ..types import ClusterSpec
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint
 from .fanout import ActorFailure
 from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_pair
@@ -88,6 +97,43 @@ def restart_point(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[
     return cp, replace(state, cluster=cluster), skipped
 
 
+def restart(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot], ctl: Any,
+            choose_allocation: Callable[[ClusterSpec, Sequence[float] | None], dict[str, int]],
+            alive_nodes: set[str] | None = None) -> tuple[Checkpoint, DriverState, list[str]]:
+    """(checkpoint, driver state, events) the driver continues from after ``failure``:
+    :func:`restart_point`, with ``ctl`` (the adaptive controller) restored from it and the
+    allocation re-chosen on the cluster left (``choose_allocation(cluster, forecast or None)``);
+    the events: the skipped-checkpoint lines, then what happened and where it restarts."""
+    cp, state, events = restart_point(run_dir, failure, dropped, alive_nodes)
+    ctl.load_state_dict(state.adaptive)
+    state = replace(state, allocation=choose_allocation(state.cluster, state.forecast or None))
+    events.append(f"{describe_failure(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
+                  f"from {cp.path.name} without that pair, allocation {state.allocation}")
+    return cp, state, events
+
+
+def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: Any,
+                     choose_allocation: Callable[[ClusterSpec, None], dict[str, int]]
+                     ) -> tuple[Checkpoint | None, DriverState, list[str]]:
+    """(checkpoint, driver state, events) a run starts from (module notes). Resume: the newest
+    intact checkpoint and its state, checked against ``job`` (:func:`check_resumable`), with
+    ``ctl`` (the adaptive controller) restored from it; the events: the skipped-checkpoint lines
+    and where it resumed. Fresh start: checkpoint None and epoch 0's state on ``cluster`` with
+    ``choose_allocation(cluster, None)`` (the initial phase) and ``ctl``'s state; the events:
+    the skipped-checkpoint lines."""
+    cp, events = latest_intact_checkpoint(run_dir)
+    if cp is None:
+        state = DriverState(epochs_done=0, iteration=0, cluster=cluster,
+                            allocation=choose_allocation(cluster, None), adaptive=ctl.state_dict(),
+                            job_config=job.to_dict())
+        return None, state, events
+    state = cp.load_driver_state()
+    check_resumable(state, job.to_dict())
+    ctl.load_state_dict(state.adaptive)
+    events.append(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")
+    return cp, state, events
+
+
 def check_resumable(state: DriverState, job_config: dict[str, Any]) -> None:
     """Everything but ``epochs`` of ``job_config`` (``JobConfig.to_dict()``) must match the
     checkpointed job (else results would mix): ValueError naming the fields that differ."""
@@ -101,4 +147,4 @@ def check_resumable(state: DriverState, job_config: dict[str, Any]) -> None:
 
 
 __all__ = ["dead_slots", "describe_failure", "resume_hint", "give_up", "latest_intact_checkpoint",
-           "restart_point", "check_resumable"]
+           "restart_point", "restart", "restore_or_start", "check_resumable"]

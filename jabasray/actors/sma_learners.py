@@ -22,7 +22,13 @@ Intervals that reach the epoch end are not fed to the tuner (their last iteratio
 would look slower). The counts and the tuner's state are checkpointed with every rank's SMA
 state (:mod:`.sma_state`): a resume or a re-placement onto the same GPUs continues them; a
 placement onto other GPUs starts again at ``sma_learners`` with a fresh tuner.
-``DriverOptions.sma_autotune=False`` keeps ``sma_learners`` fixed.
+``DriverOptions.sma_autotune=False`` keeps ``sma_learners`` fixed. Every interval's
+``IntervalRecord.learners`` / ``layout`` record the counts it ran.
+
+Placement (:func:`placement_learners`): every rank gets its own SMA state back
+(:func:`.sma_state.restore_sma`), not rank 0's as in IIDP mode, and the counts and tuner continue
+from it; a checkpoint packs every rank's state with the counts and the tuner
+(:meth:`RankLearners.pack`).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import logging
 from typing import Any, Callable, Sequence
 
 from ..planners.learner_tuner import GPULearnerState, LearnerTuner
+from .sma_state import SMARestore, pack_sma, restore_sma
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,11 @@ class RankLearners:
         """The tuner's state for a checkpoint ("" without a tuner)."""
         return self.tuner.to_json() if self.tuner is not None else ""
 
+    def pack(self, rank_states: Sequence[dict], gpu_types: Sequence[str]) -> dict[str, Any]:
+        """The checkpoint's worker state: every rank's state with the counts and the tuner
+        (:func:`.sma_state.pack_sma`)."""
+        return pack_sma(rank_states, self.counts, gpu_types, self.tuner_json())
+
     def observe(self, replies: Sequence[Any], used: Sequence[int],
                 throughput: Callable[[int, int, Any], float]) -> None:
         """Feed each rank's throughput to the tuner, one decision per pair (both GPUs of a pair
@@ -88,4 +100,21 @@ class RankLearners:
             self.counts[r] = m
 
 
-__all__ = ["RankLearners", "pair_key", "tuner_key"]
+def placement_learners(job: Any, options: Any, slots: Sequence[Any], worker_state: dict | None
+                       ) -> tuple[SMARestore | None, RankLearners | None]:
+    """What a placement onto ``slots`` (:class:`.placement.Slot`, rank order) loads in SMA mode:
+    one state per rank from the checkpointed ``worker_state`` (None: fresh actors, nothing to
+    load) and the learner counts and tuner it continues with (``options``: DriverOptions'
+    ``sma_*``). ``(None, None)`` unless ``job.sync == "sma"``."""
+    if job.sync != "sma":
+        return None, None
+    sma = None if worker_state is None else \
+        restore_sma(worker_state, [s.gpu_type for s in slots], job.sma_learners)
+    return sma, RankLearners([s.pair for s in slots], job.sma_learners, options.sma_autotune,
+                             options.sma_tuner_tau, options.sma_max_learners,
+                             options.sma_tuner_relative,
+                             counts=sma.learners if sma is not None else None,
+                             tuner_json=sma.tuner_json if sma is not None else "")
+
+
+__all__ = ["RankLearners", "pair_key", "placement_learners", "tuner_key"]

@@ -20,6 +20,13 @@ batches cannot get stuck (e.g. B = 4, alpha = 0.1: 4.4 would round back to 4). T
 configuration solver later rounds B'_G to a multiple of 2 * B_L that the GPUs can run; the
 controller then records the value actually applied (:meth:`AdaptiveBatchController.set_global_batch`).
 alpha >= 1 is accepted (``JobConfig`` allows it): a shrink then lands on min B_G.
+
+Deviation (documented) in the JABAS driver (:mod:`jabasray.actors.driver`): it keeps the
+*requested* B_G (the rule's output) rather than the solver's rounded B_G*, i.e. it does not call
+``set_global_batch``. Alg. 1 rounds B_G to a multiple of 2*B_L; with small batches a 10% step is
+often rounded back (64 -> 70 -> 64 with B_L=8), which would freeze adaptation. The requested
+value accumulates the steps; B_G* (what actually runs, and what the LR follows) is recorded per
+interval in the metrics (``IntervalRecord.global_batch`` next to ``requested_global_batch``).
 """
 from __future__ import annotations
 
@@ -93,7 +100,7 @@ class AdaptiveBatchController:
 
         target = ctl.update(phi)                  # rule -> B'_G (also logs the window)
         plan = solve_configuration(target, ...)   # may round B'_G
-        ctl.set_global_batch(plan.global_batch_size)
+        ctl.set_global_batch(plan.global_batch_size)   # the JABAS driver does not: module notes
         lr = ctl.lr(iteration)
 
     and at the end of each epoch ``history = ctl.end_epoch()``. ``state_dict()`` /

@@ -39,7 +39,7 @@ import logging
 import math
 import time
 import warnings
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -186,6 +186,19 @@ class GBSForecaster:
 
 # ---------------------------------------------------------------------------------------------
 # Individual models, on y = log B_G (oldest first). Each fit returns an opaque model or None.
+
+def forecast_next_epoch(trajectories: list[list[int]], job: Any, dataset_size: int) -> list[float]:
+    """The driver's forecast of the next epoch's B_G (JABAS 6.2): the GPR + ESM ensemble fitted
+    on every completed epoch's trajectory, within the job's [min B_G, max B_G] and seeded with
+    its seed, one value per interval of ``job.adapt_interval`` iterations until the epoch's
+    ``dataset_size`` samples are covered; ``[]`` without a trajectory."""
+    if not trajectories:
+        return []
+    f = GBSForecaster("ensemble", min_batch=job.min_global_batch, max_batch=job.max_global_batch,
+                      random_state=job.seed)
+    f.fit(trajectories)
+    return [float(x) for x in f.predict_epoch(dataset_size, job.adapt_interval)]
+
 
 class _GPRModel:
     """GP(ConstantKernel*RBF + WhiteKernel) on standardised log B_G over normalised time."""

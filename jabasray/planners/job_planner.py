@@ -17,6 +17,12 @@ epoch, over the job's iteration-time model (optionally corrected online), with i
   same function and plans the allocation was chosen with), and the online correction's update
   from a measured interval (``observe``; plans made with the old factors are dropped) with its
   re-profiling verdict (``reprofile_note``).
+
+Online correction in the driver (``DriverOptions.online_correction``, beyond the paper): every
+interval's measured iteration time corrects the model the next plans and the auto-scaling
+decisions use (:mod:`.correction`); at an epoch end, a model off by more than
+``DriverOptions.reprofile_threshold`` is re-profiled (at most ``max_reprofiles`` times; a given
+model or given profiles are kept), and the job plans with the new model.
 """
 from __future__ import annotations
 
@@ -81,12 +87,15 @@ class JobPlanner:
         dataset_size: N, samples per epoch.
         model: the iteration-time model to start with, used as given (``use_model`` wraps).
         correction: the online correction (None: the model is used uncorrected).
+        max_reprofiles: re-profilings :meth:`take_reprofile` allows (0: a given model or given
+            profiles, which are kept).
     """
 
     def __init__(self, job: JobConfig, dataset_size: int, model: Any = None,
-                 correction: OnlineCorrection | None = None) -> None:
+                 correction: OnlineCorrection | None = None, max_reprofiles: int = 0) -> None:
         self.job, self.dataset_size = job, dataset_size
         self.correction = correction
+        self.max_reprofiles, self.reprofiles = max_reprofiles, 0
         self.model = model
         self._alloc_models: dict[tuple[int, bool], Any] = {}
         self._plans: dict[tuple, Plan] = {}
@@ -145,6 +154,15 @@ class JobPlanner:
             return None
         factors = ", ".join(f"{g} x{f:.2f}" for g, f in sorted(c.state_dict().items()))
         return f"model off by more than x{c.threshold:g} ({factors}): re-profiling"
+
+    def take_reprofile(self) -> str | None:
+        """:meth:`reprofile_note` while re-profilings are left (``max_reprofiles``; a returned
+        note counts as one), else None."""
+        note = self.reprofile_note()
+        if note is None or self.reprofiles >= self.max_reprofiles:
+            return None
+        self.reprofiles += 1
+        return note
 
 
 __all__ = ["JobPlanner", "plan_tolerance", "initial_trajectory", "batch_trajectory", "choose_for_job",
