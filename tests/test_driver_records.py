@@ -1,7 +1,8 @@
 """The driver's pure pieces (no Ray): the interval and epoch records built from the actors'
 replies and the epoch's tally (actors/metrics.py), the start-or-resume decision
-(actors/recovery.py), the re-profiling budget (planners/job_planner.py), the SMA learners of a placement (actors/sma_learners.py) and the forecast
-of the next epoch (adaptive/forecast.py). Exact bookkeeping against hand-computed values and the
+(actors/recovery.py), the re-profiling budget (planners/job_planner.py), the SMA learners of a
+placement (actors/sma_learners.py); the next epoch's forecast is tested with the forecaster in
+test_forecast.py. Exact bookkeeping against hand-computed values and the
 functions they are built on."""
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from jabasray.actors.placement import Slot, full_allocation, multi_node, slots_f
 from jabasray.actors.recovery import restart, restore_or_start
 from jabasray.actors.sma_learners import placement_learners
 from jabasray.actors.sma_state import pack_sma
-from jabasray.adaptive import AdaptiveBatchController, GBSForecaster
-from jabasray.adaptive.forecast import forecast_next_epoch
+from jabasray.adaptive import AdaptiveBatchController
 from jabasray.config import JobConfig
 from jabasray.planners.correction import OnlineCorrection
 from jabasray.planners.job_planner import JobPlanner
@@ -153,18 +153,6 @@ def test_placement_learners_continue_the_checkpointed_counts_on_the_same_gpus():
     assert learners.pack(restored.states, list("aabb")) == ws          # round trip
     fixed = placement_learners(sma, DriverOptions(sma_autotune=False), _slots("aabb"), ws)[1]
     assert fixed.tuner is None and fixed.counts == [3, 3, 1, 1]
-
-
-def test_forecast_next_epoch_is_the_ensemble_with_the_jobs_settings():
-    job = JobConfig(initial_global_batch=16, min_global_batch=8, max_global_batch=40, adapt_interval=2,
-                    min_local_batch=4, seed=3)
-    trajectories = [[8, 10, 12, 14], [16, 18, 20]]
-    assert forecast_next_epoch([], job, 100) == []
-    f = GBSForecaster("ensemble", min_batch=8, max_batch=40, random_state=3).fit(trajectories)
-    want = [float(x) for x in f.predict_epoch(100, 2)]
-    got = forecast_next_epoch(trajectories, job, 100)
-    assert got == want and sum(2 * b for b in got[:-1]) < 100 <= sum(2 * b for b in got)
-    assert all(8 <= b <= 40 for b in got)
 
 
 def test_multi_node():

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from jabasray.adaptive import FORECAST_METHODS, GBSForecaster
+from jabasray.adaptive.forecast import forecast_next_epoch
+from jabasray.config import JobConfig
 
 
 def _growing(n=40, seed=0):
@@ -131,3 +133,15 @@ def test_no_warnings_escape():
         for m in ("ensemble", "arima"):                     # ensemble fits gpr and esm
             GBSForecaster(m).fit([noisy[:5], noisy[5:]]).predict(6)
     assert [str(w.message) for w in caught] == []
+
+
+def test_forecast_next_epoch_is_the_ensemble_with_the_jobs_settings():
+    job = JobConfig(initial_global_batch=16, min_global_batch=8, max_global_batch=40, adapt_interval=2,
+                    min_local_batch=4, seed=3)
+    trajectories = [[8, 10, 12, 14], [16, 18, 20]]
+    assert forecast_next_epoch([], job, 100) == []
+    f = GBSForecaster("ensemble", min_batch=8, max_batch=40, random_state=3).fit(trajectories)
+    want = [float(x) for x in f.predict_epoch(100, 2)]
+    got = forecast_next_epoch(trajectories, job, 100)
+    assert got == want and sum(2 * b for b in got[:-1]) < 100 <= sum(2 * b for b in got)
+    assert all(8 <= b <= 40 for b in got)
