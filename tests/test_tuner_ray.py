@@ -30,12 +30,11 @@ SPEC = digits_mlp_spec(steps_per_unit=2)
 
 class _Recorder(tune.Callback):
     def __init__(self):
-        self.results = []
-        self.units = []
+        self.results = []           # (trial id, training_iteration, pack_size, units) per report
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.results.append((trial.trial_id, result["training_iteration"], result.get("pack_size")))
-        self.units.append((trial.trial_id, result["training_iteration"], result["units"]))
+        self.results.append((trial.trial_id, result["training_iteration"], result.get("pack_size"),
+                             result["units"]))
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +65,10 @@ def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     df = grid.get_dataframe()
     assert (df["training_iteration"] == df["units"]).all()          # one report per unit
     assert df["units"].max() == 3                                    # RunConfig.stop honoured
-    assert max(p for _, _, p in rec.results) > 1                     # trials really shared a pack
+    assert max(p for _, _, p, _ in rec.results) > 1                     # trials really shared a pack
     # the callback saw every report of every trial: iterations 1..n per trial
     per_trial = {}
-    for tid, it, _ in rec.results:
+    for tid, it, _, _ in rec.results:
         per_trial.setdefault(tid, []).append(it)
     assert all(its == list(range(1, len(its) + 1)) for its in per_trial.values())
     for r in grid:                                                   # per-configuration progress.csv
@@ -155,7 +154,7 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
                   hb.tune_config("accuracy", "max"), callbacks=[rec]).fit()
     assert grid.num_errors == 0 and len(grid) == 5
     per_trial: dict[str, list[tuple[int, int]]] = {}
-    for tid, it, units in rec.units:
+    for tid, it, _, units in rec.results:
         per_trial.setdefault(tid, []).append((it, units))
     assert len(per_trial) == 5
     for tid, seq in per_trial.items():

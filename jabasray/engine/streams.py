@@ -31,6 +31,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..validation import check_choice
+
 
 STREAM_ROLES = ("foreground", "background", "default")
 
@@ -52,8 +54,7 @@ def stream_priorities(priority_range: tuple[int, int]) -> tuple[int, int]:
 
 def stream_priority(role: str) -> int:
     """The CUDA priority of a stream of ``role`` on this machine (``"default"``: 0)."""
-    if role not in STREAM_ROLES:
-        raise ValueError(f"role must be one of {list(STREAM_ROLES)}, got {role!r}")
+    check_choice("role", role, STREAM_ROLES)
     if role == "default":
         return 0
     fg, bg = stream_priorities(torch.cuda.Stream.priority_range())
@@ -70,8 +71,7 @@ class Lanes:
     twins."""
 
     def __init__(self, device: torch.device, role: str = "foreground") -> None:
-        if role not in STREAM_ROLES:
-            raise ValueError(f"role must be one of {list(STREAM_ROLES)}, got {role!r}")
+        check_choice("role", role, STREAM_ROLES)
         self.device = device
         self.role = role
         self.is_cuda = device.type == "cuda"

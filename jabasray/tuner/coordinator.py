@@ -131,24 +131,21 @@ class PackCoordinator:
                 log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
                 ray.actor.exit_actor()
 
-    def _wants_state(self, unit: int) -> bool:
-        """A checkpoint is due after ``unit`` (the trial's rule: every ``checkpoint_every``
-        units and the last one)."""
-        return unit == self.max_units or bool(self.checkpoint_every and unit % self.checkpoint_every == 0)
+    def _done(self, key: str) -> bool:
+        """The member has trained ``max_units`` (its trial ends; it trains no more)."""
+        return self.max_units is not None and self.units[key] >= self.max_units
 
     def _trainable(self, key: str) -> bool:
-        """Loaded, its previous result claimed, not at ``max_units`` (and, without
-        ``run_ahead``, its trial has asked for the unit)."""
-        return (key not in self.loading and key not in self.ready
-                and (self.max_units is None or self.units[key] < self.max_units)
+        """Loaded, its previous result claimed, not done (and, without ``run_ahead``, its
+        trial has asked for the unit)."""
+        return (key not in self.loading and key not in self.ready and not self._done(key)
                 and (self.run_ahead or key in self.waiting))
 
     def _behind(self) -> list[str]:
         """Members the next unit waits for (at most ``wait_s``): an unclaimed result, or
         (without ``run_ahead``) a trial that has not asked yet."""
         return [k for k in self.configs if k in self.ready or (
-            not self.run_ahead and k not in self.loading and k not in self.waiting
-            and (self.max_units is None or self.units[k] < self.max_units))]
+            not self.run_ahead and k not in self.loading and k not in self.waiting and not self._done(k))]
 
     def _register(self, key: str, config: dict) -> None:
         self.loads += 1
@@ -235,11 +232,10 @@ class PackCoordinator:
         await self._in_thread(self.runner.free, key)
         self._kick()
 
-    async def unit(self, key: str, want_state: bool = False) -> tuple[dict, bytes | None]:
+    async def unit(self, key: str) -> tuple[dict, bytes | None]:
         """The member's next unit (trained with the other members, usually ahead of this
         call: see the module docstring): its metrics and, when a checkpoint is due after it
-        (the coordinator's ``checkpoint_every`` rule), its state bytes. ``want_state`` is
-        accepted for callers of the earlier interface and ignored."""
+        (:func:`~jabasray.tuner.packed_trials.checkpoint_due`), its state bytes."""
         self._touch()
         if key in self.failed:
             raise self.failed.pop(key)
@@ -301,6 +297,7 @@ class PackCoordinator:
 
     async def _run(self, tokens: dict[str, int], aside: dict[str, tuple[dict, tuple]]) -> None:
         from jabasray.tuner.pack_runner import state_to_bytes
+        from jabasray.tuner.packed_trials import checkpoint_due
 
         keys = list(tokens)
 
@@ -311,7 +308,8 @@ class PackCoordinator:
                     self.aside[k] = (config, state_to_bytes(states[k]), unclaimed)
                     self.runner.free(k)
             results = self.runner.unit(keys)
-            want = [k for k, r in results.items() if not isinstance(r, Exception) and self._wants_state(r["units"])]
+            want = [k for k, r in results.items() if not isinstance(r, Exception)
+                    and checkpoint_due(r["units"], self.max_units, self.checkpoint_every)]
             states = self.runner.states(want) if want else {}
             return {k: r if isinstance(r, Exception) else (r, state_to_bytes(states[k]) if k in states else None)
                     for k, r in results.items()}

@@ -76,6 +76,12 @@ class PackedJob:
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
 
 
+def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
+    """A packed trial checkpoints after ``unit``: every ``every`` units (0: never) and after
+    its last one (``max_units``)."""
+    return unit == max_units or bool(every and unit % every == 0)
+
+
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int = 8,
            checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 2.0,
@@ -244,7 +250,7 @@ def _run_plain(config: dict, job: PackedJob) -> None:
 
     torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
     every = job.checkpoint_every
-    ckpt_at = {u for u in range(1, job.max_units + 1) if u == job.max_units or (every and u % every == 0)}
+    ckpt_at = {u for u in range(1, job.max_units + 1) if checkpoint_due(u, job.max_units, every)}
     train_plain(cloudpickle.loads(job.spec_blob), config, job.stream_batch, job.max_units, ckpt_at=ckpt_at)
 
 
