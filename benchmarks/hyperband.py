@@ -15,6 +15,9 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
 * ``packed_asha_sync`` (only when named in ``--contenders``): C with ``run_ahead=False`` --
   every unit waits for all its members' trials to ask -- to measure what running one unit
   ahead of Tune gains (``packed_asha_sync/packed_asha`` ratios).
+* ``packed_asha_plain`` (only when named): C with A's search order (``BasicVariantGenerator``
+  over the same points) instead of ``SimilaritySearch``: what the order does to ASHA's
+  promotions and to the packs.
 
 Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
 the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (MLP-3 on
@@ -23,9 +26,12 @@ actually trains are reported (schedulers decide differently). Rounds are paired:
 A B C D, ... (the order rotates each round); per-round ratios and their median are reported,
 never the best of each side from different rounds. For every run: wall time to finish, time
 until the best-so-far metric is within 1 point of that run's final best, time to the fixed
-``--target`` accuracy, best accuracy, units trained, load average.
+``--target`` accuracy, best accuracy, units trained and seconds per unit trained (schedulers
+decide differently, so the contenders' amounts of work differ), load average, and for packed
+contenders what the coordinators did (``jabasray.tuner.coordinator_stats``: units, members
+per unit, discarded speculative units, seconds training and idle).
 
-    python benchmarks/hyperband.py [--rounds 2] [--R 9] [--out /tmp/x.json]
+    python benchmarks/hyperband.py [--rounds 2] [--R 81] [--out /tmp/x.json]
 """
 from __future__ import annotations
 
@@ -38,13 +44,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import default_out, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
-EXTRA_CONTENDERS = ("packed_asha_sync",)       # only when named in --contenders
+EXTRA_CONTENDERS = ("packed_asha_sync", "packed_asha_plain")   # only when named in --contenders
 
 
 def trajectory_stats(points: list[tuple[float, float]], target: float) -> dict:
@@ -65,7 +72,7 @@ def trajectory_stats(points: list[tuple[float, float]], target: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--R", type=int, default=9, help="max units per configuration (a power of eta)")
+    ap.add_argument("--R", type=int, default=81, help="max units per configuration (a power of eta)")
     ap.add_argument("--eta", type=int, default=3)
     ap.add_argument("--steps-per-unit", type=int, default=100)
     ap.add_argument("--members", type=int, default=4, help="packed trials per CPU device")
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from ray.tune.search import BasicVariantGenerator
 
     from jabasray.planners.pack_opt import TABLE3_SPACE
-    from jabasray.tuner import PackedHyperband, SimilaritySearch, hyperband_schedule, make_trainable, packed
+    from jabasray.tuner import (PackedHyperband, SimilaritySearch, coordinator_stats, hyperband_schedule,
+                                make_trainable, packed)
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
     from jabasray.tuner.schedulers import hyperband_scheduler
 
@@ -128,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                                           scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
         trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members,
                            run_ahead=name != "packed_asha_sync")
+        if name == "packed_asha_plain":
+            return trainable, tune.TuneConfig(
+                metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
+                scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
+                search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]))
         if name in ("packed_asha", "packed_asha_sync"):
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
@@ -146,8 +159,17 @@ def main(argv: list[str] | None = None) -> int:
                                                     callbacks=[rec])).fit()
         wall = time.perf_counter() - t0
         best = grid.get_best_result()
+        # what the packing coordinators did (ended now, so no contender's run sees another's)
+        stats = list(coordinator_stats(release=True).values()) if name.startswith("packed") else []
+        coord = {k: sum(s[k] for s in stats) for k in ("units_run", "member_units", "units_discarded",
+                                                       "set_aside", "busy_s")}
+        coord["idle_s"] = {r: sum(s["idle_s"].get(r, 0.0) for s in stats)
+                           for r in sorted({r for s in stats for r in s["idle_s"]})}
+        units = sum(rec.units.values())
         return {"wall_s": wall, "trials": len(grid), "errors": grid.num_errors,
-                "units_trained": sum(rec.units.values()), "reports": len(rec.points),
+                "units_trained": units, "s_per_unit": wall / units, "reports": len(rec.points),
+                "trials_by_units": {str(u): n for u, n in sorted(Counter(rec.units.values()).items())},
+                "coordinators": coord if stats else None,
                 **trajectory_stats(rec.points, args.target),
                 "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES},
                 "load_avg_after": os.getloadavg()[0]}
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['time_to_within_1pt_s']:6.1f} s | target {r['time_to_target_s']} | best "
                       f"{r['best_accuracy']:.4f} | {r['units_trained']} units, {r['trials']} trials, "
                       f"{r['errors']} errors | load {r['load_avg_after']:.1f}", flush=True)
+                if r["coordinators"]:
+                    print(f"          coordinators: {r['coordinators']}", flush=True)
             out["rounds"].append(row)
     finally:
         ray.shutdown()
@@ -183,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {}
     for base, other in (("tune_asha", "packed_asha"), ("tune_hyperband", "packed_hyperband"),
-                        ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha")):
-        for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s"):
+                        ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha"),
+                        ("tune_asha", "packed_asha_plain")):
+        for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s", "s_per_unit"):
             r = ratios(base, other, key)
             if r is not None:
                 summary[f"{base}/{other} {key}"] = {"per_round": r, "median": statistics.median(r)}

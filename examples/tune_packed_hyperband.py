@@ -19,7 +19,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
-from jabasray.tuner import PackedHyperband, SimilaritySearch, packed
+from jabasray.tuner import PackedHyperband, SimilaritySearch, coordinator_stats, packed
 from jabasray.tuner.digits import digits_mlp_spec
 
 
@@ -60,6 +60,11 @@ def main() -> None:
     print(f"best configuration: {best.config}")
     print(f"best validation accuracy: {best.metrics['accuracy']:.4f} after {best.metrics['units']} units")
     print(f"its checkpoint (the model's own state_dict in member.pt): {best.checkpoint}")
+    stats = list(coordinator_stats(release=True).values())   # what the packing coordinators did
+    runs, members = sum(s["units_run"] for s in stats), sum(s["member_units"] for s in stats)
+    print(f"packing coordinators: {members} member-units in {runs} packed units "
+          f"({members / max(runs, 1):.1f} trials per pack), {sum(s['units_discarded'] for s in stats)} "
+          f"speculative units discarded, {sum(s['busy_s'] for s in stats):.1f} s training")
     ray.shutdown()
 
 

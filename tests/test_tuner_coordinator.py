@@ -138,3 +138,32 @@ def test_without_run_ahead_a_unit_waits_until_every_trial_asked():
         for key, (row, _) in zip("ab", pair):
             assert row["units"] == n and row["pack_size"] == 2
             _check(row, refs[key].unit(2 * (n - 1)))
+
+
+def test_no_unit_runs_ahead_past_a_decision_point_learned_from_a_stopped_trial():
+    """A trial freed after claiming unit 1 (ASHA's first rung) teaches the coordinator that
+    the scheduler decides after 1 unit: a later member that claims its unit 1 is not trained
+    ahead (nothing to discard if it is stopped there) while the others still are, and when its
+    trial goes on it trains from the unit it asked for."""
+    C = {"batch_size": 30, "optimizer": "sgd", "lr": 1e-1, "activation": "relu"}
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)       # unit 2 ahead for a and b
+        await c.free("a")                                               # ASHA stopped a after unit 1
+        assert c.decisions == {1} and c.units_discarded == 1
+        assert await c.load("c", C) == {"units": 0}
+        (b2, _), (c1, _) = await asyncio.gather(c.unit("b"), c.unit("c"))   # run 3: b's 3 and c's 1
+        await _until(lambda: c.units_run == 3 and not c.running)
+        b3, _ = await c.unit("b")
+        await _until(lambda: c.units_run == 4 and not c.running)       # run 4: b's unit 4 only
+        held = (c.units["c"], "c" in c.ready, c.units["b"])
+        (c2, _), (b4, _) = await asyncio.gather(c.unit("c"), c.unit("b"))   # c's trial goes on
+        return [r["units"] for r in (b2, c1, b3, c2, b4)], c1, c2, held, c.units_discarded, c.decisions
+
+    units, c1, c2, held, discarded, decisions = _run(scenario, max_units=5)
+    assert held == (1, False, 4)                    # c was not trained past its decision point
+    assert units == [2, 1, 3, 2, 4]
+    assert c1["pack_size"] == 2 and c2["steps"] == 4 and c2["pack_size"] == 2
+    assert discarded == 1 and decisions == {1}      # only a's unit 2, before the point was learned

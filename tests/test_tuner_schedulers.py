@@ -81,3 +81,31 @@ def test_same_decisions_as_tune_when_the_last_trial_reports():
         out.append((sched.on_trial_result(ctl, b, {"training_iteration": 3, "acc": 2}),
                     [t.trial_id for t in ctl.stopped]))
     assert out[0] == out[1] == ("STOP", ["A"])
+
+
+def _finish_while_pausing(scheduler):
+    """A reports max_t first and is told to PAUSE, but its pause is still in progress (status
+    RUNNING) when B's trainable ends after its last unit and finishes the bracket; only then
+    does A's status become PAUSED."""
+    ctl = _Controller()
+    a, b = _Trial("A"), _Trial("B")
+    scheduler.on_trial_add(ctl, a)
+    scheduler.on_trial_add(ctl, b)
+    assert scheduler.on_trial_result(ctl, a, {"training_iteration": 3, "acc": 3}) == "PAUSE"
+    assert scheduler.on_trial_result(ctl, b, {"training_iteration": 2, "acc": 2}) == "CONTINUE"
+    b.status = Trial.TERMINATED
+    scheduler.on_trial_complete(ctl, b, {"training_iteration": 3, "acc": 3})
+    stopped_at_removal = list(ctl.stopped)
+    a.status = Trial.PAUSED                              # the pause completes afterwards
+    return ctl, a, stopped_at_removal, scheduler.choose_trial_to_run(ctl)
+
+
+def test_a_trial_whose_pause_completes_after_its_bracket_finished_is_stopped():
+    ctl, a, at_removal, chosen = _finish_while_pausing(hyperband_scheduler(3, 3, metric="acc", mode="max"))
+    assert at_removal == []                              # still RUNNING then: nothing to stop yet
+    assert ctl.stopped == [a] and chosen is None         # the controller's next step stops it
+
+
+def test_stock_hyperband_leaves_a_late_paused_trial_paused_forever():
+    ctl, a, _, chosen = _finish_while_pausing(_stock())
+    assert ctl.stopped == [] and a.status == Trial.PAUSED and chosen is None

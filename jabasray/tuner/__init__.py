@@ -6,6 +6,7 @@
 * :func:`SimilaritySearch`: a Tune searcher that emits similar configurations together
   (normalised kNN order; any Tune domain).
 * :class:`PackedHyperband`: packed Hyperband on Tune's ``HyperBandScheduler``.
+* :func:`coordinator_stats`: what the packing coordinators did (units, packs, time).
 * :func:`hyperband_brackets` / :func:`hyperband_schedule`: Li et al.'s bracket arithmetic.
 * :func:`make_trainable`: the same spec as an ordinary unpacked function trainable.
 
@@ -13,7 +14,7 @@ Ray is imported lazily: the bracket arithmetic and the spec work without it.
 """
 from jabasray.tuner.brackets import Bracket, Rung, hyperband_brackets, hyperband_schedule
 
-__all__ = ["packed", "SimilaritySearch", "PackedHyperband", "PackedJob", "TrainingSpec",
+__all__ = ["packed", "SimilaritySearch", "PackedHyperband", "PackedJob", "coordinator_stats", "TrainingSpec",
            "make_trainable", "hyperband_brackets", "hyperband_schedule", "Bracket", "Rung"]
 
 
@@ -21,7 +22,7 @@ def __getattr__(name: str):
     if name == "TrainingSpec":
         from jabasray.tuner.training import TrainingSpec
         return TrainingSpec
-    if name in ("packed", "SimilaritySearch", "PackedHyperband", "PackedJob"):
+    if name in ("packed", "SimilaritySearch", "PackedHyperband", "PackedJob", "coordinator_stats"):
         from jabasray.tuner import packed_trials
         return getattr(packed_trials, name)
     if name == "make_trainable":

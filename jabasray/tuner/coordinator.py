@@ -20,6 +20,14 @@ One unit of training is a barrier over the registered members, run ONE UNIT AHEA
    the trial after unit ``n`` (its checkpoint is that of unit ``n``), :meth:`free` discards the
    speculative unit ``n + 1`` and nothing of it is ever reported. The units after which a
    checkpoint is due (``checkpoint_every``, the last one) carry the member's state bytes;
+   *Decision points*: schedulers stop or pause trials only at certain unit counts (ASHA's and
+   HyperBand's rungs: 1, 3, 9, ... for grace 1 and eta 3), so a speculative unit after such a
+   count is mostly wasted (two of every three trials stop at an ASHA rung). The coordinator
+   learns these counts from the trials that leave (the units a trial had claimed when it was
+   freed, below ``max_units``) and does not run ahead of a member that has just claimed such
+   a unit: the member joins the next unit once its trial asks for it (the others do not wait
+   for it), so a trial the scheduler keeps costs it at most one unit's wait and a trial it
+   stops costs no compute;
 3. a member that has not claimed its result ``wait_s`` after the others were ready is *set
    aside*: its state (and unclaimed result) is kept here and its slot freed, and it re-joins
    from that state if it ever asks. This matters because Tune does not always end a trial's
@@ -94,6 +102,8 @@ class PackCoordinator:
         self.loading: set[str] = set()             # registered, state still loading
         self.waiting: dict[str, asyncio.Future] = {}     # trials waiting for their next unit
         self.ready: dict[str, tuple] = {}          # computed, not yet claimed (one unit ahead)
+        self.claimed: dict[str, int] = {}          # units of the last result each member claimed
+        self.decisions: set[int] = set()           # unit counts after which trials were stopped or paused
         self.failed: dict[str, BaseException] = {}  # a member's unit failed: raised when it asks
         self.aside: dict[str, tuple[dict, bytes, tuple | None]] = {}   # config, state, unclaimed
         self.first_ready = 0.0                     # when the next unit could first have started
@@ -103,6 +113,12 @@ class PackCoordinator:
         self.watchdog: asyncio.Task | None = None
         self.units_run = 0
         self.units_discarded = 0                   # speculative units of members that left
+        self.member_units = 0                      # members trained, summed over units
+        self.set_aside = 0                         # members set aside by the barrier
+        self.busy_s = 0.0                          # seconds the training thread trained units
+        self.idle_s: dict[str, float] = {}         # seconds between units, by what was awaited
+        self.idle_reason = "empty"
+        self.created = self.last_end = time.monotonic()
         self._make_runner()                        # torch, data, stream: before the first trial asks
 
     # -- helpers -----------------------------------------------------------------------------
@@ -136,10 +152,10 @@ class PackCoordinator:
         return self.max_units is not None and self.units[key] >= self.max_units
 
     def _trainable(self, key: str) -> bool:
-        """Loaded, its previous result claimed, not done (and, without ``run_ahead``, its
-        trial has asked for the unit)."""
+        """Loaded, its previous result claimed, not done, and its trial has asked for the
+        unit -- or, with ``run_ahead``, the unit is not past a decision point."""
         return (key not in self.loading and key not in self.ready and not self._done(key)
-                and (self.run_ahead or key in self.waiting))
+                and (key in self.waiting or (self.run_ahead and self.units[key] not in self.decisions)))
 
     def _behind(self) -> list[str]:
         """Members the next unit waits for (at most ``wait_s``): an unclaimed result, or
@@ -157,6 +173,7 @@ class PackCoordinator:
         self.configs.pop(key, None)
         self.units.pop(key, None)
         self.token.pop(key, None)
+        self.claimed.pop(key, None)
         self.loading.discard(key)
         if self.ready.pop(key, None) is not None:
             self.units_discarded += 1
@@ -228,6 +245,9 @@ class PackCoordinator:
         self.failed.pop(key, None)
         if key not in self.configs:
             return
+        n = self.claimed.get(key)
+        if n is not None and not (self.max_units is not None and n >= self.max_units):
+            self.decisions.add(n)                   # the scheduler decides after n units
         self._forget(key)
         await self._in_thread(self.runner.free, key)
         self._kick()
@@ -249,6 +269,7 @@ class PackCoordinator:
             raise ValueError(f"trial {key!r} is not loaded")
         if key in self.ready:                                    # trained ahead: claim it
             result = self.ready.pop(key)
+            self.claimed[key] = int(result[0]["units"])
             self._kick()
             return result
         if key in self.waiting:
@@ -259,8 +280,16 @@ class PackCoordinator:
         return await fut
 
     def stats(self) -> dict:
+        """Where the coordinator's time went: units run and members trained in them (summed),
+        speculative units discarded, members set aside, the decision points learned, seconds
+        training (``busy_s``), seconds between units by what was awaited (``idle_s``: "tune"
+        -- every member's trial still busy with its report --, "behind" -- a member not yet
+        claiming its previous result --, "loading", "empty") and seconds alive."""
         return {"members": sorted(self.configs), "units_run": self.units_run,
-                "units_discarded": self.units_discarded, "position": getattr(self.runner, "position", 0)}
+                "member_units": self.member_units, "units_discarded": self.units_discarded,
+                "set_aside": self.set_aside, "decisions": sorted(self.decisions),
+                "busy_s": self.busy_s, "idle_s": dict(self.idle_s),
+                "alive_s": time.monotonic() - self.created, "position": getattr(self.runner, "position", 0)}
 
     # -- the barrier -------------------------------------------------------------------------
     def _kick(self) -> None:
@@ -270,9 +299,12 @@ class PackCoordinator:
             return
         keys = [k for k in self.configs if self._trainable(k)]
         if not keys:
+            self.idle_reason = "empty" if not self.configs else "tune"
             return
         behind = self._behind()
         now = time.monotonic()
+        if behind or self.loading:
+            self.idle_reason = "behind" if behind else "loading"
         if self.first_ready == 0.0:
             self.first_ready = now
         late = self.first_ready + self.wait_s - now
@@ -284,13 +316,16 @@ class PackCoordinator:
                 self.timer = asyncio.get_running_loop().call_later(late, fire)
             return
         if behind:
+            self.set_aside += len(behind)
             log.info("setting aside %d member(s) that did not claim a unit within %.1f s", len(behind), self.wait_s)
         aside = {k: (self.configs[k], self.ready.pop(k, None)) for k in behind}
         for k in behind:
             self.configs.pop(k)
             self.units.pop(k)
             self.token.pop(k)
+            self.claimed.pop(k, None)
         self.first_ready = 0.0
+        self.idle_s[self.idle_reason] = self.idle_s.get(self.idle_reason, 0.0) + now - self.last_end
         self.running = True
         tokens = {k: self.token[k] for k in keys}
         asyncio.get_running_loop().create_task(self._run(tokens, aside))
@@ -314,11 +349,14 @@ class PackCoordinator:
             return {k: r if isinstance(r, Exception) else (r, state_to_bytes(states[k]) if k in states else None)
                     for k, r in results.items()}
 
+        t0 = time.monotonic()
         try:
             results = await self._in_thread(work)
         except Exception as e:                      # noqa: BLE001 -- hand it to every member
             results = {k: e for k in keys}
+        self.busy_s += time.monotonic() - t0
         self.units_run += 1
+        self.member_units += len(keys)
         failed = [k for k, r in results.items() if isinstance(r, Exception)]
         if failed:                                  # the runner keeps no failed member
             await self._in_thread(lambda: [self.runner.free(k) for k in failed])
@@ -336,9 +374,11 @@ class PackCoordinator:
                 continue
             self.units[k] = int(r[0]["units"])
             if fut is not None and not fut.done():
+                self.claimed[k] = self.units[k]
                 fut.set_result(r)
             else:
                 self.ready[k] = r                   # ahead: claimed by the trial's next call
         self.running = False
+        self.last_end = time.monotonic()
         self._touch()
         self._kick()

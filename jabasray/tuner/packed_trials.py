@@ -53,7 +53,8 @@ from jabasray.validation import check_float, check_int
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedJob", "packed", "SimilaritySearch", "PackedHyperband", "COORDINATOR_NAMESPACE"]
+__all__ = ["PackedJob", "packed", "SimilaritySearch", "PackedHyperband", "coordinator_stats",
+           "COORDINATOR_NAMESPACE"]
 
 COORDINATOR_NAMESPACE = "jabasray"
 CHECKPOINT_FILE = "member.pt"
@@ -252,6 +253,28 @@ def _run_plain(config: dict, job: PackedJob) -> None:
     every = job.checkpoint_every
     ckpt_at = {u for u in range(1, job.max_units + 1) if checkpoint_due(u, job.max_units, every)}
     train_plain(cloudpickle.loads(job.spec_blob), config, job.stream_batch, job.max_units, ckpt_at=ckpt_at)
+
+
+def coordinator_stats(release: bool = False) -> dict[str, dict]:
+    """``{coordinator name: PackCoordinator.stats()}`` of every packing coordinator alive in
+    the connected Ray cluster: units run, members trained per unit (summed), speculative units
+    discarded, members set aside, decision points learned, seconds training and idle (by what
+    was awaited). ``release=True`` also ends them (they otherwise exit after ``idle_exit_s``
+    without members); call it after ``Tuner.fit()`` returns."""
+    import ray
+
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] != COORDINATOR_NAMESPACE or not a["name"].startswith("pack/"):
+            continue
+        try:
+            handle = ray.get_actor(a["name"], namespace=COORDINATOR_NAMESPACE)
+            out[a["name"]] = ray.get(handle.stats.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ValueError):       # exited meanwhile
+            continue
+        if release:
+            ray.kill(handle)
+    return out
 
 
 # ----------------------------------------------------------------------------- search order

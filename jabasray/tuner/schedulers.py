@@ -13,6 +13,12 @@ ended in the same controller step as another trial's rung result).
 :func:`hyperband_scheduler` returns a subclass that, after Tune's own removal bookkeeping,
 stops the paused trials of a bracket that the removal finished -- exactly what
 ``_process_bracket`` does for a finished bracket when the last trial reports instead of ending.
+The same hang has a second door: a trial whose PAUSE decision is still in progress (Tune
+saves it before its status becomes PAUSED) when the bracket finishes -- the last trial ends
+or reports in that window -- is not PAUSED yet when ``cleanup_full`` looks, and nothing looks
+again (seen with packed trials at R = 81: one trial left PAUSED at ``max_t`` in a finished
+bracket). So the subclass also sweeps every finished bracket for PAUSED trials whenever the
+controller asks it for a trial to run (:meth:`choose_trial_to_run`, every controller step).
 Ray is imported lazily, like the rest of :mod:`jabasray.tuner`.
 """
 from __future__ import annotations
@@ -34,11 +40,21 @@ def _make_class():
             bracket, _ = self._trial_info[trial]
             super().on_trial_remove(tune_controller, trial)
             if bracket.finished():
-                paused = [t for t in bracket.current_trials() if t.status == t.PAUSED]
-                if paused:
-                    log.info("HyperBand bracket finished when trial %s ended: stopping %d paused "
-                             "trial(s) at max_t", trial, len(paused))
-                bracket.cleanup_full(tune_controller)
+                _stop_paused(tune_controller, bracket, f"when trial {trial} ended")
+
+        def choose_trial_to_run(self, tune_controller):
+            for band in self._hyperbands:
+                for bracket in band:
+                    if bracket is not None and bracket.finished():
+                        _stop_paused(tune_controller, bracket, "after its last pause completed")
+            return super().choose_trial_to_run(tune_controller)
+
+    def _stop_paused(tune_controller, bracket, when: str) -> None:
+        """``cleanup_full`` (stops the bracket's PAUSED trials), logged when it stops any."""
+        paused = [t for t in bracket.current_trials() if t.status == t.PAUSED]
+        if paused:
+            log.info("HyperBand bracket finished %s: stopping %d paused trial(s) at max_t", when, len(paused))
+            bracket.cleanup_full(tune_controller)
 
     return FinishingHyperBand
 
