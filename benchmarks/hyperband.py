@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-cpus", type=int, default=2)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: on a Ray node with GPUs; Tune's trials take one GPU each, packed "
+                         "trials 1/members of one")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--out", default=default_out('hyperband.json'))
     args = ap.parse_args(argv)
@@ -102,17 +105,23 @@ def main(argv: list[str] | None = None) -> int:
     from jabasray.tuner.schedulers import hyperband_scheduler
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is visible", file=sys.stderr)
+            return 2
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     storage = tempfile.mkdtemp(prefix="jabasray_hb_bench_")
-    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit, seed=args.seed)
+    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit, seed=args.seed, device=args.device)
     space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
     n_configs = sum(b.num_configs for b in hyperband_schedule(args.R, args.eta))
     configs = TABLE3_SPACE.sample(n_configs, random.Random(args.seed))
     stream_batch = max(TABLE3_PARAM_VALUES["batch_size"])
     data = spec.data_fn()
     plain = tune.with_resources(tune.with_parameters(
-        make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data), {"cpu": 1})
+        make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data),
+        {"cpu": 1, "gpu": 1} if args.device == "cuda" else {"cpu": 1})
 
     class Recorder(tune.Callback):
         def __init__(self) -> None:
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES},
                 "load_avg_after": os.getloadavg()[0]}
 
-    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU, no GPU, Ray num_cpus={args.num_cpus}",
+    gpu = "no GPU" if args.device == "cpu" else __import__("torch").cuda.get_device_name(0)
+    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU, {gpu}, Ray num_cpus={args.num_cpus}",
                  "args": vars(args), "configs": len(configs), "load_avg_start": os.getloadavg(), "rounds": []}
     try:
         run("tune_asha", -1) if "tune_asha" in contenders else None   # warm-up: Ray workers, imports

@@ -105,8 +105,9 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             asks). Units run one ahead of Tune: see :mod:`jabasray.tuner.coordinator`.
         idle_exit_s: seconds a coordinator without members lives on.
         run_ahead: train every member's next unit while Tune still processes its previous
-            report (default), at the cost of one discarded unit per trial that the scheduler
-            stops or pauses; False: a unit waits until every member's trial asked for it.
+            report (default) -- except past the unit counts at which the scheduler has been
+            seen to stop or pause trials, so a stopped trial rarely costs a discarded unit;
+            False: a unit waits until every member's trial asked for it.
     """
     import cloudpickle
     from ray import tune
