@@ -26,8 +26,8 @@ One unit of training is a barrier over the registered members, run ONE UNIT AHEA
    learns these counts from the trials that leave (the units a trial had claimed when it was
    freed, below ``max_units``) and does not run ahead of a member that has just claimed such
    a unit: the member joins the next unit once its trial asks for it (the others do not wait
-   for it), so a trial the scheduler keeps costs it at most one unit's wait and a trial it
-   stops costs no compute;
+   for it), so a trial the scheduler keeps waits at most one unit longer there, and one it
+   stops costs no speculative compute;
 3. a member that has not claimed its result ``wait_s`` after the others were ready is *set
    aside*: its state (and unclaimed result) is kept here and its slot freed, and it re-joins
    from that state if it ever asks. This matters because Tune does not always end a trial's
