@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         best = grid.get_best_result()
         # what the packing coordinators did (ended now, so no contender's run sees another's)
         stats = list(coordinator_stats(release=True).values()) if name.startswith("packed") else []
-        coord = {k: sum(s[k] for s in stats) for k in ("units_run", "member_units", "units_discarded",
+        coord = {k: sum(s[k] for s in stats) for k in ("units_run", "member_units", "units_discarded", "units_unclaimed",
                                                        "set_aside", "busy_s")}
         coord["idle_s"] = {r: sum(s["idle_s"].get(r, 0.0) for s in stats)
                            for r in sorted({r for s in stats for r in s["idle_s"]})}

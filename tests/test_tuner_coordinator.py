@@ -104,6 +104,7 @@ def test_a_late_member_is_set_aside_with_its_unclaimed_unit_and_gets_it_back():
         a2, _ = await c.unit("a")                                       # b does not claim unit 2
         await _until(lambda: c.units_run == 3 and not c.running)       # after wait_s: a alone
         assert "b" in c.aside and "b" not in c.configs
+        assert c.stats()["units_unclaimed"] == 2                        # b's unit 2 aside, a's unit 3 ahead
         b2, _ = await c.unit("b")                                       # its unit 2, kept aside
         assert "b" in c.configs and "b" not in c.aside
         a3, _ = await c.unit("a")

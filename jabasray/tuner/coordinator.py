@@ -281,12 +281,15 @@ class PackCoordinator:
 
     def stats(self) -> dict:
         """Where the coordinator's time went: units run and members trained in them (summed),
-        speculative units discarded, members set aside, the decision points learned, seconds
+        speculative units discarded, results computed but not (yet) claimed (members ahead or
+        set aside), members set aside, the decision points learned, seconds
         training (``busy_s``), seconds between units by what was awaited (``idle_s``: "tune"
         -- every member's trial still busy with its report --, "behind" -- a member not yet
         claiming its previous result --, "loading", "empty") and seconds alive."""
+        unclaimed = len(self.ready) + sum(u is not None for _, _, u in self.aside.values())
         return {"members": sorted(self.configs), "units_run": self.units_run,
                 "member_units": self.member_units, "units_discarded": self.units_discarded,
+                "units_unclaimed": unclaimed,
                 "set_aside": self.set_aside, "decisions": sorted(self.decisions),
                 "busy_s": self.busy_s, "idle_s": dict(self.idle_s),
                 "alive_s": time.monotonic() - self.created, "position": getattr(self.runner, "position", 0)}
