@@ -76,8 +76,10 @@ class Foreground:
         with stream_ctx:
             for i in range(5):
                 self.step(i, runner)
+            # the foreground's own stream, never torch.cuda.synchronize(): a device-wide sync
+            # waits for the background job too, and fails while it captures its CUDA graph
             if cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             t0 = time.perf_counter()
             for i in range(steps):
                 ctx = runner.foreground_step() if (runner is not None and feedback) else contextlib.nullcontext()
@@ -86,7 +88,7 @@ class Foreground:
                     if cuda:
                         torch.cuda.current_stream().synchronize()   # a step ends when its work ends
             if cuda:
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
             return time.perf_counter() - t0
 
 

@@ -30,7 +30,10 @@ A low-priority *background* training job uses the spare capacity of a device whi
    place - and capture itself executes nothing; the captured step first runs (replay) on the
    batch it was captured for. So a graphed job does exactly the eager job's steps. A capture
    failure or a batch of another shape falls back to eager execution with a log line. The LR
-   is a constant of the graph (background jobs have no scheduler).
+   is a constant of the graph (background jobs have no scheduler). A foreground must wait on
+   its own stream (``torch.cuda.current_stream().synchronize()``), not the whole device:
+   ``torch.cuda.synchronize()`` waits for the background's work too, and CUDA refuses it
+   while the background captures its graph.
 4. Slowdown feedback (``slowdown_target``, ``pause_ops``, ``op_slowdown_threshold``):
    (a) operations known or observed to suffer from collocation (all-reduce first of all) pause
    the background while the foreground runs them (``with runner.foreground_critical(op)`` or
@@ -398,6 +401,10 @@ class BackgroundRunner:
                  policy: MultiplexPolicy | None = None,
                  controller: SlowdownController | None = None) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the background thread binds itself to the device: it needs the index ("cuda" is
+            # the caller's current device)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.policy = policy or MultiplexPolicy()
         self.controller = controller or SlowdownController(
             target=self.policy.slowdown_target if self.policy.slowdown_target is not None else 0.0)

@@ -568,6 +568,9 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         points.append((bl, n_max, one, at_max))
         bl += min_local_batch
     points = _make_monotone(points, try_step, repeats)
+    if dev.type == "cuda":      # the probes leave n_max replicas on the device: free them before
+        worker.configure(1, 0, min_local_batch)     # zeta's model copy (it ran out of memory)
+        torch.cuda.empty_cache()
     batches: list[BatchProfile] = []
     update_times: list[float] = []
     overheads: list[float] = []
