@@ -102,7 +102,6 @@ class PackCoordinator:
         self.loading: set[str] = set()             # registered, state still loading
         self.waiting: dict[str, asyncio.Future] = {}     # trials waiting for their next unit
         self.ready: dict[str, tuple] = {}          # computed, not yet claimed (one unit ahead)
-        self.claimed: dict[str, int] = {}          # units of the last result each member claimed
         self.decisions: set[int] = set()           # unit counts after which trials were stopped or paused
         self.failed: dict[str, BaseException] = {}  # a member's unit failed: raised when it asks
         self.aside: dict[str, tuple[dict, bytes, tuple | None]] = {}   # config, state, unclaimed
@@ -173,7 +172,6 @@ class PackCoordinator:
         self.configs.pop(key, None)
         self.units.pop(key, None)
         self.token.pop(key, None)
-        self.claimed.pop(key, None)
         self.loading.discard(key)
         if self.ready.pop(key, None) is not None:
             self.units_discarded += 1
@@ -245,8 +243,8 @@ class PackCoordinator:
         self.failed.pop(key, None)
         if key not in self.configs:
             return
-        n = self.claimed.get(key)
-        if n is not None and not (self.max_units is not None and n >= self.max_units):
+        n = self.units[key] - (key in self.ready)   # units of the last result its trial claimed
+        if n > 0 and not (self.max_units is not None and n >= self.max_units):
             self.decisions.add(n)                   # the scheduler decides after n units
         self._forget(key)
         await self._in_thread(self.runner.free, key)
@@ -269,7 +267,6 @@ class PackCoordinator:
             raise ValueError(f"trial {key!r} is not loaded")
         if key in self.ready:                                    # trained ahead: claim it
             result = self.ready.pop(key)
-            self.claimed[key] = int(result[0]["units"])
             self._kick()
             return result
         if key in self.waiting:
@@ -326,7 +323,6 @@ class PackCoordinator:
             self.configs.pop(k)
             self.units.pop(k)
             self.token.pop(k)
-            self.claimed.pop(k, None)
         self.first_ready = 0.0
         self.idle_s[self.idle_reason] = self.idle_s.get(self.idle_reason, 0.0) + now - self.last_end
         self.running = True
@@ -377,7 +373,6 @@ class PackCoordinator:
                 continue
             self.units[k] = int(r[0]["units"])
             if fut is not None and not fut.done():
-                self.claimed[k] = self.units[k]
                 fut.set_result(r)
             else:
                 self.ready[k] = r                   # ahead: claimed by the trial's next call
