@@ -7,8 +7,31 @@ import os
 import pytest
 import torch
 
-# Two cores: keep torch from oversubscribing them in the test process.
-torch.set_num_threads(1)
+# Two cores: keep torch from oversubscribing them in the test process. JABASRAY_TEST_THREADS
+# runs the suite with more intra-op threads (a test whose outcome changes with the number of
+# threads compares at a precision it does not have).
+torch.set_num_threads(int(os.environ.get("JABASRAY_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def float64():
+    """Exactness tests run in float64 (``pytestmark = pytest.mark.usefixtures("float64")``).
+
+    Two float32 computations of the same value (a packed update and a plain loop, batched and
+    per-worker execution) may differ in the last bits, and by how much depends on the CPU's
+    vector width (``ATEN_CPU_CAPABILITY``: default, avx2, avx512 round reductions
+    differently) and on the thread count; a float32 tolerance picked on one CPU then fails on
+    another. In float64 the same differences are ~1e-16 relative, far below what any real
+    mistake (a wrong scale, a missed sample, a stale weight) produces, so the comparison can
+    use ``torch.testing.assert_close``'s float64 defaults (rtol 1e-7, atol 1e-7) on every CPU.
+    Models, data and optimizer states built inside the test take the default dtype.
+    """
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def _start_session_ray(ray) -> None:

@@ -101,12 +101,17 @@ class Untraceable(nn.Module):
         return self.fc(torch.flatten(x, 1))
 
 
+def _example():
+    """EXAMPLE in the default dtype (float64 under the ``float64`` fixture)."""
+    return EXAMPLE.to(torch.get_default_dtype())
+
+
 def _uniform(model, gpus=1):
-    return BurstPlan.uniform(layer_names(model, EXAMPLE), gpus)
+    return BurstPlan.uniform(layer_names(model, _example()), gpus)
 
 
 def _build(model, plan, batch=4):
-    return BurstExecutor(model, plan, EXAMPLE, batch, F.cross_entropy, make_optimizer(model.parameters()))
+    return BurstExecutor(model, plan, _example(), batch, F.cross_entropy, make_optimizer(model.parameters()))
 
 
 @pytest.mark.parametrize("make,match", [
@@ -134,6 +139,8 @@ def test_plan_for_a_different_model_fails_naming_the_layer(solo):
         _build(chain, big).train_step(None, torch.zeros(4, dtype=torch.long))
 
 
+@pytest.mark.exactness
+@pytest.mark.usefixtures("float64")
 def test_one_rank_plan_is_a_plain_step(solo):
     """G = 1: the executor's step equals a plain step (no communication at all)."""
     bm = _models()
@@ -148,6 +155,6 @@ def test_one_rank_plan_is_a_plain_step(solo):
     loss = F.cross_entropy(ref(X), y)
     loss.backward()
     opt.step()
-    assert st.loss == pytest.approx(float(loss.detach()), rel=1e-6)
+    assert st.loss == pytest.approx(float(loss.detach()), rel=1e-10)
     for (k, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, msg=k)

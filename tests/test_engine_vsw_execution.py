@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from engine_reference import OPTIMIZERS, clone, make_data, make_model, max_rel_diff, reference_step, split
 from jabasray.engine import IIDPWorker
 
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
+
 CAP = 0.0005
 
 
@@ -40,10 +42,10 @@ def test_one_thread_equals_threads_and_plain_step(opt, method, flat):
             a = one.train_step(split(X, y, [B] * n))
             b = thr.train_step(split(X, y, [B] * n))
             ref_loss = reference_step(ref, ref_opt, X, y)
-            assert a.loss == b.loss == pytest.approx(ref_loss, rel=1e-5)
+            assert a.loss == b.loss == pytest.approx(ref_loss, rel=1e-10)
             for pa, pb in zip(one.model.parameters(), thr.model.parameters()):
                 assert torch.equal(pa, pb)
-            assert max_rel_diff(one.model, ref) < 1e-5
+            assert max_rel_diff(one.model, ref) < 1e-10
             for replica in one.replicas()[1:]:
                 assert max_rel_diff(replica, one.model) == 0.0
             step += 1
@@ -70,9 +72,9 @@ def test_one_thread_ragged_with_empty_micro_batches_and_a_process_group(method):
     X, y = make_data(2, sum(sizes))
     st = {e: w.train_step(split(X, y, sizes), ragged=True, keep_local_grad=True) for e, w in ws.items()}
     ref_loss = reference_step(ref, ref_opt, X, y)
-    assert st["one_thread"].loss == st["threads"].loss == pytest.approx(ref_loss, rel=1e-5)
+    assert st["one_thread"].loss == st["threads"].loss == pytest.approx(ref_loss, rel=1e-10)
     assert torch.equal(st["one_thread"].local_grad, st["threads"].local_grad)
-    assert max_rel_diff(ws["one_thread"].model, ref) < 1e-5
+    assert max_rel_diff(ws["one_thread"].model, ref) < 1e-10
     for pa, pb in zip(ws["one_thread"].model.parameters(), ws["threads"].model.parameters()):
         assert torch.equal(pa, pb)
     for w in ws.values():

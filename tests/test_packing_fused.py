@@ -13,6 +13,8 @@ from torch import nn
 from jabasray.engine.packing import pack
 from jabasray.engine.packing.state import SLOT_KEYS
 
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
+
 SGD, Adam, Adagrad = torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad
 
 #: (fused kind, optimizer class, per-member hyperparameters run as ONE fused update)
@@ -59,8 +61,8 @@ def _assert_same(models, opts, refs, ref_opts):
         for i in sa:
             assert sa[i].keys() == sb[i].keys()
             for key in sa[i]:
-                torch.testing.assert_close(torch.as_tensor(sa[i][key]).float(),
-                                           torch.as_tensor(sb[i][key]).float(), msg=f"{key}")
+                torch.testing.assert_close(torch.as_tensor(sa[i][key]).double(),
+                                           torch.as_tensor(sb[i][key]).double(), msg=f"{key}")
 
 
 @pytest.mark.parametrize("kind,cls,hps", CASES, ids=[c[0] for c in CASES])

@@ -16,6 +16,8 @@ from torch import nn
 
 from jabasray.engine.sma import SMAWorker, sma_iteration_
 
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
+
 LR, MU = 0.1, 0.9
 
 
@@ -73,9 +75,9 @@ def transcription(model, k, per, steps_batches, lr, mu, alpha, wd=0.0, replicas=
     return z, ws
 
 
-def assert_close_lists(a, b, atol=1e-6):
+def assert_close_lists(a, b, atol=None):
     for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(x, y, **({} if atol is None else {"atol": atol, "rtol": 0}))
 
 
 # ------------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ def test_step_loss_is_mean_over_learners():
     with torch.no_grad():
         expected = sum(float(nn.functional.cross_entropy(model(x), y)) for x, y in batches) / 4
     stats = worker.train_step(batches)
-    assert stats.loss == pytest.approx(expected, rel=1e-6)
+    assert stats.loss == pytest.approx(expected, rel=1e-10)
 
 
 def test_one_learner_closed_form():
@@ -295,6 +297,7 @@ def test_bad_input_names_the_field():
 def _gloo_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)      # as the float64 fixture in the test process
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         worker = SMAWorker(tiny_model(11, bn=True), nn.functional.cross_entropy, lr=LR,
@@ -321,9 +324,9 @@ def test_flat_sync_over_two_ranks_equals_alg1_over_all_learners(tmp_path):
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["alpha"] == 0.25
-        assert got["losses"] == pytest.approx(losses, rel=1e-6)
+        assert got["losses"] == pytest.approx(losses, rel=1e-10)
         for k, v in flat.model.state_dict().items():
-            torch.testing.assert_close(got["z"][k].float(), v.float(), atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(got["z"][k], v)
 
 
 def test_comm_guard_wraps_each_global_allreduce_and_changes_nothing(tmp_path):

@@ -8,19 +8,30 @@ import pytest
 import torch
 from torch import nn
 
-from jabasray.tuner.digits import digits_mlp_spec
+from torch.utils.data import TensorDataset
+
+from jabasray.tuner.digits import digits_data, digits_mlp_spec
 from jabasray.tuner.pack_runner import PackRunner, Unpackable, state_from_bytes, state_to_bytes
 from jabasray.tuner.training import build_member, cached_data
 from tuner_helpers import STREAM, Alone as _Alone
 
-SPEC = digits_mlp_spec(steps_per_unit=3)
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
+
+
+
+def digits_data_float64() -> tuple[TensorDataset, TensorDataset]:
+    """The digits in float64, for the float64 models the fixture builds."""
+    return tuple(TensorDataset(ds.tensors[0].double(), ds.tensors[1]) for ds in digits_data())
+
+
+SPEC = dataclasses.replace(digits_mlp_spec(steps_per_unit=3), data_fn=digits_data_float64)
 A = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
 B = {"batch_size": 40, "optimizer": "momentum", "lr": 5e-2, "activation": "tanh"}
 C = {"batch_size": 30, "optimizer": "sgd", "lr": 1e-1, "activation": "relu"}
 
 
 def _check(row, ref_loss, ref_metric):
-    assert row["train_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+    assert row["train_loss"] == pytest.approx(ref_loss, rel=1e-10)
     assert row["accuracy"] == pytest.approx(ref_metric, abs=1e-9)
 
 
@@ -64,7 +75,7 @@ def test_checkpoint_bytes_resume_the_member_exactly():
     assert other.load("a", A, state_from_bytes(blob)) == 1
     again = other.unit(["a"])["a"]
     assert again["units"] == after["units"] == 2
-    assert again["train_loss"] == pytest.approx(after["train_loss"], rel=1e-5)
+    assert again["train_loss"] == pytest.approx(after["train_loss"], rel=1e-10)
     assert again["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
 
 
