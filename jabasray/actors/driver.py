@@ -179,9 +179,13 @@ class JabasDriver:
             profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
-        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once)."""
-        return self._continue(*restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                                self._choose_allocation))
+        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once).
+        A finished run resumed with more epochs plans its next epoch first."""
+        state, worker_state = self._continue(*restore_or_start(self.run_dir, self.job, self.cluster, ctl,
+                                                               self._choose_allocation))
+        if 0 < state.epochs_done < self.job.epochs and not state.forecast:
+            state = self._decide_next_epoch(state, ctl)
+        return state, worker_state
 
     def _continue(self, cp: Checkpoint | None, state: DriverState, events: list[str]
                   ) -> tuple[DriverState, dict | None]:
@@ -334,24 +338,34 @@ class JabasDriver:
         worker_state = self._worker_state()   # burst: also completes every rank's model
         val_metrics = self.pool.evaluate(self._val_ref) if self._evaluates else {}
         trajectory = ctl.end_epoch()
-        forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
-        self._maybe_reprofile()
-        allocation = self._choose_allocation(state.cluster, forecast)
-        if allocation != state.allocation:
-            self._event(f"after epoch {epoch + 1}: auto-scaling {state.allocation} -> {allocation}")
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
                               predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch)
         self.metrics.epochs.append(record)
-        state = replace(state, epochs_done=epoch + 1, allocation=allocation,
-                        adaptive=ctl.state_dict(), forecast=[float(x) for x in forecast],
+        # the next epoch's plan (none after the final epoch: no forecast, no auto-scaling)
+        state = replace(state, epochs_done=epoch + 1, adaptive=ctl.state_dict(), forecast=[],
                         metrics=self.metrics)
+        if state.epochs_done < self.job.epochs:
+            state = self._decide_next_epoch(state, ctl)
         self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         for cb in self.callbacks:
             cb.on_epoch(self, record)
         return state, worker_state
+
+    def _decide_next_epoch(self, state: DriverState, ctl: Any) -> DriverState:
+        """The epoch-end planning for epoch ``state.epochs_done + 1`` (JABAS section 6.2-6.3):
+        forecast its B_G trajectory from the completed ones, re-profile if the measurements
+        contradict the model, and choose its allocation. Runs only when that epoch will run:
+        at the end of an epoch that is not the job's last, or when a finished run is resumed
+        with more epochs (its final epoch planned nothing)."""
+        forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
+        self._maybe_reprofile()
+        allocation = self._choose_allocation(state.cluster, forecast)
+        if allocation != state.allocation:
+            self._event(f"after epoch {state.epochs_done}: auto-scaling {state.allocation} -> {allocation}")
+        return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
 
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond

@@ -1,0 +1,144 @@
+"""The driver's epoch loop without Ray: :class:`JabasDriver` over a scripted pool of actors.
+
+The pool answers every interval from a script (the gradient similarity Phi the actors would
+measure), so the adaptive rule, the forecast and the auto-scaler run exactly as in a real job
+while nothing trains. What is checked is the driver's own bookkeeping:
+
+- every epoch runs on the allocation decided before it (the event "after epoch k: auto-scaling
+  A -> B" names the allocation epoch k + 1 records and runs on), and nothing is planned after
+  the final epoch (no forecast, no re-profiling, no auto-scaling event);
+- a finished run resumed with more epochs plans its next epoch when it continues.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model
+from jabasray.actors.driver import DriverOptions, JabasDriver
+from jabasray.actors.gpu_actor import IntervalReply
+from jabasray.config import JobConfig
+from jabasray.types import ClusterSpec, NodeSpec
+
+N = 960
+CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2), NodeSpec("n1", "fast", 2), NodeSpec("n2", "fast", 2)])
+
+
+class ScriptedPool:
+    """Stands in for :class:`jabasray.actors.pool.ActorPool`: the placed slots answer every
+    interval with the scripted Phi; ``placements`` records the pairs of every placement."""
+
+    def __init__(self, phi: float) -> None:
+        self.phi = phi
+        self.placement = None
+        self._slots: list = []
+        self.placements: list[list[str]] = []
+        self.trained_on: list[tuple[int, tuple[str, ...]]] = []   # (epoch, pairs) per interval
+
+    @property
+    def actors(self) -> list:
+        return []
+
+    @property
+    def slots(self) -> list:
+        return list(self._slots)
+
+    def runs(self, slots) -> bool:
+        return self.placement is not None and \
+            [(s.pair_key, s.rank) for s in self._slots] == [(s.pair_key, s.rank) for s in slots]
+
+    def place(self, slots, worker_state_ref=None, fresh=False, bucket_plan=None, rank_state_refs=None):
+        self.placement, self._slots = object(), list(slots)
+        self.placements.append(sorted({s.node for s in slots}))
+
+    def configure(self, configs) -> None:
+        pass
+
+    def train(self, req):
+        run_batch = req.local_batch * sum(req.layout)
+        end = min(N, req.cursor + req.num_iterations * run_batch)
+        self.trained_on.append((req.epoch, tuple(sorted({s.node for s in self._slots}))))
+        replies = [IntervalReply(rank=s.rank, num_iterations=req.num_iterations, samples=0, loss=1.0,
+                                 phi=self.phi, lr=0.1, compute_time=0.0, comm_time=0.0, update_time=0.0,
+                                 emulation_sleep=0.0, wall_time=0.01, end_cursor=end)
+                   for s in self._slots]
+        return replies, end
+
+    def evaluate(self, val_ref):
+        return {}
+
+    def call_all(self, method, *args, ranks=None, per_rank=None):
+        assert method == "state_dict"
+        return [{"model": {}, "optimizer": {"state": {}, "param_groups": []}, "config": {}}]
+
+    def shutdown(self) -> None:
+        self.placement = None
+
+
+def _driver(tmp_path, epochs: int, phi: float) -> JabasDriver:
+    job = JobConfig(epochs=epochs, initial_global_batch=16, min_global_batch=16, max_global_batch=768,
+                    min_local_batch=4, adapt_interval=2, alpha=1.0, gamma=0.9, autoscale=True, seed=0)
+    driver = JabasDriver(model_fn, None, optimizer_fn, loss_fn, job, CLUSTER, tmp_path / "run",
+                         perf_model=perf_model({"fast": 1.0}), options=DriverOptions(evaluate=False),
+                         dataset_size=N)
+    driver.pool = ScriptedPool(phi)
+    return driver
+
+
+@pytest.fixture
+def no_object_store(monkeypatch):
+    """The driver hands worker states to actors through ``ray.put``: identity here (no Ray)."""
+    import ray
+    monkeypatch.setattr(ray, "put", lambda x: x)
+
+
+SCALING = re.compile(r"after epoch (\d+): auto-scaling (\{.*\}) -> (\{.*\})")
+
+
+def _decisions(events: list[str]) -> dict[int, tuple[dict, dict]]:
+    """``{epoch k: (from, to)}`` of the auto-scaling events (decided after epoch k, 1-based)."""
+    out = {}
+    for line in events:
+        m = SCALING.fullmatch(line)
+        if m:
+            out[int(m.group(1))] = (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)))
+    return out
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_every_epoch_runs_on_the_allocation_decided_before_it_and_nothing_after_the_last(tmp_path):
+    driver = _driver(tmp_path, epochs=4, phi=0.0)       # Phi 0: B_G grows every interval
+    hist = driver.run()
+    decisions = _decisions(hist.events)
+    assert decisions, "the scenario must make the auto-scaler change the allocation"
+    assert max(decisions) < 4                          # no decision after the final epoch
+    for k, rec in enumerate(hist.epochs[1:], start=1):
+        expected = decisions[k][1] if k in decisions else hist.epochs[k - 1].allocation
+        assert rec.allocation == expected, (k, rec.allocation, decisions)
+        if k in decisions:
+            assert decisions[k][0] == hist.epochs[k - 1].allocation
+    # what ran: every interval of epoch k on the nodes of epoch k's recorded allocation
+    for epoch, nodes in driver.pool.trained_on:
+        assert list(nodes) == sorted(hist.epochs[epoch].allocation), epoch
+    # the final checkpoint keeps the last epoch's allocation and no forecast for an epoch that
+    # does not exist
+    state = driver.last_checkpoint.load_driver_state()
+    assert state.epochs_done == 4 and state.allocation == hist.epochs[-1].allocation
+    assert state.forecast == []
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_a_finished_run_resumed_with_more_epochs_plans_its_next_epoch_first(tmp_path):
+    first = _driver(tmp_path, epochs=2, phi=0.0).run()
+    more = _driver(tmp_path, epochs=3, phi=0.0)
+    hist = more.run()
+    assert len(hist.epochs) == 3 and hist.epochs[:2] == first.epochs
+    state = more.last_checkpoint.load_driver_state()
+    assert state.epochs_done == 3
+    # epoch 3 ran with a forecast made from epochs 1-2, on the allocation chosen for it
+    assert hist.epochs[2].predicted_trajectory, "epoch 3 must have been planned with a forecast"
+    decisions = _decisions(hist.events)
+    expected = decisions[2][1] if 2 in decisions else first.epochs[1].allocation
+    assert hist.epochs[2].allocation == expected
