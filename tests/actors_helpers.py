@@ -61,3 +61,13 @@ class KillOnce(DriverCallback):
 
 # Ray workers cannot import this test helper module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def assert_each_sample_once_per_epoch(history, dataset_size: int) -> None:
+    """Every epoch of ``history`` trained on each of the ``dataset_size`` samples exactly once,
+    by the indices the actors report they served (``DriverOptions(record_samples=True)``), and
+    the driver's own digest check agrees."""
+    for e in history.epochs:
+        served = [i for rec in history.intervals if rec.epoch == e.epoch for i in rec.served]
+        assert sorted(served) == list(range(dataset_size)), f"epoch {e.epoch}"
+        assert e.served_exactly_once is True, f"epoch {e.epoch}"

@@ -108,10 +108,12 @@ def test_mixin_in_process_memory_accounting_and_containment(tmp_path):
     assert host.bg_status("bad").state == "failed"
     assert 0.0 <= BackgroundHostMixin.spare_capacity(host) <= 1.0
     host.bg_submit("paused", job(steps=10**6), str(tmp_path))
+    _advances(host, "paused")                       # positive control: it trains when not paused
     with host.bg_foreground_critical("allreduce"):
         before = host.bg_status("paused").step
-        time.sleep(0.1)
+        time.sleep(0.3)
         assert host.bg_status("paused").step == before
+    _advances(host, "paused")                       # and goes on after the critical section
     with host.bg_foreground_step():
         pass
     host.bg_cancel("paused")
@@ -202,3 +204,12 @@ def test_rebalance_resumes_from_checkpoint_on_a_new_actor(hosts, tmp_path):
     got.load_state_dict(state["model"])
     for p, q in zip(got.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def _advances(host, name: str, timeout: float = 30.0) -> None:
+    """Background job ``name`` makes a step within ``timeout`` seconds."""
+    start = host.bg_status(name).step
+    deadline = time.monotonic() + timeout
+    while host.bg_status(name).step == start:
+        assert time.monotonic() < deadline, f"background job {name} made no step in {timeout}s"
+        time.sleep(0.01)

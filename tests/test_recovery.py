@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import KillOnce, assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.checkpoint import latest_checkpoint, list_checkpoints
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.config import JobConfig
@@ -29,7 +29,7 @@ def _job(epochs: int = 2) -> JobConfig:
 def _driver(run_dir, cls=JabasDriver, callbacks=(), **opts):
     ds, val = tiny_data(160)
     return cls(model_fn, ds, optimizer_fn, loss_fn, _job(), CLUSTER, run_dir, val_dataset=val,
-               perf_model=perf_model(), options=DriverOptions(failure_grace_s=10, **opts),
+               perf_model=perf_model(), options=DriverOptions(failure_grace_s=10, record_samples=True, **opts),
                callbacks=list(callbacks))
 
 
@@ -59,7 +59,7 @@ def test_actor_lost_before_any_epoch_is_recovered(ray_session, tmp_path, when):
     fail = [m for m in hist.events if "failure" in m]
     assert len(fail) == 1 and "restarting epoch 1 from epoch_0000 without that pair" in fail[0]
     assert all(len(e.gpu_types) == 2 for e in hist.epochs)      # one pair left
-    assert sum(r.samples for r in hist.intervals if r.epoch == 0) == 160   # epoch 0 once, whole
+    assert_each_sample_once_per_epoch(hist, 160)       # the redone epoch 0 once, whole
     assert latest_checkpoint(tmp_path / "run").epochs_done == 2
 
 

@@ -11,6 +11,7 @@ from torch.utils.data import TensorDataset
 
 from engine_reference import OPTIMIZERS, clone, make_data, make_model, max_rel_diff, reference_step
 from jabasray.engine import IIDPSampler, IIDPWorker, epoch_permutation, gather_micro_batches, iteration_indices
+from jabasray.engine.sampler import add_digests, range_digest, sample_digest
 
 
 def _run_epoch(sampler: IIDPSampler, epoch: int, schedule: list[tuple[int, list[int]]]):
@@ -112,3 +113,41 @@ def test_ragged_tail_step_through_sampler_equals_plain_step_on_union():
             break
     assert ragged_seen and cursor == 30
     assert max_rel_diff(w.model, ref) < 1e-5
+
+
+def test_sample_digest_is_the_multiset_of_indices():
+    """Order-independent, additive over disjoint parts, and it tells a duplicated sample in
+    place of a missing one from every sample once (all such swaps of a small range)."""
+    rng = np.random.default_rng(0)
+    n = 40
+    full = range_digest(n)
+    assert sample_digest(rng.permutation(n)) == full
+    parts = np.array_split(rng.permutation(n), 5)
+    assert add_digests(*(sample_digest(p) for p in parts)) == full
+    for dup in range(n):
+        for missing in range(n):
+            if dup != missing:
+                served = [i for i in range(n) if i != missing] + [dup]
+                assert sample_digest(served) != full, (dup, missing)
+    assert sample_digest([]) == 0 and range_digest(1) == sample_digest([0])
+
+
+def test_epoch_tally_checks_exactly_once_from_the_interval_digests():
+    from jabasray.actors.metrics import EpochTally, IntervalRecord
+
+    def rec(indices, digest=True):
+        return IntervalRecord(epoch=0, interval=0, iteration=0, num_iterations=1, cursor=0,
+                              requested_global_batch=1, global_batch=1, local_batch=1, plan=None,
+                              loss=0.0, throughput=0.0, phi=None, lr=0.1, time_s=1.0,
+                              samples=len(indices), served_digest=sample_digest(indices) if digest else None)
+
+    ok, dup, unchecked = EpochTally(), EpochTally(), EpochTally()
+    for t, parts in ((ok, [[0, 3], [1, 2, 4]]), (dup, [[0, 3], [1, 3, 4]])):
+        for p in parts:
+            t.add(rec(p))
+    unchecked.add(rec([0, 1]))
+    unchecked.add(rec([2, 3, 4], digest=False))
+    assert ok.served_exactly_once(5) is True
+    assert dup.served_exactly_once(5) is False        # 3 twice, 2 never: same count
+    assert ok.served_exactly_once(6) is False
+    assert unchecked.served_exactly_once(5) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.driver import DriverOptions
 from jabasray.actors.trainer import JabasTrainer, Result
 from jabasray.config import JobConfig, RunConfig
@@ -27,7 +27,7 @@ def fit(tmp_path, name: str, epochs: int, **opts) -> Result:
     ds, val = tiny_data(200)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=CLUSTER,
                         run_config=RunConfig(str(tmp_path), name), val_dataset=val,
-                        perf_model=perf_model(), options=DriverOptions(**opts)).fit()
+                        perf_model=perf_model(), options=DriverOptions(record_samples=True, **opts)).fit()
 
 
 def weights(result: Result) -> dict:
@@ -58,7 +58,7 @@ def test_reference_run_writes_metrics_plot_and_checkpoint(reference):
     assert r.history.epochs[1].trajectory[-1] > 24
     for rec in r.history.intervals:
         assert rec.global_batch == rec.plan.global_batch_size == rec.local_batch * 2 * rec.plan.num_workers_per_group
-    assert [sum(i.samples for i in r.history.intervals if i.epoch == e) for e in (0, 1)] == [200, 200]
+    assert_each_sample_once_per_epoch(r.history, 200)
     assert not any(e.replaced for e in r.history.epochs)
 
 
@@ -104,8 +104,8 @@ def test_sma_sync_hosts_crossbow_learners(tmp_path):
                   min_local_batch=4, adapt_interval=3, autoscale=False, lr=0.05, seed=2)
     r = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, j, cluster=CLUSTER,
                      run_config=RunConfig(str(tmp_path), "sma"), val_dataset=val,
-                     perf_model=perf_model()).fit()
-    assert sum(i.samples for i in r.history.intervals) == len(ds)
+                     perf_model=perf_model(), options=DriverOptions(record_samples=True)).fit()
+    assert_each_sample_once_per_epoch(r.history, len(ds))
     assert all(i.phi is not None and -1 <= i.phi <= 1 for i in r.history.intervals)
     torch.manual_seed(2)
     init = model_fn().state_dict()

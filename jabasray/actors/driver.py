@@ -315,7 +315,8 @@ class JabasDriver:
         run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
         req = IntervalRequest.for_job(job, state.epochs_done, state.iteration, cursor, n, run_batch,
                                       local_batch=plan.local_batch_size, layout=layout, similarity=True,
-                                      lr_batch=plan.global_batch_size if self._learners else None)
+                                      lr_batch=plan.global_batch_size if self._learners else None,
+                                      record_samples=self.options.record_samples)
         replies, end = self.pool.train(req)
         dt, iterations = time.perf_counter() - t0, replies[0].num_iterations
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
@@ -341,7 +342,12 @@ class JabasDriver:
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
-                              predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch)
+                              predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch,
+                              dataset_size=self.dataset_size)
+        if record.served_exactly_once is False:
+            self._event(f"epoch {epoch + 1}: exactly-once failure: the actors served "
+                        f"{tally.samples} samples whose digest is not that of the dataset's "
+                        f"{self.dataset_size} samples, each once (a sampler or data-source fault)")
         self.metrics.epochs.append(record)
         # the next epoch's plan (none after the final epoch: no forecast, no auto-scaling)
         state = replace(state, epochs_done=epoch + 1, adaptive=ctl.state_dict(), forecast=[],

@@ -43,6 +43,9 @@ class DriverOptions(JsonMixin):
                                         # (jabasray.actors.driver_actor); "local": in fit()'s process
     driver_node: str | None = None      # actor driver: Ray node id or IP to run on (None: head node)
     driver_max_restarts: int = 10       # actor driver: restarts after its process/node died (-1: no limit)
+    record_samples: bool = False        # every interval record lists the sample indices the actors
+                                        # served (tests, debugging; large). The exactly-once check
+                                        # itself always runs, on digests.
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -64,7 +67,7 @@ class DriverOptions(JsonMixin):
         check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
                     min_exclusive=True)
         check_float("reprofile_threshold", self.reprofile_threshold, min_value=1, min_exclusive=True)
-        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile"):
+        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import JobConfig
+from ..engine.sampler import add_digests, sample_digest
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
 from .placement import Slot
@@ -73,6 +74,7 @@ class IntervalRequest(JsonMixin):
     warmup_iterations: int      # linear warm-up length
     similarity: bool = True     # compute Phi on the last iteration
     lr_batch: int | None = None  # B_G the LR rule follows; None: local_batch * sum(layout)
+    record_samples: bool = False  # also return every index served (tests, debugging)
 
     @classmethod
     def for_job(cls, job: JobConfig, epoch: int, iteration: int, cursor: int, dataset_size: int,
@@ -104,6 +106,8 @@ class IntervalReply(JsonMixin):
     end_cursor: int
     losses: list[float] = field(default_factory=list)   # per iteration
     lrs: list[float] = field(default_factory=list)      # LR of each iteration's update
+    served_digest: int | None = None   # engine.sampler.sample_digest of the indices served
+    served: list[int] | None = None    # the indices served (only with record_samples)
 
 
 def gather(dataset: Any, indices: Any) -> tuple:
@@ -368,6 +372,8 @@ class GPUActor(BackgroundHostMixin):
         lrs: list[float] = []
         compute = comm = update = slept = 0.0
         samples = 0
+        digest = 0
+        served: list[int] | None = [] if req.record_samples else None
         phi = None
         lr = self._effective_lr()
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
@@ -388,7 +394,11 @@ class GPUActor(BackgroundHostMixin):
                         time.sleep(s)
                         slept += s
             losses.append(float(stats.loss))
-            samples += sum(len(idx) for idx in it.micro_batches)
+            read = np.concatenate(it.micro_batches)      # what this iteration trained on
+            samples += len(read)
+            digest = add_digests(digest, sample_digest(read))
+            if served is not None:
+                served.extend(read.tolist())
             compute += stats.compute_time
             comm += stats.comm_time
             update += stats.update_time
@@ -400,7 +410,8 @@ class GPUActor(BackgroundHostMixin):
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
                              emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
-                             end_cursor=cursor, losses=losses, lrs=lrs)
+                             end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
+                             served=served)
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..engine.sampler import add_digests, range_digest
 from ..serialization import JsonMixin, atomic_write_text
 from ..types import Plan
 
@@ -49,6 +50,8 @@ class IntervalRecord(JsonMixin):
     predicted_time_s: float | None = None  # model's prediction of time_s: plan.iteration_time x iterations
     burst: dict | None = None        # parallelism="burst": per-layer GPU counts, planned vs measured
                                      # iteration time (actors.burst_host.burst_record)
+    served_digest: int | None = None  # digest of the indices all ranks served (engine.sampler)
+    served: list[int] | None = None   # the indices served, rank order (DriverOptions.record_samples)
 
 
 @dataclass
@@ -71,6 +74,8 @@ class EpochRecord(JsonMixin):
     train_time_s: float = 0.0                 # measured: sum of the intervals' time_s
     predicted_train_time_s: float | None = None   # model: sum of the intervals' predicted_time_s
     predicted_time_s: float | None = None     # auto-scaler's estimate for the epoch (forecast B_G)
+    served_exactly_once: bool | None = None   # the actors' digests add up to every sample once
+                                              # (None: not checked, burst parallelism)
 
     @property
     def prediction_error(self) -> float | None:
@@ -132,9 +137,12 @@ class EpochTally:
     train_time: float = 0.0
     predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
     lr: float | None = None          # LR of the last interval's last iteration
+    served_digest: int | None = 0    # sum of the intervals' digests (None once one has none)
 
     def add(self, rec: IntervalRecord) -> None:
         self.lr = rec.lr
+        self.served_digest = None if self.served_digest is None or rec.served_digest is None \
+            else add_digests(self.served_digest, rec.served_digest)
         self.iterations += rec.num_iterations
         self.samples += rec.samples
         self.loss_sum += rec.loss * rec.num_iterations
@@ -152,31 +160,47 @@ class EpochTally:
         """Samples per second of training time (0 before any)."""
         return self.samples / self.train_time if self.train_time > 0 else 0.0
 
+    def served_exactly_once(self, dataset_size: int) -> bool | None:
+        """Whether the epoch's intervals served every sample of ``range(dataset_size)``
+        exactly once, by the actors' own digests (:func:`jabasray.engine.sampler.sample_digest`);
+        None when an interval reported no digest."""
+        if self.served_digest is None:
+            return None
+        return self.samples == dataset_size and self.served_digest == range_digest(dataset_size)
+
 
 def interval_record(replies: Sequence[Any], time_s: float, **fields: Any) -> IntervalRecord:
     """An interval's record from the actors' replies (``IntervalReply``; rank 0's iteration
     count, mean loss, Phi and LR, the samples of all ranks, throughput = samples / ``time_s``)
     and the driver-side wall time ``time_s``; ``fields``: the other fields."""
     done, first = sum(r.samples for r in replies), replies[0]
+    digests = [getattr(r, "served_digest", None) for r in replies]
+    served = [getattr(r, "served", None) for r in replies]
     return IntervalRecord(num_iterations=first.num_iterations, loss=first.loss, phi=first.phi,
                           lr=first.lr, time_s=time_s, samples=done,
-                          throughput=done / time_s if time_s > 0 else 0.0, **fields)
+                          throughput=done / time_s if time_s > 0 else 0.0,
+                          served_digest=None if None in digests else add_digests(*digests),
+                          served=None if None in served else [i for s in served for i in s],
+                          **fields)
 
 
 def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                  gpu_types: list[str], trajectory: list[int], forecast: Sequence[float],
                  val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
-                 time_s: float) -> EpochRecord:
+                 time_s: float, dataset_size: int | None = None) -> EpochRecord:
     """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
     the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
-    ``time_s`` and GPU-seconds = ``time_s`` x the number of GPUs."""
+    ``time_s``, GPU-seconds = ``time_s`` x the number of GPUs and, given ``dataset_size``,
+    whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`)."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
                        time_s=time_s, gpu_seconds=time_s * len(gpu_types), samples=tally.samples,
                        throughput=tally.throughput, replaced=replaced,
                        train_time_s=tally.train_time, predicted_train_time_s=tally.predicted_time,
-                       predicted_time_s=predicted_time_s, val_metrics=val_metrics, lr=tally.lr)
+                       predicted_time_s=predicted_time_s, val_metrics=val_metrics, lr=tally.lr,
+                       served_exactly_once=None if dataset_size is None
+                       else tally.served_exactly_once(dataset_size))
 
 
 def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:

@@ -15,7 +15,9 @@ Every device computes its own micro-batch indices for an iteration from
   ``IIDPWorker.train_step(..., ragged=True)``.
 
 Because consumption is a contiguous walk over one permutation, every sample is served exactly
-once per epoch even when ``B_L`` or the layout changes between iterations.
+once per epoch even when ``B_L`` or the layout changes between iterations. What the actors
+really served is checked, not assumed: each reports :func:`sample_digest` of the indices it
+read, and the driver compares the epoch's sum with :func:`range_digest` of the dataset.
 """
 from __future__ import annotations
 
@@ -113,6 +115,37 @@ class IIDPSampler:
         """Iterations until the epoch ends if ``B_L`` and the layout stay as given."""
         full = local_batch_size * sum(layout)
         return -(-(self.dataset_size - cursor) // full)
+
+
+_U64 = (1 << 64) - 1
+
+
+def sample_digest(indices: Any) -> int:
+    """Order-independent digest of a multiset of sample indices: ``sum_i h(i) mod 2^64`` with
+    ``h`` the SplitMix64 finaliser (Steele, Lea and Flood 2014), a bijective 64-bit mixer.
+
+    Digests of disjoint parts add (mod 2^64, :func:`add_digests`), so ranks and intervals
+    combine theirs without sending indices. A multiset of ``n`` indices has the digest of
+    ``range(n)`` with the same count only if it IS ``range(n)``, barring a 64-bit collision:
+    a duplicated ``i`` in place of a missing ``j`` shifts the sum by ``h(i) - h(j) != 0``.
+    """
+    z = np.asarray(indices, dtype=np.int64).astype(np.uint64).reshape(-1)
+    with np.errstate(over="ignore"):                     # arithmetic mod 2^64 is the point
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+        return int(z.sum(dtype=np.uint64))
+
+
+def add_digests(*digests: int) -> int:
+    """The digest of the union of disjoint multisets (sum mod 2^64)."""
+    return sum(digests) & _U64
+
+
+def range_digest(dataset_size: int) -> int:
+    """:func:`sample_digest` of ``range(dataset_size)``: every sample once."""
+    return sample_digest(np.arange(check_int("dataset_size", dataset_size, min_value=1)))
 
 
 def gather_micro_batches(dataset: Any, indices: Sequence[np.ndarray]) -> list[Any]:
