@@ -137,6 +137,19 @@ def test_metrics_json_round_trip_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_says_what_it_shows(tmp_path, monkeypatch):
+    """The B_G panel labels the adaptive rule's request, the B_G* the plans ran (here 32 while
+    30-36 were requested) and the forecast; nothing is called 'actual'."""
+    from matplotlib.figure import Figure
+
+    saved = []
+    real = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: saved.append(fig) or real(fig, *a, **k))
+    plot_history(_history(), tmp_path / "p.png")
+    labels = [t.get_text() for t in saved[0].axes[0].get_legend().get_texts()]
+    assert labels == ["B_G requested (adaptive rule)", "B_G run (plan's B_G*)", "B_G (forecast)"]
+
+
 def test_checkpoints_are_complete_and_pruned(tmp_path):
     c = cluster()
     for e in range(4):

@@ -61,7 +61,7 @@ class EpochRecord(JsonMixin):
     epoch: int
     allocation: dict[str, int]                # node -> GPU pairs
     gpu_types: list[str]                      # types of all allocated GPUs, rank order
-    trajectory: list[int]                     # B_G requested per interval (actual)
+    trajectory: list[int]                     # B_G the adaptive rule requested, per interval
     predicted_trajectory: list[float]         # forecast for this epoch (empty for epoch 0)
     train_loss: float
     val_accuracy: float | None
@@ -261,9 +261,10 @@ def save_metrics(history: MetricsHistory, path: str | Path) -> Path:
 
 
 def plot_history(history: MetricsHistory, path: str | Path) -> Path:
-    """Write a PNG with (top) the B_G trajectory per interval, actual and forecast, epoch
-    boundaries dashed, (middle) the allocation per epoch as GPUs per type, stacked, and
-    (bottom) every numeric per-epoch metric (train loss, validation metrics)."""
+    """Write a PNG with (top) the B_G per interval - requested by the adaptive rule, run (the
+    plan's B_G*, Alg. 1 rounding) and forecast before the epoch - epoch boundaries dotted,
+    (middle) the allocation per epoch as GPUs per type, stacked, and (bottom) every numeric
+    per-epoch metric (train loss, validation metrics)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -278,8 +279,13 @@ def plot_history(history: MetricsHistory, path: str | Path) -> Path:
         n = len(e.trajectory)
         xs = list(range(x0, x0 + n + 1))              # one more point closes the last step
         ax1.step(xs, list(e.trajectory) + e.trajectory[-1:], where="post", color="C0",
-                 label=None if "a" in labelled else "B_G (actual)")
+                 label=None if "a" in labelled else "B_G requested (adaptive rule)")
         labelled.add("a")
+        ran = [r.global_batch for r in history.intervals if r.epoch == e.epoch]
+        if len(ran) == n and ran != list(e.trajectory):
+            ax1.step(xs, ran + ran[-1:], where="post", color="C2", lw=0.8,
+                     label=None if "r" in labelled else "B_G run (plan's B_G*)")
+            labelled.add("r")
         if e.predicted_trajectory:
             m = len(e.predicted_trajectory)
             ax1.plot(list(range(x0, x0 + m)), e.predicted_trajectory, "--", color="C1",
@@ -289,7 +295,7 @@ def plot_history(history: MetricsHistory, path: str | Path) -> Path:
         x0 += n
     ax1.set_xlabel("adaptation interval (p iterations)")
     ax1.set_ylabel("global batch size")
-    ax1.set_title("Global batch size trajectory")
+    ax1.set_title("Global batch size per adaptation interval")
     if labelled:
         ax1.legend(loc="best")
     types = sorted({t for e in history.epochs for t in e.gpu_types})
