@@ -31,6 +31,7 @@ from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
+from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
@@ -40,6 +41,7 @@ from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, i
 from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
 from .pool import ActorPool
 from .recovery import dead_slots, give_up, restart, restore_or_start
+from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,10 @@ class JabasDriver:
         model_fn, dataset, optimizer_fn, loss_fn: the user's job (``optimizer_fn(params)``).
         job: :class:`JobConfig`.
         cluster: the GPUs the job may use.
-        run_dir: folder of this run (checkpoints, metrics.json).
+        run_dir: folder of this run (checkpoints, metrics.json): a local path, a URI or a
+            :class:`~jabasray.storage.StoragePath`; its name is the run's name. Its storage
+            marker and Ray's record of it (:mod:`.run_record`) are checked at every start and
+            restart.
         val_dataset: optional in-memory validation set (evaluated after every epoch, sharded
             over the actors, ``hooks.eval_fn`` or loss + top-1 accuracy).
         hooks: :class:`~jabasray.actors.hooks.JobHooks` for the actors (dataset_fn, step_fn,
@@ -70,7 +75,7 @@ class JabasDriver:
     """
 
     def __init__(self, model_fn: Callable, dataset: Any, optimizer_fn: Callable, loss_fn: Callable,
-                 job: JobConfig, cluster: ClusterSpec, run_dir: str | Path,
+                 job: JobConfig, cluster: ClusterSpec, run_dir: str | Path | StoragePath,
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
@@ -82,7 +87,8 @@ class JabasDriver:
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
         self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
-        self.run_dir = Path(run_dir)
+        self.run_dir = as_storage_path(run_dir)
+        self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.callbacks = list(callbacks)
@@ -179,9 +185,20 @@ class JabasDriver:
             profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
-        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once)."""
-        return self._continue(*restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                                self._choose_allocation))
+        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
+        once the run's storage proved visible from here (:class:`.run_record.RunRecord`)."""
+        self.record.check_marker()
+        cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
+                                             self._choose_allocation)
+        self._check_checkpoint(cp)
+        return self._continue(cp, state, events)
+
+    def _check_checkpoint(self, cp: Checkpoint | None) -> None:
+        """The checkpoint Ray's record names must be visible; then the record names ``cp``
+        (before a redone epoch removes a newer manifest)."""
+        self.record.check_checkpoint(cp.epochs_done if cp is not None else None)
+        if cp is not None:
+            self.record.committed(cp.epochs_done)
 
     def _continue(self, cp: Checkpoint | None, state: DriverState, events: list[str]
                   ) -> tuple[DriverState, dict | None]:
@@ -263,6 +280,7 @@ class JabasDriver:
         """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept)."""
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.options.keep_checkpoints)
+        self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
@@ -367,7 +385,10 @@ class JabasDriver:
         pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
-        return self._continue(*restart(self.run_dir, failure, dropped, ctl, self._choose_allocation))
+        self.record.check_marker()
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        self._check_checkpoint(cp)
+        return self._continue(cp, state, events)
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)
