@@ -46,7 +46,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..storage import StoragePath, as_storage_path, explain
+from ..storage import StoragePath, as_storage_path, explain, sync_file
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,7 @@ def _write_probe(folder: StoragePath) -> None:
     try:
         with probe.open_output() as fh:
             fh.write(body)
-            if hasattr(fh, "fileno"):
-                os.fsync(fh.fileno())
+            sync_file(fh)
         if probe.read_bytes() != body:
             raise OSError(errno.EIO, "the probe file does not read back what was written")
     finally:
