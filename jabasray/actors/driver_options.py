@@ -43,6 +43,9 @@ class DriverOptions(JsonMixin):
                                         # (jabasray.actors.driver_actor); "local": in fit()'s process
     driver_node: str | None = None      # actor driver: Ray node id or IP to run on (None: head node)
     driver_max_restarts: int = 10       # actor driver: restarts after its process/node died (-1: no limit)
+    driver_resources: dict[str, float] | None = None  # actor driver: custom Ray resources it needs,
+                                        # e.g. {"run_storage": 1} on the nodes that mount a local
+                                        # storage_path, so that a restart lands on one of them
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -58,6 +61,12 @@ class DriverOptions(JsonMixin):
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
         check_choice("driver", self.driver, ("actor", "local"))
         check_int("driver_max_restarts", self.driver_max_restarts, min_value=-1)
+        if self.driver_resources is not None:
+            if not isinstance(self.driver_resources, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and v > 0 for k, v in self.driver_resources.items()):
+                raise ValueError(f"driver_resources must map Ray resource names to amounts > 0, "
+                                 f"got {self.driver_resources!r}")
         if self.driver_node is not None and (not isinstance(self.driver_node, str) or not self.driver_node):
             raise ValueError(f"driver_node must be a Ray node id or IP address, got {self.driver_node!r}")
         check_int("max_reprofiles", self.max_reprofiles, min_value=0)
