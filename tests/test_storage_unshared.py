@@ -1,6 +1,7 @@
 """No shared file system: a run on a local storage path whose driver restarts on a node that
 does not see that folder refuses in one line - it never starts the run again on that node's
-own disk.
+own disk; a background job's state moves between actors on different raylets through Ray's
+object store, never through a node's disk.
 
 The cluster (``ray.cluster_utils.Cluster`` plus one raylet started with ``ray start``): the head
 (the test process, 2 emulated "fast" GPUs), node A and node B, both offering the custom resource
@@ -94,6 +95,16 @@ def cluster(without_session_ray, tmp_path_factory):
         c.shutdown()
 
 
+def _dead(actor) -> bool:
+    import ray
+    from ray.exceptions import RayActorError
+    try:
+        ray.get(actor.ping.remote(), timeout=5)
+    except RayActorError:
+        return True
+    return False
+
+
 def _listing_on(node_id: str, folder: str) -> list[str]:
     """``os.listdir(folder)`` as a process on ``node_id`` sees it."""
     import ray
@@ -104,6 +115,58 @@ def _listing_on(node_id: str, folder: str) -> list[str]:
         return sorted(os.listdir(p)) if os.path.isdir(p) else None
     return ray.get(listdir.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         node_id, soft=False)).remote(folder))
+
+
+def test_background_job_state_moves_between_actors_on_different_raylets(cluster, tmp_path):
+    """A job on an actor of node A; the scheduler (this process) pulls its state and keeps it
+    in its storage; the actor's own scratch copy is deleted and the actor killed; the job resumes
+    on an actor of node B (whose mount namespace differs) from the pulled state and ends exactly
+    where an uninterrupted run ends."""
+    import io
+
+    import ray
+    import torch
+    from ray import cloudpickle
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import test_background as tb
+    from jabasray.actors.background import BackgroundScheduler
+
+    _, _, ids, _ = cluster
+    cloudpickle.register_pickle_by_value(tb)
+
+    class Host(tb.Host):
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), getattr(self, "_bg_scratch_dir", None)
+
+    def host_on(node):
+        return ray.remote(num_cpus=0)(Host).options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ids[node], soft=False)).remote(spare=0.5, memory_mb=500.0)
+
+    on_a, on_b = host_on("a"), host_on("b")
+    sched = BackgroundScheduler([on_a], storage=str(tmp_path / "states"))
+    steps = 300
+    h = sched.submit(tb.job(steps=steps, every=5), job_id="mover")
+    while h.progress().step < 10:
+        time.sleep(0.02)
+    ray.get(on_a.bg_pause.remote("mover"))     # held where it is until its actor dies
+    assert sched.checkpoint() == ["mover"]
+    pulled = torch.load(tmp_path / "states" / "mover.pt", weights_only=True)["step"]
+    node, scratch = ray.get(on_a.where.remote())
+    assert node == ids["a"] and 10 <= pulled < steps
+    shutil.rmtree(scratch)                     # A's disk copy is gone with A
+    ray.kill(on_a)
+    wait_for(lambda: _dead(on_a), "the actor on node A to die")
+    assert sched.rebalance([on_b]) == ["mover"] and h.actor is on_b
+    assert ray.get(on_b.where.remote())[0] == ids["b"]
+    assert h.progress().step >= pulled          # from the pulled state, not step 0
+    assert h.result(timeout=180).step == steps
+    final = torch.load(io.BytesIO(ray.get(on_b.bg_state.remote("mover"))), weights_only=True)
+    got = tb.make_model()
+    got.load_state_dict(final["model"])
+    for p, q in zip(got.parameters(), tb.reference(steps).parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    ray.kill(on_b)
 
 
 def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_line(cluster):

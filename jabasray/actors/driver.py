@@ -367,6 +367,9 @@ class JabasDriver:
                         metrics=self.metrics)
         self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
+        if self.background is not None and hasattr(self.background, "checkpoint"):
+            # background jobs' states to the driver and the run's storage (actors.background)
+            self.background.checkpoint(self.run_dir / "background")
         for cb in self.callbacks:
             cb.on_epoch(self, record)
         return state, worker_state
