@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -342,11 +342,14 @@ class JabasTrainer:
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
         probe = self.probe()
+        hooks = self.hooks
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
+            # every GPU actor checks that it built the dataset the probe saw (hooks.check_same_dataset)
+            hooks = replace(hooks, dataset_fingerprint=probe.fingerprint)
         args = (self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn, self.job, cluster, run_dir)
         kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
-                      options=opts, background=self.background, hooks=self.hooks,
+                      options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows)
         self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
         record = RunRecord(self.run_config.name, run_dir)
