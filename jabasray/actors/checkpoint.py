@@ -21,8 +21,8 @@ Safety rules:
 * **Verified.** :func:`latest_checkpoint` walks from the newest checkpoint folder down and returns
   the newest one whose files match their manifest; every newer folder it skips - no manifest
   (an interrupted write or upload), a manifest its files do not match - is reported in one line
-  (and in ``skipped``). A remote ``worker.pt`` is downloaded in chunks to a temporary file,
-  checked against the manifest again and loaded from there.
+  (and in ``skipped``). A remote ``worker.pt`` is downloaded once, in chunks, to a temporary
+  file while it is hashed; the worker state is loaded from that verified copy.
 * **Pruned through the filesystem.** After a commit only the newest ``keep`` checkpoints up to
   the new one stay (newer ones, e.g. of a run redone from an older checkpoint, stay too); a
   pruned checkpoint loses its manifest first. Leftover folders without a manifest older than
@@ -100,7 +100,8 @@ class Checkpoint:
             try:
                 size = p.size()
                 if size == want.get("bytes"):
-                    size, digest = sha256_of(p)
+                    size, digest = (self._fetch(p) if name == "worker.pt" and not p.is_local
+                                    else sha256_of(p))
             except (OSError, FileNotFoundError) as e:
                 raise CheckpointError(f"{p} cannot be read: {one_line(e)}") from None
             if size != want.get("bytes"):
@@ -120,24 +121,41 @@ class Checkpoint:
 
     def load_worker_state(self) -> Any:
         """The worker state, read with ``torch.load(weights_only=True)`` (never unpickles
-        objects); a remote file is downloaded first and checked against the manifest."""
+        objects); a remote file is downloaded first (once: :meth:`verify` keeps its download)
+        and checked against the manifest."""
         p = self.path / "worker.pt"
         if p.is_local:
             return load_tensors(p.local_path)
         want = self.manifest()["files"].get("worker.pt") or {}
-        with tempfile.TemporaryDirectory(prefix="jabasray_checkpoint_") as tmp:
-            local = Path(tmp) / "worker.pt"
+        copy = getattr(self, "_download", None)
+        if copy is None or not copy[0].exists():
             try:
-                with open(local, "wb") as out:
-                    w = HashingWriter(out)
-                    for chunk in p.chunks():
-                        w.write(chunk)
+                self._fetch(p)
             except (OSError, FileNotFoundError) as e:
                 raise CheckpointError(f"{p} cannot be read: {one_line(e)}") from None
-            if (w.bytes, w.sha256) != (want.get("bytes"), want.get("sha256")):
-                raise CheckpointError(f"{p} changed after its manifest was written "
-                                      f"({w.bytes} bytes read); refusing to load it")
-            return load_tensors(local, label=str(p))
+            copy = self._download
+        local, size, digest = copy
+        if (size, digest) != (want.get("bytes"), want.get("sha256")):
+            raise CheckpointError(f"{p} changed after its manifest was written ({size} bytes "
+                                  f"read); refusing to load it")
+        return load_tensors(local, label=str(p))
+
+    def _fetch(self, p: StoragePath) -> tuple[int, str]:
+        """Download remote ``p`` in chunks to a temporary file, hashing it on the way; the file
+        is kept for :meth:`load_worker_state` until this object is garbage-collected. Returns
+        (bytes, SHA-256)."""
+        import shutil
+        import weakref
+
+        folder = tempfile.mkdtemp(prefix="jabasray_checkpoint_")
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        local = Path(folder) / p.name
+        with open(local, "wb") as out:
+            w = HashingWriter(out)
+            for chunk in p.chunks():
+                w.write(chunk)
+        object.__setattr__(self, "_download", (local, w.bytes, w.sha256))
+        return w.bytes, w.sha256
 
 
 def load_tensors(path: str | Path, label: str | None = None) -> Any:
