@@ -182,6 +182,31 @@ def test_expired_lease_of_a_dead_run_is_taken_over_and_release_deletes_it(s3, ca
     assert s3.keys("bkt", f"expired/{LEASE_NAME}") == []
 
 
+def test_lease_taken_over_while_this_run_stalled_stops_its_next_checkpoint(s3):
+    """Another run replaced the lease (this one did not renew in time): the next renewal finds
+    it, the lease is lost, the driver refuses to commit its next checkpoint, and releasing does
+    not delete the other run's lease."""
+    from jabasray.actors.driver import JabasDriver
+
+    run = resolve("s3://bkt/stalled")
+    lease = S3Lease(run, ttl_s=0.9).acquire()
+    s3.client().put_object(Bucket="bkt", Key=f"stalled/{LEASE_NAME}", Body=b'{"owner": "other"}')
+    deadline = time.monotonic() + 10
+    while not lease.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lease.lost
+
+    class Driver:                 # what JabasDriver._save reads
+        lock, run_dir = lease, run
+    with pytest.raises(RunLockedError) as e:
+        JabasDriver._save(Driver(), _state(1), {"w": torch.zeros(1)})
+    assert str(e.value).startswith("run folder s3://bkt/stalled: another run took over its lease")
+    assert list_checkpoints(run) == []
+    lease.release()
+    body = s3.client().get_object(Bucket="bkt", Key=f"stalled/{LEASE_NAME}")["Body"].read()
+    assert json.loads(body) == {"owner": "other"}
+
+
 # ---------------------------------------------------------------------- bad input, one line
 def _fit(storage_path: str, monkeypatch, **run_kw):
     """JabasTrainer.fit() up to the first expensive step (ensure_ray), recorded."""

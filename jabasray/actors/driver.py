@@ -89,6 +89,7 @@ class JabasDriver:
         self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
+        self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.callbacks = list(callbacks)
@@ -277,7 +278,13 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept)."""
+        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        unless the run's lease was taken over by another run meanwhile."""
+        if getattr(self.lock, "lost", False):
+            from .run_folder import RunLockedError
+            raise RunLockedError(f"run folder {self.run_dir}: another run took over its lease "
+                                 f"while this one did not renew it; stopping before checkpoint "
+                                 f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.options.keep_checkpoints)
         self.record.committed(state.epochs_done)

@@ -210,6 +210,7 @@ class DriverActor:
             # one run per run folder (run_folder.run_lock); after a restart Ray says the old
             # incarnation died: its lock is stale
             lock = run_lock(self.driver.run_dir, named_driver=True).acquire(take_over=self.restarted)
+            self.driver.lock = lock
             try:
                 try:
                     history = self.driver.run()

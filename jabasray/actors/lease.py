@@ -76,7 +76,7 @@ class S3Lease:
         self.ttl_s = float(ttl_s)
         self.owner = uuid.uuid4().hex
         self.etag: str | None = None
-        self.lost = False                  # a renewal found the lease taken by someone else
+        self._lost = False                 # a renewal found the lease taken by someone else
         self._mine = False
         self._client: Any = None
         self._stop = threading.Event()
@@ -85,6 +85,14 @@ class S3Lease:
     @property
     def held(self) -> bool:
         return self._mine
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewal found the lease taken over by another run (this process stalled
+        for longer than ``ttl_s``): the run must stop writing."""
+        with _HELD_LOCK:
+            entry = _HELD.get(str(self.object))
+        return (entry[0] if entry else self)._lost
 
     # ------------------------------------------------------------------ public
     def acquire(self, take_over: bool = False) -> "S3Lease":
@@ -134,7 +142,7 @@ class S3Lease:
         holder._stop.set()
         if holder._renewer is not None:
             holder._renewer.join(timeout=10)
-        if holder.etag is not None and not holder.lost:
+        if holder.etag is not None and not holder._lost:
             try:
                 holder._client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=holder.etag)
             except Exception as e:  # noqa: BLE001 - taken over meanwhile, or S3 gone: it expires
@@ -213,7 +221,7 @@ class S3Lease:
                 self.etag = r["ETag"]
             except Exception as e:  # noqa: BLE001
                 if _precondition_failed(e):
-                    self.lost = True
+                    self._lost = True
                     log.error("run folder %s: the lease %s was taken over by another run (this "
                               "process did not renew it for %.0fs); stop this run", self.run_dir,
                               self.object, self.ttl_s)

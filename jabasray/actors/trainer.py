@@ -333,10 +333,10 @@ class JabasTrainer:
             with run_lock(run_dir, named_driver=True):
                 pass
             return self._fit(run_dir, wait)
-        with run_lock(run_dir):
-            return self._fit(run_dir, wait)
+        with run_lock(run_dir) as lock:
+            return self._fit(run_dir, wait, lock)
 
-    def _fit(self, run_dir: StoragePath, wait: bool) -> Result | str:
+    def _fit(self, run_dir: StoragePath, wait: bool, lock: Any = None) -> Result | str:
         opts = self.options
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
@@ -352,6 +352,7 @@ class JabasTrainer:
                       options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows)
         self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+        self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
         if opts.driver == "actor":
             from . import run_client
