@@ -9,7 +9,10 @@ never read in the driver's process): it builds the datasets, reads one tiny batc
 step (forward + backward on a fresh model) and the evaluation on it, and returns plain numbers
 - the dataset sizes the driver's plans need, the optimizer's LR - or a one-line error that
 names the hook and what it returned. A probe costs one model build and one small batch; the
-driver then never needs ``len(dataset)`` from anywhere else.
+driver then never needs ``len(dataset)`` from anywhere else. With ``dataset_fn`` it also returns
+the dataset's :func:`dataset_fingerprint` (length, first and last sample); every GPU actor
+checks its own dataset against it (:func:`check_same_dataset`), so different files on different
+nodes stop the run with one line naming the node instead of duplicating or missing samples.
 """
 from __future__ import annotations
 

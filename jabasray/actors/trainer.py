@@ -234,7 +234,9 @@ class JabasTrainer:
             local or shared disk); samples are read by a DataLoader per actor
             (``num_data_workers``, ``collate_fn``, ``prefetch_factor``, pinned memory on CUDA) in
             the order of the exactly-once sampler. The driver never reads a sample: it learns
-            ``len(dataset)`` from a one-off probe task (:mod:`jabasray.actors.hooks`).
+            ``len(dataset)`` from a one-off probe task (:mod:`jabasray.actors.hooks`); every
+            actor checks that its dataset has the probe's length and first and last sample
+            (different files on different nodes: one line naming the node).
         val_dataset / val_dataset_fn: the same for validation (evaluated after every epoch,
             sharded over the actors).
 
@@ -253,7 +255,8 @@ class JabasTrainer:
             it sets. Its state is checkpointed.
         job_config: :class:`JobConfig` (also ``precision`` and ``grad_clip_norm``).
         cluster: the GPUs to use (None: detected from the running Ray cluster).
-        run_config: :class:`RunConfig` (storage_path, name).
+        run_config: :class:`RunConfig` (storage_path - a local path or a URI such as
+            ``s3://bucket/runs`` - name, storage_filesystem).
         perf_model / profiles: skip profiling (tests, pre-measured clusters).
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
