@@ -13,9 +13,10 @@ the path is taken as it is (already stripped of its scheme, e.g. ``bucket/runs``
 environment variables: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_ENDPOINT_URL``,
 ``GOOGLE_APPLICATION_CREDENTIALS``, ...); anything else is a local path, made absolute (``~``
 expanded, relative to the current directory). An unknown scheme is a one-line ``ValueError``
-(:func:`check_storage_path`, no network), and :func:`check_reachable` proves before any work
-that the location can be written and read back (unreachable endpoint, missing or wrong
-credentials, a missing bucket, a read-only folder: one line naming the location).
+(:func:`check_storage_path`, no network), and :func:`write_probe` proves before any work that
+the location can be written and read back (the run folder's probe turns an unreachable
+endpoint, missing or wrong credentials, a missing bucket, a read-only folder into one line
+naming the location, :func:`explain` adding what to check).
 
 **Streams.** Large files are written and read in chunks of :data:`CHUNK` bytes through the
 filesystem's streams (S3: multipart uploads, ranged reads), never held whole in memory.
@@ -315,32 +316,25 @@ def _atomic_local_write(path: Path, data: bytes) -> None:
         raise
 
 
-def check_reachable(location: StoragePath, what: str = "storage_path") -> None:
-    """Prove that ``location`` (a folder) can be created, written, read back and cleaned up:
-    one-line ``ValueError`` naming it and the reason otherwise (unreachable endpoint, missing or
-    wrong credentials, missing bucket, permissions, a full or read-only disk)."""
+def write_probe(folder: StoragePath) -> None:
+    """Prove that ``folder`` (which exists) takes a file: write one, read it back, remove it.
+    Raises the filesystem's own error (OSError and pyarrow's errors) otherwise."""
+    import errno
     import uuid
 
-    probe = location / f".probe_{uuid.uuid4().hex[:12]}"
+    probe = folder / f".probe_{uuid.uuid4().hex[:12]}"
     body = b"jabasray write probe\n" * 64
     try:
-        location.mkdir()
-    except Exception as e:  # noqa: BLE001 - pyarrow raises OSError and ArrowException
-        raise ValueError(f"{what} {location} is not reachable: cannot create the folder: "
-                         f"{explain(e)}") from None
-    try:
-        with location.filesystem.open_output_stream(probe.fs_path) as f:
-            f.write(body)
-        ok = probe.read_bytes() == body
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{what} {location} is not writable: {explain(e)}") from None
+        with probe.open_output() as fh:
+            fh.write(body)
+            sync_file(fh)
+        if probe.read_bytes() != body:
+            raise OSError(errno.EIO, "the probe file does not read back what was written")
     finally:
         try:
             probe.unlink()
-        except Exception:  # noqa: BLE001 - the probe's failure is the message
+        except Exception:  # noqa: BLE001 - the write's own error is the one to report
             pass
-    if not ok:
-        raise ValueError(f"{what} {location} does not read back what was written")
 
 
 def explain(e: BaseException) -> str:
@@ -358,5 +352,5 @@ def explain(e: BaseException) -> str:
 
 
 __all__ = ["CHUNK", "SCHEMES", "StoragePath", "HashingWriter", "resolve", "as_storage_path",
-           "check_storage_path", "check_reachable", "explain", "uri_scheme", "one_line", "sha256_of",
+           "check_storage_path", "write_probe", "explain", "uri_scheme", "one_line", "sha256_of",
            "sync_file"]

@@ -29,7 +29,7 @@ from test_driver_actor import SLOW, FAST, wait_for
 from test_trainer import assert_same_training, job
 from jabasray.actors import run_client
 from jabasray.actors.driver import DriverOptions, JabasDriver
-from jabasray.actors.trainer import JabasTrainer, Result
+from jabasray.actors.trainer import JabasTrainer
 from jabasray.config import RunConfig
 from jabasray.errors import StorageUnavailable
 from jabasray.storage import resolve

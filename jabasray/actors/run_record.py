@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import StorageUnavailable
 from ..storage import StoragePath, explain
