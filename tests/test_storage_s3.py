@@ -144,22 +144,24 @@ def _holder(uri: str, ttl_s: float = 60.0) -> subprocess.Popen:
     return p
 
 
-def test_lease_refuses_a_second_run_and_is_renewed(s3):
-    run = resolve("s3://bkt/leased")
+def test_lease_refuses_a_second_run_and_is_renewed(s3, monkeypatch):
+    """A run (another process: its lease) holds s3://bkt/leased/r; fit() on the same folder is
+    refused in one line before Ray starts, also after the holder's lease would have expired
+    had it not renewed it."""
+    run = resolve("s3://bkt/leased/r")
     holder = _holder(str(run), ttl_s=1.5)
+    key = f"leased/r/{LEASE_NAME}"
     try:
-        first = json.loads(s3.client().get_object(Bucket="bkt", Key=f"leased/{LEASE_NAME}")["Body"].read())
+        first = json.loads(s3.client().get_object(Bucket="bkt", Key=key)["Body"].read())
         assert first["pid"] == holder.pid
-        with pytest.raises(RunLockedError) as e:
-            run_lock(run).acquire()
-        msg = str(e.value)
-        assert msg.startswith(f"run folder s3://bkt/leased is in use by pid {holder.pid} on ")
-        assert "wait for it to finish or choose another --name" in msg and "\n" not in msg
+        msg = _fit("s3://bkt/leased", monkeypatch)
+        assert msg.startswith(f"run folder s3://bkt/leased/r is in use by pid {holder.pid} on ")
+        assert msg.endswith("wait for it to finish or choose another --name")
         time.sleep(2.0)                       # > ttl: the live holder renewed it meanwhile
-        again = json.loads(s3.client().get_object(Bucket="bkt", Key=f"leased/{LEASE_NAME}")["Body"].read())
+        again = json.loads(s3.client().get_object(Bucket="bkt", Key=key)["Body"].read())
         assert again["owner"] == first["owner"] and again["expires"] > first["expires"]
         with pytest.raises(RunLockedError):
-            S3Lease(run).acquire()
+            run_lock(run).acquire()
     finally:
         holder.kill()
         holder.wait()
