@@ -2,7 +2,7 @@
 server, and what an epoch-boundary checkpoint costs as a fraction of the epoch.
 
 **Part 1 - save and restore** (no Ray). The worker state of a ~100 MB model (an MLP with four
-2900-wide hidden layers, float32, 101.6 MB of weights; no optimizer state, so the checkpoint is
+2900-wide hidden layers, float32, 97.1 MiB of weights; no optimizer state, so the checkpoint is
 the model) is checkpointed and restored in paired rounds, the order of the arms rotated every
 round:
 
@@ -19,7 +19,7 @@ their medians.
 
 **Part 2 - the epoch boundary** (``--epochs-run``, Ray). The same model trained by
 ``JabasTrainer`` (driver in this process, one emulated GPU pair, given perf model, SGD with
-momentum - so the checkpoint holds model and momentum, ~203 MB) for ``--epochs`` epochs of
+momentum - so the checkpoint holds model and momentum, 194 MiB) for ``--epochs`` epochs of
 ``--samples`` digits, its run on a local folder and on ``s3://``, paired per round. Per epoch:
 the time of its checkpoint commit (``save_checkpoint`` at the epoch end) and the epoch's wall time
 (training, validation and collecting the worker state from rank 0); the figure is
@@ -49,7 +49,7 @@ from common import default_out, write_json
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-WIDTH, DEPTH = 2900, 4      # MLP(64, (2900,) * 4, 10): 25.4 M parameters, 101.6 MB float32
+WIDTH, DEPTH = 2900, 4      # MLP(64, (2900,) * 4, 10): 25.4 M parameters, 97.1 MiB float32
 
 
 def big_model():
