@@ -45,9 +45,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--storage-path", default="jabasray_runs",
-                    help="parent folder of the run's results; under `ray job submit` give an "
-                         "absolute path (a relative one lands in the job's temporary working "
-                         "directory); on several nodes, the head's disk or a shared path")
+                    help="parent folder of the run's results, or a URI (s3://bucket/runs, "
+                         "gs://...); under `ray job submit` give an absolute path (a relative one "
+                         "lands in the job's temporary working directory); on several nodes, a "
+                         "path every node mounts or a cloud URI")
     ap.add_argument("--name", default="train_digits")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

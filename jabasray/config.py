@@ -5,14 +5,16 @@ naming the field and the allowed values.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .serialization import JsonMixin
 from .validation import check_choice, check_float, check_int
+
+if TYPE_CHECKING:   # pragma: no cover
+    from .storage import StoragePath
 
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
@@ -152,19 +154,36 @@ def check_run_name(name: object) -> str:
 
 @dataclass(frozen=True)
 class RunConfig(JsonMixin):
-    """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape)."""
+    """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape).
 
-    storage_path: str = "jabasray_runs"   # parent folder of all runs
+    ``storage_path`` is a local path (a shared NFS folder on a multi-node cluster) or a URI
+    (``s3://bucket/runs``, ``gs://bucket/runs``, ...); with ``storage_filesystem`` (any
+    ``pyarrow.fs.FileSystem``, e.g. an ``S3FileSystem`` with its own endpoint and credentials)
+    it is a path on that filesystem without its scheme (``bucket/runs``). Resolved as Ray Train
+    resolves it (:func:`jabasray.storage.resolve`); the run's folder is
+    ``<storage_path>/<name>``. A bad scheme or a filesystem of the wrong type is a one-line
+    ``ValueError`` here; reachability is checked when the run starts, before any actor.
+    """
+
+    storage_path: str = "jabasray_runs"   # parent of all runs: local path or URI
     name: str = "run"                      # this run's folder under storage_path
+    storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
 
     def __post_init__(self) -> None:
+        from .storage import check_storage_path
+
         check_run_name(self.name)
-        if not isinstance(self.storage_path, (str, os.PathLike)) or not str(self.storage_path):
-            raise ValueError(f"storage_path must be a non-empty path, got {self.storage_path!r}")
+        check_storage_path(self.storage_path, self.storage_filesystem)
+
+    @cached_property
+    def storage(self) -> "StoragePath":
+        """The storage root (``storage_path`` resolved; a relative local path is taken from the
+        current directory - under ``ray job submit`` that is the job's temporary copy of the
+        working directory, so pass an absolute path or a URI there)."""
+        from .storage import resolve
+        return resolve(self.storage_path, self.storage_filesystem)
 
     @property
-    def path(self) -> Path:
-        """The run folder as an absolute path (a relative ``storage_path`` is taken from the
-        current directory; under ``ray job submit`` that is the job's temporary copy of the
-        working directory, so pass an absolute one there)."""
-        return (Path(self.storage_path).expanduser() / self.name).absolute()
+    def path(self) -> "StoragePath":
+        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI)."""
+        return self.storage / self.name

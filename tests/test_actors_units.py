@@ -284,7 +284,7 @@ def test_actor_feeds_background_runner_and_guards_allreduce_only_when_hosting(tm
                         loss_fn=nn.functional.cross_entropy, dataset=data, steps=10**6,
                         batch_size=8, memory_mb=1.0)
     actor.bg_set_memory_budget(100.0)
-    actor.bg_submit("bg", job, str(tmp_path))
+    actor.bg_submit("bg", job)
     runner = actor.bg_runner()
     reported: list[float] = []
     real_report = runner.report_foreground_step

@@ -92,22 +92,22 @@ def test_job_spec_validation_names_the_field():
 def test_mixin_in_process_memory_accounting_and_containment(tmp_path):
     host = Host(memory_mb=50.0)
     assert host.free_memory() == 50.0
-    st = host.bg_submit("long", job(steps=10**6, memory_mb=30.0), str(tmp_path))
+    st = host.bg_submit("long", job(steps=10**6, memory_mb=30.0))
     assert st.name == "long" and st.total_steps == 10**6
     assert host.free_memory() == pytest.approx(20.0)
     with pytest.raises(ValueError, match="memory_mb"):
-        host.bg_submit("b", job(memory_mb=25.0), str(tmp_path))
-    host.bg_submit("short", job(steps=6, memory_mb=20.0), str(tmp_path))
+        host.bg_submit("b", job(memory_mb=25.0))
+    host.bg_submit("short", job(steps=6, memory_mb=20.0))
     assert host.free_memory() == pytest.approx(0.0) or host.bg_status("short").finished
     final = host.bg_runner().wait("short", timeout=60)
     assert final.state == "done" and final.step == 6
     assert host.bg_cancel("long").state == "cancelled"
     assert host.free_memory() == 50.0                       # released when finished
-    bad = host.bg_submit("bad", job(model_fn=broken_model), str(tmp_path))
+    bad = host.bg_submit("bad", job(model_fn=broken_model))
     assert bad.state == "failed" and "RuntimeError: no such layer" in bad.error
     assert host.bg_status("bad").state == "failed"
     assert 0.0 <= BackgroundHostMixin.spare_capacity(host) <= 1.0
-    host.bg_submit("paused", job(steps=10**6), str(tmp_path))
+    host.bg_submit("paused", job(steps=10**6))
     _advances(host, "paused")                       # positive control: it trains when not paused
     with host.bg_foreground_critical("allreduce"):
         before = host.bg_status("paused").step
@@ -148,12 +148,12 @@ def hosts(ray_session):
 
 def test_submit_places_on_most_spare_actor_that_fits(hosts, tmp_path):
     ray, actors, _ = hosts
-    small = submit_background(job(steps=4, memory_mb=5.0), actors, str(tmp_path))
+    small = submit_background(job(steps=4, memory_mb=5.0), actors)
     assert small.actor is actors[0]                          # spare 0.9, 20 MiB suffice
-    big = submit_background(job(steps=4, memory_mb=100.0), actors, str(tmp_path))
+    big = submit_background(job(steps=4, memory_mb=100.0), actors)
     assert big.actor is actors[1]                            # 0.9 lacks memory; next is 0.6
     with pytest.raises(ValueError, match="memory_mb"):
-        submit_background(job(memory_mb=10_000.0), actors, str(tmp_path))
+        submit_background(job(memory_mb=10_000.0), actors)
     assert small.result(timeout=60).step == 4
     st = big.result(timeout=60)
     assert st.state == "done" and st.samples == 4 * 8 and st.progress == 1.0
@@ -161,7 +161,7 @@ def test_submit_places_on_most_spare_actor_that_fits(hosts, tmp_path):
 
 def test_failure_is_reported_through_the_handle(hosts, tmp_path):
     ray, actors, _ = hosts
-    h = submit_background(job(model_fn=broken_model), actors, str(tmp_path))
+    h = submit_background(job(model_fn=broken_model), actors)
     with pytest.raises(BackgroundJobFailed, match="no such layer"):
         h.result(timeout=30)
     assert h.progress().state == "failed"
@@ -170,7 +170,7 @@ def test_failure_is_reported_through_the_handle(hosts, tmp_path):
 
 def test_cancel_and_progress(hosts, tmp_path):
     ray, actors, _ = hosts
-    h = submit_background(job(steps=10**6), actors, str(tmp_path))
+    h = submit_background(job(steps=10**6), actors)
     deadline = time.monotonic() + 30
     while h.progress().step < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -179,31 +179,53 @@ def test_cancel_and_progress(hosts, tmp_path):
     assert h.result(timeout=5).state == "cancelled"
 
 
-def test_rebalance_resumes_from_checkpoint_on_a_new_actor(hosts, tmp_path):
+def test_rebalance_resumes_from_the_pulled_state_on_a_new_actor(hosts, tmp_path):
+    """The scheduler pulls the job's state (through the object store) and writes it to its
+    storage; the job's actor dies; it resumes on another actor from that state (not step 0)
+    and ends exactly where an uninterrupted run ends."""
     ray, actors, Remote = hosts
     doomed = Remote.remote(spare=1.0, memory_mb=500.0)      # the job lands here first
-    sched = BackgroundScheduler([doomed] + actors, checkpoint_dir=str(tmp_path))
+    sched = BackgroundScheduler([doomed] + actors, storage=str(tmp_path))
     steps = 400
     h = sched.submit(job(steps=steps, every=5), job_id="moving")
     assert h.actor is doomed
     deadline = time.monotonic() + 60
     while h.progress().step < 12 and time.monotonic() < deadline:
         time.sleep(0.02)
+    assert sched.checkpoint() == ["moving"]
+    pulled = torch.load(tmp_path / "moving.pt", weights_only=True)["step"]
+    assert pulled >= 12
     ray.kill(doomed)                                         # the node is gone
     moved = sched.rebalance(actors)
     assert moved == ["moving"] and h.moves == 1 and h.actor is actors[0]
-    resumed_at = h.progress().step
-    assert resumed_at >= 10                                  # from its checkpoint, not step 0
+    assert h.progress().step >= pulled                       # from its state, not step 0
     st = h.result(timeout=120)
     assert st.step == steps
     assert sched.rebalance(actors) == []                     # nothing left to move
-    state = torch.load(tmp_path / "moving.pt", weights_only=False)
+    state = torch.load(__import__("io").BytesIO(ray.get(h.actor.bg_state.remote("moving"))),
+                       weights_only=True)
     assert state["step"] == steps
     ref = reference(steps)
     got = make_model()
     got.load_state_dict(state["model"])
     for p, q in zip(got.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
+def test_job_whose_state_never_left_its_dead_actor_fails_naming_it(hosts):
+    ray, actors, Remote = hosts
+    doomed = Remote.remote(spare=1.0, memory_mb=500.0)
+    sched = BackgroundScheduler([doomed] + actors)
+    h = sched.submit(job(steps=10**6), job_id="unsaved")
+    while h.progress().step < 2:
+        time.sleep(0.02)
+    ray.kill(doomed)                                         # before any checkpoint() pulled it
+    assert sched.rebalance(actors) == []
+    with pytest.raises(BackgroundJobFailed) as e:
+        h.result(timeout=5)
+    assert str(e.value).startswith("background job unsaved failed at step 0: background job "
+                                   "unsaved: its actor is gone and none of its state reached")
+    assert str(e.value).endswith("not restarting it from step 0")
 
 
 def _advances(host, name: str, timeout: float = 30.0) -> None:

@@ -1,9 +1,15 @@
-"""Checkpoints never unpickle objects, are written atomically with a verified manifest, and a
-corrupt newest checkpoint falls back to the newest intact one (issue 14). No Ray here."""
+"""Checkpoints never unpickle objects, are committed manifest-last (no renames) with a verified
+manifest, and a corrupt or half-written newest checkpoint falls back to the newest intact one.
+Local folders here; the same code on S3 is tested in test_storage_s3.py. No Ray here."""
 from __future__ import annotations
 
 import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 from collections import OrderedDict
 
 import numpy as np
@@ -152,13 +158,67 @@ def test_disk_full_while_writing_keeps_previous_checkpoint(tmp_path, monkeypatch
 
 
 def test_crash_between_files_leaves_no_visible_checkpoint(tmp_path, monkeypatch):
-    """A failure after worker.pt but before the rename: the new checkpoint never appears."""
+    """A failure after worker.pt but before the manifest: the new checkpoint never appears and
+    its partial folder is removed."""
     save_checkpoint(tmp_path, _state(1), _worker(1))
 
-    def boom(self, path):
+    def boom(self, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(DriverState, "save", boom)
+    monkeypatch.setattr(DriverState, "to_json", boom)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, _state(2), _worker(2))
     assert [c.epochs_done for c in list_checkpoints(tmp_path)] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["epoch_0001"]
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from test_checkpoint_safety import _state, _worker
+    from jabasray.actors.checkpoint import DriverState, save_checkpoint
+    def die(self, **kwargs):           # after worker.pt is written, before the manifest
+        os.kill(os.getpid(), signal.SIGKILL)
+    DriverState.to_json = die
+    save_checkpoint(sys.argv[1], _state(2), _worker(2))
+""")
+
+
+def test_writer_killed_before_the_manifest_is_skipped_with_one_line_and_redone(tmp_path):
+    """A driver killed mid-commit (SIGKILL: no clean-up runs) leaves epoch_0002 with its
+    worker.pt but no manifest: it is never taken, reported in one line, and redoing the epoch
+    replaces it."""
+    save_checkpoint(tmp_path, _state(1), _worker(1))
+    here = os.path.dirname(__file__)
+    p = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(tmp_path), here],
+                       env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert p.returncode == -signal.SIGKILL
+    half = tmp_path / "checkpoints" / "epoch_0002"
+    assert (half / "worker.pt").stat().st_size > 0 and not (half / "manifest.json").exists()
+    skipped: list[str] = []
+    assert latest_checkpoint(tmp_path, skipped).epochs_done == 1
+    assert skipped == ["checkpoint epoch_0002 is unusable (no manifest: an interrupted write or "
+                       "upload); trying the previous one"]
+    save_checkpoint(tmp_path, _state(2), _worker(2))
+    assert latest_checkpoint(tmp_path).epochs_done == 2
+    assert torch.equal(latest_checkpoint(tmp_path).load_worker_state()["model"]["w"],
+                       torch.full((3,), 2.0))
+
+
+def test_redone_epoch_loses_its_manifest_before_anything_else(tmp_path, monkeypatch):
+    """Redoing an epoch whose checkpoint exists: the old manifest goes first, so a crash
+    while the new files are written never leaves the old manifest over new files."""
+    save_checkpoint(tmp_path, _state(1), _worker(1))
+    save_checkpoint(tmp_path, _state(2), _worker(2))
+    seen = []
+    real = DriverState.to_json
+
+    def look(self, **kwargs):   # the new worker.pt is written; the old manifest must be gone
+        seen.append((tmp_path / "checkpoints" / "epoch_0002" / "manifest.json").exists())
+        raise KeyboardInterrupt
+    monkeypatch.setattr(DriverState, "to_json", look)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, _state(2), _worker(7))
+    monkeypatch.setattr(DriverState, "to_json", real)
+    assert seen == [False]
+    assert latest_checkpoint(tmp_path).epochs_done == 1

@@ -126,7 +126,7 @@ def test_probe_finds_file_system_problems(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=rf"^folder {tmp_path / 'ok'} is not writable: {text}$"):
             probe_run_folder(tmp_path / "ok")
     monkeypatch.undo()
-    assert probe_run_folder(tmp_path / "ok") == tmp_path / "ok"
+    assert probe_run_folder(tmp_path / "ok").local_path == tmp_path / "ok"
     assert os.listdir(tmp_path / "ok") == []                  # the probe file is gone
 
 

@@ -2,15 +2,26 @@
 
 * :class:`BackgroundJob`: what a user submits (plain spec: callables + sizes), picklable.
 * :class:`BackgroundHostMixin`: methods a GPU actor inherits (``bg_submit``, ``bg_status``,
-  ``bg_cancel``, ``bg_pause``/``bg_resume``, ``bg_checkpoint``, ``spare_capacity``,
+  ``bg_cancel``, ``bg_pause``/``bg_resume``, ``bg_state``, ``spare_capacity``,
   ``free_memory``). They drive one :class:`jabasray.engine.multiplex.BackgroundRunner` per
   actor, created on first use; the foreground code of the actor may use the same runner's
   gates (``self.bg_runner().foreground_critical("allreduce")``) and step feedback.
 * :func:`submit_background`: place a job on the actor with the most spare capacity among those
   whose free memory holds its ``memory_mb`` (else ``ValueError`` naming ``memory_mb``).
-* :class:`BackgroundScheduler`: keeps the handles; ``rebalance(new_actor_handles)`` (called by
-  the driver after every re-placement) moves jobs whose actor disappeared to a new actor, where
-  they resume from their own checkpoint.
+* :class:`BackgroundScheduler`: keeps the handles and the jobs' states; ``rebalance(
+  new_actor_handles)`` (called by the driver after every re-placement) moves jobs whose actor
+  disappeared to a new actor, where they resume from their state.
+
+**Where a job's state lives.** Never on a node: the engine's periodic checkpoints go to a
+scratch file of the actor process (its working copy, gone with the actor). The state that
+survives the actor is what the scheduler pulls with ``bg_state`` - the job's model, optimizer,
+step and data cursor as ``torch.save`` bytes, through Ray's object store - at every epoch end
+(the driver calls :meth:`BackgroundScheduler.checkpoint`; the driver actor hosts the scheduler)
+or whenever the user calls it, kept in the scheduler and written to its ``storage`` (the run's
+``<run>/background/<job id>.pt`` when a driver calls it; any local path or URI,
+:mod:`jabasray.storage`). A job moves with a fresh state when its old actor still answers, else
+with the newest pulled one; a job with no state anywhere is failed with an error naming it
+(``result()`` raises), never restarted from step 0 in silence.
 
 A background job never fails the foreground: any exception inside it (building the model,
 reading data, a training step) is caught on the actor, logged, and reported through the
@@ -20,6 +31,7 @@ Only coarse Ray calls are made (submit, status polls, checkpoint), never one per
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import tempfile
@@ -29,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..storage import StoragePath, as_storage_path
 from ..validation import check_float, check_int, check_steps_or_epochs
 
 log = logging.getLogger(__name__)
@@ -47,7 +60,7 @@ class BackgroundJob:
     epochs: int | None = None                    # ... or this many epochs
     batch_size: int = 16                         # background batch (kept small, section 5)
     memory_mb: float = 0.0                       # device memory estimate (MiB)
-    checkpoint_every: int = 50                   # steps between its own checkpoints
+    checkpoint_every: int = 50                   # steps between its checkpoints (actor's working copy)
     seed: int = 0                                # model init and data order
     name: str = "background"                     # label for logs
 
@@ -150,15 +163,27 @@ class BackgroundHostMixin:
             return True
 
     # ---- jobs
-    def bg_submit(self, job_id: str, job_blob: Any, checkpoint_dir: str) -> Any:
+    def _bg_scratch(self, job_id: str) -> str:
+        """The engine's checkpoint file of ``job_id`` in this actor process's scratch folder (a
+        working copy: the state that outlives this actor is what :meth:`bg_state` returns)."""
+        folder = getattr(self, "_bg_scratch_dir", None)
+        if folder is None:
+            folder = self._bg_scratch_dir = tempfile.mkdtemp(prefix="jabasray_bg_")
+        return os.path.join(folder, hashlib.sha256(job_id.encode()).hexdigest()[:24] + ".pt")
+
+    def bg_submit(self, job_id: str, job_blob: Any, state: bytes | None = None) -> Any:
         """Build and start ``job_blob`` (a BackgroundJob, or its cloudpickle bytes) as
-        ``job_id``, resuming from ``checkpoint_dir/<job_id>.pt`` when that file exists.
+        ``job_id``, resuming from ``state`` (what :meth:`bg_state` returned on the job's
+        previous actor) when given.
 
         Raises ValueError (naming ``memory_mb``) when the job does not fit in free memory;
         any other error is contained: the job is reported as failed.
         """
         runner = self.bg_runner()
         job = _load_job(job_blob)
+        if state is not None and not isinstance(state, (bytes, bytearray)):
+            raise ValueError(f"state must be the bytes bg_state returned, or None, got "
+                             f"{type(state).__name__}")
         free = self.free_memory()
         if job.memory_mb > free:
             raise ValueError(f"memory_mb must be <= the free memory of this device ({free:.1f} MiB), "
@@ -168,6 +193,12 @@ class BackgroundHostMixin:
             import torch
 
             from ..engine.multiplex import BackgroundTask
+            scratch = self._bg_scratch(job_id)
+            if state is not None:
+                with open(scratch, "wb") as fh:
+                    fh.write(state)
+            elif os.path.exists(scratch):
+                os.unlink(scratch)
             torch.manual_seed(job.seed)
             model = job.model_fn()
             dataset = job.dataset if job.dataset is not None else job.data_fn()
@@ -175,8 +206,7 @@ class BackgroundHostMixin:
                 name=job_id, model=model, dataset=dataset,
                 optimizer=job.optimizer_fn(model.parameters()), loss_fn=job.loss_fn,
                 batch_size=job.batch_size, steps=job.steps, epochs=job.epochs,
-                checkpoint_path=str(Path(checkpoint_dir) / f"{job_id}.pt"),
-                checkpoint_every=job.checkpoint_every, seed=job.seed)
+                checkpoint_path=scratch, checkpoint_every=job.checkpoint_every, seed=job.seed)
             runner.submit(task)
         except Exception as e:  # noqa: BLE001 - contained, reported through the handle
             log.exception("background job %s could not start", job_id)
@@ -184,6 +214,14 @@ class BackgroundHostMixin:
             return self._bg_failed[job_id]
         self._bg_memory[job_id] = job.memory_mb
         return runner.status(job_id)
+
+    def bg_state(self, job_id: str) -> bytes:
+        """The job's state now - model, optimizer, step, data cursor, as ``torch.save`` bytes
+        (tensors and plain values only) - taken between two of its steps; it reaches the caller
+        through Ray's object store."""
+        path = self.bg_runner().checkpoint(job_id)
+        with open(path, "rb") as fh:
+            return fh.read()
 
     def bg_status(self, job_id: str) -> Any:
         if job_id in getattr(self, "_bg_failed", {}):
@@ -206,10 +244,6 @@ class BackgroundHostMixin:
 
     def bg_resume(self, job_id: str | None = None) -> None:
         self.bg_runner().resume(job_id)
-
-    def bg_checkpoint(self, job_id: str) -> str:
-        """Write the job's checkpoint now; returns its path."""
-        return self.bg_runner().checkpoint(job_id)
 
 
 def _load_job(blob: Any) -> BackgroundJob:
@@ -250,20 +284,23 @@ def _choose_actor(job: BackgroundJob, actors: Sequence[Any]) -> Any:
 class BackgroundHandle:
     """A submitted background job: ``progress()``, ``result(timeout)``, ``cancel()``."""
 
-    def __init__(self, job_id: str, job: BackgroundJob, actor: Any, checkpoint_dir: str) -> None:
-        self.job_id, self.job, self.actor, self.checkpoint_dir = job_id, job, actor, checkpoint_dir
+    def __init__(self, job_id: str, job: BackgroundJob, actor: Any) -> None:
+        self.job_id, self.job, self.actor = job_id, job, actor
         self.moves = 0
+        self.lost: str | None = None     # why the job cannot continue (its state is gone)
 
     def progress(self) -> Any:
         """The job's current ``BackgroundStatus`` (state, step, total_steps, loss, error)."""
         import ray
+        if self.lost is not None:
+            return _failed_status(self.job_id, self.lost)
         return ray.get(self.actor.bg_status.remote(self.job_id))
 
     def result(self, timeout: float | None = None, poll: float = 0.1) -> Any:
         """Wait until the job finished; return its final status.
 
         Raises ``TimeoutError`` when ``timeout`` passes first and :class:`BackgroundJobFailed`
-        when the job failed on its actor.
+        when the job failed on its actor or its state was lost.
         """
         end = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -279,54 +316,92 @@ class BackgroundHandle:
 
     def cancel(self) -> Any:
         import ray
+        if self.lost is not None:
+            return self.progress()
         return ray.get(self.actor.bg_cancel.remote(self.job_id))
 
     def __repr__(self) -> str:
         return f"BackgroundHandle({self.job_id!r}, job={self.job.name!r}, moves={self.moves})"
 
 
-def _default_checkpoint_dir() -> str:
-    return str(Path(tempfile.gettempdir()) / "jabasray_background")
-
-
-def submit_background(job: BackgroundJob, actors: Sequence[Any], checkpoint_dir: str | None = None,
-                      job_id: str | None = None) -> BackgroundHandle:
-    """Place ``job`` on the actor with the most spare capacity that has the memory for it.
-
-    ``checkpoint_dir`` must be reachable from every actor that may resume the job (shared
-    storage on a multi-node cluster). Raises ValueError naming ``memory_mb`` when no device has
-    enough free memory.
-    """
+def submit_background(job: BackgroundJob, actors: Sequence[Any], job_id: str | None = None,
+                      state: bytes | None = None) -> BackgroundHandle:
+    """Place ``job`` on the actor with the most spare capacity that has the memory for it
+    (resuming from ``state``, bytes of ``bg_state``, when given). Raises ValueError naming
+    ``memory_mb`` when no device has enough free memory. Its state outlives that actor only
+    through a :class:`BackgroundScheduler` (module notes)."""
     import ray
 
     if not isinstance(job, BackgroundJob):
         raise ValueError(f"job must be a BackgroundJob, got {type(job).__name__}")
     job_id = job_id or f"{job.name}-{uuid.uuid4().hex[:8]}"
-    checkpoint_dir = checkpoint_dir or _default_checkpoint_dir()
-    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     actor = _choose_actor(job, actors)
-    ray.get(actor.bg_submit.remote(job_id, job, checkpoint_dir))
+    ray.get(actor.bg_submit.remote(job_id, job, state))
     log.info("background job %s placed on actor %s", job_id, _actor_key(actor))
-    return BackgroundHandle(job_id, job, actor, checkpoint_dir)
+    return BackgroundHandle(job_id, job, actor)
 
 
 class BackgroundScheduler:
-    """Tracks background jobs across re-placements of the GPU actors.
+    """Tracks background jobs and their states across re-placements of the GPU actors.
 
-    The driver calls :meth:`rebalance` with the new actor handles after every re-placement;
-    every unfinished job whose actor is not among them resumes on a new actor from its own
-    checkpoint (the old actor is asked for a fresh checkpoint first when it is still alive).
+    :meth:`checkpoint` pulls every running job's state from its actor (the driver calls it at
+    every epoch end); :meth:`rebalance` (called by the driver with the new actor handles after
+    every re-placement) resumes every unfinished job whose actor is not among them on a new
+    actor, from a fresh state when the old actor still answers, else from the newest pulled
+    one. ``storage``: where pulled states are also written (``<job id>.pt``; a local path or
+    URI; None: the run's ``<run>/background`` once a driver calls :meth:`checkpoint`, else in
+    memory only).
     """
 
-    def __init__(self, actors: Sequence[Any] = (), checkpoint_dir: str | None = None) -> None:
+    def __init__(self, actors: Sequence[Any] = (), storage: "str | Path | StoragePath | None" = None) -> None:
         self.actors = list(actors)
-        self.checkpoint_dir = checkpoint_dir or _default_checkpoint_dir()
+        self.storage = as_storage_path(storage) if storage is not None else None
         self.handles: dict[str, BackgroundHandle] = {}
+        self.states: dict[str, bytes] = {}        # job id -> newest pulled state
 
     def submit(self, job: BackgroundJob, job_id: str | None = None) -> BackgroundHandle:
-        handle = submit_background(job, self.actors, self.checkpoint_dir, job_id)
+        handle = submit_background(job, self.actors, job_id)
         self.handles[handle.job_id] = handle
         return handle
+
+    def checkpoint(self, storage: "str | Path | StoragePath | None" = None) -> list[str]:
+        """Pull the state of every running job whose actor answers (one Ray call per job) and
+        keep it (and write it to ``storage``, else to this scheduler's storage). Returns the
+        ids of the jobs whose state was taken."""
+        import ray
+
+        if storage is not None and self.storage is None:
+            self.storage = as_storage_path(storage)
+        taken = []
+        for jid, h in self.handles.items():
+            if h.lost is not None:
+                continue
+            try:
+                st = ray.get(h.actor.bg_status.remote(jid), timeout=30)
+                if st.state in ("failed", "cancelled") or (st.finished and jid in self.states):
+                    continue
+                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=120))
+            except Exception as e:  # noqa: BLE001 - actor gone: rebalance resumes it
+                log.info("background job %s: no state from its actor (%s)", jid, type(e).__name__)
+                continue
+            taken.append(jid)
+        return taken
+
+    def _keep(self, job_id: str, state: bytes) -> None:
+        self.states[job_id] = state
+        if self.storage is not None:
+            (self.storage / f"{job_id}.pt").write_bytes(state)
+
+    def state(self, job_id: str) -> bytes | None:
+        """The newest state of ``job_id`` kept here or in the storage (None: none)."""
+        if job_id in self.states:
+            return self.states[job_id]
+        if self.storage is not None:
+            try:
+                return (self.storage / f"{job_id}.pt").read_bytes()
+            except FileNotFoundError:
+                return None
+        return None
 
     def rebalance(self, new_actor_handles: Sequence[Any]) -> list[str]:
         """Move jobs off actors that disappeared; returns the ids of the jobs moved."""
@@ -336,26 +411,33 @@ class BackgroundScheduler:
         alive = {_actor_key(a) for a in self.actors}
         moved = []
         for jid, h in self.handles.items():
-            if _actor_key(h.actor) in alive:
+            if _actor_key(h.actor) in alive or h.lost is not None:
                 continue
-            try:                       # still reachable: fresh checkpoint, stop it there
+            try:                       # still reachable: fresh state, stop it there
                 st = ray.get(h.actor.bg_status.remote(jid), timeout=10)
                 if st.finished:
                     continue
-                ray.get(h.actor.bg_checkpoint.remote(jid), timeout=30)
+                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=60))
                 ray.get(h.actor.bg_cancel.remote(jid), timeout=10)
-            except Exception as e:  # noqa: BLE001 - actor gone: resume from the last checkpoint
+            except Exception as e:  # noqa: BLE001 - actor gone: resume from the newest pulled state
                 log.info("background job %s: old actor unreachable (%s); resuming from its last "
-                         "checkpoint", jid, type(e).__name__)
+                         "pulled state", jid, type(e).__name__)
                 try:                   # alive but busy: make it stop the job when it gets to it
                     h.actor.bg_cancel.remote(jid)
                 except Exception:  # noqa: BLE001
                     pass
+            state = self.state(jid)
+            if state is None:
+                h.lost = (f"background job {jid}: its actor is gone and none of its state reached "
+                          f"the scheduler or its storage (states are pulled at every epoch end "
+                          f"and by BackgroundScheduler.checkpoint()); not restarting it from step 0")
+                log.error(h.lost)
+                continue
             if not self.actors:
                 log.warning("background job %s: no actor left to resume on", jid)
                 continue
             h.actor = _choose_actor(h.job, self.actors)
-            ray.get(h.actor.bg_submit.remote(jid, h.job, h.checkpoint_dir))
+            ray.get(h.actor.bg_submit.remote(jid, h.job, state))
             h.moves += 1
             moved.append(jid)
             log.info("background job %s resumed on actor %s", jid, _actor_key(h.actor))

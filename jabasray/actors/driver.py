@@ -31,6 +31,7 @@ from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
+from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
@@ -40,6 +41,7 @@ from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, i
 from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
 from .pool import ActorPool
 from .recovery import dead_slots, give_up, restart, restore_or_start
+from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,10 @@ class JabasDriver:
         model_fn, dataset, optimizer_fn, loss_fn: the user's job (``optimizer_fn(params)``).
         job: :class:`JobConfig`.
         cluster: the GPUs the job may use.
-        run_dir: folder of this run (checkpoints, metrics.json).
+        run_dir: folder of this run (checkpoints, metrics.json): a local path, a URI or a
+            :class:`~jabasray.storage.StoragePath`; its name is the run's name. Its storage
+            marker and Ray's record of it (:mod:`.run_record`) are checked at every start and
+            restart.
         val_dataset: optional in-memory validation set (evaluated after every epoch, sharded
             over the actors, ``hooks.eval_fn`` or loss + top-1 accuracy).
         hooks: :class:`~jabasray.actors.hooks.JobHooks` for the actors (dataset_fn, step_fn,
@@ -70,7 +75,7 @@ class JabasDriver:
     """
 
     def __init__(self, model_fn: Callable, dataset: Any, optimizer_fn: Callable, loss_fn: Callable,
-                 job: JobConfig, cluster: ClusterSpec, run_dir: str | Path,
+                 job: JobConfig, cluster: ClusterSpec, run_dir: str | Path | StoragePath,
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
@@ -82,7 +87,9 @@ class JabasDriver:
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
         self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
-        self.run_dir = Path(run_dir)
+        self.run_dir = as_storage_path(run_dir)
+        self.record = RunRecord(self.run_dir.name, self.run_dir)
+        self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.callbacks = list(callbacks)
@@ -179,13 +186,24 @@ class JabasDriver:
             profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
-        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once).
-        A finished run resumed with more epochs plans its next epoch first."""
-        state, worker_state = self._continue(*restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                                               self._choose_allocation))
+        """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
+        once the run's storage proved visible from here (:class:`.run_record.RunRecord`). A
+        finished run resumed with more epochs plans its next epoch first."""
+        self.record.check_marker()
+        cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
+                                             self._choose_allocation)
+        self._check_checkpoint(cp)
+        state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
         return state, worker_state
+
+    def _check_checkpoint(self, cp: Checkpoint | None) -> None:
+        """The checkpoint Ray's record names must be visible; then the record names ``cp``
+        (before a redone epoch removes a newer manifest)."""
+        self.record.check_checkpoint(cp.epochs_done if cp is not None else None)
+        if cp is not None:
+            self.record.committed(cp.epochs_done)
 
     def _continue(self, cp: Checkpoint | None, state: DriverState, events: list[str]
                   ) -> tuple[DriverState, dict | None]:
@@ -264,9 +282,16 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept)."""
+        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        unless the run's lease was taken over by another run meanwhile."""
+        if getattr(self.lock, "lost", False):
+            from .run_folder import RunLockedError
+            raise RunLockedError(f"run folder {self.run_dir}: another run took over its lease "
+                                 f"while this one did not renew it; stopping before checkpoint "
+                                 f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.options.keep_checkpoints)
+        self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
@@ -356,6 +381,9 @@ class JabasDriver:
             state = self._decide_next_epoch(state, ctl)
         self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
+        if self.background is not None and hasattr(self.background, "checkpoint"):
+            # background jobs' states to the driver and the run's storage (actors.background)
+            self.background.checkpoint(self.run_dir / "background")
         for cb in self.callbacks:
             cb.on_epoch(self, record)
         return state, worker_state
@@ -387,7 +415,10 @@ class JabasDriver:
         pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
-        return self._continue(*restart(self.run_dir, failure, dropped, ctl, self._choose_allocation))
+        self.record.check_marker()
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        self._check_checkpoint(cp)
+        return self._continue(cp, state, events)
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)

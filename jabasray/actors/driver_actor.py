@@ -38,16 +38,15 @@ import logging
 import os
 import threading
 import warnings
-from pathlib import Path
 from typing import Any
 
 from .driver import JabasDriver
 from .driver_options import DriverCallback
-from .run_folder import LOCK_NAME, RunLock
+from .run_folder import run_lock
+from .run_record import NAMESPACE, kv_delete_run, kv_get, kv_key, kv_put   # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "jabasray"          # Ray namespace of driver actors, their GPU actors and KV keys
 DRIVER_PREFIX = "driver:"       # driver actor name = DRIVER_PREFIX + run name
 FINISHED_LINGER_S = 120.0       # an ended run waits this long for a client to collect its outcome
 FOLLOWER_ACTIVE_S = 3.0         # a follower that polled this recently still gets the outcome
@@ -62,26 +61,6 @@ def gpu_actor_prefix(run: str) -> str:
     """Name prefix of the GPU actors a run's driver actor starts
     (``gpu:<run>:<incarnation>:g<generation>:<node>:rank<rank>``)."""
     return f"gpu:{run}:"
-
-
-# ---------------------------------------------------------------------- GCS key-value store
-def kv_key(run: str, what: str) -> bytes:
-    return f"run/{run}/{what}".encode()
-
-
-def kv_put(run: str, what: str, value: bytes) -> None:
-    from ray.experimental import internal_kv
-    internal_kv._internal_kv_put(kv_key(run, what), value, overwrite=True, namespace=NAMESPACE)
-
-
-def kv_get(run: str, what: str) -> bytes | None:
-    from ray.experimental import internal_kv
-    return internal_kv._internal_kv_get(kv_key(run, what), namespace=NAMESPACE)
-
-
-def kv_delete_run(run: str) -> None:
-    from ray.experimental import internal_kv
-    internal_kv._internal_kv_del(f"run/{run}/".encode(), del_by_prefix=True, namespace=NAMESPACE)
 
 
 def remove_leftovers(run: str) -> tuple[int, int]:
@@ -225,12 +204,18 @@ class DriverActor:
             self.run_dir = str(self.driver.run_dir)
             self.epochs, self.dataset_size = self.driver.job.epochs, self.driver.dataset_size
             self.state = "running"
-            if self.restarted:        # Ray says the old incarnation died: its lock is stale
-                stale_lock = Path(self.run_dir) / LOCK_NAME
-                stale_lock.unlink(missing_ok=True)
+            # the storage must be visible from this node before anything is written to it
+            # (a restart on a node that does not see a local run folder refuses here)
+            self.driver.record.check_marker()
+            # one run per run folder (run_folder.run_lock); after a restart Ray says the old
+            # incarnation died: its lock is stale
+            lock = run_lock(self.driver.run_dir, named_driver=True).acquire(take_over=self.restarted)
+            self.driver.lock = lock
             try:
-                with RunLock(self.run_dir):     # one run per run folder (run_folder)
+                try:
                     history = self.driver.run()
+                finally:
+                    lock.release()
                 self._end("finished", history)
             except StopRequested as stop:
                 self._stopped(str(stop))
@@ -261,7 +246,7 @@ class DriverActor:
     def _stopped(self, where: str) -> None:
         from .checkpoint import latest_checkpoint
 
-        cp = latest_checkpoint(self.run_dir)
+        cp = latest_checkpoint(self.driver.run_dir)
         kept = cp.epochs_done if cp else 0
         self.driver._event(f"stopped on request ({where}); the last checkpoint "
                            f"{cp.path.name if cp else '(none)'} keeps {kept} completed epoch(s); "
@@ -272,8 +257,9 @@ class DriverActor:
         from .checkpoint import latest_checkpoint
         from .trainer import finish_run
 
-        self._outcome = ("result", finish_run(history, Path(self.run_dir),
-                                              self.driver.last_checkpoint or latest_checkpoint(self.run_dir)))
+        run = self.driver.run_dir
+        self._outcome = ("result", finish_run(history, run,
+                                              self.driver.last_checkpoint or latest_checkpoint(run)))
         self.state = state
 
     def _append(self, kind: str, item: Any) -> None:

@@ -46,6 +46,9 @@ class DriverOptions(JsonMixin):
     record_samples: bool = False        # every interval record lists the sample indices the actors
                                         # served (tests, debugging; large). The exactly-once check
                                         # itself always runs, on digests.
+    driver_resources: dict[str, float] | None = None  # actor driver: custom Ray resources it needs,
+                                        # e.g. {"run_storage": 1} on the nodes that mount a local
+                                        # storage_path, so that a restart lands on one of them
 
     def __post_init__(self) -> None:
         from ..validation import check_choice, check_float, check_int
@@ -61,6 +64,12 @@ class DriverOptions(JsonMixin):
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
         check_choice("driver", self.driver, ("actor", "local"))
         check_int("driver_max_restarts", self.driver_max_restarts, min_value=-1)
+        if self.driver_resources is not None:
+            if not isinstance(self.driver_resources, dict) or not all(
+                    isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and v > 0 for k, v in self.driver_resources.items()):
+                raise ValueError(f"driver_resources must map Ray resource names to amounts > 0, "
+                                 f"got {self.driver_resources!r}")
         if self.driver_node is not None and (not isinstance(self.driver_node, str) or not self.driver_node):
             raise ValueError(f"driver_node must be a Ray node id or IP address, got {self.driver_node!r}")
         check_int("max_reprofiles", self.max_reprofiles, min_value=0)

@@ -162,9 +162,11 @@ class GPUActor(BackgroundHostMixin):
             device = f"cuda:{torch.cuda.current_device()}"  # Ray sets CUDA_VISIBLE_DEVICES
         self.device = device
         h = self.hooks
+        self._dataset_error: str | None = None   # raised by setup (a one-line DatasetMismatch)
         if h.dataset_fn is not None:
-            from .hooks import build_dataset
+            from .hooks import build_dataset, check_same_dataset
             train = build_dataset(h.dataset_fn, "dataset_fn")
+            self._dataset_error = check_same_dataset(train, h.dataset_fingerprint)
             self.data = LoaderBatches(train, h.num_data_workers, h.collate_fn,
                                       pin_memory=device.startswith("cuda"),
                                       prefetch_factor=h.prefetch_factor)
@@ -199,6 +201,9 @@ class GPUActor(BackgroundHostMixin):
         ``bucket_plan``: the plan's gradient buckets (None: size-capped by bucket_cap_mb)."""
         import torch
 
+        if self._dataset_error is not None:
+            from ..errors import DatasetMismatch
+            raise DatasetMismatch(self._dataset_error)
         if slot is not None:
             self.slot = slot
         self.world_size = rdv.world_size

@@ -9,7 +9,10 @@ never read in the driver's process): it builds the datasets, reads one tiny batc
 step (forward + backward on a fresh model) and the evaluation on it, and returns plain numbers
 - the dataset sizes the driver's plans need, the optimizer's LR - or a one-line error that
 names the hook and what it returned. A probe costs one model build and one small batch; the
-driver then never needs ``len(dataset)`` from anywhere else.
+driver then never needs ``len(dataset)`` from anywhere else. With ``dataset_fn`` it also returns
+the dataset's :func:`dataset_fingerprint` (length, first and last sample); every GPU actor
+checks its own dataset against it (:func:`check_same_dataset`), so different files on different
+nodes stop the run with one line naming the node instead of duplicating or missing samples.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ class JobHooks:
     prefetch_factor: int = 2                          # batches each DataLoader worker loads ahead
     eval_batch_size: int = 256                        # validation batch size
     log_level: str = "WARNING"                        # actors' jabasray log level ("INFO" with -v)
+    dataset_fingerprint: dict | None = None           # the probe's dataset_fingerprint of dataset_fn's
+                                                      # dataset; every actor's must equal it (set by fit)
 
     def __post_init__(self) -> None:
         for name in ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn",
@@ -61,6 +66,7 @@ class ProbeReport:
     optimizer_lr: float           # param_groups[0]["lr"] of the user's optimizer, as built
     error: str | None = None      # one line; the driver raises ValueError(error)
     profile_rows: Any = None      # up to PROFILE_SAMPLES training rows (TensorDataset) or None
+    fingerprint: dict | None = None  # dataset_fingerprint of the training set (dataset_fn only)
 
 
 def build_dataset(dataset_fn: Callable[[], Any], hook: str = "dataset_fn") -> Any:
@@ -83,6 +89,82 @@ def build_datasets(hooks: JobHooks, dataset: Any, val_dataset: Any) -> tuple[Any
     if val_dataset is not None:
         _check_dataset(val_dataset, "val_dataset")
     return train, val_dataset
+
+
+def dataset_fingerprint(ds: Any) -> dict:
+    """A cheap identity of a map-style dataset: its length and a SHA-256 of its first and of its
+    last sample (:func:`sample_digest`). Two actors whose datasets differ in length, order or
+    content at either end get different fingerprints; reading two samples costs what serving
+    two samples costs."""
+    n = len(ds)
+    return {"len": n, "first": sample_digest(ds[0]), "last": sample_digest(ds[n - 1])}
+
+
+def sample_digest(sample: Any) -> str:
+    """SHA-256 (hex, 16 digits) of one sample: tensors and arrays by dtype, shape and bytes,
+    numbers and strings by value, sequences and dicts element by element, images (objects with
+    ``__array_interface__``) by their pixels; any other object by its type only (nothing else
+    about it is stable across processes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    _digest_into(h, sample)
+    return h.hexdigest()[:16]
+
+
+def _digest_into(h: Any, x: Any) -> None:
+    import numpy as np
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(x, np.ndarray) or hasattr(x, "__array_interface__"):
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"A{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes() if a.dtype != object else repr(a.tolist()).encode())
+    elif isinstance(x, (bool, int, float, complex, str, bytes, type(None), np.generic)):
+        h.update(f"S{type(x).__name__}:{x!r}".encode())
+    elif isinstance(x, (list, tuple)):
+        h.update(f"L{len(x)}".encode())
+        for v in x:
+            _digest_into(h, v)
+    elif isinstance(x, dict):
+        h.update(f"D{len(x)}".encode())
+        for k in sorted(x, key=repr):
+            h.update(repr(k).encode())
+            _digest_into(h, x[k])
+    else:
+        h.update(f"O{type(x).__module__}.{type(x).__qualname__}".encode())
+
+
+def check_same_dataset(ds: Any, expected: dict | None) -> str | None:
+    """None when ``ds`` has the fingerprint ``expected`` (or nothing is expected), else one line
+    naming this node and what differs (the caller raises it when the actor is set up)."""
+    if expected is None:
+        return None
+    got = dataset_fingerprint(ds)
+    if got == expected:
+        return None
+    if got["len"] != expected["len"]:
+        what = f"{got['len']} samples, the probe's {expected['len']}"
+    else:
+        ends = [e for e in ("first", "last") if got[e] != expected[e]]
+        what = f"its {' and '.join(ends)} sample{'s differ' if len(ends) > 1 else ' differs'} from the probe's"
+    return (f"dataset_fn built a different dataset on node {_node_label()} than the probe did "
+            f"({what}); every GPU actor must see the same dataset: the same files on every node "
+            f"(a shared or cloud path) in the same order")
+
+
+def _node_label() -> str:
+    try:
+        import ray
+        ctx = ray.get_runtime_context()
+        return f"{ray.util.get_node_ip_address()} ({ctx.get_node_id()[:12]})"
+    except Exception:  # noqa: BLE001 - outside Ray
+        import socket
+        return socket.gethostname()
 
 
 def _check_dataset(ds: Any, hook: str) -> None:
@@ -133,7 +215,8 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         if want_profile_rows:
             profile_rows = _profile_rows(train, hooks.collate_fn)
         return ProbeReport(len(train), len(val) if val is not None else None, lr,
-                           profile_rows=profile_rows)
+                           profile_rows=profile_rows,
+                           fingerprint=dataset_fingerprint(train) if hooks.dataset_fn is not None else None)
     except Exception as e:  # noqa: BLE001 - reported as one line to the driver
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if not isinstance(e, ValueError):

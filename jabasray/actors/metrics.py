@@ -6,7 +6,7 @@ trajectory and the one the forecaster predicted for it, the validation metrics o
 ``eval_fn`` (``val_metrics``; ``val_accuracy`` is its ``"accuracy"``), wall time and
 GPU-seconds (sum over allocated GPUs of the epoch's wall time).
 
-Files: ``metrics.json`` (everything), ``metrics.csv`` (one row per epoch, flat columns - what
+Files (written through the run's filesystem, :mod:`jabasray.storage`): ``metrics.json`` (everything), ``metrics.csv`` (one row per epoch, flat columns - what
 ``pandas.read_csv`` and ``Result.metrics_dataframe`` read), and the PNG of :func:`plot_history`.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..engine.sampler import add_digests, range_digest
-from ..serialization import JsonMixin, atomic_write_text
+from ..serialization import JsonMixin
+from ..storage import StoragePath, as_storage_path
 from ..types import Plan
 
 log = logging.getLogger(__name__)
@@ -253,14 +254,15 @@ def metrics_csv(history: MetricsHistory) -> str:
     return buf.getvalue()
 
 
-def save_metrics(history: MetricsHistory, path: str | Path) -> Path:
-    """``metrics.json`` at ``path`` and ``metrics.csv`` next to it."""
-    path = Path(path)
-    atomic_write_text(path.with_suffix(".csv"), metrics_csv(history))
-    return atomic_write_text(path, history.to_json(indent=1))
+def save_metrics(history: MetricsHistory, path: "str | Path | StoragePath") -> "StoragePath":
+    """``metrics.json`` at ``path`` (a local path, URI or :class:`~jabasray.storage.StoragePath`)
+    and ``metrics.csv`` next to it, each replaced atomically."""
+    path = as_storage_path(path)
+    (path.parent / (path.name.rsplit(".", 1)[0] + ".csv")).write_text(metrics_csv(history))
+    return path.write_text(history.to_json(indent=1))
 
 
-def plot_history(history: MetricsHistory, path: str | Path) -> Path:
+def plot_history(history: MetricsHistory, path: "str | Path | StoragePath") -> "StoragePath":
     """Write a PNG with (top) the B_G per interval - requested by the adaptive rule, run (the
     plan's B_G*, Alg. 1 rounding) and forecast before the epoch - epoch boundaries dotted,
     (middle) the allocation per epoch as GPUs per type, stacked, and (bottom) every numeric
@@ -269,8 +271,7 @@ def plot_history(history: MetricsHistory, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = as_storage_path(path)
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(8, 9.5),
                                         gridspec_kw={"height_ratios": [3, 2, 2.5]})
     x0 = 0
@@ -322,6 +323,7 @@ def plot_history(history: MetricsHistory, path: str | Path) -> Path:
     if ax3.lines:
         ax3.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=90, format="png")
     plt.close(fig)
-    return path
+    return path.write_bytes(buf.getvalue())

@@ -12,6 +12,7 @@ import logging
 import uuid
 from typing import Any, Callable
 
+from ..errors import DatasetMismatch
 from .fanout import call_all
 from .metrics import reduce_metrics
 from .placement import Placement, Slot, actor_name, place_actors, release
@@ -82,7 +83,10 @@ class ActorPool:
         log.debug("placement: %d actors, %d new", world, len(new))
         self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
                                      timeout_s=self.collective_timeout_s)
-        self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])
+        try:
+            self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])
+        except DatasetMismatch as e:   # Ray's RayTaskError is also its cause's class: one line
+            raise DatasetMismatch(str(getattr(e, "cause", e))) from None
         if worker_state_ref is not None:
             self.call_all("load_state_dict", worker_state_ref)
         if rank_state_refs is not None:

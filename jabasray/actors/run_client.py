@@ -100,7 +100,7 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
     try:
         return ray.remote(DriverActor).options(
             name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-            max_restarts=options.driver_max_restarts,
+            resources=dict(options.driver_resources or {}), max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
         raise _name_taken(name) from None

@@ -1,19 +1,38 @@
-"""One run per run folder: the run lock and the writability probe.
+"""One run per run folder: the run lock, the writability probe and the storage marker.
 
-**Lock.** ``<run>/.lock`` holds ``{"pid", "host", "started"}`` of the process that runs the
-folder, and that process holds an exclusive ``fcntl.flock`` on it for as long as it runs. The
-kernel drops a flock when its process dies (even by SIGKILL), so a lock left behind by a crashed
-driver is *stale* and is taken over (with one log line naming the old pid, host and start time);
-a live holder makes :meth:`RunLock.acquire` raise :class:`RunLockedError` (a ``ValueError``, one
-line naming the holder). A lock file written by another host is not checkable from here and is
-refused with the path to remove when that run is known to be gone. Different run names under
-one storage path lock different files and run side by side (the shared profile cache under
-``<storage>/.profiles`` is written atomically: temp file + rename).
+**Probe.** :func:`probe_run_folder` finds every storage problem it can before training, through
+the run's filesystem (:mod:`jabasray.storage`): a storage path that is a file, a folder that
+cannot be created or written (permissions, read-only file system, full disk, an unreachable
+endpoint, missing credentials, a missing bucket), ``metrics.json``/``trajectory.png``/
+``checkpoints`` of the wrong kind. Each is a one-line ``ValueError`` naming the location and the
+reason.
 
-**Probe.** :func:`probe_run_folder` finds every file-system problem it can before training: a
-storage path that is a file, a folder that cannot be created or written (permissions, read-only
-file system, full disk), ``metrics.json``/``trajectory.png``/``checkpoints`` of the wrong kind.
-Each is a one-line ``ValueError`` naming the path and the reason.
+**Marker.** ``<run>/.jabasray_storage.json`` (:data:`MARKER`, Ray Train's storage marker) holds a
+random id written when the run is first started. Whoever starts a run writes it (if absent)
+and records its id in Ray's key-value store (:mod:`.run_record`); the driver checks it at every
+start and restart, so a driver on a node that does not see the run's storage (a local folder
+that is not shared, an unmounted NFS folder) refuses in one line instead of writing a fresh
+run onto its own disk.
+
+**Lock** (:func:`run_lock`), by storage:
+
+* a local or NFS folder: :class:`RunLock`. ``<run>/.lock`` holds ``{"pid", "host", "started"}``
+  of the process that runs the folder, and that process holds an exclusive ``fcntl.flock`` on
+  it for as long as it runs. The kernel drops a flock when its process dies (even by SIGKILL),
+  so a lock left behind by a crashed driver is *stale* and is taken over (with one log line
+  naming the old pid, host and start time); a live holder makes :meth:`RunLock.acquire` raise
+  :class:`RunLockedError` (a ``ValueError``, one line naming the holder). A lock file written by
+  another host is not checkable from here and is refused with the path to remove when that run
+  is known to be gone.
+* S3 (no ``flock``): a lease object created with a conditional write and renewed
+  (:class:`jabasray.actors.lease.S3Lease`).
+* any other filesystem (GCS, HDFS, ...): within one Ray cluster the named driver actor
+  (``driver:<name>``, one per cluster) is the lock; beyond it there is none, and
+  :class:`NoLock` says so in one log line.
+
+Different run names under one storage path lock different runs and run side by side (the
+shared profile cache under ``<storage>/.profiles`` is written atomically: temp file + rename on
+a file system, a single PUT on an object store).
 """
 from __future__ import annotations
 
@@ -23,12 +42,16 @@ import json
 import logging
 import os
 import socket
-import tempfile
+import uuid
 from pathlib import Path
+from typing import Any
+
+from ..storage import StoragePath, as_storage_path, explain, write_probe
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+MARKER = ".jabasray_storage.json"
 # What a run folder holds and of which kind (True: file, False: folder).
 RUN_FILES = {"metrics.json": True, "trajectory.png": True, "checkpoints": False}
 
@@ -37,44 +60,117 @@ class RunLockedError(ValueError):
     """The run folder is in use by another live run."""
 
 
-def _reason(e: OSError) -> str:
-    return e.strerror or str(e)
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return explain(e)
 
 
-def probe_run_folder(run_dir: str | Path, extra_dirs: tuple[str | Path, ...] = ()) -> Path:
+def probe_run_folder(run_dir: "str | Path | StoragePath",
+                     extra_dirs: tuple["str | Path | StoragePath", ...] = ()) -> StoragePath:
     """Create ``run_dir`` (and ``extra_dirs``, e.g. the profile cache) if needed and prove that
-    each can be written (a probe file is written, fsynced and removed). Returns ``run_dir``."""
-    run_dir = Path(run_dir)
-    for parent in [*reversed(run_dir.parents), run_dir]:
-        if parent.exists() and not parent.is_dir():
-            raise ValueError(f"storage path {parent} is a file, not a folder; choose another "
-                             f"--storage-path or remove it")
-    for name, is_file in RUN_FILES.items():
-        p = run_dir / name
-        if p.exists() and p.is_dir() == is_file:
-            kind = "a folder" if is_file else "a file"
-            raise ValueError(f"{p} is {kind} but must be {'a file' if is_file else 'a folder'}; "
-                             f"remove it or choose another --name")
-    for d in (run_dir, *map(Path, extra_dirs)):
+    each can be written (a probe file is written, read back and removed). Returns ``run_dir``
+    as a :class:`~jabasray.storage.StoragePath`."""
+    import pyarrow.fs
+
+    run = as_storage_path(run_dir)
+    if run.is_local:
+        local = run.local_path
+        for parent in [*reversed(local.parents), local]:
+            if parent.exists() and not parent.is_dir():
+                raise ValueError(f"storage path {parent} is a file, not a folder; choose another "
+                                 f"--storage-path or remove it")
+    for d in (run, *map(as_storage_path, extra_dirs)):
         try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
+            d.mkdir()
+        except Exception as e:  # noqa: BLE001 - OSError, pyarrow errors: one line
             raise ValueError(f"cannot create folder {d}: {_reason(e)}") from None
         try:
             _write_probe(d)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001
             raise ValueError(f"folder {d} is not writable: {_reason(e)}") from None
-    return run_dir
+    kinds = {pyarrow.fs.FileType.File: True, pyarrow.fs.FileType.Directory: False}
+    for name, is_file in RUN_FILES.items():
+        p = run / name
+        kind = kinds.get(p.info().type)
+        if kind is not None and kind != is_file:
+            what = "a folder" if is_file else "a file"
+            raise ValueError(f"{p} is {what} but must be {'a file' if is_file else 'a folder'}; "
+                             f"remove it or choose another --name")
+    return run
 
 
-def _write_probe(folder: Path) -> None:
-    fd, path = tempfile.mkstemp(dir=folder, prefix=".probe_")
+_write_probe = write_probe   # a seam: tests simulate the kernel's answers (EROFS, EACCES, ENOSPC)
+
+
+# ---------------------------------------------------------------------- storage marker
+def read_marker(run_dir: "str | Path | StoragePath") -> str | None:
+    """The run's storage marker id, None when the marker is not there. An unreadable storage
+    raises ``OSError`` (the caller says where)."""
+    p = as_storage_path(run_dir) / MARKER
     try:
-        os.write(fd, b"jabasray write probe\n" * 64)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        os.unlink(path)
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return "(unreadable)"
+    return str(data.get("id")) if isinstance(data, dict) else "(unreadable)"
+
+
+def write_marker(run_dir: "str | Path | StoragePath") -> str:
+    """Write the run's storage marker unless it exists; returns its id."""
+    run = as_storage_path(run_dir)
+    found = read_marker(run)
+    if found is not None:
+        return found
+    marker = {"id": uuid.uuid4().hex, "host": socket.gethostname(),
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    (run / MARKER).write_text(json.dumps(marker))
+    return marker["id"]
+
+
+# ---------------------------------------------------------------------- locks
+def run_lock(run_dir: "str | Path | StoragePath", named_driver: bool = False) -> Any:
+    """The lock of a run folder for its storage (module notes): :class:`RunLock` on a local or
+    NFS folder, :class:`~jabasray.actors.lease.S3Lease` on S3, else :class:`NoLock`
+    (``named_driver``: a named driver actor guards the run within its Ray cluster)."""
+    run = as_storage_path(run_dir)
+    if run.is_local:
+        return RunLock(run.local_path)
+    if run.filesystem.type_name == "s3":
+        from .lease import S3Lease
+        return S3Lease(run)
+    return NoLock(run, named_driver)
+
+
+class NoLock:
+    """A run folder on a filesystem without locks or conditional writes: says so once."""
+
+    def __init__(self, run: StoragePath, named_driver: bool, reason: str = "") -> None:
+        self.run_dir, self.named_driver = run, named_driver
+        self.reason = reason or f"{run.filesystem.type_name} has neither flock nor conditional writes here"
+        self.held = False
+
+    def acquire(self, take_over: bool = False) -> "NoLock":
+        if not self.held:
+            if self.named_driver:
+                log.info("run folder %s: no storage lock (%s); within this Ray cluster the named "
+                         "driver actor is the lock, runs from other clusters are not excluded",
+                         self.run_dir, self.reason)
+            else:
+                log.warning("run folder %s: no lock (%s); make sure no other run uses it",
+                            self.run_dir, self.reason)
+        self.held = True
+        return self
+
+    def release(self) -> None:
+        self.held = False
+
+    def __enter__(self) -> "NoLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -93,7 +189,7 @@ _HELD: dict[str, list[int]] = {}
 
 
 class RunLock:
-    """Exclusive lock of one run folder (module docstring). Use as a context manager or call
+    """Exclusive ``flock`` of one local or NFS run folder (module docstring). Use as a context manager or call
     :meth:`acquire` / :meth:`release`. Re-entrant within one process."""
 
     def __init__(self, run_dir: str | Path) -> None:
@@ -106,9 +202,13 @@ class RunLock:
     def held(self) -> bool:
         return self._mine
 
-    def acquire(self) -> "RunLock":
+    def acquire(self, take_over: bool = False) -> "RunLock":
+        """Take the lock; ``take_over``: the previous holder is known to be dead (Ray restarted
+        the driver actor), so its lock file is removed first (it may be on another host)."""
         if self._mine:
             return self
+        if take_over and self._key not in _HELD:
+            self.path.unlink(missing_ok=True)
         if self._key in _HELD:
             _HELD[self._key][1] += 1
         else:

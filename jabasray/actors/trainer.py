@@ -4,54 +4,75 @@
 cluster needs) and runs the :class:`~jabasray.actors.driver.JabasDriver` loop: by default in a
 restartable, detached Ray actor named after the run (:mod:`.driver_actor`; its progress streams
 back into the callbacks here; ``fit(wait=False)`` returns the run's name at once), or in this
-process with ``DriverOptions(driver="local")``. The run writes into ``run_config.path``:
-``checkpoints/``, ``metrics.json`` and ``trajectory.png`` (B_G trajectory, actual and forecast, and the allocation per epoch). Calling ``fit()`` again on
-a run folder with a checkpoint resumes it (e.g. after raising ``epochs``). Before any work
-it probes that the run folder (and the profile cache) can be written; the run folder's lock
-(:mod:`jabasray.actors.run_folder`) is held by whichever process runs the driver (this one, or
-the driver actor), so a second run on the same folder is refused in one line.
+process with ``DriverOptions(driver="local")``. The run writes into ``run_config.path`` - a local
+or NFS folder, or a cloud URI such as ``s3://bucket/runs/name``, through one ``pyarrow.fs``
+filesystem (:mod:`jabasray.storage`): ``checkpoints/``, ``metrics.json``/``.csv``,
+``trajectory.png`` (B_G trajectory, actual and forecast, and the allocation per epoch) and the
+exported ``checkpoint_<epoch>/``. Calling ``fit()`` again on a run folder with a checkpoint
+resumes it (e.g. after raising ``epochs``). Before any work it proves that the run folder (and
+the profile cache) can be written and read back (unreachable storage, missing credentials: one
+line) and writes the run's storage marker (:mod:`.run_record`), which the driver checks at
+every start and restart; the run's lock (:func:`jabasray.actors.run_folder.run_lock`) is held
+by whichever process runs the driver (this one, or the driver actor), so a second run on the
+same folder is refused in one line.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig, RunConfig
+from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
 from .metrics import MetricsHistory, plot_history, save_metrics
 from .placement import resource_name
-from .run_folder import RunLock, probe_run_folder
+from .run_folder import probe_run_folder, run_lock
+from .run_record import RunRecord
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Result:
-    """What ``fit()`` returns, in Ray Train's ``Result`` shape.
+    """What ``fit()`` returns, in Ray Train's ``Result`` shape; readable from any machine that
+    reaches the run's storage (:meth:`from_path`).
 
-    ``checkpoint`` is a ``ray.train.Checkpoint`` (a directory) holding the user's own objects as
-    plain torch files, loadable without jabasray (:func:`export_checkpoint`): ``model.pt`` (the
-    model's ``state_dict``), ``optimizer.pt`` (the optimizer's ``state_dict``), and when present
-    ``lr_scheduler.pt`` / ``grad_scaler.pt``; ``metadata.json`` says which epoch it is.
-    ``metrics`` is the last epoch's flat row (``EpochRecord.flat``), ``metrics_dataframe`` all
-    of them (``metrics.csv``). The jabasray run checkpoint (driver + worker state, what resumes
-    a run) is ``run_checkpoint``.
+    ``checkpoint`` is a ``ray.train.Checkpoint(path, filesystem)`` on the run's storage holding
+    the user's own objects as plain torch files, loadable without jabasray
+    (:func:`export_checkpoint`): ``model.pt`` (the model's ``state_dict``), ``optimizer.pt``
+    (the optimizer's ``state_dict``), and when present ``lr_scheduler.pt`` / ``grad_scaler.pt``;
+    ``metadata.json`` says which epoch it is. ``checkpoint.as_directory()`` downloads it from
+    remote storage (a local folder is used in place). ``metrics`` is the last epoch's flat row
+    (``EpochRecord.flat``), ``metrics_dataframe`` all of them (``metrics.csv``, read through
+    the run's filesystem). ``path`` is the run folder (a local absolute path or a URI such as
+    ``s3://bucket/runs/name``), ``filesystem`` its ``pyarrow.fs`` filesystem. The jabasray run
+    checkpoint (driver + worker state, what resumes a run) is ``run_checkpoint``.
     """
 
     metrics: dict                 # the last epoch's row (EpochRecord.flat())
     history: MetricsHistory       # per interval and per epoch
     checkpoint: Any               # ray.train.Checkpoint of the last epoch (None before any)
-    path: str                     # the run folder
-    metrics_path: Path            # metrics.json
-    plot_path: Path | None        # trajectory.png
+    path: str                     # the run folder: local path or URI
+    metrics_path: StoragePath     # metrics.json
+    plot_path: StoragePath | None  # trajectory.png
     run_checkpoint: Checkpoint | None = None   # jabasray's epoch checkpoint (resume)
+    storage: StoragePath | None = None         # the run folder (filesystem + path)
+
+    @property
+    def filesystem(self) -> Any:
+        """The run folder's ``pyarrow.fs.FileSystem`` (Ray Train's ``Result.filesystem``)."""
+        return self._run.filesystem
+
+    @property
+    def _run(self) -> StoragePath:
+        return self.storage if self.storage is not None else resolve(self.path)
 
     @property
     def val_accuracy(self) -> float | None:
@@ -59,62 +80,69 @@ class Result:
 
     @property
     def metrics_dataframe(self) -> Any:
-        """All epochs' rows as a ``pandas.DataFrame`` (read from ``metrics.csv``)."""
+        """All epochs' rows as a ``pandas.DataFrame`` (``metrics.csv`` on the run's storage)."""
+        import io
+
         import pandas as pd
-        return pd.read_csv(Path(self.path) / "metrics.csv")
+        return pd.read_csv(io.BytesIO((self._run / "metrics.csv").read_bytes()))
 
     @property
     def error(self) -> None:      # Ray Train's Result.error: fit() raises instead
         return None
 
     @classmethod
-    def from_path(cls, path: str | Path) -> "Result":
-        """The Result of the run folder ``path`` (as ``fit()`` left it)."""
-        run_dir = Path(path)
-        metrics_path = run_dir / "metrics.json"
-        if not metrics_path.is_file():
-            raise ValueError(f"path {run_dir} is not a jabasray run folder (no metrics.json)")
-        history = MetricsHistory.load(metrics_path)
-        cp = latest_checkpoint(run_dir)
-        plot = run_dir / "trajectory.png"
+    def from_path(cls, path: "str | Path | StoragePath", storage_filesystem: Any = None) -> "Result":
+        """The Result of the run folder ``path`` (a local path or URI; with
+        ``storage_filesystem``, a path on that filesystem), as ``fit()`` left it."""
+        run = path if isinstance(path, StoragePath) else resolve(path, storage_filesystem)
+        metrics_path = run / "metrics.json"
+        try:
+            text = metrics_path.read_text()
+        except FileNotFoundError:
+            raise ValueError(f"path {run} is not a jabasray run folder (no metrics.json)") from None
+        except OSError as e:
+            raise ValueError(f"path {run} cannot be read: {explain(e)}") from None
+        history = MetricsHistory.from_json(text)
+        cp = latest_checkpoint(run)
+        plot = run / "trajectory.png"
         return cls(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
-                   checkpoint=export_checkpoint(cp, run_dir) if cp is not None else None,
-                   path=str(run_dir), metrics_path=metrics_path,
-                   plot_path=plot if plot.exists() else None, run_checkpoint=cp)
+                   checkpoint=export_checkpoint(cp, run) if cp is not None else None,
+                   path=str(run), metrics_path=metrics_path,
+                   plot_path=plot if plot.exists() else None, run_checkpoint=cp, storage=run)
 
 
-def export_checkpoint(run_checkpoint: Checkpoint, run_dir: str | Path) -> Any:
-    """The user-facing ``ray.train.Checkpoint`` of a run checkpoint: the folder
-    ``<run>/checkpoint_<epochs_done:06d>`` with ``model.pt``, ``optimizer.pt`` (and
-    ``lr_scheduler.pt``, ``grad_scaler.pt`` when the job has them) saved by ``torch.save`` as
-    plain state dicts - ``torch.load(..., weights_only=True)`` loads them without jabasray -
-    and ``metadata.json``. Written once per run checkpoint (kept if it exists)."""
+def export_checkpoint(run_checkpoint: Checkpoint, run_dir: "str | Path | StoragePath") -> Any:
+    """The user-facing ``ray.train.Checkpoint(path, filesystem)`` of a run checkpoint: the
+    folder ``<run>/checkpoint_<epochs_done:06d>`` on the run's storage with ``model.pt``,
+    ``optimizer.pt`` (and ``lr_scheduler.pt``, ``grad_scaler.pt`` when the job has them) saved
+    by ``torch.save`` as plain state dicts - ``torch.load(..., weights_only=True)`` loads them
+    without jabasray - and ``metadata.json``, written last (the export's commit mark: a folder
+    without it is an interrupted export and is written again). Written once per run checkpoint."""
     import json
 
     import torch
     from ray.train import Checkpoint as RayCheckpoint
 
-    out = Path(run_dir) / f"checkpoint_{run_checkpoint.epochs_done:06d}"
-    if not (out / "metadata.json").exists():
+    out = as_storage_path(run_dir) / f"checkpoint_{run_checkpoint.epochs_done:06d}"
+    meta = out / "metadata.json"
+    if not meta.exists():
         state = run_checkpoint.load_worker_state()
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.mkdir(parents=True, exist_ok=True)
-        model = state.get("model", state.get("z"))          # IIDP: "model"; SMA: central model z
-        torch.save(model, tmp / "model.pt")
-        optimizer = state.get("optimizer", state.get("lr_optimizer"))
-        if optimizer is not None:
-            torch.save(optimizer, tmp / "optimizer.pt")
-        for key in ("lr_scheduler", "grad_scaler"):
-            if state.get(key) is not None:
-                torch.save(state[key], tmp / f"{key}.pt")
-        (tmp / "metadata.json").write_text(json.dumps(
-            {"epochs_done": run_checkpoint.epochs_done, "run_checkpoint": str(run_checkpoint.path),
-             "files": sorted(p.name for p in tmp.iterdir())}, indent=1))
-        if out.exists():
-            import shutil
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return RayCheckpoint.from_directory(str(out))
+        out.rmtree()
+        parts = {"model.pt": state.get("model", state.get("z")),   # IIDP: "model"; SMA: central z
+                 "optimizer.pt": state.get("optimizer", state.get("lr_optimizer")),
+                 "lr_scheduler.pt": state.get("lr_scheduler"),
+                 "grad_scaler.pt": state.get("grad_scaler")}
+        written = []
+        for name, obj in parts.items():
+            if obj is None and name != "model.pt":
+                continue
+            with (out / name).open_output() as fh:
+                torch.save(obj, fh)
+            written.append(name)
+        meta.write_text(json.dumps({"epochs_done": run_checkpoint.epochs_done,
+                                    "run_checkpoint": str(run_checkpoint.path),
+                                    "files": sorted(written)}, indent=1))
+    return RayCheckpoint(path=out.fs_path, filesystem=out.filesystem)
 
 
 def default_optimizer_fn(lr: float) -> Callable:
@@ -206,7 +234,9 @@ class JabasTrainer:
             local or shared disk); samples are read by a DataLoader per actor
             (``num_data_workers``, ``collate_fn``, ``prefetch_factor``, pinned memory on CUDA) in
             the order of the exactly-once sampler. The driver never reads a sample: it learns
-            ``len(dataset)`` from a one-off probe task (:mod:`jabasray.actors.hooks`).
+            ``len(dataset)`` from a one-off probe task (:mod:`jabasray.actors.hooks`); every
+            actor checks that its dataset has the probe's length and first and last sample
+            (different files on different nodes: one line naming the node).
         val_dataset / val_dataset_fn: the same for validation (evaluated after every epoch,
             sharded over the actors).
 
@@ -225,7 +255,8 @@ class JabasTrainer:
             it sets. Its state is checkpointed.
         job_config: :class:`JobConfig` (also ``precision`` and ``grad_clip_norm``).
         cluster: the GPUs to use (None: detected from the running Ray cluster).
-        run_config: :class:`RunConfig` (storage_path, name).
+        run_config: :class:`RunConfig` (storage_path - a local path or a URI such as
+            ``s3://bucket/runs`` - name, storage_filesystem).
         perf_model / profiles: skip profiling (tests, pre-measured clusters).
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
@@ -290,9 +321,11 @@ class JabasTrainer:
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
         if self.cluster is not None:
             self.cluster.validated_pairs(drop_odd_gpu=True)
-        run_dir = self.run_config.path
-        cache = opts.profile_cache_dir or run_dir.parent / ".profiles"
-        # file-system problems and a second run on this folder are found before any work
+        run_dir = self.run_config.path     # resolved here: a bad URI is one line, before Ray
+        cache = (as_storage_path(opts.profile_cache_dir) if opts.profile_cache_dir
+                 else run_dir.parent / ".profiles")
+        # storage problems (unreachable, credentials, permissions, a full disk) and a second
+        # run on this folder are found before any work
         probe_run_folder(run_dir, extra_dirs=(cache,))
         if opts.driver == "actor":    # the driver actor holds the lock in its own process;
             import ray                # a name or folder in use is refused here, before anything
@@ -300,34 +333,44 @@ class JabasTrainer:
             if ray.is_initialized():
                 from .run_client import check_name_free
                 check_name_free(self.run_config.name)
-            with RunLock(run_dir):
+            with run_lock(run_dir, named_driver=True):
                 pass
             return self._fit(run_dir, wait)
-        with RunLock(run_dir):
-            return self._fit(run_dir, wait)
+        with run_lock(run_dir) as lock:
+            return self._fit(run_dir, wait, lock)
 
-    def _fit(self, run_dir: Path, wait: bool) -> Result | str:
+    def _fit(self, run_dir: StoragePath, wait: bool, lock: Any = None) -> Result | str:
         opts = self.options
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
         probe = self.probe()
+        hooks = self.hooks
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
+            # every GPU actor checks that it built the dataset the probe saw (hooks.check_same_dataset)
+            hooks = replace(hooks, dataset_fingerprint=probe.fingerprint)
         args = (self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn, self.job, cluster, run_dir)
         kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
-                      options=opts, background=self.background, hooks=self.hooks,
+                      options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows)
         self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+        self.driver.lock = lock
+        record = RunRecord(self.run_config.name, run_dir)
         if opts.driver == "actor":
             from . import run_client
             self.driver = None
+            run_client.check_name_free(self.run_config.name)
+            record.begin()                # the marker, and Ray's record of it (run_record)
             run_client.start_run(self.run_config.name, args, kwargs, opts)
             if not wait:
                 return self.run_config.name
             return run_client.follow(self.run_config.name, self.callbacks)
+        record.begin()
         history = self.driver.run()
-        return finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
+        result = finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
+        record.forget()
+        return result
 
     def probe(self) -> ProbeReport:
         """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and
@@ -344,17 +387,19 @@ class JabasTrainer:
         return report
 
 
-def finish_run(history: MetricsHistory, run_dir: Path, checkpoint: Checkpoint | None) -> Result:
-    """Write ``metrics.json``, ``metrics.csv`` and ``trajectory.png`` of an ended run; its
-    :class:`Result` (``checkpoint``: the Ray Train export of ``checkpoint``)."""
-    metrics_path = save_metrics(history, run_dir / "metrics.json")
+def finish_run(history: MetricsHistory, run_dir: "str | Path | StoragePath",
+               checkpoint: Checkpoint | None) -> Result:
+    """Write ``metrics.json``, ``metrics.csv`` and ``trajectory.png`` of an ended run (through
+    its filesystem); its :class:`Result` (``checkpoint``: the Ray Train export of ``checkpoint``)."""
+    run = as_storage_path(run_dir)
+    metrics_path = save_metrics(history, run / "metrics.json")
     plot_path = None
     if history.epochs:
         try:
-            plot_path = plot_history(history, run_dir / "trajectory.png")
+            plot_path = plot_history(history, run / "trajectory.png")
         except Exception as e:  # noqa: BLE001 - a plot must not fail the run
             log.warning("could not write the plot: %s", e)
     return Result(metrics=history.epochs[-1].flat() if history.epochs else {}, history=history,
-                  checkpoint=export_checkpoint(checkpoint, run_dir) if checkpoint is not None else None,
-                  path=str(run_dir), metrics_path=metrics_path, plot_path=plot_path,
-                  run_checkpoint=checkpoint)
+                  checkpoint=export_checkpoint(checkpoint, run) if checkpoint is not None else None,
+                  path=str(run), metrics_path=metrics_path, plot_path=plot_path,
+                  run_checkpoint=checkpoint, storage=run)

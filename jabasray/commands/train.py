@@ -4,7 +4,8 @@ Without options it trains the embedded default - :class:`jabasray.models.DigitsC
 scikit-learn's digits - on an emulated heterogeneous cluster (two node types of different speed,
 two GPU pairs each), starting a local Ray instance unless ``RAY_ADDRESS`` is set or a cluster
 started with ``ray start`` is running. It shows a progress bar (stderr), prints one line per
-epoch and writes ``metrics.json`` and ``trajectory.png`` into ``<storage-path>/<name>``.
+epoch and writes ``metrics.json`` and ``trajectory.png`` into ``<storage-path>/<name>`` (a local
+or NFS folder, or a URI such as ``s3://bucket/runs``: :mod:`jabasray.storage`).
 
 ``--script FILE`` trains your own model: a Python file that defines
 
@@ -39,6 +40,9 @@ from typing import Any
 from ..config import JobConfig, RunConfig
 from ..types import ClusterSpec
 
+if typing.TYPE_CHECKING:   # pragma: no cover
+    from ..storage import StoragePath
+
 log = logging.getLogger(__name__)
 
 # The embedded default job: JobConfig defaults except where the digits CNN wants other values
@@ -69,7 +73,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--cluster", help="cluster file (YAML/JSON: {nodes: [{name, gpu_type, num_gpus, "
                    "speed}, ...]}); default: an emulated two-type cluster, or the running Ray cluster "
                    "with --cluster ray")
-    p.add_argument("--storage-path", default="jabasray_runs", help="parent folder of runs")
+    p.add_argument("--storage-path", default="jabasray_runs",
+                   help="parent folder of runs: a local or NFS path, or a URI (s3://bucket/runs, "
+                        "gs://bucket/runs; credentials from the usual environment variables)")
     p.add_argument("--name", help="run folder name (default: train-<timestamp>)")
     p.add_argument("--resume", action="store_true", help="continue the run --name from its checkpoint")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -185,7 +191,7 @@ def call_script(path: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any
 
 def run(args: argparse.Namespace) -> int:
     from ..actors.driver import DriverOptions
-    from ..actors.run_folder import RunLock, probe_run_folder
+    from ..actors.run_folder import probe_run_folder, run_lock
     from ..actors.trainer import JabasTrainer, ensure_ray
 
     job = job_config_from_args(args, embedded=args.script is None)
@@ -236,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
     # (fit() takes the same lock again), the actor driver takes it in its own process
     probe_run_folder(run_config.path, extra_dirs=(run_config.path.parent / ".profiles",))
-    lock: RunLock | None = RunLock(run_config.path).acquire()
+    lock = run_lock(run_config.path, named_driver=args.driver == "actor").acquire()
     if args.driver == "actor":      # checked here (one line, before anything starts); the
         lock.release()              # driver actor then holds it in its own process
         lock = None
@@ -273,16 +279,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_run_folder(run_dir: Path, resume: bool) -> None:
+def check_run_folder(run_dir: "StoragePath", resume: bool) -> None:
     """Before any work: a new run must not overwrite a run with checkpoints; ``--resume`` needs
     the run folder and reads (verified, ``weights_only``) the checkpoint it will resume from, so a
     corrupt or crafted file is reported in one line before Ray starts. The newest intact
     checkpoint is used (the driver reports corrupt newer ones); a folder whose run died before its
     first checkpoint starts again from epoch 0."""
     from ..actors.checkpoint import latest_checkpoint
+    from ..storage import explain
 
     skipped: list[str] = []   # reported by the driver when it resumes
-    cp = latest_checkpoint(run_dir, skipped)
+    try:
+        cp = latest_checkpoint(run_dir, skipped)
+    except OSError as e:      # unreachable storage, credentials: one line before any work
+        raise ValueError(f"storage_path {run_dir.parent} is not reachable: {explain(e)}") from None
     if not resume:
         if cp is not None or skipped:
             raise ValueError(f"name: run {run_dir} already exists; pass --resume to continue it "

@@ -51,7 +51,7 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
     base = profile_model(model_fn, dataset, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                          device=device, gpu_type="cpu" if emulate else None,
                          min_local_batch=min_local_batch, weight_sync=weight_sync,
-                         bucket_cap_mb=bucket_cap_mb, cache_dir=Path(cache_dir),
+                         bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
                          warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
                          contention=measures_contention(device), refresh=refresh)
     if emulate:

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..serialization import atomic_write_text
+from ..storage import StoragePath, as_storage_path
 from ..validation import check_choice, check_float, check_int
 from ..profiles import AllReduceFit, BatchProfile, Profile, profile_cache_key
 
@@ -216,7 +216,16 @@ def measure_allreduce(sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES, world_size
     return fit, data["times"]
 
 
-def host_cached(cache_dir: str | Path | None, kind: str, key: dict, measure: Callable[[], Any],
+def _load_profile(path: StoragePath) -> Profile:
+    """A cached profile (ValueError when it is not one)."""
+    import json
+    try:
+        return Profile.from_json(path.read_text())
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise ValueError(f"{path} is not a valid Profile JSON file: {e}") from None
+
+
+def host_cached(cache_dir: "str | Path | StoragePath | None", kind: str, key: dict, measure: Callable[[], Any],
                 load: Callable[[str], Any], refresh: bool = False) -> Any:
     """A host measurement (not model-specific) cached in ``cache_dir`` as
     ``<kind>-<hash>.json``; the key always includes the host name, the torch version and the
@@ -226,15 +235,14 @@ def host_cached(cache_dir: str | Path | None, kind: str, key: dict, measure: Cal
         return measure()
     full = dict(key, host=socket.gethostname(), torch=torch.__version__, revision=PROFILER_REVISION)
     digest = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:12]
-    path = Path(cache_dir) / f"{kind}-{digest}.json"
+    path = as_storage_path(cache_dir) / f"{kind}-{digest}.json"
     if path.exists() and not refresh:
         try:
             return load(path.read_text())
         except (ValueError, TypeError, KeyError) as e:
             log.warning("ignoring unusable cached %s measurement %s: %s", kind, path, e)
     value = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, value.to_json())
+    path.write_text(value.to_json())
     return value
 
 
@@ -504,10 +512,10 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                                     memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
                                     contention)
     key = profile_cache_key(sig, gpu_type, settings)
-    cache_path = Path(cache_dir) / f"{key}.json" if cache_dir else None
+    cache_path = as_storage_path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
         try:
-            cached = Profile.load(cache_path)
+            cached = _load_profile(cache_path)
             log.info("profile cache hit: %s", cache_path)
             return cached
         except ValueError as e:
@@ -606,7 +614,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                    bucket_cap_mb=bucket_cap_mb, memory_budget_gb=memory_budget_gb,
                    step_overhead=statistics.median(overheads), contention=measured_contention)
     if cache_path is not None:
-        prof.save(cache_path)
+        cache_path.write_text(prof.to_json(indent=2))
         log.info("profile saved to %s", cache_path)
     return prof
 
