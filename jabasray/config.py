@@ -6,7 +6,7 @@ naming the field and the allowed values.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -153,6 +153,22 @@ def check_run_name(name: object) -> str:
 
 
 @dataclass(frozen=True)
+class FailureConfig(JsonMixin):
+    """How a run meets GPU-actor failures (Ray Train's ``FailureConfig`` shape). Each failure
+    restores the last checkpoint and redoes the epoch without the dead actor's GPU; completed
+    epochs are never lost."""
+
+    max_failures: int = 3               # GPU-actor failures a run survives (-1: no limit)
+
+    def __post_init__(self) -> None:
+        check_int("max_failures", self.max_failures, min_value=-1)
+
+    def exhausted(self, failures: int) -> bool:
+        """Whether ``failures`` failures are more than the run survives."""
+        return self.max_failures != -1 and failures > self.max_failures
+
+
+@dataclass(frozen=True)
 class RunConfig(JsonMixin):
     """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape).
 
@@ -168,12 +184,16 @@ class RunConfig(JsonMixin):
     storage_path: str = "jabasray_runs"   # parent of all runs: local path or URI
     name: str = "run"                      # this run's folder under storage_path
     storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
+    failure_config: FailureConfig = field(default_factory=FailureConfig)   # GPU-actor failures
 
     def __post_init__(self) -> None:
         from .storage import check_storage_path
 
         check_run_name(self.name)
         check_storage_path(self.storage_path, self.storage_filesystem)
+        if not isinstance(self.failure_config, FailureConfig):
+            raise ValueError(f"failure_config must be a jabasray.config.FailureConfig, got "
+                             f"{type(self.failure_config).__name__}")
 
     @cached_property
     def storage(self) -> "StoragePath":

@@ -11,7 +11,7 @@ import torch
 from actors_helpers import KillOnce, assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.checkpoint import latest_checkpoint, list_checkpoints
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
-from jabasray.config import JobConfig
+from jabasray.config import FailureConfig, JobConfig
 from jabasray.errors import JobFailed
 from jabasray.types import ClusterSpec, NodeSpec
 
@@ -26,11 +26,11 @@ def _job(epochs: int = 2) -> JobConfig:
                      seed=1)
 
 
-def _driver(run_dir, cls=JabasDriver, callbacks=(), **opts):
+def _driver(run_dir, cls=JabasDriver, callbacks=(), failure=None, **opts):
     ds, val = tiny_data(160)
     return cls(model_fn, ds, optimizer_fn, loss_fn, _job(), CLUSTER, run_dir, val_dataset=val,
                perf_model=perf_model(), options=DriverOptions(failure_grace_s=10, record_samples=True, **opts),
-               callbacks=list(callbacks))
+               callbacks=list(callbacks), failure=failure)
 
 
 class _DiesAtStartUp(JabasDriver):
@@ -64,12 +64,12 @@ def test_actor_lost_before_any_epoch_is_recovered(ray_session, tmp_path, when):
 
 
 def test_exhausted_restarts_end_in_one_line_naming_failure_and_checkpoint(ray_session, tmp_path):
-    drv = _driver(tmp_path / "run", callbacks=[KillOnce(epoch=0, rank=3)], max_restarts=0)
+    drv = _driver(tmp_path / "run", callbacks=[KillOnce(epoch=0, rank=3)], failure=FailureConfig(max_failures=0))
     with pytest.raises(JobFailed) as e:
         drv.run()
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("giving up after 1 GPU actor failures (max_restarts=0); the last: "
+    assert msg.startswith("giving up after 1 GPU actor failures (max_failures=0); the last: "
                           "GPU actor failure: rank 3 (fast on n0)")
     assert f"last checkpoint {tmp_path / 'run' / 'checkpoints' / 'epoch_0000'} (0 epoch(s) done" in msg
     assert drv.gpu_actors() == []

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from ..adaptive import AdaptiveBatchController
 from ..adaptive.forecast import forecast_next_epoch
-from ..config import JobConfig
+from ..config import FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
@@ -70,6 +70,8 @@ class JabasDriver:
             protocol, optionally ``for_allocation(num_gpus, multi_node)``.
         profiles: ``{gpu_type: Profile}`` (skips profiling; a PerfModel is built from them).
         options: :class:`DriverOptions`.
+        failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
+            default) - how many GPU-actor failures the run survives.
         callbacks: :class:`DriverCallback` objects.
         background: optional scheduler with ``rebalance(actor_handles)`` (multiplexing).
     """
@@ -79,7 +81,7 @@ class JabasDriver:
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
-                 profile_data: Any = None) -> None:
+                 profile_data: Any = None, failure: FailureConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
@@ -92,6 +94,7 @@ class JabasDriver:
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
+        self.failure = failure or FailureConfig()
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -154,8 +157,8 @@ class JabasDriver:
                     state, worker_state = self._run_epoch(state, worker_state, ctl)
                 except ActorFailure as failure:
                     restarts += 1
-                    if restarts > self.options.max_restarts:
-                        raise give_up(failure, self.slots(), restarts, self.options.max_restarts,
+                    if self.failure.exhausted(restarts):
+                        raise give_up(failure, self.slots(), restarts, self.failure.max_failures,
                                       self.run_dir) from failure
                     state, worker_state = self._recover(failure, ctl)
         finally:

@@ -22,7 +22,6 @@ class DriverOptions(JsonMixin):
     placement_timeout_s: float = 120.0  # wait for placement-group resources
     collective_timeout_s: float = 300.0 # process-group timeout
     failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
-    max_restarts: int = 3               # actor failures tolerated per run
     torch_threads: int = 1              # torch threads inside each actor
     bucket_cap_mb: float = 25.0         # engine gradient bucket cap
     bucket_planner: str = "size"        # "size" (cap-sized buckets) or "libra" (LIBRA fusion, profiler.buckets)
@@ -58,7 +57,6 @@ class DriverOptions(JsonMixin):
         if self.emulate is None:
             self.emulate = self.device == "cpu"
         check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
-        check_int("max_restarts", self.max_restarts, min_value=0)
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)

@@ -58,10 +58,10 @@ def resume_hint(run_dir: str | Path) -> str:
             f"`jabasray train --resume` or fit() on the same run folder)")
 
 
-def give_up(failure: ActorFailure, slots: Sequence[Slot], restarts: int, max_restarts: int,
+def give_up(failure: ActorFailure, slots: Sequence[Slot], restarts: int, max_failures: int,
             run_dir: str | Path) -> JobFailed:
-    """The one-line error once ``restarts`` exceeds ``max_restarts`` (``slots``: still placed)."""
-    return JobFailed(f"giving up after {restarts} GPU actor failures (max_restarts={max_restarts}); "
+    """The one-line error once ``restarts`` exceeds ``max_failures`` (``slots``: still placed)."""
+    return JobFailed(f"giving up after {restarts} GPU actor failures (max_failures={max_failures}); "
                      f"the last: {describe_failure(failure, dead_slots(slots, failure))}; "
                      f"{resume_hint(run_dir)}")
 

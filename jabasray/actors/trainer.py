@@ -353,7 +353,8 @@ class JabasTrainer:
         args = (self.model_fn, self.dataset, self.optimizer_fn, self.loss_fn, self.job, cluster, run_dir)
         kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
                       options=opts, background=self.background, hooks=hooks,
-                      dataset_size=probe.dataset_size, profile_data=probe.profile_rows)
+                      dataset_size=probe.dataset_size, profile_data=probe.profile_rows,
+                      failure=self.run_config.failure_config)
         self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
         self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
