@@ -488,7 +488,7 @@ class IIDPWorker:
             v.remove_hooks()
         del self._vsws[num_vsw:]
         # every VSW's BatchNorm statistics in one [n, C] tensor per layer (views per replica)
-        self._norms = pack_norm_stats([v.module for v in self._vsws]) if num_vsw > 1 else []
+        self._norms = pack_norm_stats([v.module for v in self._vsws])
         self._lanes.resize(num_vsw)
         self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size

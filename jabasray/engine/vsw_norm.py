@@ -142,8 +142,9 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor) -
 def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterator[None]:
     """Within the block, each main-VSW layer of ``layers`` runs :func:`ghost_forward` over its
     packed statistics (an instance attribute shadows the class's ``forward``; restored on
-    exit). One VSW (``n == 1``) needs no ghost: the stock forward is already per VSW."""
-    active = [(m, s) for m, s in layers if s.n > 1]
+    exit). One VSW (``n == 1``) needs no ghost (the stock forward is already per VSW), except
+    for ``momentum=None``, where the stock forward reads the count on the host."""
+    active = [(m, s) for m, s in layers if s.n > 1 or m.momentum is None]
     saved = [m.__dict__.get("forward", _MISSING) for m, _ in active]
     try:
         for m, s in active:
