@@ -370,6 +370,7 @@ class IIDPWorker:
         self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
         self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
         self._copy_replicas = True          # this step's update copies weights to the replicas
+        self._prescaled = False             # this step's gradients are averaged already
         self._logged: set[str] = set()      # fallback reasons already logged
         self._pool = VSWThreadPool(0)
         self._comm: DispatcherThread | None = None   # communication thread (process group only)
@@ -734,7 +735,9 @@ class IIDPWorker:
             return [base + j for j in range(G) if sizes[base + j] > 0], []
 
         if rounds is not None:
-            losses = self._run_batched(begin_vsw, rounds)
+            # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
+            # leave backward averaged (no extra pass over them in the update)
+            losses = self._run_batched(begin_vsw, rounds, self._num_vsw / self._global_num_workers)
         elif self._execution == "threads":
             def run_vsw(vsw: _VSW) -> list[torch.Tensor]:
                 with lanes.context(lanes.vsw[vsw.index]):
@@ -774,6 +777,7 @@ class IIDPWorker:
             else:
                 divisor = float(self._global_num_workers)
             self._copy_replicas = rounds is None
+            self._prescaled = rounds is not None        # batched: averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -782,7 +786,8 @@ class IIDPWorker:
                 comm_time += time.perf_counter() - tw
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
-        loss_value = (loss_t / divisor).reshape(())   # on the device: read once per interval
+        # on the device: read once per interval (batched: the losses are already averaged)
+        loss_value = loss_t.reshape(()) if rounds is not None else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
@@ -790,6 +795,8 @@ class IIDPWorker:
         local_grad = None
         if keep_local_grad:
             local_grad = self._vsws[0].buffers.grads_in_param_order(self._param_names, self._snapshot)
+            if rounds is not None and divisor != 1.0:
+                local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
@@ -798,12 +805,13 @@ class IIDPWorker:
                          copy_time=tm.copy, batched=rounds is not None)
 
     def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
-                     rounds: Sequence[MicroBatch]) -> list[list[torch.Tensor]]:
+                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
         """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
         ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
-        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``n`` (the sum of the VSWs'
-        mean losses, :mod:`~jabasray.engine.batched`); gradients accumulate in place."""
-        lanes, main, n = self._lanes, self._vsws[0], float(self._num_vsw)
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
+        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
+        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
+        lanes, main, n = self._lanes, self._vsws[0], weight
         try:
             with lanes.context(lanes.vsw[0]):
                 _, losses = begin_vsw(main)
@@ -877,7 +885,7 @@ class IIDPWorker:
         their copy is deferred (:meth:`_refresh_replicas`)."""
         main = self._vsws[0].buffers
         others = [v.buffers for v in self._vsws[1:]] if self._copy_replicas else []
-        scale = 1.0 / divisor
+        scale = 1.0 if self._prescaled else 1.0 / divisor
         tm = _Timings()
         clock = self._clock
         buckets = range(len(self._specs))
