@@ -284,3 +284,25 @@ def test_state_dict_of_batched_worker_is_compact_and_round_trips():
     b.load_state_dict(sd)
     for r in b.replicas():          # new replicas start from the main VSW (its statistics)
         torch.testing.assert_close(r.bn.running_var, sd["model"]["bn.running_var"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, ga", [(1, 0), (4, 1)])
+def test_cuda_batched_equals_per_vsw_on_streams(n, ga):
+    """On a GPU (float64): batched == per-VSW on the VSWs' streams (``one_thread``), with
+    BatchNorm (momentum and cumulative average), weights and every VSW's statistics."""
+    ws = {}
+    for ex in ("auto", "one_thread"):
+        torch.manual_seed(0)
+        ws[ex] = IIDPWorker(Conv3BN(momentum=None).cuda(), OPTIMIZERS["sgd_momentum"], F.cross_entropy,
+                            device="cuda", bucket_cap_mb=CAP, vsw_execution=ex)
+        ws[ex].configure(n, ga, 4)
+    for step in range(3):
+        X, y = make_data(step, n * (ga + 1) * 4)
+        mbs = split(X.cuda(), y.cuda(), [4] * (n * (ga + 1)))
+        a, b = ws["auto"].train_step(mbs), ws["one_thread"].train_step(mbs)
+        assert a.batched and not b.batched and a.loss == pytest.approx(b.loss, rel=1e-10)
+    for ra, rb in zip(ws["auto"].replicas(), ws["one_thread"].replicas()):
+        assert max_rel_diff(ra, rb) < 1e-10
+        for (k, ba), (_, bb) in zip(ra.named_buffers(), rb.named_buffers()):
+            torch.testing.assert_close(ba, bb, msg=k)
