@@ -247,16 +247,19 @@ def test_dict_batches_and_unjoinable_leaves():
     assert max_rel_diff(w.model, ref.model) < 1e-10
 
 
-def test_join_batches_is_a_view_for_adjacent_splits_and_a_copy_otherwise():
+def test_join_batches_interleaves_every_leaf_alike():
+    """Row b*n + v of the joined batch is row b of micro-batch v, for every leaf (so inputs and
+    targets stay paired); one part is returned as it is."""
     X = torch.arange(24.).reshape(12, 2)
-    parts = list(X.split([3, 3, 3, 3]))
+    parts = list(X.split([4, 4, 4]))
     j = join_batches(parts)
-    assert torch.equal(j, X) and j.data_ptr() == X.data_ptr()          # no copy
-    k = join_batches([parts[0], parts[2]])                               # not adjacent: a copy
-    assert torch.equal(k, torch.cat([parts[0], parts[2]])) and k.data_ptr() != X.data_ptr()
-    one_row = list(X.split(1))[:4]                                       # size-1 rows stay exact
-    assert torch.equal(join_batches(one_row), X[:4])
-    assert join_batches([(X[:2], ["a", "b"]), (X[2:3], ["c"])])[1] == ["a", "b", "c"]
+    assert torch.equal(j, torch.stack(parts, 1).reshape(12, 2))
+    assert all(torch.equal(j[b * 3 + v], parts[v][b]) for b in range(4) for v in range(3))
+    assert join_batches(parts[:1]) is parts[0]
+    joined = join_batches([(X[:2], ["a", "b"]), (X[2:4], ["c", "d"])])
+    assert joined[1] == ["a", "c", "b", "d"] and torch.equal(joined[0], X[[0, 2, 1, 3]])
+    with pytest.raises(ValueError, match="unequal size"):
+        join_batches([X[:2], X[2:5]])
 
 
 def test_fallback_reasons_in_order():

@@ -50,7 +50,7 @@ VSW execution
 -------------
 **Batched (the default wherever it is exact).** After one-way weight sync every VSW holds the
 main VSW's weights, so GA round ``j`` of all ``n`` VSWs runs as ONE forward/backward of the
-main VSW's module over the ``n`` micro-batches side by side (:mod:`~jabasray.engine.batched`:
+main VSW's module over the ``n`` micro-batches interleaved (:mod:`~jabasray.engine.batched`:
 the loss, a per-sample mean, times ``n`` back-propagates the sum of the VSWs' mean-loss
 gradients; GA rounds accumulate in place), with every BatchNorm normalising per VSW over its
 ``B_L`` samples and updating that VSW's own running statistics
