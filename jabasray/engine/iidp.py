@@ -225,6 +225,18 @@ class _VSW:
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)
         self.handles = []
+        self.set_hooks(True, owner)
+
+    def set_hooks(self, on: bool, owner: "IIDPWorker") -> None:
+        """Register (``on``) or remove the per-parameter gradient hooks. A batched step on one
+        device with autograd's own gradients needs none: nothing is copied into buckets or
+        launched during backward (:meth:`FlatBuffers.finish` completes the buckets after it),
+        and a Python call per parameter per step is host time a plain step does not pay."""
+        if on == bool(self.handles):
+            return
+        if not on:
+            self.remove_hooks()
+            return
         for b, plist in enumerate(self.buffers.modules_params):
             for k, p in enumerate(plist):
                 self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
@@ -692,6 +704,7 @@ class IIDPWorker:
 
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
         reason = self.batch_fallback_reason(ragged)
+        pg_set = self.process_group is not None
         rounds = None
         if reason is None:
             try:
@@ -705,6 +718,7 @@ class IIDPWorker:
                 log.info("IIDP: per-VSW execution (%s)", reason)
             self._refresh_replicas()
         self._active = self._vsws[:1] if rounds is not None else self._vsws
+        self._vsws[0].set_hooks(rounds is None or pg_set or self._flat_grads, self)
 
         # --- per-step state
         self._pending = [len(self._active)] * nb
