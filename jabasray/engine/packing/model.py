@@ -14,7 +14,7 @@ from jabasray.engine.packing.fused import adagrad_step, adam_step, col, sgd_step
 from jabasray.engine.packing.keys import (activation_signature, architecture_key, batchable,
                                           optimizer_kind, structure_key)
 from jabasray.engine.packing.state import (_Group, _Member, _Run, flush_run, grouped_cross_entropy,
-                                           read_state)
+                                           read_state, write_member)
 from jabasray.validation import check_choice, check_int
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,20 @@ class PackedModel:
         and optimizer (their ``state_dict``s are then current); the pack goes on."""
         self._flush()
         self._build()
+
+    def member_state(self, member: int) -> tuple[dict, dict]:
+        """``(model.state_dict(), optimizer.state_dict())`` of one member, read from its rows
+        of the stacked storage WITHOUT a restack (the pack goes on untouched). Every tensor is
+        a copy owning its storage: a saved state holds this member's tensors only, whatever
+        the pack's size (a view into the stacked ``[G, P]`` storage would save all of it)."""
+        m = self._get(member)
+        with torch.no_grad():
+            for g in self._groups:
+                if g.batched and m in g.members:
+                    k = g.members.index(m)
+                    run = next(r for r in g.runs if r.lo <= k < r.hi)
+                    write_member(g, run, k - run.lo, weights=False)
+            return _owned(m.model.state_dict()), _owned(m.optimizer.state_dict())
 
     def free_all(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
         """Free every member (in :attr:`member_ids` order)."""
@@ -374,6 +388,17 @@ class PackedModel:
                 sgd_step(p[r], grad[r], None, False, one(h["lr"]), None, None, wd, False)
         run.has_buf = all(flags)
 
+
+
+def _owned(tree):
+    """A copy of a (nested) state dict whose tensors own their storage (detached clones)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return type(tree)((k, _owned(v)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_owned(v) for v in tree)
+    return tree
 
 
 class _Regroup(Exception):
