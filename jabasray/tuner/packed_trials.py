@@ -226,13 +226,25 @@ def _run_trial(config: dict, job: PackedJob) -> None:
         log.warning("trial %s trains unpacked: %s", key, reply["unpackable"])
         _run_plain(config, job)
         return
+    from jabasray.tuner.coordinator import NotLoaded
+
     units = int(reply["units"])
     try:
         while units < job.max_units:
             # usually trained ahead while Tune processed the previous report (coordinator.py);
             # the state comes with the units the coordinator's checkpoint_every rule names
-            metrics, blob = ray.get(handle.unit.remote(key))
+            try:
+                metrics, blob = ray.get(handle.unit.remote(key))
+            except (NotLoaded, ray.exceptions.RayActorError) as e:
+                # set aside and dropped, or the coordinator exited while this trial was away:
+                # load again from the last checkpoint (what was trained after it is redone)
+                log.info("trial %s re-joins a pack from its last checkpoint (%s)", key, type(e).__name__)
+                handle, reply = _register(job, key, config, state)
+                units = int(reply.get("units", 0))
+                continue
             units = int(metrics["units"])
+            if blob is not None:
+                state = blob
             if blob is None:
                 tune.report(metrics)
                 continue
