@@ -50,6 +50,11 @@ class _Run:
     steps: list[int] = field(default_factory=list)        # per member (adam/adagrad)
     has_buf: bool = False                                 # sgd momentum buffers exist
     row_has_buf: list[bool] | None = None                 # per member, once a run mixes sgd flavours
+    # hyper-parameter columns on the device, rebuilt only when a member's param_groups change
+    # (the packed step then copies nothing host -> device: no host sync in steady state)
+    hp_key: tuple | None = None
+    cols: dict[str, torch.Tensor] = field(default_factory=dict)
+    t: torch.Tensor | None = None                         # [hi-lo, 1] float64 step counts (adam/adagrad)
 
     def row_flags(self) -> list[bool]:
         """Per-member "momentum buffer exists" flags (``has_buf`` for every row until a
