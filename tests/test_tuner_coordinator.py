@@ -35,6 +35,7 @@ def _run(scenario, **kw):
             if c.watchdog is not None:
                 c.watchdog.cancel()
             c.pool.shutdown(wait=True)
+            c.loader.shutdown(wait=True)
     return asyncio.run(main())
 
 
@@ -241,3 +242,28 @@ def test_state_is_that_of_the_last_claimed_unit_while_a_unit_runs_ahead():
     assert claimed["units"] == 2
     for n, t in ref.model.state_dict().items():
         assert torch.allclose(claimed["model"][n], t, rtol=1e-5, atol=1e-6)
+
+
+def test_arriving_members_are_built_off_the_training_thread():
+    """A member's model, optimizer and state are built on the loader thread (a unit may train
+    meanwhile); only its registration and every unit run on the training thread."""
+    import threading
+
+    async def scenario(c):
+        seen = {"prepare": set(), "add": set(), "unit": set()}
+        for name in seen:
+            fn = getattr(c.runner, name)
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                seen[_name].add(threading.get_ident())
+                return _fn(*a, **k)
+            setattr(c.runner, name, wrapped)
+        await c.load("a", A)
+        await c.unit("a")
+        await c.load("b", B)                                            # while a's unit 2 may train
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        return seen
+
+    seen = _run(scenario)
+    assert len(seen["prepare"]) == len(seen["unit"]) == 1
+    assert seen["add"] == seen["unit"] and seen["prepare"] != seen["unit"]

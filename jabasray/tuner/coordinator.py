@@ -103,6 +103,7 @@ class PackCoordinator:
         self.threads, self.wait_s, self.idle_exit_s = threads, wait_s, idle_exit_s
         self.max_units, self.checkpoint_every, self.run_ahead = max_units, checkpoint_every, run_ahead
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
+        self.loader = ThreadPoolExecutor(1)        # builds arriving members off the training thread
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
         self.units: dict[str, int] = {}            # units each registered member has trained
@@ -214,13 +215,15 @@ class PackCoordinator:
         its units. Raises if it was freed meanwhile (then nothing of it is left)."""
         token = self.token[key]
 
-        def work() -> int:
+        def build():
             from jabasray.tuner.pack_runner import state_from_bytes
 
-            return self.runner.load(key, config, state_from_bytes(state) if state else None)
+            return self.runner.prepare(key, config, state_from_bytes(state) if state else None)
 
         try:
-            units = await self._in_thread(work)
+            # built on the loader thread while a unit may train; registered on the training thread
+            member = await asyncio.get_running_loop().run_in_executor(self.loader, build)
+            units = await self._in_thread(self.runner.add, member)
         except BaseException:
             if self.token.get(key) == token:
                 self._forget(key)
