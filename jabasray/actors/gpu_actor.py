@@ -108,6 +108,7 @@ class IntervalReply(JsonMixin):
     lrs: list[float] = field(default_factory=list)      # LR of each iteration's update
     served_digest: int | None = None   # engine.sampler.sample_digest of the indices served
     served: list[int] | None = None    # the indices served (only with record_samples)
+    sma_restarts: list[int] = field(default_factory=list)  # SMA: iterations that restarted from z
 
 
 def gather(dataset: Any, indices: Any) -> tuple:
@@ -178,7 +179,9 @@ class GPUActor(BackgroundHostMixin):
         self._sampler = IIDPSampler(self.dataset_size, seed=job.seed)
         self.lr_scheduler: Any = None
         self._lr_holder: Any = None      # SMA: the user's optimizer, only as the LR's carrier
-        self._bg_factor: float | None = None
+        self._bg_factor: float | None = None      # SMA: the B_G factor of the previous iteration's LR
+        self._user_lr_prev: float | None = None   # SMA: the user's LR at the previous iteration
+        self._sma_restarts: list[int] = []        # SMA: iterations restarted in this interval
         self.emulate = emulate
         self.bucket_cap_mb = bucket_cap_mb
         self.worker: Any = None
@@ -217,6 +220,8 @@ class GPUActor(BackgroundHostMixin):
         torch.manual_seed(self.job.seed)
         model = self.model_fn()
         job, h = self.job, self.hooks
+        # SMA: the user's previous LR (_user_lr_prev) is kept, so that a kept actor still sees
+        # a scheduler step at the epoch boundary of a re-placement
         self._bg_factor = None
         if job.parallelism == "burst":
             from .burst_host import BurstWorker     # DeepPool: per-layer GPU counts (burst_host)
@@ -381,6 +386,7 @@ class GPUActor(BackgroundHostMixin):
         served: list[int] | None = [] if req.record_samples else None
         phi = None
         lr = self._effective_lr()
+        self._sma_restarts = []
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
         if hasattr(self.worker, "comm_guard"):
             self.worker.comm_guard = self.bg_foreground_critical if hosting else None
@@ -416,7 +422,7 @@ class GPUActor(BackgroundHostMixin):
                              compute_time=compute, comm_time=comm, update_time=update,
                              emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
                              end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
-                             served=served)
+                             served=served, sma_restarts=list(self._sma_restarts))
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:
@@ -438,17 +444,25 @@ class GPUActor(BackgroundHostMixin):
         if self._lr_holder is None:
             self.worker.lr_factor = f
             return self.worker.effective_lr()
-        # SMA: Crossbow 3.2 restarts from z when the LR schedule changes. A new B_G rescales
-        # the LR (restart); the warm-up's per-iteration ramp and the user's scheduler's moves
-        # are no such change (restarting every iteration of a cosine schedule would discard
-        # SMA's momentum at every step) - deviation documented in the report.
+        # SMA: when to restart from z is JobConfig.sma_restart (engine.sma.sma_restart_due,
+        # Crossbow section 3.2 restarts on step-wise LR schedule changes; sections 3.4/4.4
+        # change the learner count, hence the batch, without restarting).
+        from ..engine.sma import sma_restart_due
+
         bg = lr_factor(req.base_batch, global_batch, req.lr_scaling)
-        lr = self._user_lr() * f
-        if lr != self.worker.get_lr():
-            restart = self._bg_factor is not None and bg != self._bg_factor and \
-                iteration >= req.warmup_iterations
-            self.worker.set_lr(lr, restart=restart)
+        user = self._user_lr()
+        lr = user * f
+        restart = sma_restart_due(
+            self.job.sma_restart, user_lr_prev=self._user_lr_prev, user_lr=user,
+            stepwise_schedule=self.lr_scheduler is not None and self.hooks.lr_scheduler_interval == "epoch",
+            batch_factor_prev=self._bg_factor, batch_factor=bg,
+            warmup_done=iteration >= req.warmup_iterations)
+        self.worker.set_lr(lr, restart=False)
+        if restart:
+            self.worker.restart()
+            self._sma_restarts.append(iteration)
         self._bg_factor = bg
+        self._user_lr_prev = user
         return lr
 
     def _step_scheduler(self, epoch_end: bool) -> None:
