@@ -20,13 +20,15 @@ timings and the gradient similarity Phi of the two GPU groups (JABAS section 6.1
   collective: an all-reduce of a ``[2, P]`` tensor in which each actor fills only its group's row;
   Phi = cosine(row 0, row 1) is then the same on every actor.
 
-CPU emulation of a GPU type (``speed`` < 1): after each step the actor sleeps
-``compute_time * (1 / speed - 1)`` so that its compute takes ``compute_time / speed`` in total,
-the time the scaled profile (``Profile.scaled``) predicts. The sleep comes after the engine's
-step (which already contains the all-reduce), not between backward and all-reduce; since every
-step synchronises all actors, a slow actor delays the next step's all-reduce by the same amount,
-so the emulated iteration time is the same. Speeds >= 1 cannot be emulated (no sleep; a warning).
-While sleeping an actor leaves the CPU free, which is what lets 8 emulated GPUs share 2 cores.
+CPU emulation of a GPU type (``speed`` < 1, :mod:`jabasray.actors.emulation`): after each step
+the actor sleeps so that the step takes what the emulated device would take: ``"compute"``
+(``compute_time * (1 / speed - 1)``, the measured wall compute time scaled) or ``"wait"`` (the
+fair rule: until ``cpu_time / speed`` after the step began, so the host's shared cores do not
+slow an emulated GPU down; the excess is reported as ``emulation_overrun``). The sleep comes
+after the engine's step (which already contains the all-reduce), not between backward and
+all-reduce; since every step synchronises all actors, a slow actor delays the next step's
+all-reduce by the same amount, so the emulated iteration time is the same. While sleeping an
+actor leaves the CPU free, which is what lets 8 emulated GPUs share 2 cores.
 
 Background learners (DeepPool section 5, :mod:`jabasray.actors.background`): when this actor
 hosts background jobs (its BackgroundRunner exists), every foreground iteration - the engine
@@ -52,6 +54,8 @@ from ..config import JobConfig
 from ..engine.sampler import add_digests, sample_digest
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
+from .emulation import StepTimer, check_emulation, wait_overrun, wait_sleep
+from .emulation import compute_sleep as emulation_sleep
 from .placement import Slot
 from .rendezvous import Rendezvous, join_process_group, leave_process_group
 
@@ -108,6 +112,7 @@ class IntervalReply(JsonMixin):
     lrs: list[float] = field(default_factory=list)      # LR of each iteration's update
     served_digest: int | None = None   # engine.sampler.sample_digest of the indices served
     served: list[int] | None = None    # the indices served (only with record_samples)
+    emulation_overrun: float = 0.0     # "wait" emulation: seconds the steps took beyond cpu / speed
     sma_restarts: list[int] = field(default_factory=list)  # SMA: iterations that restarted from z
 
 
@@ -115,13 +120,6 @@ def gather(dataset: Any, indices: Any) -> tuple:
     """Rows ``indices`` of an in-memory dataset as a tuple batch (:func:`engine.loader.gather_rows`)."""
     from ..engine.loader import gather_rows
     return tuple(gather_rows(dataset, np.asarray(list(indices), dtype=np.int64)))
-
-
-def emulation_sleep(compute_time: float, speed: float) -> float:
-    """Seconds to sleep after ``compute_time`` of real compute to emulate ``speed`` (< 1)."""
-    if speed >= 1.0 or compute_time <= 0:
-        return 0.0
-    return compute_time * (1.0 / speed - 1.0)
 
 
 class GPUActor(BackgroundHostMixin):
@@ -137,6 +135,7 @@ class GPUActor(BackgroundHostMixin):
             Ray), or None when ``hooks.dataset_fn`` builds it here.
         device: "cpu" (emulation) or "cuda".
         emulate: sleep to emulate ``slot.speed`` on CPU.
+        emulation: the sleep's rule, "compute" or "wait" (:mod:`jabasray.actors.emulation`).
         torch_threads: intra-op threads of this process (1: many actors on few cores).
         hooks: :class:`~jabasray.actors.hooks.JobHooks` (dataset_fn, step_fn, eval_fn, LR
             scheduler, DataLoader options); None: the plain supervised job.
@@ -145,7 +144,7 @@ class GPUActor(BackgroundHostMixin):
     def __init__(self, slot: Slot, world_size: int, job: JobConfig, model_fn: Callable,
                  optimizer_fn: Callable, loss_fn: Callable, dataset: Any, device: str = "cpu",
                  emulate: bool = True, torch_threads: int = 1, bucket_cap_mb: float = 25.0,
-                 hooks: Any = None) -> None:
+                 hooks: Any = None, emulation: str = "compute") -> None:
         import torch
 
         from ..engine.loader import InMemoryBatches, LoaderBatches
@@ -183,6 +182,7 @@ class GPUActor(BackgroundHostMixin):
         self._user_lr_prev: float | None = None   # SMA: the user's LR at the previous iteration
         self._sma_restarts: list[int] = []        # SMA: iterations restarted in this interval
         self.emulate = emulate
+        self.emulation = check_emulation(emulation)
         self.bucket_cap_mb = bucket_cap_mb
         self.worker: Any = None
         self.group: Any = None
@@ -380,7 +380,7 @@ class GPUActor(BackgroundHostMixin):
         cursor = req.cursor
         losses: list[float] = []
         lrs: list[float] = []
-        compute = comm = update = slept = 0.0
+        compute = comm = update = slept = overrun = 0.0
         samples = 0
         digest = 0
         served: list[int] | None = [] if req.record_samples else None
@@ -398,9 +398,14 @@ class GPUActor(BackgroundHostMixin):
             last = k == req.num_iterations - 1 or it.epoch_end
             keep = bool(req.similarity and last and self.world_size > 1)
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
-                stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                with StepTimer() as timer:
+                    stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
                 if self.emulate:
-                    s = emulation_sleep(stats.compute_time, self.slot.speed)
+                    if self.emulation == "wait":
+                        s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
+                        overrun += wait_overrun(timer.cpu, stats.compute_time, self.slot.speed)
+                    else:
+                        s = emulation_sleep(stats.compute_time, self.slot.speed)
                     if s > 0:
                         time.sleep(s)
                         slept += s
@@ -417,10 +422,16 @@ class GPUActor(BackgroundHostMixin):
                 phi = self._group_similarity(stats.local_grad)
             cursor = it.next_cursor
             self._step_scheduler(epoch_end=it.epoch_end)
+        wall = time.perf_counter() - t_start
+        if overrun > 0.1 * wall:
+            log.warning("rank %d (%s, speed %.3g): the host's cores fell behind the \"wait\" "
+                        "emulation by %.2fs of %.2fs this interval (sum of the placed speeds > "
+                        "host cores?)", self.slot.rank, self.slot.gpu_type, self.slot.speed,
+                        overrun, wall)
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
-                             emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
+                             emulation_sleep=slept, wall_time=wall, emulation_overrun=overrun,
                              end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
                              served=served, sma_restarts=list(self._sma_restarts))
 
