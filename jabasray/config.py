@@ -20,6 +20,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
+SMA_RESTART_RULES = ("schedule", "batch", "never")   # when SMA restarts (engine.sma.sma_restart_due)
 PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -73,6 +74,10 @@ class JobConfig(JsonMixin):
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
     sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
                                         # "hierarchical" (Crossbow 3.3; slower to converge on digits)
+    sma_restart: str = "schedule"       # when SMA restarts from z (Crossbow 3.2): "schedule" (a
+                                        # step of the user's epoch-stepped LR scheduler; a B_G
+                                        # change only rescales the LR) | "batch" (also at every
+                                        # B_G change) | "never"; engine.sma.sma_restart_due
     seed: int = 0                       # seeds data order, model init and search
     parallelism: str = "data"           # "data" (IIDP) or "burst" (DeepPool: per-layer GPU counts
                                         # on all allocated GPUs; the auto-scaler is not applied)
@@ -121,6 +126,7 @@ class JobConfig(JsonMixin):
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
+        check_choice("sma_restart", self.sma_restart, SMA_RESTART_RULES)
         check_int("seed", self.seed, min_value=0)
         check_choice("parallelism", self.parallelism, PARALLELISM)
         check_float("amp_limit", self.amp_limit, min_value=1.0)

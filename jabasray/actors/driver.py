@@ -186,6 +186,7 @@ class JabasDriver:
             torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
+            shared_host=opts.emulation != "wait",
             profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
@@ -246,7 +247,7 @@ class JabasDriver:
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
-            self.hooks)
+            self.hooks, opts.emulation)
 
     def _ensure_placement(self, state: DriverState, worker_state: dict | None, epoch: int) -> bool:
         """Place actors for ``state.allocation`` unless they already run it. Returns True when
@@ -262,6 +263,14 @@ class JabasDriver:
         placed_before = self.pool.placement is not None
         if placed_before:
             self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
+        if self.options.emulate and self.options.emulation == "wait":
+            from .emulation import host_keeps_up
+            cpus = ray_cpus()
+            if cpus is not None and not host_keeps_up([s.speed for s in slots], cpus):
+                log.warning("the \"wait\" emulation is not fair on allocation %s: the placed "
+                            "speeds sum to %.2f > %s host CPUs (emulated GPUs will run slower "
+                            "than their speed)", state.allocation,
+                            sum(min(s.speed, 1.0) for s in slots), cpus)
         sma, learners = placement_learners(self.job, self.options, slots, worker_state)
         shared = worker_state if sma is None else None   # SMA: every rank its own state
         self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,

@@ -81,6 +81,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
+    p.add_argument("--emulation", default="compute", choices=["compute", "wait"],
+                   help="CPU emulation of a GPU's step: 'compute' (wall compute time / speed: "
+                        "emulated GPUs share the host's cores) or 'wait' (CPU time / speed: every "
+                        "emulated GPU gets the same share while the speeds sum to <= the CPUs)")
     p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
     p.add_argument("--online-correction", action="store_true",
                    help="correct the iteration-time model from measured interval times (plans then "
@@ -228,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         # the driver's events reach the user through _Progress.on_event; its INFO log lines
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
-    options = DriverOptions(device=args.device, emulate=emulate,
+    options = DriverOptions(device=args.device, emulate=emulate, emulation=args.emulation,
                             force_replacement=args.force_replacement, reprofile=args.reprofile,
                             online_correction=args.online_correction,
                             driver=args.driver, driver_node=args.driver_node,
