@@ -69,6 +69,8 @@ class JobConfig(JsonMixin):
     lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
+    per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
+                                        # VSWs of a device run as one batched pass (False: per VSW)
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
@@ -98,6 +100,8 @@ class JobConfig(JsonMixin):
             raise ValueError(f"min_local_batch must be <= min_global_batch ({self.min_global_batch}), "
                              f"got {self.min_local_batch}")
         check_int("adapt_interval", self.adapt_interval, min_value=1)
+        if not isinstance(self.per_sample_loss, bool):
+            raise ValueError(f"per_sample_loss must be True or False, got {self.per_sample_loss!r}")
         check_float("alpha", self.alpha, min_value=0, min_exclusive=True)
         check_float("gamma", self.gamma, min_value=-1, max_value=1)
         check_choice("autoscale_objective", self.autoscale_objective, AUTOSCALE_OBJECTIVES)

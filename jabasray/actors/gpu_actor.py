@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import JobConfig
+from ..engine.iidp import read_losses
 from ..engine.sampler import add_digests, sample_digest
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
@@ -253,7 +254,7 @@ class GPUActor(BackgroundHostMixin):
                                      process_group=self.group, weight_sync=job.weight_sync,
                                      bucket_cap_mb=self.bucket_cap_mb, step_fn=h.step_fn,
                                      precision=job.precision, grad_clip_norm=job.grad_clip_norm,
-                                     bucket_plan=bucket_plan)
+                                     bucket_plan=bucket_plan, per_sample_loss=job.per_sample_loss)
             optimizer = self.worker.optimizer
         self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank
@@ -378,7 +379,7 @@ class GPUActor(BackgroundHostMixin):
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor
-        losses: list[float] = []
+        losses: list = []                      # floats or 0-d device tensors until the end
         lrs: list[float] = []
         compute = comm = update = slept = overrun = 0.0
         samples = 0
@@ -409,7 +410,7 @@ class GPUActor(BackgroundHostMixin):
                     if s > 0:
                         time.sleep(s)
                         slept += s
-            losses.append(float(stats.loss))
+            losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
             read = np.concatenate(it.micro_batches)      # what this iteration trained on
             samples += len(read)
             digest = add_digests(digest, sample_digest(read))
@@ -428,6 +429,7 @@ class GPUActor(BackgroundHostMixin):
                         "emulation by %.2fs of %.2fs this interval (sum of the placed speeds > "
                         "host cores?)", self.slot.rank, self.slot.gpu_type, self.slot.speed,
                         overrun, wall)
+        losses = read_losses(losses)           # one device read per interval, not per step
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
