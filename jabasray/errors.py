@@ -16,3 +16,17 @@ class StorageUnavailable(JobFailed):
 class DatasetMismatch(ValueError):
     """``dataset_fn`` built a different dataset on some GPU actor than the probe did (one line
     naming the node): samples would be duplicated or missed."""
+
+
+class NodesGone(RuntimeError):
+    """A placement found Ray nodes it was pinned to no longer alive (the driver re-plans on the
+    live cluster). ``ray_node_ids``: the ids that are gone."""
+
+    def __init__(self, message: str, ray_node_ids: list[str]) -> None:
+        super().__init__(message)
+        self.ray_node_ids = list(ray_node_ids)
+
+
+class PlacementTimeout(RuntimeError):
+    """The resources of a placement did not appear within the placement timeout; the message
+    (one line) names what is missing and where."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
+from ..errors import NodesGone, PlacementTimeout
 from ..planners.job_planner import choose_for_job, initial_trajectory
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, NodeSpec
@@ -208,6 +209,29 @@ def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, flo
     return bundles, ([{NODE_ID_LABEL: node_id} for _ in bundles] if node_id else None)
 
 
+def missing_resources(bundles: list[dict[str, float]], free: dict[str, float]) -> dict[str, float]:
+    """What the ``bundles`` need beyond the ``free`` resources, per resource (empty: the amounts
+    are free, but not together on one node)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + float(v)
+    return {k: round(v - free.get(k, 0.0), 6) for k, v in sorted(need.items())
+            if v - free.get(k, 0.0) > 1e-9}
+
+
+def placement_timeout_message(node: str, ray_node_id: str | None, bundles: list[dict[str, float]],
+                              timeout_s: float, free: dict[str, float]) -> str:
+    """The one line of :class:`~jabasray.errors.PlacementTimeout`: which pair, what it asked for,
+    what is missing from the cluster's free resources."""
+    missing = missing_resources(bundles, free)
+    where = f"on Ray node {ray_node_id[:8]}" if ray_node_id else "on any one node"
+    lack = (f"missing {missing} (free: {({k: free.get(k, 0.0) for k in missing})})" if missing
+            else f"the amounts are free in the cluster but not together {where}")
+    return (f"placement timed out after {timeout_s:.0f}s: the GPU pair of node {node} needs "
+            f"{bundles} {where}; {lack}; free resources or raise DriverOptions.placement_timeout_s")
+
+
 @dataclass
 class Placement:
     """Live actors of one placement (Ray handles, not serialised).
@@ -230,9 +254,10 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
 
     ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
     ``options`` carries the resources and the placement-group scheduling strategy.
-    Returns the placement and the ranks whose actors are new. Raises ``RuntimeError`` when the
-    resources do not appear within ``timeout_s``, or at once when a slot is pinned to a Ray node
-    that is not alive.
+    Returns the placement and the ranks whose actors are new. Raises
+    :class:`~jabasray.errors.PlacementTimeout` when the resources do not appear within
+    ``timeout_s``, or :class:`~jabasray.errors.NodesGone` at once (before anything changed) when
+    a slot is pinned to a Ray node that is not alive.
 
     Pinned slots (``Slot.ray_node_id``, clusters detected from Ray): the pair's placement group
     asks for that node through the label ``ray.io/node-id`` of every bundle, so the actors land
@@ -248,8 +273,8 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
         gone = pinned - alive_ray_nodes()
         if gone:
             names = sorted({s.node for s in slots if s.ray_node_id in gone})
-            raise RuntimeError(f"node(s) {names} left the Ray cluster (Ray node ids "
-                               f"{sorted(g[:8] for g in gone)}); detect the cluster again")
+            raise NodesGone(f"node(s) {names} left the Ray cluster (Ray node ids "
+                            f"{sorted(g[:8] for g in gone)})", sorted(gone))
     wanted: dict[tuple[str, int], list[Slot]] = {}
     for s in slots:
         wanted.setdefault(s.pair_key, []).append(s)
@@ -271,8 +296,9 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
             try:
                 ray.get(pg.ready(), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"resources {bundles} for a GPU pair of node {key[0]} not available "
-                                   f"within {timeout_s:.0f}s (cluster: {ray.cluster_resources()})") from None
+                raise PlacementTimeout(placement_timeout_message(
+                    key[0], pair_slots[0].ray_node_id, bundles, timeout_s,
+                    ray.available_resources())) from None
             actors = []
             for i, s in enumerate(pair_slots):
                 bundle = bundles[i]
