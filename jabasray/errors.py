@@ -30,3 +30,9 @@ class NodesGone(RuntimeError):
 class PlacementTimeout(RuntimeError):
     """The resources of a placement did not appear within the placement timeout; the message
     (one line) names what is missing and where."""
+
+
+class RendezvousFailed(RuntimeError):
+    """A GPU actor could not join its process group (the driver's rendezvous store or a peer
+    did not answer in time: a closed port, a wrong network interface); one line. The driver
+    treats it as a failure of that actor."""

@@ -56,6 +56,18 @@ log = logging.getLogger(__name__)
 MAX_REPLANS = 3   # placements tried in a row while pinned nodes keep leaving the cluster
 
 
+def interval_deadline(options: DriverOptions, predicted_s: float) -> float:
+    """How long a training interval predicted to take ``predicted_s`` may run before its
+    actors count as hung: ``max(call_timeout_s, interval_timeout_factor * predicted_s)``."""
+    return max(options.call_timeout_s, options.interval_timeout_factor * max(0.0, predicted_s))
+
+
+def loader_cpus(hooks: Any) -> float:
+    """CPUs a GPU actor's placement bundle reserves for its DataLoader worker processes
+    (``hooks.num_data_workers``; 0 without hooks)."""
+    return float(getattr(hooks, "num_data_workers", 0) or 0)
+
+
 class JabasDriver:
     """Runs one JABAS job on Ray actors from this process (the driver actor of
     :mod:`.driver_actor` hosts it to run it remotely). ``run()`` returns the :class:`MetricsHistory`.
@@ -115,7 +127,9 @@ class JabasDriver:
                                   0 if perf_model is not None or profiles else opts.max_reprofiles)
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
                               opts.collective_timeout_s, opts.failure_grace_s,
-                              label=self.run_dir.name)
+                              label=self.run_dir.name, call_timeout_s=opts.call_timeout_s,
+                              rendezvous_ports=opts.rendezvous_ports,
+                              bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
@@ -307,6 +321,8 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
+        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
@@ -409,7 +425,8 @@ class JabasDriver:
                                       local_batch=plan.local_batch_size, layout=layout, similarity=True,
                                       lr_batch=plan.global_batch_size if self._learners else None,
                                       record_samples=self.options.record_samples)
-        replies, end = self.pool.train(req)
+        replies, end = self.pool.train(req, deadline_s=interval_deadline(
+            self.options, plan.iteration_time * req.num_iterations))
         dt, iterations = time.perf_counter() - t0, replies[0].num_iterations
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,

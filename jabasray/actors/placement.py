@@ -179,9 +179,10 @@ def actor_name(label: str, generation: int, slot: Slot, prefix: str = "jabasray"
 EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>
 
 
-def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None
-               ) -> dict[str, float]:
-    """Ray resources of one GPU of ``gpu_type``.
+def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None,
+               cpus: float = 0.0) -> dict[str, float]:
+    """Ray resources of one GPU of ``gpu_type``, with ``cpus`` CPUs for its data-loader workers
+    (reserved in the bundle, so a node's GPUs are not placed beyond the CPUs their loaders need).
 
     Emulated: one unit of the custom resource ``gpu_<type>``, no CPU; on a cluster that does not
     advertise that resource (e.g. a plain ``ray start --head``) a small CPU share instead, so that
@@ -191,20 +192,24 @@ def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None 
     res = resource_name(gpu_type)
     if emulate:
         if available is None or res in available:
-            return {res: 1.0}
-        return {"CPU": EMULATED_CPU_SHARE}
-    bundle = {"GPU": 1.0}
-    if available is None or res in available:
-        bundle[res] = 1.0
+            bundle = {res: 1.0}
+        else:
+            bundle = {"CPU": EMULATED_CPU_SHARE}
+    else:
+        bundle = {"GPU": 1.0}
+        if available is None or res in available:
+            bundle[res] = 1.0
+    if cpus > 0:
+        bundle["CPU"] = bundle.get("CPU", 0.0) + float(cpus)
     return bundle
 
 
-def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None
-                 ) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
-    """Bundles (one per GPU, :func:`bundle_for`) and the ``bundle_label_selector`` of the
-    placement group of one GPU pair: every bundle on the pair's Ray node when it is pinned
-    (``Slot.ray_node_id``), else None (any node with the resources)."""
-    bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
+def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None,
+                 cpus: float = 0.0) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
+    """Bundles (one per GPU, :func:`bundle_for` with ``cpus`` loader CPUs) and the
+    ``bundle_label_selector`` of the placement group of one GPU pair: every bundle on the pair's
+    Ray node when it is pinned (``Slot.ray_node_id``), else None (any node with the resources)."""
+    bundles = [bundle_for(s.gpu_type, emulate, available, cpus) for s in pair_slots]
     node_id = pair_slots[0].ray_node_id
     return bundles, ([{NODE_ID_LABEL: node_id} for _ in bundles] if node_id else None)
 
@@ -246,14 +251,15 @@ class Placement:
 
 
 def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emulate: bool,
-                 timeout_s: float = 120.0, reuse: Placement | None = None
+                 timeout_s: float = 120.0, reuse: Placement | None = None, cpus: float = 0.0
                  ) -> tuple[Placement, list[int]]:
     """Start one actor per slot, one placement group per pair; keep the pairs of ``reuse`` that
     the new slots still use (their actors must then be set up again for their new slot) and
     release the others.
 
     ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
-    ``options`` carries the resources and the placement-group scheduling strategy.
+    ``options`` carries the resources and the placement-group scheduling strategy; every GPU's
+    bundle also reserves ``cpus`` CPUs (its data-loader workers), which its actor holds.
     Returns the placement and the ranks whose actors are new. Raises
     :class:`~jabasray.errors.PlacementTimeout` when the resources do not appear within
     ``timeout_s``, or :class:`~jabasray.errors.NodesGone` at once (before anything changed) when
@@ -290,7 +296,7 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
                 pairs[key] = old.pop(key)
                 continue
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles, selector = pair_request(pair_slots, emulate, available)
+            bundles, selector = pair_request(pair_slots, emulate, available, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
