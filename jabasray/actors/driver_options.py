@@ -24,8 +24,9 @@ class DriverOptions(JsonMixin):
     collective_timeout_s: float = 300.0 # process-group timeout
     failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
     call_timeout_s: float = 600.0       # the longest any call to the GPU actors may take (setup:
-                                        # plus collective_timeout_s); a call past it is a hang: an
-                                        # actor failure (actors killed, the epoch redone)
+                                        # plus placement_timeout_s and collective_timeout_s); a call
+                                        # past it is a hang: an actor failure (actors killed, the
+                                        # epoch redone)
     interval_timeout_factor: float = 20.0  # a training interval may take up to this many times its
                                         # predicted time when that exceeds call_timeout_s
     rendezvous_ports: tuple[int, int] | None = None  # (first, last) port the driver's rendezvous

@@ -91,10 +91,14 @@ class ActorPool:
         log.debug("placement: %d actors, %d new", world, len(new))
         self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
                                      timeout_s=self.collective_timeout_s, ports=self.rendezvous_ports)
-        try:   # the rendezvous times out in the actors first (RendezvousFailed: an actor failure)
+        # setup's deadline covers a new actor's start (its process, runtime_env, dataset: as long
+        # as a placement may take), the rendezvous (which times out in the actors first:
+        # RendezvousFailed, an actor failure) and building the worker (a call)
+        deadline = None if self.call_timeout_s is None else \
+            self.placement_timeout_s + self.collective_timeout_s + self.call_timeout_s
+        try:
             self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots],
-                          deadline_s=None if self.call_timeout_s is None
-                          else self.call_timeout_s + self.collective_timeout_s)
+                          deadline_s=deadline)
         except DatasetMismatch as e:   # Ray's RayTaskError is also its cause's class: one line
             raise DatasetMismatch(str(getattr(e, "cause", e))) from None
         if worker_state_ref is not None:
