@@ -72,6 +72,8 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        force_resume: resume a checkpoint written with another ``JobConfig``
+            (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
         background: optional scheduler with ``rebalance(actor_handles)`` (multiplexing).
     """
@@ -81,7 +83,8 @@ class JabasDriver:
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
-                 profile_data: Any = None, failure: FailureConfig | None = None) -> None:
+                 profile_data: Any = None, failure: FailureConfig | None = None,
+                 force_resume: bool = False) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
@@ -95,6 +98,7 @@ class JabasDriver:
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -194,7 +198,7 @@ class JabasDriver:
         finished run resumed with more epochs plans its next epoch first."""
         self.record.check_marker()
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                             self._choose_allocation)
+                                             self._choose_allocation, force=self.force_resume)
         self._check_checkpoint(cp)
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
