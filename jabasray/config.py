@@ -178,9 +178,27 @@ class FailureConfig(JsonMixin):
         return self.max_failures != -1 and failures > self.max_failures
 
 
+def default_run_name(prefix: str = "JabasTrainer") -> str:
+    """A run name unique per run, as Ray Train names runs: ``<prefix>_<local date>_<time>_<6 hex>``
+    (the random suffix keeps two runs started in the same second apart)."""
+    import datetime
+    import uuid
+    return f"{prefix}_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
+
+
+RESUME_MODES = ("auto", "force")
+
+
 @dataclass(frozen=True)
 class RunConfig(JsonMixin):
     """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape).
+
+    ``name`` None (the default) names every run uniquely (:func:`default_run_name`, set by the
+    trainer), so two jobs never share a folder. A run folder records the job that wrote it
+    (``job.json``: :mod:`jabasray.actors.job_identity`); ``fit()`` on a folder that holds
+    checkpoints resumes it only when the recorded job matches (``epochs`` may grow), and a
+    finished run returns its result. ``resume="force"`` resumes a folder whose recorded job
+    differs (e.g. a deliberately changed LR or batch bound), rewriting the record.
 
     ``storage_path`` is a local path (a shared NFS folder on a multi-node cluster) or a URI
     (``s3://bucket/runs``, ``gs://bucket/runs``, ...); with ``storage_filesystem`` (any
@@ -192,14 +210,17 @@ class RunConfig(JsonMixin):
     """
 
     storage_path: str = "jabasray_runs"   # parent of all runs: local path or URI
-    name: str = "run"                      # this run's folder under storage_path
+    name: str | None = None                # this run's folder under storage_path (None: unique)
     storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
     failure_config: FailureConfig = field(default_factory=FailureConfig)   # GPU-actor failures
+    resume: str = "auto"                   # "auto": resume a matching job; "force": also a changed one
 
     def __post_init__(self) -> None:
         from .storage import check_storage_path
 
-        check_run_name(self.name)
+        if self.name is not None:
+            check_run_name(self.name)
+        check_choice("resume", self.resume, RESUME_MODES)
         check_storage_path(self.storage_path, self.storage_filesystem)
         if not isinstance(self.failure_config, FailureConfig):
             raise ValueError(f"failure_config must be a jabasray.config.FailureConfig, got "
@@ -213,7 +234,18 @@ class RunConfig(JsonMixin):
         from .storage import resolve
         return resolve(self.storage_path, self.storage_filesystem)
 
+    def named(self, prefix: str = "JabasTrainer") -> "RunConfig":
+        """This config with a unique ``name`` when it has none (:func:`default_run_name`)."""
+        if self.name is not None:
+            return self
+        import dataclasses
+        return dataclasses.replace(self, name=default_run_name(prefix))
+
     @property
     def path(self) -> "StoragePath":
-        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI)."""
+        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI);
+        ``name`` must be set (:meth:`named`)."""
+        if self.name is None:
+            raise ValueError("name: this RunConfig has no run name yet; the trainer names it "
+                             "(RunConfig.named()) or pass name=...")
         return self.storage / self.name

@@ -93,6 +93,8 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        force_resume: resume a checkpoint written with another ``JobConfig``
+            (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
         background: optional scheduler with ``rebalance(actor_handles)`` (multiplexing).
     """
@@ -102,7 +104,8 @@ class JabasDriver:
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
-                 profile_data: Any = None, failure: FailureConfig | None = None) -> None:
+                 profile_data: Any = None, failure: FailureConfig | None = None,
+                 force_resume: bool = False) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
@@ -116,6 +119,7 @@ class JabasDriver:
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -220,7 +224,7 @@ class JabasDriver:
         finished run resumed with more epochs plans its next epoch first."""
         self.record.check_marker()
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                             self._choose_allocation)
+                                             self._choose_allocation, force=self.force_resume)
         events = self._start_notes + events
         if cp is not None:
             state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])

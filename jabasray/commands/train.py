@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import logging
 import math
 import runpy
@@ -37,7 +36,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from ..config import JobConfig, RunConfig
+from ..config import JobConfig, RunConfig, default_run_name
 from ..types import ClusterSpec
 
 if typing.TYPE_CHECKING:   # pragma: no cover
@@ -99,8 +98,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--storage-path", default="jabasray_runs",
                    help="parent folder of runs: a local or NFS path, or a URI (s3://bucket/runs, "
                         "gs://bucket/runs; credentials from the usual environment variables)")
-    p.add_argument("--name", help="run folder name (default: train-<timestamp>)")
-    p.add_argument("--resume", action="store_true", help="continue the run --name from its checkpoint")
+    p.add_argument("--name", help="run folder name (default: train_<date>_<time>_<6 hex>, unique)")
+    p.add_argument("--resume", nargs="?", const="auto", choices=["auto", "force"], default=None,
+                   help="continue the run --name from its checkpoint; only the job that wrote it "
+                   "(its job.json: model, JobConfig, optimizer, hooks) unless 'force'; a finished "
+                   "run returns its result")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
@@ -230,9 +232,9 @@ def run(args: argparse.Namespace) -> int:
     from ..actors.trainer import JabasTrainer, ensure_ray
 
     job = job_config_from_args(args, embedded=args.script is None)
-    name = args.name if args.name is not None else datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
-    run_config = RunConfig(storage_path=args.storage_path, name=name)
-    check_run_folder(run_config.path, args.resume)
+    name = args.name if args.name is not None else default_run_name("train")
+    run_config = RunConfig(storage_path=args.storage_path, name=name, resume=args.resume or "auto")
+    check_run_folder(run_config.path, args.resume is not None)
     if args.script:
         ns = load_script(args.script)
         hooks = script_hooks(ns)
@@ -274,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
-                           callbacks=[progress], verbose=bool(getattr(args, "verbose", False)),
+                           callbacks=[progress], verbose=2 if getattr(args, "verbose", False) else 1,
                            **hooks)
     started = False
     # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
