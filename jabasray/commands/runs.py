@@ -1,4 +1,4 @@
-"""``jabasray status|attach|stop NAME``: find a run's driver actor by name (issue 21).
+"""``jabasray status|attach|stop NAME``: find a run's driver actor by name.
 
 A run started by ``jabasray train`` or ``JabasTrainer.fit()`` (also under ``ray job submit``)
 has a driver actor named after it on the Ray cluster (:mod:`jabasray.actors.driver_actor`).
