@@ -38,7 +38,8 @@ from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
+from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
+                        slots_for)
 from .pool import ActorPool
 from .recovery import dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
@@ -88,7 +89,7 @@ class JabasDriver:
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
@@ -223,6 +224,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
+        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
                               fixed=not self.job.autoscale or self._burst is not None)
 
@@ -414,8 +416,8 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
-        pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        """Release the actors, restart from the last intact checkpoint without the dead actors'
+        GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()

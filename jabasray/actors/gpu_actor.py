@@ -390,9 +390,10 @@ class GPUActor(BackgroundHostMixin):
             lr = self._apply_lr(req, global_batch, req.iteration + k)
             lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
-            keep = bool(req.similarity and last and self.world_size > 1)
+            keep = bool(req.similarity and last and (self.world_size > 1 or self.slot.solo))
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
-                stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                stats = self.worker.train_step(batches, ragged=it.ragged,
+                                               keep_local_grad="split" if keep and self.slot.solo else keep)
                 if self.emulate:
                     s = emulation_sleep(stats.compute_time, self.slot.speed)
                     if s > 0:
@@ -460,18 +461,24 @@ class GPUActor(BackgroundHostMixin):
             self.lr_scheduler.step()
 
     def _group_similarity(self, local_grad: Any) -> float:
-        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
-        two group sums; Phi = cosine(row 0, row 1) (identical on every rank)."""
+        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group`` (a solo GPU, which
+        forms both groups by its two VSW halves, fills both rows from its ``[2, P]`` local
+        gradient); rows end up as the two group sums; Phi = cosine(row 0, row 1) (identical on
+        every rank)."""
         import torch
         import torch.distributed as dist
 
         from ..adaptive import cosine_similarity
 
-        flat = local_grad.detach().reshape(-1)
-        buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
-        buf[self.slot.group].copy_(flat)
-        with self.bg_foreground_critical("allreduce"):
-            dist.all_reduce(buf, group=self.group)
+        if local_grad.dim() == 2:
+            buf = local_grad.detach().clone()
+        else:
+            flat = local_grad.detach().reshape(-1)
+            buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
+            buf[self.slot.group].copy_(flat)
+        if self.group is not None:
+            with self.bg_foreground_critical("allreduce"):
+                dist.all_reduce(buf, group=self.group)
         return float(cosine_similarity(buf[0], buf[1]))
 
 

@@ -16,11 +16,12 @@ actor and :func:`restart_point` gives it
 1. the newest checkpoint that verifies (corrupt newer ones are skipped, one line each; every
    epoch writes one, and a fresh start writes one before any actor starts, so the failed epoch's
    start is always there),
-2. its driver state on the cluster left: one pair dropped per dead pair (:func:`.placement.drop_pair`),
-   then every GPU of a Ray node that is gone (:func:`.placement.drop_dead_nodes`).
+2. its driver state on the cluster left: the dead actors' GPUs dropped, one GPU per dead actor
+   (:func:`.placement.drop_gpus`; any GPU count runs, so a partner GPU stays in use), then every
+   GPU of a Ray node that is gone (:func:`.placement.drop_dead_nodes`).
 
 The driver re-chooses the allocation on that cluster (:func:`restart`) and redoes the epoch:
-no completed epoch is lost. When no checkpoint or no pair is left, :class:`JobFailed` says what happened in one line
+no completed epoch is lost. When no checkpoint or no GPU is left, :class:`JobFailed` says what happened in one line
 (:func:`describe_failure`) and how to continue (:func:`resume_hint`).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..errors import JobFailed
 from ..types import ClusterSpec
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint
 from .fanout import ActorFailure
-from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_pair
+from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_gpus
 
 
 def dead_slots(slots: Sequence[Slot], failure: ActorFailure) -> list[Slot]:
@@ -79,20 +80,20 @@ def restart_point(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[
     """(checkpoint, its driver state on the cluster left, skipped-checkpoint lines) after
     ``failure`` killed the actors of ``dropped`` (module notes). ``alive_nodes``: the live Ray
     node ids (None: asked from Ray). Raises :class:`JobFailed` (one line) when no intact
-    checkpoint or no GPU pair is left."""
+    checkpoint or no GPU is left."""
     what = describe_failure(failure, dropped)
     cp, skipped = latest_intact_checkpoint(run_dir)
     if cp is None:
         raise JobFailed(f"{what}; no intact checkpoint in {run_dir} to restart from") from failure.cause
     state = cp.load_driver_state()
     cluster = state.cluster
-    for node in dict.fromkeys((s.node, s.pair) for s in dropped):   # one pair per dead pair
-        cluster = drop_pair(cluster, node[0])
+    for s in dropped:   # one GPU per dead actor
+        cluster = drop_gpus(cluster, s.node)
         if cluster is None:
-            raise JobFailed(f"{what}: no GPU pair left; {resume_hint(run_dir)}") from failure.cause
+            raise JobFailed(f"{what}: no GPU left; {resume_hint(run_dir)}") from failure.cause
     cluster = drop_dead_nodes(cluster, alive_ray_nodes() if alive_nodes is None else alive_nodes)
     if cluster is None:   # a lost Ray node: all its GPUs
-        raise JobFailed(f"{what}: no GPU pair left on the live Ray nodes; "
+        raise JobFailed(f"{what}: no GPU left on the live Ray nodes; "
                         f"{resume_hint(run_dir)}") from failure.cause
     return cp, replace(state, cluster=cluster), skipped
 
@@ -106,9 +107,13 @@ def restart(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot],
     the events: the skipped-checkpoint lines, then what happened and where it restarts."""
     cp, state, events = restart_point(run_dir, failure, dropped, alive_nodes)
     ctl.load_state_dict(state.adaptive)
-    state = replace(state, allocation=choose_allocation(state.cluster, state.forecast or None))
+    try:
+        allocation = choose_allocation(state.cluster, state.forecast or None)
+    except ValueError as e:   # e.g. SMA with no GPU pair left
+        raise JobFailed(f"{describe_failure(failure, dropped)}: {e}; {resume_hint(run_dir)}") from failure.cause
+    state = replace(state, allocation=allocation)
     events.append(f"{describe_failure(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
-                  f"from {cp.path.name} without that pair, allocation {state.allocation}")
+                  f"from {cp.path.name} without that GPU, allocation {state.allocation}")
     return cp, state, events
 
 

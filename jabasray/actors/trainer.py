@@ -219,9 +219,9 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
 
 
 def detect_cluster() -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``); odd GPUs are left out."""
+    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``), every GPU."""
     from .placement import ray_cluster_spec
-    return ray_cluster_spec().validated_pairs(drop_odd_gpu=True)
+    return ray_cluster_spec()
 
 
 class JabasTrainer:
@@ -302,6 +302,9 @@ class JabasTrainer:
                               eval_batch_size=eval_batch_size,
                               log_level="INFO" if verbose else "WARNING")
         self.cluster = cluster
+        if cluster is not None:
+            from .placement import job_cluster
+            job_cluster(cluster, self.job)   # SMA/burst need GPU pairs: one line, before Ray
         self.run_config = run_config or RunConfig()
         self.val_dataset = val_dataset
         self.perf_model, self.profiles = perf_model, profiles
@@ -319,8 +322,6 @@ class JabasTrainer:
         opts = self.options
         if not wait and opts.driver != "actor":
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
-        if self.cluster is not None:
-            self.cluster.validated_pairs(drop_odd_gpu=True)
         run_dir = self.run_config.path     # resolved here: a bad URI is one line, before Ray
         cache = (as_storage_path(opts.profile_cache_dir) if opts.profile_cache_dir
                  else run_dir.parent / ".profiles")
