@@ -33,29 +33,31 @@ def _checkpoint(run_dir, cluster=CLUSTER):
     save_checkpoint(run_dir, state, None)
 
 
-def test_restart_point_drops_one_pair_per_dead_pair_and_the_dead_ray_nodes(tmp_path):
+def test_restart_point_drops_one_gpu_per_dead_actor_and_the_dead_ray_nodes(tmp_path):
     _checkpoint(tmp_path)
     slots = slots_for(CLUSTER, full_allocation(CLUSTER))          # ranks 0-3 on a0, 4-5 b0, 6-7 c0
     dropped = dead_slots(slots, _failure([1, 0, 3, 9]))            # rank 9 does not exist
-    assert [s.rank for s in dropped] == [1, 0, 3]                  # pairs 0 and 1 of a0
+    assert [s.rank for s in dropped] == [1, 0, 3]                  # 3 GPUs of a0
     cp, state, skipped = restart_point(tmp_path, _failure([1, 0, 3]), dropped, alive_nodes={"live"})
     assert cp.epochs_done == 1 and skipped == []
     assert (state.epochs_done, state.iteration, state.forecast) == (1, 7, [64.0])
-    # a0 lost both its pairs (removed), b0's Ray node is gone, c0 stays as it was
-    assert [(n.name, n.num_gpus) for n in state.cluster.nodes] == [("c0", 2)]
+    # a0 keeps its one live GPU (rank 2), b0's Ray node is gone, c0 stays as it was
+    assert [(n.name, n.num_gpus) for n in state.cluster.nodes] == [("a0", 1), ("c0", 2)]
     assert describe_failure(_failure([6]), dead_slots(slots, _failure([6]))) == \
         "GPU actor failure: rank 6 (slow on c0) (RuntimeError)"
 
 
-def test_restart_point_fails_in_one_line_without_checkpoint_or_pair(tmp_path):
+def test_restart_point_fails_in_one_line_without_checkpoint_or_gpu(tmp_path):
     slots = slots_for(CLUSTER, full_allocation(CLUSTER))
     with pytest.raises(JobFailed, match=r"^GPU actor failure: rank 0 \(fast on a0\) \(RuntimeError\); "
                                         r"no intact checkpoint in .* to restart from$"):
         restart_point(tmp_path, _failure([0]), dead_slots(slots, _failure([0])), alive_nodes=set())
     one = ClusterSpec(nodes=[NodeSpec("a0", "fast", 2)])
     _checkpoint(tmp_path, one)
-    with pytest.raises(JobFailed, match=r"no GPU pair left; last checkpoint .*epoch_0001 \(1 epoch\(s\) done"):
-        restart_point(tmp_path, _failure([1]), slots_for(one, {"a0": 1})[1:], alive_nodes=set())
+    _, state, _ = restart_point(tmp_path, _failure([1]), slots_for(one, {"a0": 2})[1:], alive_nodes=set())
+    assert [(n.name, n.num_gpus) for n in state.cluster.nodes] == [("a0", 1)]   # its partner goes on
+    with pytest.raises(JobFailed, match=r"no GPU left; last checkpoint .*epoch_0001 \(1 epoch\(s\) done"):
+        restart_point(tmp_path, _failure([0, 1]), slots_for(one, {"a0": 2}), alive_nodes=set())
 
 
 def test_job_planner_plans_with_the_corrected_model_and_drops_stale_plans():
