@@ -53,6 +53,8 @@ class JobConfig(JsonMixin):
     min_global_batch: int = 32          # lower clamp of adaptive B_G
     max_global_batch: int = 512         # upper clamp of adaptive B_G
     min_local_batch: int = 8            # min B_L; every B_L is a multiple of it
+    max_local_batch: int | None = None  # upper bound of B_L (AdaptDL's local_bsz_bounds[1]): the
+                                        # solver and the profiler never go beyond it; None: what fits
     adapt_interval: int = 10            # p: iterations between two B_G adaptations (one Ray call)
     alpha: float = 0.1                  # adaptive rate: B_G' = B_G * (1 +/- alpha)
     gamma: float = 0.5                  # similarity threshold: Phi < gamma grows B_G, > shrinks
@@ -92,6 +94,8 @@ class JobConfig(JsonMixin):
         if self.min_local_batch > self.min_global_batch:
             raise ValueError(f"min_local_batch must be <= min_global_batch ({self.min_global_batch}), "
                              f"got {self.min_local_batch}")
+        if self.max_local_batch is not None:
+            check_int("max_local_batch", self.max_local_batch, min_value=self.min_local_batch)
         check_int("adapt_interval", self.adapt_interval, min_value=1)
         check_float("alpha", self.alpha, min_value=0, min_exclusive=True)
         check_float("gamma", self.gamma, min_value=-1, max_value=1)

@@ -175,3 +175,33 @@ def test_min_local_batch_beyond_every_gpu_is_a_one_line_error(ray_session, tmp_p
     with pytest.raises(ValueError, match=r"^min_local_batch must be <= .*32.*got 64$"):
         drv.run()
     assert drv.gpu_actors() == []
+
+
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_one_and_three_gpu_runs_adapt_the_global_batch(ray_session, tmp_path, gpus):
+    """One GPU (a solo unit: both similarity groups from its VSW halves) and three GPUs (a pair
+    plus a solo GPU) train end to end with adaptive batching: every interval measures Phi, the
+    requested B_G follows the adaptive rule replayed on those Phi values and moves, and every
+    epoch trains each sample once."""
+    from jabasray.adaptive import AdaptiveBatchController
+
+    ds, val = tiny_data(240)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", gpus, speed=1.0)])
+    job = JobConfig(epochs=2, initial_global_batch=16, min_global_batch=8, max_global_batch=64,
+                    min_local_batch=4, adapt_interval=2, alpha=0.5, gamma=0.95, autoscale=False, seed=2)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
+                      val_dataset=val, perf_model=perf_model())
+    hist = drv.run()
+    assert [e.allocation for e in hist.epochs] == [{"n0": gpus}] * 2
+    assert all(len(e.gpu_types) == gpus for e in hist.epochs)
+    assert all(r.phi is not None and -1.0 <= r.phi <= 1.0 for r in hist.intervals)
+    ctl = AdaptiveBatchController(job)
+    for r in hist.intervals:
+        assert r.requested_global_batch == ctl.global_batch
+        ctl.update(r.phi)
+    assert len({r.requested_global_batch for r in hist.intervals}) > 1     # B_G moved
+    for e in (0, 1):
+        assert sum(r.samples for r in hist.intervals if r.epoch == e) == len(ds)
+    solo = [r for r in hist.intervals if r.plan is not None]
+    assert all(r.plan.workers[-1].gpu == "fast/solo" for r in solo)
+    assert all(sum(r.layout) * r.local_batch == r.global_batch for r in hist.intervals)

@@ -133,6 +133,26 @@ class UnitModel:
         return n // 2 if solo else n
 
 
+class LocalBatchBound:
+    """``model`` with its largest local batch capped at ``cap`` (a user bound on B_L, e.g.
+    ``JobConfig.max_local_batch``): Alg. 1 line 4 then searches B_L <= cap only."""
+
+    def __init__(self, model: Any, cap: int) -> None:
+        self.model, self.cap = model, int(check_int("max_local_batch", cap, min_value=1))
+
+    def max_local_batch(self, gpu: str) -> int:
+        return min(int(self.model.max_local_batch(gpu)), self.cap)
+
+    def for_allocation(self, num_gpus: int, multi_node: bool) -> "LocalBatchBound":
+        fa = getattr(self.model, "for_allocation", None)
+        return LocalBatchBound(fa(num_gpus, multi_node) if callable(fa) else self.model, self.cap)
+
+    def __getattr__(self, name: str) -> Any:   # everything else: the model's own
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
 def unit_model(model: Any) -> Any:
     """``model`` answering for similarity units (:class:`UnitModel`; idempotent)."""
     return model if isinstance(model, UnitModel) else UnitModel(model)
@@ -530,4 +550,4 @@ __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_confi
            "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
            "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
            "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
-           "IterationTimeModel", "UnitModel", "unit_model"]
+           "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]

@@ -33,6 +33,7 @@ from ..config import JobConfig
 from ..types import ClusterSpec, Plan, unit_gpu, units_num_gpus
 from .autoscale import AutoscaleDecision, choose_allocation, epoch_time
 from .correction import CorrectedModel, OnlineCorrection
+from .config_solver import LocalBatchBound
 from .plan_policy import solve_for_batch
 
 
@@ -103,7 +104,10 @@ class JobPlanner:
 
     def use_model(self, model: Any) -> None:
         """Plan with ``model`` from now on (profiled or re-profiled; None: no model, burst mode),
-        corrected online when there is a correction (its factors start again at 1)."""
+        corrected online when there is a correction (its factors start again at 1), its local
+        batch capped at ``job.max_local_batch`` when set."""
+        if model is not None and self.job.max_local_batch is not None:
+            model = LocalBatchBound(model, self.job.max_local_batch)
         if self.correction is not None and model is not None:
             self.correction.reset()
             model = CorrectedModel(model, self.correction)

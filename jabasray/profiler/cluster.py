@@ -43,15 +43,16 @@ def measures_contention(device: str) -> bool:
 def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, loss_fn: Callable,
                      optimizer_fn: Callable | None, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, cache_dir: str | Path,
-                     refresh: bool = False) -> dict[str, Profile]:
+                     refresh: bool = False, max_local_batch: int | None = None) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes); ``refresh``
-    re-measures even when a cached profile exists."""
+    re-measures even when a cached profile exists; ``max_local_batch`` (the job's bound on B_L)
+    caps the local batches measured."""
     from .measure import profile_model
 
     base = profile_model(model_fn, dataset, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                          device=device, gpu_type="cpu" if emulate else None,
-                         min_local_batch=min_local_batch, weight_sync=weight_sync,
-                         bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
+                         min_local_batch=min_local_batch, max_local_batch=max_local_batch,
+                         weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
                          warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
                          contention=measures_contention(device), refresh=refresh)
     if emulate:
@@ -103,8 +104,8 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
     model = perf_model or cluster_perf_model(cluster, job.weight_sync, profiles, partial(
         cluster_profiles, model_fn, rows, cluster, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
         device=device, emulate=emulate, min_local_batch=job.min_local_batch,
-        weight_sync=job.weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
-        refresh=refresh), host_devices=host)
+        max_local_batch=job.max_local_batch, weight_sync=job.weight_sync,
+        bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir, refresh=refresh), host_devices=host)
     check_min_local_batch(model, cluster.gpu_types, job.min_local_batch)
     return model
 
