@@ -159,13 +159,23 @@ def check_run_name(name: object) -> str:
 @dataclass(frozen=True)
 class FailureConfig(JsonMixin):
     """How a run meets GPU-actor failures (Ray Train's ``FailureConfig`` shape). Each failure
-    restores the last checkpoint and redoes the epoch without the dead actor's GPU; completed
-    epochs are never lost."""
+    restores the last checkpoint and redoes the epoch; completed epochs are never lost. What
+    the redo runs on (:func:`jabasray.actors.recovery.failed_gpus`): a node that left the Ray
+    cluster loses all its GPUs; a single dead actor on a live node costs its GPU once that GPU
+    has failed ``drop_gpu_after`` times; several actors dead at once on live nodes (e.g. an NCCL
+    abort) retry on the same GPUs."""
 
     max_failures: int = 3               # GPU-actor failures a run survives (-1: no limit)
+    drop_gpu_after: int = 1             # failures of one GPU (its node alive, one rank dead) after
+                                        # which the run leaves that GPU out (-1: never; a GPU then
+                                        # leaves only with its node). Several ranks dying at once on
+                                        # live nodes (a collective abort) retry on the same GPUs.
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, min_value=-1)
+        check_int("drop_gpu_after", self.drop_gpu_after, min_value=-1)
+        if self.drop_gpu_after == 0:
+            raise ValueError("drop_gpu_after must be >= 1 or -1 (never), got 0")
 
     def exhausted(self, failures: int) -> bool:
         """Whether ``failures`` failures are more than the run survives."""

@@ -96,6 +96,7 @@ class JabasDriver:
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -421,7 +422,8 @@ class JabasDriver:
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
-        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
+                                    policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
 
