@@ -149,10 +149,11 @@ class GPUActor(BackgroundHostMixin):
 
         from ..engine.loader import InMemoryBatches, LoaderBatches
         from ..engine.sampler import IIDPSampler
-        from .hooks import JobHooks
+        from .hooks import JobHooks, named, named_hooks
 
         torch.set_num_threads(torch_threads)
-        self.hooks = hooks if hooks is not None else JobHooks()
+        self.hooks = named_hooks(hooks if hooks is not None else JobHooks())   # errors name the hook
+        loss_fn = named("loss_fn", loss_fn)
         _configure_logging(self.hooks.log_level)
         self.slot = slot
         self.world_size = world_size

@@ -288,6 +288,9 @@ class JabasTrainer:
             raise ValueError("at most one of val_dataset and val_dataset_fn may be given")
         if optimizer_fn is not None and not callable(optimizer_fn):
             raise ValueError(f"optimizer_fn must be callable params -> Optimizer, got {optimizer_fn!r}")
+        from .hooks import refuse_module_classes
+        refuse_module_classes(loss_fn=loss_fn, step_fn=step_fn, eval_fn=eval_fn, collate_fn=collate_fn,
+                              dataset_fn=dataset_fn, val_dataset_fn=val_dataset_fn)
         self.model_fn = model_fn
         self.dataset = dataset
         if hasattr(dataset, "__len__"):   # bounds before any work (issue 14)
