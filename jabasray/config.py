@@ -20,6 +20,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
+SMA_RESTART_RULES = ("schedule", "batch", "never")   # when SMA restarts (engine.sma.sma_restart_due)
 PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -70,11 +71,17 @@ class JobConfig(JsonMixin):
     lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
+    per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
+                                        # VSWs of a device run as one batched pass (False: per VSW)
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
     sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
                                         # "hierarchical" (Crossbow 3.3; slower to converge on digits)
+    sma_restart: str = "schedule"       # when SMA restarts from z (Crossbow 3.2): "schedule" (a
+                                        # step of the user's epoch-stepped LR scheduler; a B_G
+                                        # change only rescales the LR) | "batch" (also at every
+                                        # B_G change) | "never"; engine.sma.sma_restart_due
     seed: int = 0                       # seeds data order, model init and search
     parallelism: str = "data"           # "data" (IIDP) or "burst" (DeepPool: per-layer GPU counts
                                         # on all allocated GPUs; the auto-scaler is not applied)
@@ -97,6 +104,8 @@ class JobConfig(JsonMixin):
         if self.max_local_batch is not None:
             check_int("max_local_batch", self.max_local_batch, min_value=self.min_local_batch)
         check_int("adapt_interval", self.adapt_interval, min_value=1)
+        if not isinstance(self.per_sample_loss, bool):
+            raise ValueError(f"per_sample_loss must be True or False, got {self.per_sample_loss!r}")
         check_float("alpha", self.alpha, min_value=0, min_exclusive=True)
         check_float("gamma", self.gamma, min_value=-1, max_value=1)
         check_choice("autoscale_objective", self.autoscale_objective, AUTOSCALE_OBJECTIVES)
@@ -125,6 +134,7 @@ class JobConfig(JsonMixin):
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
+        check_choice("sma_restart", self.sma_restart, SMA_RESTART_RULES)
         check_int("seed", self.seed, min_value=0)
         check_choice("parallelism", self.parallelism, PARALLELISM)
         check_float("amp_limit", self.amp_limit, min_value=1.0)
@@ -182,9 +192,27 @@ class FailureConfig(JsonMixin):
         return self.max_failures != -1 and failures > self.max_failures
 
 
+def default_run_name(prefix: str = "JabasTrainer") -> str:
+    """A run name unique per run, as Ray Train names runs: ``<prefix>_<local date>_<time>_<6 hex>``
+    (the random suffix keeps two runs started in the same second apart)."""
+    import datetime
+    import uuid
+    return f"{prefix}_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
+
+
+RESUME_MODES = ("auto", "force")
+
+
 @dataclass(frozen=True)
 class RunConfig(JsonMixin):
     """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape).
+
+    ``name`` None (the default) names every run uniquely (:func:`default_run_name`, set by the
+    trainer), so two jobs never share a folder. A run folder records the job that wrote it
+    (``job.json``: :mod:`jabasray.actors.job_identity`); ``fit()`` on a folder that holds
+    checkpoints resumes it only when the recorded job matches (``epochs`` may grow), and a
+    finished run returns its result. ``resume="force"`` resumes a folder whose recorded job
+    differs (e.g. a deliberately changed LR or batch bound), rewriting the record.
 
     ``storage_path`` is a local path (a shared NFS folder on a multi-node cluster) or a URI
     (``s3://bucket/runs``, ``gs://bucket/runs``, ...); with ``storage_filesystem`` (any
@@ -196,14 +224,17 @@ class RunConfig(JsonMixin):
     """
 
     storage_path: str = "jabasray_runs"   # parent of all runs: local path or URI
-    name: str = "run"                      # this run's folder under storage_path
+    name: str | None = None                # this run's folder under storage_path (None: unique)
     storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
     failure_config: FailureConfig = field(default_factory=FailureConfig)   # GPU-actor failures
+    resume: str = "auto"                   # "auto": resume a matching job; "force": also a changed one
 
     def __post_init__(self) -> None:
         from .storage import check_storage_path
 
-        check_run_name(self.name)
+        if self.name is not None:
+            check_run_name(self.name)
+        check_choice("resume", self.resume, RESUME_MODES)
         check_storage_path(self.storage_path, self.storage_filesystem)
         if not isinstance(self.failure_config, FailureConfig):
             raise ValueError(f"failure_config must be a jabasray.config.FailureConfig, got "
@@ -217,7 +248,18 @@ class RunConfig(JsonMixin):
         from .storage import resolve
         return resolve(self.storage_path, self.storage_filesystem)
 
+    def named(self, prefix: str = "JabasTrainer") -> "RunConfig":
+        """This config with a unique ``name`` when it has none (:func:`default_run_name`)."""
+        if self.name is not None:
+            return self
+        import dataclasses
+        return dataclasses.replace(self, name=default_run_name(prefix))
+
     @property
     def path(self) -> "StoragePath":
-        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI)."""
+        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI);
+        ``name`` must be set (:meth:`named`)."""
+        if self.name is None:
+            raise ValueError("name: this RunConfig has no run name yet; the trainer names it "
+                             "(RunConfig.named()) or pass name=...")
         return self.storage / self.name

@@ -119,6 +119,8 @@ class ProbeReport:
     profile_rows: Any = None      # up to PROFILE_SAMPLES training rows (TensorDataset) or None
     fingerprint: dict | None = None  # dataset_fingerprint of the training set (dataset_fn only)
     hook_error: HookError | None = None  # the hook's error (with its traceback text) behind ``error``
+    model: dict | None = None     # job_identity.model_signature of model_fn()'s module
+    optimizer: dict | None = None  # job_identity.optimizer_identity of the optimizer, as built
 
 
 def build_dataset(dataset_fn: Callable[[], Any], hook: str = "dataset_fn") -> Any:
@@ -267,8 +269,10 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         profile_rows = None
         if want_profile_rows:
             profile_rows = _profile_rows(train, hooks.collate_fn)
+        from .job_identity import model_signature, optimizer_identity
         return ProbeReport(len(train), len(val) if val is not None else None, lr,
-                           profile_rows=profile_rows,
+                           profile_rows=profile_rows, model=model_signature(model),
+                           optimizer=optimizer_identity(opt),
                            fingerprint=dataset_fingerprint(train) if hooks.dataset_fn is not None else None)
     except Exception as e:  # noqa: BLE001 - reported as one line to the driver
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__

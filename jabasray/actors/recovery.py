@@ -52,6 +52,8 @@ def describe_failure(failure: ActorFailure, dropped: Sequence[Slot]) -> str:
     (``dropped``: their slots, see :func:`dead_slots`; empty: the rank numbers only)."""
     what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
         f"ranks {failure.dead_ranks}"
+    if not failure.dead_ranks and getattr(failure, "failed_ranks", None):   # hung / no rendezvous
+        return f"GPU actor failure: {failure.cause} ({type(failure.cause).__name__})"
     return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
 
 
@@ -90,6 +92,8 @@ def failed_gpus(dead: Sequence[Slot], alive_nodes: set[str], strikes: dict[str, 
     a few words. ``strikes`` (GPU key -> failures so far, updated in place) counts the single
     failures of GPUs on live nodes. Actors on a node that left the cluster are not returned:
     :func:`.placement.drop_dead_nodes` removes their whole node."""
+    if not dead:   # hung or unable to join (alive, no rank dead): nothing to drop
+        return [], "retrying on the same GPUs"
     live = [s for s in dead if s.ray_node_id is None or s.ray_node_id in alive_nodes]
     gone = len(dead) - len(live)
     if len(live) > 1:
@@ -158,8 +162,8 @@ def restart(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot],
 
 
 def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: Any,
-                     choose_allocation: Callable[[ClusterSpec, None], dict[str, int]]
-                     ) -> tuple[Checkpoint | None, DriverState, list[str]]:
+                     choose_allocation: Callable[[ClusterSpec, None], dict[str, int]],
+                     force: bool = False) -> tuple[Checkpoint | None, DriverState, list[str]]:
     """(checkpoint, driver state, events) a run starts from (module notes). Resume: the newest
     intact checkpoint and its state, checked against ``job`` (:func:`check_resumable`), with
     ``ctl`` (the adaptive controller) restored from it; the events: the skipped-checkpoint lines
@@ -173,6 +177,8 @@ def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: A
                             job_config=job.to_dict())
         return None, state, events
     state = cp.load_driver_state()
+    if force:   # RunConfig(resume="force"): the run continues as this job
+        state = replace(state, job_config=job.to_dict())
     check_resumable(state, job.to_dict())
     ctl.load_state_dict(state.adaptive)
     events.append(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")

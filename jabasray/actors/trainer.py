@@ -31,6 +31,7 @@ from ..types import ClusterSpec
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
+from .job_identity import check_run, job_identity
 from .metrics import MetricsHistory, plot_history, save_metrics
 from .placement import resource_name
 from .run_folder import probe_run_folder, run_lock
@@ -196,8 +197,10 @@ def ensure_ray(cluster: ClusterSpec | None, emulate: bool = True, num_cpus: int 
         except ConnectionError:
             log.info("no running Ray cluster found; starting a local one")
     resources = emulated_resources(cluster) if (cluster is not None and emulate) else {}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, resources=resources or None,
-             runtime_env=env, log_to_driver=True)
+    # address="local": a new instance even where a `ray start` cluster runs on this machine
+    # (without it, ray.init() joins that cluster and refuses num_cpus/resources)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             resources=resources or None, runtime_env=env, log_to_driver=True)
     return True
 
 
@@ -261,7 +264,9 @@ class JabasTrainer:
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
         background: optional background scheduler (``rebalance(actor_handles)``).
-        verbose: actors log INFO lines to the console (else WARNING and above).
+        verbose: what ``fit()`` shows, as Ray's ``verbose``: 0 nothing; 1 (default) its
+            console lines (e.g. that a finished run's result is returned); 2 also the actors'
+            INFO log lines (else WARNING and above).
     """
 
     def __init__(self, model_fn: Callable, dataset: Any = None, optimizer_fn: Callable | None = None,
@@ -272,7 +277,7 @@ class JabasTrainer:
                  eval_fn: Callable | None = None, lr_scheduler_fn: Callable | None = None,
                  lr_scheduler_interval: str = "iteration", collate_fn: Callable | None = None,
                  num_data_workers: int = 0, prefetch_factor: int = 2, eval_batch_size: int = 256,
-                 verbose: bool = False, perf_model: Any = None, profiles: dict | None = None,
+                 verbose: int = 1, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None) -> None:
         if not callable(model_fn):
@@ -303,12 +308,22 @@ class JabasTrainer:
                               lr_scheduler_interval=lr_scheduler_interval, collate_fn=collate_fn,
                               num_data_workers=num_data_workers, prefetch_factor=prefetch_factor,
                               eval_batch_size=eval_batch_size,
-                              log_level="INFO" if verbose else "WARNING")
+                              log_level="INFO" if int(verbose) >= 2 else "WARNING")
         self.cluster = cluster
         if cluster is not None:
             from .placement import job_cluster
             job_cluster(cluster, self.job)   # SMA/burst need GPU pairs: one line, before Ray
-        self.run_config = run_config or RunConfig()
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise ValueError(f"run_config must be a jabasray.config.RunConfig, got "
+                             f"{type(run_config).__module__}.{type(run_config).__qualname__}")
+        # a run without a name gets a unique one (as in Ray Train): two jobs never share a folder
+        self.run_config = (run_config or RunConfig()).named(type(self).__name__)
+        from ..validation import check_int
+        self.verbose = check_int("verbose", int(verbose), min_value=0, max_value=2)
+        self._hook_fns = {"model_fn": model_fn, "optimizer_fn": optimizer_fn, "loss_fn": loss_fn,
+                          "step_fn": step_fn, "eval_fn": eval_fn, "lr_scheduler_fn": lr_scheduler_fn,
+                          "collate_fn": collate_fn, "dataset_fn": dataset_fn,
+                          "val_dataset_fn": val_dataset_fn}
         self.val_dataset = val_dataset
         self.perf_model, self.profiles = perf_model, profiles
         self.options = options or DriverOptions()
@@ -349,6 +364,14 @@ class JabasTrainer:
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
         probe = self.probe()
+        # the run folder records the job that wrote it: resume only the same job (job_identity)
+        identity = job_identity(self.job, probe.model or {}, probe.optimizer or {},
+                                self._hook_fns, probe.dataset_size)
+        start = check_run(run_dir, identity, self.run_config.name, self.run_config.resume,
+                          self.job.epochs)
+        if start.kind == "finished":
+            self._say(start.message)
+            return Result.from_path(run_dir)
         hooks = self.hooks
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
@@ -358,7 +381,8 @@ class JabasTrainer:
         kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
                       options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows,
-                      failure=self.run_config.failure_config)
+                      failure=self.run_config.failure_config,
+                      force_resume=self.run_config.resume == "force")
         self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
         self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
@@ -376,6 +400,13 @@ class JabasTrainer:
         result = finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
         record.forget()
         return result
+
+    def _say(self, message: str | None) -> None:
+        """One console line of ``fit()`` (``verbose`` >= 1), also logged."""
+        if message:
+            log.info(message)
+            if self.verbose >= 1:
+                print(message, flush=True)
 
     def probe(self) -> ProbeReport:
         """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and
