@@ -218,7 +218,8 @@ class JabasDriver:
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
             shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh)
+            profiles=self._profiles, refresh=refresh,
+            step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),

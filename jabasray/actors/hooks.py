@@ -268,7 +268,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
                               "eval_fn" if hooks.eval_fn is not None else "the default eval_fn")
         profile_rows = None
         if want_profile_rows:
-            profile_rows = _profile_rows(train, hooks.collate_fn)
+            profile_rows = _profile_rows(train, hooks.collate_fn, hooks.step_fn)
         from .job_identity import model_signature, optimizer_identity
         return ProbeReport(len(train), len(val) if val is not None else None, lr,
                            profile_rows=profile_rows, model=model_signature(model),
@@ -281,16 +281,21 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         return ProbeReport(0, None, 0.0, error=msg, hook_error=e if isinstance(e, HookError) else None)
 
 
-def _profile_rows(train: Any, collate_fn: Callable | None) -> Any:
-    """Up to PROFILE_SAMPLES (inputs, targets) rows as a TensorDataset (the profiler cycles
-    them), or None when the batches are not (inputs, targets) tensor pairs."""
+def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None) -> Any:
+    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
+    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
+    list of samples (the profiler batches them with ``collate_fn`` and runs the step on them);
+    None when neither applies."""
     import torch
 
     from ..engine.loader import gather_rows
-    rows = gather_rows(train, list(range(min(PROFILE_SAMPLES, len(train)))), collate_fn)
+    k = min(PROFILE_SAMPLES, len(train))
+    rows = gather_rows(train, list(range(k)), collate_fn)
     if (isinstance(rows, (list, tuple)) and len(rows) == 2
             and all(isinstance(t, torch.Tensor) for t in rows)):
         return torch.utils.data.TensorDataset(*rows)
+    if step_fn is not None:
+        return [train[i] for i in range(k)]
     return None
 
 
