@@ -54,6 +54,8 @@ class JobConfig(JsonMixin):
     min_global_batch: int = 32          # lower clamp of adaptive B_G
     max_global_batch: int = 512         # upper clamp of adaptive B_G
     min_local_batch: int = 8            # min B_L; every B_L is a multiple of it
+    max_local_batch: int | None = None  # upper bound of B_L (AdaptDL's local_bsz_bounds[1]): the
+                                        # solver and the profiler never go beyond it; None: what fits
     adapt_interval: int = 10            # p: iterations between two B_G adaptations (one Ray call)
     alpha: float = 0.1                  # adaptive rate: B_G' = B_G * (1 +/- alpha)
     gamma: float = 0.5                  # similarity threshold: Phi < gamma grows B_G, > shrinks
@@ -99,6 +101,8 @@ class JobConfig(JsonMixin):
         if self.min_local_batch > self.min_global_batch:
             raise ValueError(f"min_local_batch must be <= min_global_batch ({self.min_global_batch}), "
                              f"got {self.min_local_batch}")
+        if self.max_local_batch is not None:
+            check_int("max_local_batch", self.max_local_batch, min_value=self.min_local_batch)
         check_int("adapt_interval", self.adapt_interval, min_value=1)
         if not isinstance(self.per_sample_loss, bool):
             raise ValueError(f"per_sample_loss must be True or False, got {self.per_sample_loss!r}")
@@ -165,13 +169,23 @@ def check_run_name(name: object) -> str:
 @dataclass(frozen=True)
 class FailureConfig(JsonMixin):
     """How a run meets GPU-actor failures (Ray Train's ``FailureConfig`` shape). Each failure
-    restores the last checkpoint and redoes the epoch without the dead actor's GPU; completed
-    epochs are never lost."""
+    restores the last checkpoint and redoes the epoch; completed epochs are never lost. What
+    the redo runs on (:func:`jabasray.actors.recovery.failed_gpus`): a node that left the Ray
+    cluster loses all its GPUs; a single dead actor on a live node costs its GPU once that GPU
+    has failed ``drop_gpu_after`` times; several actors dead at once on live nodes (e.g. an NCCL
+    abort) retry on the same GPUs."""
 
     max_failures: int = 3               # GPU-actor failures a run survives (-1: no limit)
+    drop_gpu_after: int = 1             # failures of one GPU (its node alive, one rank dead) after
+                                        # which the run leaves that GPU out (-1: never; a GPU then
+                                        # leaves only with its node). Several ranks dying at once on
+                                        # live nodes (a collective abort) retry on the same GPUs.
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, min_value=-1)
+        check_int("drop_gpu_after", self.drop_gpu_after, min_value=-1)
+        if self.drop_gpu_after == 0:
+            raise ValueError("drop_gpu_after must be >= 1 or -1 (never), got 0")
 
     def exhausted(self, failures: int) -> bool:
         """Whether ``failures`` failures are more than the run survives."""

@@ -44,7 +44,8 @@ from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
+from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
+                        slots_for)
 from .pool import ActorPool
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import dead_slots, give_up, restart, restore_or_start
@@ -112,13 +113,14 @@ class JabasDriver:
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
         self.callbacks = list(callbacks)
         self.background = background
@@ -216,7 +218,8 @@ class JabasDriver:
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
             shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh)
+            profiles=self._profiles, refresh=refresh,
+            step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
@@ -264,7 +267,7 @@ class JabasDriver:
         if cluster is None:
             raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
                              f"is in the live Ray cluster ({'; '.join(notes)})")
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, self.job)
         self._start_notes = [f"cluster reconciled with the live Ray nodes: {n}" for n in notes]
 
     def _onto_live(self, state: DriverState, cluster: ClusterSpec, rename: dict[str, str],
@@ -296,7 +299,7 @@ class JabasDriver:
                 if cluster is None:
                     raise JobFailed(f"{gone}; no GPU node of the run is left in the live Ray "
                                     f"cluster") from None
-                state, note = self._onto_live(state, cluster.validated_pairs(drop_odd_gpu=True),
+                state, note = self._onto_live(state, job_cluster(cluster, self.job),
                                               rename, notes)
                 self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
                             f"cluster: {note}")
@@ -306,6 +309,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
+        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
                               fixed=not self.job.autoscale or self._burst is not None)
 
@@ -508,12 +512,13 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
-        pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        """Release the actors, restart from the last intact checkpoint without the dead actors'
+        GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
-        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
+                                    policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
 

@@ -222,9 +222,9 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
 
 
 def detect_cluster() -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``); odd GPUs are left out."""
+    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``), every GPU."""
     from .placement import ray_cluster_spec
-    return ray_cluster_spec().validated_pairs(drop_odd_gpu=True)
+    return ray_cluster_spec()
 
 
 class JabasTrainer:
@@ -293,6 +293,9 @@ class JabasTrainer:
             raise ValueError("at most one of val_dataset and val_dataset_fn may be given")
         if optimizer_fn is not None and not callable(optimizer_fn):
             raise ValueError(f"optimizer_fn must be callable params -> Optimizer, got {optimizer_fn!r}")
+        from .hooks import refuse_module_classes
+        refuse_module_classes(loss_fn=loss_fn, step_fn=step_fn, eval_fn=eval_fn, collate_fn=collate_fn,
+                              dataset_fn=dataset_fn, val_dataset_fn=val_dataset_fn)
         self.model_fn = model_fn
         self.dataset = dataset
         if hasattr(dataset, "__len__"):   # bounds before any work (issue 14)
@@ -307,6 +310,9 @@ class JabasTrainer:
                               eval_batch_size=eval_batch_size,
                               log_level="INFO" if int(verbose) >= 2 else "WARNING")
         self.cluster = cluster
+        if cluster is not None:
+            from .placement import job_cluster
+            job_cluster(cluster, self.job)   # SMA/burst need GPU pairs: one line, before Ray
         if run_config is not None and not isinstance(run_config, RunConfig):
             raise ValueError(f"run_config must be a jabasray.config.RunConfig, got "
                              f"{type(run_config).__module__}.{type(run_config).__qualname__}")
@@ -334,8 +340,6 @@ class JabasTrainer:
         opts = self.options
         if not wait and opts.driver != "actor":
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
-        if self.cluster is not None:
-            self.cluster.validated_pairs(drop_odd_gpu=True)
         run_dir = self.run_config.path     # resolved here: a bad URI is one line, before Ray
         cache = (as_storage_path(opts.profile_cache_dir) if opts.profile_cache_dir
                  else run_dir.parent / ".profiles")

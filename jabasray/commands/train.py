@@ -122,7 +122,8 @@ def register(subparsers: Any) -> None:
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
     p.add_argument("--drop-odd-gpu", action="store_true",
-                   help="leave out a node's odd GPU (default: a node with an odd GPU count is an error)")
+                   help="deprecated, no effect: any number of GPUs trains (a GPU without a partner "
+                        "forms both similarity groups from its own VSWs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--driver", default="actor", choices=["actor", "local"],
                    help="actor: the driver runs as a restartable Ray actor named after the run, so the "
@@ -231,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     from ..actors.run_folder import probe_run_folder, run_lock
     from ..actors.trainer import JabasTrainer, ensure_ray
 
+    if args.drop_odd_gpu:
+        print("jabasray train: --drop-odd-gpu is deprecated and has no effect: any number of GPUs "
+              "trains", file=sys.stderr)
     job = job_config_from_args(args, embedded=args.script is None)
     name = args.name if args.name is not None else default_run_name("train")
     run_config = RunConfig(storage_path=args.storage_path, name=name, resume=args.resume or "auto")
@@ -252,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster == "ray":
         cluster = None
     elif args.cluster:
-        cluster = ClusterSpec.from_file(args.cluster).validated_pairs(drop_odd_gpu=args.drop_odd_gpu)
+        cluster = ClusterSpec.from_file(args.cluster)
     else:
         cluster = default_cluster()
     from ..validation import check_int
