@@ -20,6 +20,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
+SMA_RESTART_RULES = ("schedule", "batch", "never")   # when SMA restarts (engine.sma.sma_restart_due)
 PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -68,11 +69,17 @@ class JobConfig(JsonMixin):
     lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
+    per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
+                                        # VSWs of a device run as one batched pass (False: per VSW)
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
     sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
                                         # "hierarchical" (Crossbow 3.3; slower to converge on digits)
+    sma_restart: str = "schedule"       # when SMA restarts from z (Crossbow 3.2): "schedule" (a
+                                        # step of the user's epoch-stepped LR scheduler; a B_G
+                                        # change only rescales the LR) | "batch" (also at every
+                                        # B_G change) | "never"; engine.sma.sma_restart_due
     seed: int = 0                       # seeds data order, model init and search
     parallelism: str = "data"           # "data" (IIDP) or "burst" (DeepPool: per-layer GPU counts
                                         # on all allocated GPUs; the auto-scaler is not applied)
@@ -93,6 +100,8 @@ class JobConfig(JsonMixin):
             raise ValueError(f"min_local_batch must be <= min_global_batch ({self.min_global_batch}), "
                              f"got {self.min_local_batch}")
         check_int("adapt_interval", self.adapt_interval, min_value=1)
+        if not isinstance(self.per_sample_loss, bool):
+            raise ValueError(f"per_sample_loss must be True or False, got {self.per_sample_loss!r}")
         check_float("alpha", self.alpha, min_value=0, min_exclusive=True)
         check_float("gamma", self.gamma, min_value=-1, max_value=1)
         check_choice("autoscale_objective", self.autoscale_objective, AUTOSCALE_OBJECTIVES)
@@ -121,6 +130,7 @@ class JobConfig(JsonMixin):
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
+        check_choice("sma_restart", self.sma_restart, SMA_RESTART_RULES)
         check_int("seed", self.seed, min_value=0)
         check_choice("parallelism", self.parallelism, PARALLELISM)
         check_float("amp_limit", self.amp_limit, min_value=1.0)

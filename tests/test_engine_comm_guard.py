@@ -70,7 +70,7 @@ def test_guard_and_collectives_never_run_inside_backward(method, execution, monk
                          vsw_execution=execution)
     guard.worker = guarded
     plain = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, weight_sync=method,
-                       bucket_cap_mb=CAP, process_group=_group())
+                       bucket_cap_mb=CAP, process_group=_group(), vsw_execution=execution)
     ref = make_model(0)
     ref_opt = OPTIMIZERS["adam"](list(ref.parameters()))
     for w in (guarded, plain):

@@ -313,10 +313,11 @@ def test_bad_constructor_arguments():
 
 def test_vsws_run_on_persistent_threads_and_main_vsw_inline():
     """CPU twin of the streams: VSW 0 on the caller's thread, VSWs 1.. on pool threads that
-    persist across steps (no thread per step); a single VSW runs inline."""
+    persist across steps (no thread per step); a single VSW runs inline (per-VSW execution
+    forced: the default runs the VSWs batched)."""
     import threading
 
-    w = _worker(make_model(0))
+    w = _worker(make_model(0), vsw_execution="threads")
     w.configure(3, 1, 2)
     seen: list[dict[int, set[int]]] = []
 

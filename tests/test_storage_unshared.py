@@ -104,6 +104,19 @@ def _dead(actor) -> bool:
     return False
 
 
+def _status_or_why(run: str) -> dict:
+    """``run_client.status(run)``; where the driver actor is gone, the failure says how it
+    ended (Ray's state API: its state and death cause) instead of only that it is gone."""
+    try:
+        return run_client.status(run)
+    except ValueError as e:
+        from ray.util.state import list_actors
+        from jabasray.actors.driver_actor import driver_actor_name
+        gone = list_actors(filters=[("name", "=", driver_actor_name(run))], detail=True)
+        pytest.fail(f"{e}; Ray's record of the driver actor: "
+                    f"{[(a.state, a.node_id, a.death_cause) for a in gone]}")
+
+
 def _listing_on(node_id: str, folder: str) -> list[str]:
     """``os.listdir(folder)`` as a process on ``node_id`` sees it."""
     import ray
@@ -182,7 +195,7 @@ def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_lin
                       options=DriverOptions(driver="actor", driver_node=ids["a"],
                                             driver_resources={DRIVER_HOST: 1}))
     assert tr.fit(wait=False) == "r"
-    wait_for(lambda: (lambda st: st["epoch"] == 1 and st["samples"] > 0)(run_client.status("r")),
+    wait_for(lambda: (lambda st: st["epoch"] == 1 and st["samples"] > 0)(_status_or_why("r")),
              "the first interval of epoch 1 (epoch_0001 committed)")
     assert run_client.status("r")["incarnation"] == 1
     c.remove_node(node_a)                        # the driver's node leaves; Ray restarts it on B

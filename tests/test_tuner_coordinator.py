@@ -168,3 +168,45 @@ def test_no_unit_runs_ahead_past_a_decision_point_learned_from_a_stopped_trial()
     assert units == [2, 1, 3, 2, 4]
     assert c1["pack_size"] == 2 and c2["steps"] == 4 and c2["pack_size"] == 2
     assert discarded == 1 and decisions == {1}      # only a's unit 2, before the point was learned
+
+
+def test_a_coordinator_holding_a_set_aside_member_whose_trial_never_frees_it_exits(monkeypatch):
+    """b is set aside (it does not claim unit 2) and its trial ends without a ``free``; a's
+    trial frees a. With a short idle timeout the coordinator drops b and exits (it once lived
+    forever: a detached actor keeping its memory, on a GPU its CUDA context)."""
+    import ray
+
+    exits = []
+    monkeypatch.setattr(ray.actor, "exit_actor", lambda: exits.append(time.monotonic()))
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)
+        await c.unit("a")                                               # b never claims unit 2
+        await _until(lambda: "b" in c.aside and not c.running)
+        await c.free("a")
+        freed = time.monotonic()
+        await _until(lambda: exits, timeout=10.0)
+        return exits[0] - freed, dict(c.aside), list(c.configs)
+
+    waited, aside, configs = _run(scenario, wait_s=0.2, idle_exit_s=0.5)
+    assert aside == {} and configs == []
+    assert waited < 0.5 + 0.5 + 1.0          # idle_exit_s after the last activity, one check period
+
+
+def test_a_set_aside_member_dropped_after_idle_exit_s_asks_to_load_again():
+    from jabasray.tuner.coordinator import NotLoaded
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)
+        await c.unit("a")
+        await _until(lambda: "b" in c.aside and not c.running)
+        await _until(lambda: "b" not in c.aside, timeout=10.0)         # dropped after idle_exit_s
+        with pytest.raises(NotLoaded, match="not loaded"):
+            await c.unit("b")
+        return True
+
+    assert _run(scenario, wait_s=0.2, idle_exit_s=0.5, max_units=50)

@@ -170,3 +170,38 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
     # Li et al.'s brackets for R = 3, eta = 3: 3 trials start at 1 unit and one of them goes on
     # to 3; 2 trials start at 3 units. So 2 trials run 1 unit, 3 trials run 3 (one was paused).
     assert sorted(len(seq) for seq in per_trial.values()) == [1, 1, 3, 3, 3]
+
+
+def test_coordinator_actor_with_a_set_aside_member_exits_when_idle(ray_session):
+    """The real exit path (``ray.actor.exit_actor`` of a detached named actor) with a short
+    idle timeout: b is set aside and its trial never frees it; after a's free the actor is
+    gone within a bounded time."""
+    import time
+
+    import ray
+
+    from jabasray.tuner.coordinator import PackCoordinator
+    from jabasray.tuner.packed_trials import COORDINATOR_NAMESPACE
+
+    name = "pack/test-idle-exit"
+    h = ray.remote(PackCoordinator).options(name=name, namespace=COORDINATOR_NAMESPACE, lifetime="detached",
+                                            num_cpus=0, max_concurrency=100).remote(
+        cloudpickle.dumps(SPEC), 40, 4, None, 1, None, 0.2, 0.5, 50, 1, True)
+    a = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
+    b = {"batch_size": 40, "optimizer": "sgd", "lr": 1e-2, "activation": "relu"}
+    ray.get([h.load.remote("a", a), h.load.remote("b", b)])
+    ray.get([h.unit.remote("a"), h.unit.remote("b")])
+    ray.get(h.unit.remote("a"))                                  # b never claims again
+    deadline = time.monotonic() + 30
+    while ray.get(h.stats.remote())["set_aside"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray.get(h.free.remote("a"))
+    freed = time.monotonic()
+    while True:
+        try:
+            ray.get_actor(name, namespace=COORDINATOR_NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() - freed < 15, "the coordinator did not exit"
+        time.sleep(0.1)

@@ -4,10 +4,15 @@
 
 1. the iteration-time model (steps 1-3, :func:`jabasray.profiler.cluster.job_perf_model`), which
    the job's plan policy plans with (:class:`jabasray.planners.job_planner.JobPlanner`);
-2. resume from the newest intact checkpoint, or start on the auto-scaler's initial allocation
-   (B_G^init over the whole epoch): :func:`.recovery.restore_or_start`;
+2. the given cluster reconciled with the live Ray nodes (:mod:`.reconcile`: node ids of a spec
+   detected before a cluster or driver restart name dead raylets; nodes are matched by GPU type
+   and count), then resume from the newest intact checkpoint - its cluster mapped onto the live
+   one, its allocation kept under the new names when the cluster has the same shape, else chosen
+   again - or start on the auto-scaler's initial allocation (B_G^init over the whole epoch):
+   :func:`.recovery.restore_or_start`;
 3. per epoch (steps 4-9): place one GPU actor per allocated GPU unless they run the allocation
-   (:class:`.pool.ActorPool`; SMA learners :mod:`.sma_learners`), then intervals of p iterations:
+   (:class:`.pool.ActorPool`; SMA learners :mod:`.sma_learners`; a pinned node found gone
+   re-plans on the live cluster), then intervals of p iterations:
    plan B_G (Alg. 1), ``configure`` the actors in place, train p iterations at the plan's B_G*
    (one Ray call per actor; burst parallelism :mod:`.burst_host`), feed Phi to the adaptive rule
    (:mod:`jabasray.adaptive.batch_rule`; the driver keeps the requested B_G);
@@ -36,15 +41,31 @@ from .burst_host import BurstIntervals
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
+from ..errors import JobFailed, NodesGone
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
 from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
 from .pool import ActorPool
+from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
 log = logging.getLogger(__name__)
+
+MAX_REPLANS = 3   # placements tried in a row while pinned nodes keep leaving the cluster
+
+
+def interval_deadline(options: DriverOptions, predicted_s: float) -> float:
+    """How long a training interval predicted to take ``predicted_s`` may run before its
+    actors count as hung: ``max(call_timeout_s, interval_timeout_factor * predicted_s)``."""
+    return max(options.call_timeout_s, options.interval_timeout_factor * max(0.0, predicted_s))
+
+
+def loader_cpus(hooks: Any) -> float:
+    """CPUs a GPU actor's placement bundle reserves for its DataLoader worker processes
+    (``hooks.num_data_workers``; 0 without hooks)."""
+    return float(getattr(hooks, "num_data_workers", 0) or 0)
 
 
 class JabasDriver:
@@ -113,8 +134,11 @@ class JabasDriver:
                                   0 if perf_model is not None or profiles else opts.max_reprofiles)
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
                               opts.collective_timeout_s, opts.failure_grace_s,
-                              label=self.run_dir.name)
+                              label=self.run_dir.name, call_timeout_s=opts.call_timeout_s,
+                              rendezvous_ports=opts.rendezvous_ports,
+                              bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
+        self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
             if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None   # Ray objects of the training and validation sets (run())
@@ -152,6 +176,7 @@ class JabasDriver:
         """Train until ``job.epochs`` epochs are complete (resuming from the run's checkpoint)."""
         import ray
 
+        self._reconcile_start()
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
@@ -193,6 +218,7 @@ class JabasDriver:
             torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
+            shared_host=opts.emulation != "wait",
             profiles=self._profiles, refresh=refresh)
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
@@ -202,6 +228,11 @@ class JabasDriver:
         self.record.check_marker()
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
                                              self._choose_allocation, force=self.force_resume)
+        events = self._start_notes + events
+        if cp is not None:
+            state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])
+            if note:
+                events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
@@ -227,6 +258,54 @@ class JabasDriver:
             self._save(state, None)
         return state, cp.load_worker_state() if cp is not None else None
 
+    # ------------------------------------------------------------------ the live cluster
+    def _reconcile_start(self) -> None:
+        """The given cluster mapped onto the live Ray nodes (:mod:`.reconcile`; a spec that pins
+        no node stays as it is): ids of a spec detected before a cluster or driver restart name
+        dead raylets. ValueError (one line) when none of its nodes is alive."""
+        cluster, _, notes = reconcile_with_ray(self.cluster)
+        if cluster is None:
+            raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
+                             f"is in the live Ray cluster ({'; '.join(notes)})")
+        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self._start_notes = [f"cluster reconciled with the live Ray nodes: {n}" for n in notes]
+
+    def _onto_live(self, state: DriverState, cluster: ClusterSpec, rename: dict[str, str],
+                   notes: list[str]) -> tuple[DriverState, str]:
+        """``state`` continued on the live ``cluster``: its allocation renamed when ``cluster``
+        is its cluster with nodes renamed (``rename``, :func:`.reconcile.same_shape`; the plan
+        holds), else chosen again on ``cluster`` for the state's forecast. Returns the state and
+        a line saying what changed (empty: nothing)."""
+        alloc = remap_allocation(state.allocation, rename, cluster) \
+            if same_shape(state.cluster, cluster, rename) else None
+        kept = alloc is not None
+        if not kept:
+            alloc = self._choose_allocation(cluster, state.forecast or None)
+        changed = not kept or alloc != state.allocation or notes
+        note = "; ".join(notes + [f"allocation {'kept' if kept else 're-chosen'}: {alloc}"]) \
+            if changed else ""
+        return replace(state, cluster=cluster, allocation=alloc), note
+
+    def _place_live(self, state: DriverState, worker_state: dict | None) -> tuple[DriverState, bool]:
+        """:meth:`_ensure_placement`; when a pinned node is gone (:class:`~jabasray.errors.NodesGone`,
+        raised before any actor changed) the state's cluster is reconciled with the live Ray
+        nodes, the allocation re-planned and the placement tried again. Returns the state
+        placed and whether actors were re-placed."""
+        for _ in range(MAX_REPLANS):
+            try:
+                return state, self._ensure_placement(state, worker_state, state.epochs_done)
+            except NodesGone as gone:
+                cluster, rename, notes = reconcile_with_ray(state.cluster)
+                if cluster is None:
+                    raise JobFailed(f"{gone}; no GPU node of the run is left in the live Ray "
+                                    f"cluster") from None
+                state, note = self._onto_live(state, cluster.validated_pairs(drop_odd_gpu=True),
+                                              rename, notes)
+                self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
+                            f"cluster: {note}")
+        raise JobFailed(f"epoch {state.epochs_done + 1}: nodes kept leaving the Ray cluster "
+                        f"during {MAX_REPLANS} placements")
+
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
@@ -250,10 +329,12 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
+        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
-            self.hooks)
+            self.hooks, opts.emulation)
 
     def _ensure_placement(self, state: DriverState, worker_state: dict | None, epoch: int) -> bool:
         """Place actors for ``state.allocation`` unless they already run it. Returns True when
@@ -269,6 +350,14 @@ class JabasDriver:
         placed_before = self.pool.placement is not None
         if placed_before:
             self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
+        if self.options.emulate and self.options.emulation == "wait":
+            from .emulation import host_keeps_up
+            cpus = ray_cpus()
+            if cpus is not None and not host_keeps_up([s.speed for s in slots], cpus):
+                log.warning("the \"wait\" emulation is not fair on allocation %s: the placed "
+                            "speeds sum to %.2f > %s host CPUs (emulated GPUs will run slower "
+                            "than their speed)", state.allocation,
+                            sum(min(s.speed, 1.0) for s in slots), cpus)
         sma, learners = placement_learners(self.job, self.options, slots, worker_state)
         shared = worker_state if sma is None else None   # SMA: every rank its own state
         self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,
@@ -306,7 +395,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
-        replaced = self._ensure_placement(state, worker_state, state.epochs_done)
+        state, replaced = self._place_live(state, worker_state)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
             self._save(replace(state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state)
@@ -352,7 +441,8 @@ class JabasDriver:
                                       local_batch=plan.local_batch_size, layout=layout, similarity=True,
                                       lr_batch=plan.global_batch_size if self._learners else None,
                                       record_samples=self.options.record_samples)
-        replies, end = self.pool.train(req)
+        replies, end = self.pool.train(req, deadline_s=interval_deadline(
+            self.options, plan.iteration_time * req.num_iterations))
         dt, iterations = time.perf_counter() - t0, replies[0].num_iterations
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
+from ..errors import NodesGone, PlacementTimeout
 from ..planners.job_planner import choose_for_job, initial_trajectory
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, NodeSpec
@@ -178,9 +179,10 @@ def actor_name(label: str, generation: int, slot: Slot, prefix: str = "jabasray"
 EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>
 
 
-def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None
-               ) -> dict[str, float]:
-    """Ray resources of one GPU of ``gpu_type``.
+def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None,
+               cpus: float = 0.0) -> dict[str, float]:
+    """Ray resources of one GPU of ``gpu_type``, with ``cpus`` CPUs for its data-loader workers
+    (reserved in the bundle, so a node's GPUs are not placed beyond the CPUs their loaders need).
 
     Emulated: one unit of the custom resource ``gpu_<type>``, no CPU; on a cluster that does not
     advertise that resource (e.g. a plain ``ray start --head``) a small CPU share instead, so that
@@ -190,22 +192,49 @@ def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None 
     res = resource_name(gpu_type)
     if emulate:
         if available is None or res in available:
-            return {res: 1.0}
-        return {"CPU": EMULATED_CPU_SHARE}
-    bundle = {"GPU": 1.0}
-    if available is None or res in available:
-        bundle[res] = 1.0
+            bundle = {res: 1.0}
+        else:
+            bundle = {"CPU": EMULATED_CPU_SHARE}
+    else:
+        bundle = {"GPU": 1.0}
+        if available is None or res in available:
+            bundle[res] = 1.0
+    if cpus > 0:
+        bundle["CPU"] = bundle.get("CPU", 0.0) + float(cpus)
     return bundle
 
 
-def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None
-                 ) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
-    """Bundles (one per GPU, :func:`bundle_for`) and the ``bundle_label_selector`` of the
-    placement group of one GPU pair: every bundle on the pair's Ray node when it is pinned
-    (``Slot.ray_node_id``), else None (any node with the resources)."""
-    bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
+def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None,
+                 cpus: float = 0.0) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
+    """Bundles (one per GPU, :func:`bundle_for` with ``cpus`` loader CPUs) and the
+    ``bundle_label_selector`` of the placement group of one GPU pair: every bundle on the pair's
+    Ray node when it is pinned (``Slot.ray_node_id``), else None (any node with the resources)."""
+    bundles = [bundle_for(s.gpu_type, emulate, available, cpus) for s in pair_slots]
     node_id = pair_slots[0].ray_node_id
     return bundles, ([{NODE_ID_LABEL: node_id} for _ in bundles] if node_id else None)
+
+
+def missing_resources(bundles: list[dict[str, float]], free: dict[str, float]) -> dict[str, float]:
+    """What the ``bundles`` need beyond the ``free`` resources, per resource (empty: the amounts
+    are free, but not together on one node)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + float(v)
+    return {k: round(v - free.get(k, 0.0), 6) for k, v in sorted(need.items())
+            if v - free.get(k, 0.0) > 1e-9}
+
+
+def placement_timeout_message(node: str, ray_node_id: str | None, bundles: list[dict[str, float]],
+                              timeout_s: float, free: dict[str, float]) -> str:
+    """The one line of :class:`~jabasray.errors.PlacementTimeout`: which pair, what it asked for,
+    what is missing from the cluster's free resources."""
+    missing = missing_resources(bundles, free)
+    where = f"on Ray node {ray_node_id[:8]}" if ray_node_id else "on any one node"
+    lack = (f"missing {missing} (free: {({k: free.get(k, 0.0) for k in missing})})" if missing
+            else f"the amounts are free in the cluster but not together {where}")
+    return (f"placement timed out after {timeout_s:.0f}s: the GPU pair of node {node} needs "
+            f"{bundles} {where}; {lack}; free resources or raise DriverOptions.placement_timeout_s")
 
 
 @dataclass
@@ -222,17 +251,19 @@ class Placement:
 
 
 def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emulate: bool,
-                 timeout_s: float = 120.0, reuse: Placement | None = None
+                 timeout_s: float = 120.0, reuse: Placement | None = None, cpus: float = 0.0
                  ) -> tuple[Placement, list[int]]:
     """Start one actor per slot, one placement group per pair; keep the pairs of ``reuse`` that
     the new slots still use (their actors must then be set up again for their new slot) and
     release the others.
 
     ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
-    ``options`` carries the resources and the placement-group scheduling strategy.
-    Returns the placement and the ranks whose actors are new. Raises ``RuntimeError`` when the
-    resources do not appear within ``timeout_s``, or at once when a slot is pinned to a Ray node
-    that is not alive.
+    ``options`` carries the resources and the placement-group scheduling strategy; every GPU's
+    bundle also reserves ``cpus`` CPUs (its data-loader workers), which its actor holds.
+    Returns the placement and the ranks whose actors are new. Raises
+    :class:`~jabasray.errors.PlacementTimeout` when the resources do not appear within
+    ``timeout_s``, or :class:`~jabasray.errors.NodesGone` at once (before anything changed) when
+    a slot is pinned to a Ray node that is not alive.
 
     Pinned slots (``Slot.ray_node_id``, clusters detected from Ray): the pair's placement group
     asks for that node through the label ``ray.io/node-id`` of every bundle, so the actors land
@@ -248,8 +279,8 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
         gone = pinned - alive_ray_nodes()
         if gone:
             names = sorted({s.node for s in slots if s.ray_node_id in gone})
-            raise RuntimeError(f"node(s) {names} left the Ray cluster (Ray node ids "
-                               f"{sorted(g[:8] for g in gone)}); detect the cluster again")
+            raise NodesGone(f"node(s) {names} left the Ray cluster (Ray node ids "
+                            f"{sorted(g[:8] for g in gone)})", sorted(gone))
     wanted: dict[tuple[str, int], list[Slot]] = {}
     for s in slots:
         wanted.setdefault(s.pair_key, []).append(s)
@@ -265,14 +296,15 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
                 pairs[key] = old.pop(key)
                 continue
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles, selector = pair_request(pair_slots, emulate, available)
+            bundles, selector = pair_request(pair_slots, emulate, available, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
                 ray.get(pg.ready(), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"resources {bundles} for a GPU pair of node {key[0]} not available "
-                                   f"within {timeout_s:.0f}s (cluster: {ray.cluster_resources()})") from None
+                raise PlacementTimeout(placement_timeout_message(
+                    key[0], pair_slots[0].ray_node_id, bundles, timeout_s,
+                    ray.available_resources())) from None
             actors = []
             for i, s in enumerate(pair_slots):
                 bundle = bundles[i]

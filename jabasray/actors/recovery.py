@@ -46,6 +46,8 @@ def describe_failure(failure: ActorFailure, dropped: Sequence[Slot]) -> str:
     (``dropped``: their slots, see :func:`dead_slots`; empty: the rank numbers only)."""
     what = ", ".join(f"rank {s.rank} ({s.gpu_type} on {s.node})" for s in dropped) or \
         f"ranks {failure.dead_ranks}"
+    if not failure.dead_ranks and getattr(failure, "failed_ranks", None):   # hung / no rendezvous
+        return f"GPU actor failure: {failure.cause} ({type(failure.cause).__name__})"
     return f"GPU actor failure: {what} ({type(failure.cause).__name__})"
 
 

@@ -208,7 +208,8 @@ def ensure_ray(cluster: ClusterSpec | None, emulate: bool = True, num_cpus: int 
         except ConnectionError:
             log.info("no running Ray cluster found; starting a local one")
     resources = emulated_resources(cluster) if (cluster is not None and emulate) else {}
-    # address="local": a new instance, never a cluster some other process started meanwhile
+    # address="local": a new instance even where a `ray start` cluster runs on this machine
+    # (without it, ray.init() joins that cluster and refuses num_cpus/resources)
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              resources=resources or None, runtime_env=env, log_to_driver=True)
     return True

@@ -52,6 +52,29 @@ EMBEDDED_DEFAULTS = {"epochs": 8, "lr": 0.1, "initial_global_batch": 32, "min_gl
 DEFAULT_CLUSTER = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
 
 
+
+def parse_actor_env(items: list[str]) -> dict[str, str]:
+    """``--actor-env NAME=VALUE`` flags -> ``{NAME: VALUE}`` (ValueError, one line, on a flag
+    without ``=``; names and values are checked by ``DriverOptions``)."""
+    env: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise ValueError(f"actor_env: expected NAME=VALUE, got {item!r}")
+        env[name] = value
+    return env
+
+
+def parse_port_range(text: str | None) -> tuple[int, int] | None:
+    """``--rendezvous-ports FIRST-LAST`` (or one port) -> (first, last); None stays None."""
+    if text is None:
+        return None
+    first, _, last = text.partition("-")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"rendezvous_ports must be FIRST-LAST (e.g. 29400-29410), got {text!r}") from None
+
 def default_cluster() -> ClusterSpec:
     return ClusterSpec.emulated(DEFAULT_CLUSTER)
 
@@ -83,6 +106,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
+    p.add_argument("--emulation", default="compute", choices=["compute", "wait"],
+                   help="CPU emulation of a GPU's step: 'compute' (wall compute time / speed: "
+                        "emulated GPUs share the host's cores) or 'wait' (CPU time / speed: every "
+                        "emulated GPU gets the same share while the speeds sum to <= the CPUs)")
     p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
     p.add_argument("--online-correction", action="store_true",
                    help="correct the iteration-time model from measured interval times (plans then "
@@ -105,6 +132,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--detach", action="store_true", help="start the run and return at once (needs "
                    "a running Ray cluster); then `jabasray status|attach|stop NAME`")
     p.add_argument("--force-replacement", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--actor-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment variable of the GPU actors, repeatable (e.g. "
+                        "NCCL_SOCKET_IFNAME=eth0, GLOO_SOCKET_IFNAME=eth0, NCCL_DEBUG=WARN)")
+    p.add_argument("--rendezvous-ports", default=None, metavar="FIRST-LAST",
+                   help="ports the driver's rendezvous store may listen on (default: any free port)")
+    p.add_argument("--call-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a call to the GPU actors may take before they count as hung "
+                        "(an actor failure: killed, the epoch redone)")
     hints = typing.get_type_hints(JobConfig)
     job = p.add_argument_group("job (JobConfig fields)")
     for f in dataclasses.fields(JobConfig):
@@ -231,11 +266,14 @@ def run(args: argparse.Namespace) -> int:
         # the driver's events reach the user through ConsoleReporter.on_event; its INFO log lines
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
-    options = DriverOptions(device=args.device, emulate=emulate,
+    options = DriverOptions(device=args.device, emulate=emulate, emulation=args.emulation,
                             force_replacement=args.force_replacement, reprofile=args.reprofile,
                             online_correction=args.online_correction,
                             driver=args.driver, driver_node=args.driver_node,
-                            bucket_planner=args.bucket_planner)
+                            bucket_planner=args.bucket_planner,
+                            actor_env=parse_actor_env(args.actor_env) or None,
+                            rendezvous_ports=parse_port_range(args.rendezvous_ports),
+                            call_timeout_s=args.call_timeout)
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,

@@ -87,19 +87,21 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
                    loss_fn: Callable, optimizer_fn: Callable | None, device: str, emulate: bool,
                    torch_threads: int, bucket_cap_mb: float, cache_dir: str | Path,
                    host_cpus: float | None = None, perf_model: Any = None,
-                   profiles: dict[str, Profile] | None = None, refresh: bool = False) -> Any:
+                   profiles: dict[str, Profile] | None = None, refresh: bool = False,
+                   shared_host: bool = True) -> Any:
     """The iteration-time model a job plans with: ``perf_model`` as given, else a PerfModel from
     the given ``profiles``, else from profiling ``model_fn`` on ``rows`` ((inputs, targets)
     pairs) with :func:`cluster_profiles` (cached in ``cache_dir``; ``refresh`` re-measures).
     Emulation: the host runs :func:`emulation_host_devices` ``(torch_threads, host_cpus)``
-    emulated GPUs at once. ValueError (one line) when nothing can be profiled, or when the job's
+    emulated GPUs at once (``shared_host`` False: the "wait" emulation, whose emulated GPUs do
+    not share the host's cores, :mod:`jabasray.actors.emulation`). ValueError (one line) when nothing can be profiled, or when the job's
     min B_L fits on no GPU type (no plan could ever exist)."""
     from ..planners.plan_policy import check_min_local_batch
 
     if perf_model is None and profiles is None and rows is None:
         raise ValueError("profiles or perf_model must be given when the batches are not "
                          "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
-    host = emulation_host_devices(torch_threads, host_cpus) if emulate else None
+    host = emulation_host_devices(torch_threads, host_cpus) if emulate and shared_host else None
     model = perf_model or cluster_perf_model(cluster, job.weight_sync, profiles, partial(
         cluster_profiles, model_fn, rows, cluster, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
         device=device, emulate=emulate, min_local_batch=job.min_local_batch,

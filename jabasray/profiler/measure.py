@@ -13,7 +13,11 @@ What is measured (JABAS section 5.1):
   cap ``max_num_vsw`` (default ``CPU_NUM_VSW_CAP``), or the largest n within
   ``memory_budget_gb`` by the estimate) and the
   engine's ``compute_time`` (forward + backward of all VSWs) at n_vsw = 1 and n_vsw = n_max:
-  the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps);
+  the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps). The engine
+  runs the n VSWs as it does in training - batched (one pass over n adjacent micro-batches,
+  per-VSW BatchNorm) unless ``vsw_execution`` forces per-VSW execution - so Eq. 1's
+  throughput-vs-n_vsw line is that of the batched step (section 5.1 profiles the VSWs the
+  paper runs concurrently; what we run instead is what we measure);
 * zeta, the forward share of forward + backward, timed directly on a copy of the model;
 * t_optim: the engine's ``update_time`` at n_vsw = 1 (no weight copies); t_copy: one copy of all
   weights into another replica (a flat buffer of W bytes, as the engine's flat buffers do);
@@ -267,7 +271,7 @@ def lower_median(samples: Sequence[float]) -> float:
 STATISTICS = {"median": statistics.median, "min": min, "trimmed": lower_median}
 MONOTONE_TOLERANCE = 0.10   # t(B_L) may fall below t(previous B_L) by this fraction before re-measuring
 MONOTONE_RETRIES = 2        # re-measurements of a non-monotone point (then it is clipped, with a warning)
-PROFILER_REVISION = 2       # bump when the measurement procedure changes (part of the cache key)
+PROFILER_REVISION = 3       # 3: the engine runs n VSWs batched (one pass); bump when the measurement procedure changes (part of the cache key)
 CUDA_NUM_VSW_BOUND = 32     # default upper bound of the CUDA n_max probe (probing stops at OOM)
 CPU_NUM_VSW_CAP = 4         # default n_max on CPU: no device memory limit to probe there
 
@@ -325,10 +329,13 @@ def oom_probe(step: Callable[[], Any], recover: Callable[[], None]) -> bool:
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
                          max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
                          weight_sync: str, warmup: int, repeats: int, statistic: str,
-                         contention: bool = False) -> dict:
+                         contention: bool = False, vsw_execution: str = "auto") -> dict:
     """What a profile depends on besides the model and the device type: the cache key's settings
-    (``contention`` enters the key only when set, so keys of profiles without it are unchanged)."""
+    (``contention`` and a forced per-VSW ``vsw_execution`` enter the key only when set, so keys
+    of profiles without them are unchanged)."""
     extra = {"contention": True} if contention else {}
+    if vsw_execution != "auto":
+        extra["vsw_execution"] = vsw_execution
     return {**extra, "device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
             "min_local_batch": int(min_local_batch),
             "max_local_batch": None if max_local_batch is None else int(max_local_batch),
@@ -459,7 +466,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
-                  contention: bool = False,
+                  contention: bool = False, vsw_execution: str = "auto",
                   cache_dir: str | Path | None = None, refresh: bool = False) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
@@ -474,6 +481,10 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     :func:`_make_monotone`). The cache key holds the model signature, the device type and every
     measurement setting incl. the torch version (:func:`measurement_settings`); ``refresh``
     re-measures regardless.
+    ``vsw_execution``: the engine's (``"auto"``: the n VSWs run batched, as in training;
+    ``"threads"``/``"one_thread"``: per VSW, for a job whose step cannot be batched, e.g.
+    ``JobConfig.per_sample_loss=False``). What runs is what is profiled: each timed step feeds
+    ``n`` adjacent micro-batches split from one batch of ``n * B_L`` samples, as the loader does.
     ``allreduce=False`` skips the gloo measurement and uses ``allreduce_fit`` (or a nominal
     fit: alpha 1, beta 0, flagged in the log). ``contention=True`` adds the host's gloo
     compute/communication contention (:func:`jabasray.profiler.contention.cached_contention`,
@@ -481,6 +492,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     interference are fitted to (CPU/gloo only; it says nothing about NCCL).
     """
     from ..engine import IIDPWorker
+    from ..engine.loader import split_batch, to_device
 
     check_int("min_local_batch", min_local_batch, min_value=1)
     if max_num_vsw is not None:
@@ -510,7 +522,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
     settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
                                     memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
-                                    contention)
+                                    contention, vsw_execution)
     key = profile_cache_key(sig, gpu_type, settings)
     cache_path = as_storage_path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
@@ -530,7 +542,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         return mem is None or mem(bl, n) <= budget
 
     worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
-                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb)
+                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution)
     if dev.type == "cuda" and hasattr(worker, "sync_timing"):
         worker.sync_timing = True   # the engine synchronises the device around its timed phases
 
@@ -539,16 +551,17 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         it does not fit (``reps=0``: one untimed probe step)."""
         if not fits_estimate(bl, n):
             return None
-        x, y = sample(bl)
+        # n distinct micro-batches, adjacent views of one batch (what the loader hands over)
+        micro = split_batch(to_device(tuple(sample(bl * n)), dev), [bl] * n)
         out: list = []
 
         def step() -> None:
             worker.configure(n, 0, bl)
             if reps == 0:
-                worker.train_step([(x, y)] * n)
+                worker.train_step(micro)
                 out.append((0.0, 0.0, 0.0))
             else:
-                out.append(_step_stats(worker, [(x, y)] * n, warmup, reps, stat))
+                out.append(_step_stats(worker, micro, warmup, reps, stat))
 
         if dev.type != "cuda":
             step()

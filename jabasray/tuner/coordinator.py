@@ -55,7 +55,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackCoordinator"]
+__all__ = ["PackCoordinator", "NotLoaded"]
+
+
+class NotLoaded(ValueError):
+    """The trial is not a member here (never loaded, or set aside and dropped after
+    ``idle_exit_s``): it loads again from its last checkpoint."""
 
 
 class PackCoordinator:
@@ -105,6 +110,7 @@ class PackCoordinator:
         self.decisions: set[int] = set()           # unit counts after which trials were stopped or paused
         self.failed: dict[str, BaseException] = {}  # a member's unit failed: raised when it asks
         self.aside: dict[str, tuple[dict, bytes, tuple | None]] = {}   # config, state, unclaimed
+        self.aside_since: dict[str, float] = {}    # when each was set aside (dropped after idle_exit_s)
         self.first_ready = 0.0                     # when the next unit could first have started
         self.running = False
         self.timer: asyncio.TimerHandle | None = None
@@ -138,13 +144,27 @@ class PackCoordinator:
             self.watchdog = asyncio.get_running_loop().create_task(self._idle_exit())
 
     async def _idle_exit(self) -> None:
+        """Exit after ``idle_exit_s`` without a member. A set-aside member counts only for
+        ``idle_exit_s`` after it was set aside: its trial may have ended without a ``free``
+        (Tune does not always end a trial's thread), and a detached actor must not hold its
+        memory -- on a GPU its CUDA context -- forever. A trial that comes back later re-joins
+        from its last checkpoint (:mod:`jabasray.tuner.packed_trials`)."""
+        while True:
+            await asyncio.sleep(min(5.0, self.idle_exit_s / 2))
+            now = time.monotonic()
+            for k in [k for k, t in self.aside_since.items() if now - t > self.idle_exit_s]:
+                log.info("dropping set-aside member %s: its trial did not ask for %.0f s", k, self.idle_exit_s)
+                self.aside.pop(k, None)
+                self.aside_since.pop(k, None)
+            if not self.configs and not self.aside and now - self.last_active > self.idle_exit_s:
+                log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
+                self._exit()
+                return
+
+    def _exit(self) -> None:
         import ray
 
-        while True:
-            await asyncio.sleep(min(5.0, self.idle_exit_s))
-            if not self.configs and not self.aside and time.monotonic() - self.last_active > self.idle_exit_s:
-                log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
-                ray.actor.exit_actor()
+        ray.actor.exit_actor()
 
     def _done(self, key: str) -> bool:
         """The member has trained ``max_units`` (its trial ends; it trains no more)."""
@@ -221,6 +241,7 @@ class PackCoordinator:
 
         self._touch()
         self.aside.pop(key, None)
+        self.aside_since.pop(key, None)
         self.failed.pop(key, None)
         if key in self.configs:
             self._forget(key)
@@ -240,6 +261,7 @@ class PackCoordinator:
         it did not claim is discarded)."""
         self._touch()
         self.aside.pop(key, None)
+        self.aside_since.pop(key, None)
         self.failed.pop(key, None)
         if key not in self.configs:
             return
@@ -259,12 +281,13 @@ class PackCoordinator:
             raise self.failed.pop(key)
         if key not in self.configs and key in self.aside:       # set aside earlier: re-join
             config, state, unclaimed = self.aside.pop(key)
+            self.aside_since.pop(key, None)
             self._register(key, config)
             await self._load_state(key, config, state)
             if unclaimed is not None:
                 self.ready[key] = unclaimed
         if key not in self.configs:
-            raise ValueError(f"trial {key!r} is not loaded")
+            raise NotLoaded(f"trial {key!r} is not loaded")
         if key in self.ready:                                    # trained ahead: claim it
             result = self.ready.pop(key)
             self._kick()
@@ -340,6 +363,7 @@ class PackCoordinator:
                 states = self.runner.states(list(aside))
                 for k, (config, unclaimed) in aside.items():
                     self.aside[k] = (config, state_to_bytes(states[k]), unclaimed)
+                    self.aside_since[k] = time.monotonic()
                     self.runner.free(k)
             results = self.runner.unit(keys)
             want = [k for k, r in results.items() if not isinstance(r, Exception)

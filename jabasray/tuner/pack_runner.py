@@ -119,11 +119,18 @@ class PackRunner:
         return self.states([key])[key]
 
     def states(self, keys: list[str]) -> dict[str, dict]:
-        """:meth:`state` of several members with ONE write-back of the stacked state."""
-        if self.pack is not None and any(self.members[k].pid is not None for k in keys):
-            self.pack.sync()
-        return {k: {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
-                for k in keys for m in [self.members[k]]}
+        """:meth:`state` of several members, read from their rows of the packed model (no
+        restack); every tensor owns its storage, so a member's checkpoint holds its own
+        tensors only, whatever the pack's size."""
+        out = {}
+        for k in keys:
+            m = self.members[k]
+            if m.pid is not None:
+                model_sd, opt_sd = self.pack.member_state(m.pid)
+                out[k] = {"model": model_sd, "optimizer": opt_sd, "steps": int(m.steps), "units": m.units}
+            else:
+                out[k] = {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
+        return out
 
     # -- one resource unit -------------------------------------------------------------------
     def unit(self, keys: list[str]) -> dict[str, dict | Exception]:

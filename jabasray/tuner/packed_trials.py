@@ -226,13 +226,25 @@ def _run_trial(config: dict, job: PackedJob) -> None:
         log.warning("trial %s trains unpacked: %s", key, reply["unpackable"])
         _run_plain(config, job)
         return
+    from jabasray.tuner.coordinator import NotLoaded
+
     units = int(reply["units"])
     try:
         while units < job.max_units:
             # usually trained ahead while Tune processed the previous report (coordinator.py);
             # the state comes with the units the coordinator's checkpoint_every rule names
-            metrics, blob = ray.get(handle.unit.remote(key))
+            try:
+                metrics, blob = ray.get(handle.unit.remote(key))
+            except (NotLoaded, ray.exceptions.RayActorError) as e:
+                # set aside and dropped, or the coordinator exited while this trial was away:
+                # load again from the last checkpoint (what was trained after it is redone)
+                log.info("trial %s re-joins a pack from its last checkpoint (%s)", key, type(e).__name__)
+                handle, reply = _register(job, key, config, state)
+                units = int(reply.get("units", 0))
+                continue
             units = int(metrics["units"])
+            if blob is not None:
+                state = blob
             if blob is None:
                 tune.report(metrics)
                 continue
@@ -390,10 +402,16 @@ def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
 class PackedHyperband:
     """Packed Hyperband for ``tune.Tuner`` (Pack paper, 5.2): Tune's ``HyperBandScheduler``
     (with the finished-bracket fix of :mod:`jabasray.tuner.schedulers`) with ``max_t=R`` and
-    ``reduction_factor=eta`` (whose brackets are Li et al.'s, see
-    :mod:`jabasray.tuner.brackets`) and a :func:`SimilaritySearch` that samples each bracket's
+    ``reduction_factor=eta`` and a :func:`SimilaritySearch` that samples each bracket's
     ``n`` configurations at once and emits them in kNN groups of ``members_per_device`` --
     ``pack_opt(T)`` of the bracket -- so each bracket's configurations arrive pack by pack.
+
+    The brackets are TUNE's: the same ``s_max``, bracket sizes and rung lengths as Li et al.
+    (Algorithm 1) for R a power of eta, but Tune keeps ``ceil(n_i / eta)`` configurations per
+    halving where Li et al. keep ``floor`` (R = 81, s = 3: 34 -> 12 -> 4 -> 2 instead of
+    34 -> 11 -> 3 -> 1; :func:`~jabasray.tuner.brackets.hyperband_schedule` with
+    ``halving="ceil"`` lists them). We keep Tune's scheduler, so a packed sweep and an
+    unpacked one under Tune's own ``HyperBandScheduler`` make the same decisions.
 
     Pass ``scheduler``, ``search_alg``, ``num_samples`` (one Hyperband iteration) and
     ``max_concurrent_trials`` to ``tune.TuneConfig`` (or call :meth:`tune_config`).
@@ -403,10 +421,11 @@ class PackedHyperband:
                  points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
         from jabasray.tuner.schedulers import hyperband_scheduler
 
-        brackets = hyperband_schedule(R, eta)
+        brackets = hyperband_schedule(R, eta, halving="ceil")
         if R != eta ** (len(brackets) - 1):
-            raise ValueError(f"R must be a power of eta for Tune's HyperBandScheduler brackets to be "
-                             f"Li et al.'s, got R={R}, eta={eta}")
+            raise ValueError(f"R must be a power of eta (Tune's HyperBandScheduler rounds log_eta R, "
+                             f"so its brackets are the ones listed only then), got R={R}, eta={eta}")
+        self.brackets = brackets
         # Tune fills brackets from s = 0 (fewest configurations, most units) upwards
         self.bracket_sizes = [b.num_configs for b in reversed(brackets)]
         self.num_samples = sum(self.bracket_sizes)
