@@ -184,7 +184,8 @@ class StepStats:
     comm_time: float                 # s: waiting for all-reduces after compute (exposed comm)
     update_time: float               # s: optimizer + weight copy
     weight_sync: str                 # "sws" | "ows" as used
-    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order
+    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order;
+                                            # keep_local_grad="split": [2, P], the two VSW halves
     optimizer_time: float = 0.0      # s: part of update_time spent in the optimizer (t_optim)
     copy_time: float = 0.0           # s: part of update_time spent copying weights (t_copy)
     batched: bool = False            # the VSWs ran as one batched pass (else per VSW)
@@ -404,7 +405,8 @@ class IIDPWorker:
         self._ready: list[bool] = []
         self._next_launch = 0
         self._works: list[Any] = []
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: list[Any] | None = None
+        self._split = False                    # this step keeps the two VSW halves apart
         self.comm_guard = comm_guard
         self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
@@ -577,6 +579,18 @@ class IIDPWorker:
             if not vsw.done[b]:
                 self._vsw_bucket_done(vsw, b)
 
+    def _half_sums(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b`` summed over each half of the VSWs (first ``n/2`` / last ``n/2``), read
+        before the local aggregation adds every VSW into the main one."""
+        half = len(self._vsws) // 2
+        out = []
+        for vs in (self._vsws[:half], self._vsws[half:]):
+            flat = vs[0].buffers.bucket_flat_copy(b)
+            for v in vs[1:]:
+                flat.add_(v.buffers.bucket_flat_copy(b))
+            out.append(flat)
+        return out[0], out[1]
+
     def _launch(self, b: int) -> None:
         """Local aggregation of bucket ``b`` into the main VSW (autograd hook: queues kernels,
         never blocks), then the async global all-reduce is handed to the communication thread."""
@@ -585,9 +599,11 @@ class IIDPWorker:
         with lanes.context(lanes.comm):
             for v in self._active:
                 lanes.wait(lanes.comm, v.events[b])
+            if self._snapshot is not None and self._split:
+                self._snapshot[b] = self._half_sums(b)
             for v in self._active[1:]:
                 main.add_bucket_from(v.buffers, b)
-            if self._snapshot is not None:
+            if self._snapshot is not None and not self._split:
                 self._snapshot[b] = main.bucket_flat_copy(b)
         if self.process_group is not None:
             # never block here (autograd hook): the guard and the collective run on the
@@ -676,14 +692,18 @@ class IIDPWorker:
             sizes.append(n)
         return sizes
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool = False,
+    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str = False,
                    ragged: bool = False) -> StepStats:
         """One IIDP iteration over ``num_vsw*(num_ga+1)`` micro-batches (see the module notes).
 
         ``keep_local_grad``: also return ``local_grad``, the flattened SUM over this device's
         decoupled workers of their micro-batch mean-loss gradients, before the global
         all-reduce, in trainable-parameter registration order (``ragged``: each term weighted
-        by ``n_i / B_L``). ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
+        by ``n_i / B_L``). ``keep_local_grad="split"`` (a GPU that forms both similarity groups
+        on its own, JABAS section 6.1 with groups of decoupled workers): ``local_grad`` is a
+        ``[2, P]`` tensor, row 0 the sum over VSWs ``0 .. n_vsw/2 - 1``, row 1 over the other
+        half (``n_vsw`` must be even, so the two groups hold equally many decoupled workers).
+        ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
         weighted by its sample count so the step equals one step on the union (collective:
         all ranks must pass the same ``ragged``).
         """
@@ -694,8 +714,14 @@ class IIDPWorker:
             self._exit_comm_guard(e)      # a failed step never leaves the guard entered
             raise
 
-    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool,
+    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str,
                     ragged: bool) -> StepStats:
+        if keep_local_grad not in (False, True, "split"):
+            raise ValueError(f"keep_local_grad must be False, True or 'split', got {keep_local_grad!r}")
+        self._split = keep_local_grad == "split"
+        if self._split and self._num_vsw % 2:
+            raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
+                             f"got {self._num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
         lanes, B = self._lanes, self._local_batch_size
         nb = len(self._specs)
@@ -703,7 +729,9 @@ class IIDPWorker:
         t0 = self._clock()
 
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
-        reason = self.batch_fallback_reason(ragged)
+        # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
+        # only the last iteration of an adaptation interval)
+        reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
         pg_set = self.process_group is not None
         rounds = None
         if reason is None:
@@ -808,9 +836,15 @@ class IIDPWorker:
 
         local_grad = None
         if keep_local_grad:
-            local_grad = self._vsws[0].buffers.grads_in_param_order(self._param_names, self._snapshot)
-            if rounds is not None and divisor != 1.0:
-                local_grad = local_grad * divisor        # the sum, before the folded average
+            main = self._vsws[0].buffers
+            if self._split:
+                local_grad = torch.stack([
+                    main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
+                    for h in (0, 1)])
+            else:
+                local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
+                if rounds is not None and divisor != 1.0:
+                    local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
