@@ -51,7 +51,7 @@ def cluster(without_session_ray):
         c.shutdown()
 
 
-FOUR = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4)])   # 2 pairs, placed on either raylet
+FOUR = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4)])   # 4 GPUs (2 pairs), placed on either raylet
 
 
 def job(epochs: int = 2) -> JobConfig:
@@ -118,7 +118,7 @@ def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(clust
     assert t_fail - hook.t_armed >= 8                      # not before its deadline
     assert "restarting epoch 2" in msg
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"n0": 2}
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"n0": 4}
     assert_each_sample_once_per_epoch(hist, 240)
     assert drv.gpu_actors() == []
 

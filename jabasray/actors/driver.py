@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..adaptive import AdaptiveBatchController
 from ..adaptive.forecast import forecast_next_epoch
-from ..config import FailureConfig, JobConfig
+from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
@@ -44,7 +44,8 @@ from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
+from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
+                        slots_for)
 from .pool import ActorPool
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import dead_slots, give_up, restart, restore_or_start
@@ -93,6 +94,8 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        checkpoint: :class:`jabasray.config.CheckpointConfig` (``RunConfig.checkpoint_config``):
+            every how many epochs a checkpoint is committed and how many are kept.
         force_resume: resume a checkpoint written with another ``JobConfig``
             (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
@@ -105,21 +108,23 @@ class JabasDriver:
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
                  profile_data: Any = None, failure: FailureConfig | None = None,
-                 force_resume: bool = False) -> None:
+                 force_resume: bool = False, checkpoint: CheckpointConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
+        self.checkpoint = checkpoint or CheckpointConfig()
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -216,7 +221,8 @@ class JabasDriver:
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
             shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh)
+            profiles=self._profiles, refresh=refresh,
+            step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
@@ -264,7 +270,7 @@ class JabasDriver:
         if cluster is None:
             raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
                              f"is in the live Ray cluster ({'; '.join(notes)})")
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, self.job)
         self._start_notes = [f"cluster reconciled with the live Ray nodes: {n}" for n in notes]
 
     def _onto_live(self, state: DriverState, cluster: ClusterSpec, rename: dict[str, str],
@@ -296,7 +302,7 @@ class JabasDriver:
                 if cluster is None:
                     raise JobFailed(f"{gone}; no GPU node of the run is left in the live Ray "
                                     f"cluster") from None
-                state, note = self._onto_live(state, cluster.validated_pairs(drop_odd_gpu=True),
+                state, note = self._onto_live(state, job_cluster(cluster, self.job),
                                               rename, notes)
                 self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
                             f"cluster: {note}")
@@ -306,6 +312,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
+        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
                               fixed=not self.job.autoscale or self._burst is not None)
 
@@ -378,7 +385,7 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        """Checkpoint ``state`` with ``worker_state`` (``checkpoint.num_to_keep`` newest are kept),
         unless the run's lease was taken over by another run meanwhile."""
         if getattr(self.lock, "lost", False):
             from .run_folder import RunLockedError
@@ -386,7 +393,7 @@ class JabasDriver:
                                  f"while this one did not renew it; stopping before checkpoint "
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
-                                               keep=self.options.keep_checkpoints)
+                                               keep=self.checkpoint.num_to_keep or 0)
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
@@ -476,7 +483,8 @@ class JabasDriver:
                         metrics=self.metrics)
         if state.epochs_done < self.job.epochs:
             state = self._decide_next_epoch(state, ctl)
-        self._save(state, worker_state)
+        if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
+            self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)
@@ -508,12 +516,13 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
-        pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        """Release the actors, restart from the last intact checkpoint without the dead actors'
+        GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
-        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
+                                    policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
 

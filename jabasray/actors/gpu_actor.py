@@ -150,10 +150,11 @@ class GPUActor(BackgroundHostMixin):
 
         from ..engine.loader import InMemoryBatches, LoaderBatches
         from ..engine.sampler import IIDPSampler
-        from .hooks import JobHooks
+        from .hooks import JobHooks, named, named_hooks
 
         torch.set_num_threads(torch_threads)
-        self.hooks = hooks if hooks is not None else JobHooks()
+        self.hooks = named_hooks(hooks if hooks is not None else JobHooks())   # errors name the hook
+        loss_fn = named("loss_fn", loss_fn)
         _configure_logging(self.hooks.log_level)
         self.slot = slot
         self.world_size = world_size
@@ -397,10 +398,11 @@ class GPUActor(BackgroundHostMixin):
             lr = self._apply_lr(req, global_batch, req.iteration + k)
             lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
-            keep = bool(req.similarity and last and self.world_size > 1)
+            keep = bool(req.similarity and last and (self.world_size > 1 or self.slot.solo))
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
                 with StepTimer() as timer:
-                    stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                    stats = self.worker.train_step(batches, ragged=it.ragged,
+                                                   keep_local_grad="split" if keep and self.slot.solo else keep)
                 if self.emulate:
                     if self.emulation == "wait":
                         s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
@@ -487,18 +489,24 @@ class GPUActor(BackgroundHostMixin):
             self.lr_scheduler.step()
 
     def _group_similarity(self, local_grad: Any) -> float:
-        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
-        two group sums; Phi = cosine(row 0, row 1) (identical on every rank)."""
+        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group`` (a solo GPU, which
+        forms both groups by its two VSW halves, fills both rows from its ``[2, P]`` local
+        gradient); rows end up as the two group sums; Phi = cosine(row 0, row 1) (identical on
+        every rank)."""
         import torch
         import torch.distributed as dist
 
         from ..adaptive import cosine_similarity
 
-        flat = local_grad.detach().reshape(-1)
-        buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
-        buf[self.slot.group].copy_(flat)
-        with self.bg_foreground_critical("allreduce"):
-            dist.all_reduce(buf, group=self.group)
+        if local_grad.dim() == 2:
+            buf = local_grad.detach().clone()
+        else:
+            flat = local_grad.detach().reshape(-1)
+            buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
+            buf[self.slot.group].copy_(flat)
+        if self.group is not None:
+            with self.bg_foreground_critical("allreduce"):
+                dist.all_reduce(buf, group=self.group)
         return float(cosine_similarity(buf[0], buf[1]))
 
 

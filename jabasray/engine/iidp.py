@@ -50,7 +50,7 @@ VSW execution
 -------------
 **Batched (the default wherever it is exact).** After one-way weight sync every VSW holds the
 main VSW's weights, so GA round ``j`` of all ``n`` VSWs runs as ONE forward/backward of the
-main VSW's module over the ``n`` micro-batches side by side (:mod:`~jabasray.engine.batched`:
+main VSW's module over the ``n`` micro-batches interleaved (:mod:`~jabasray.engine.batched`:
 the loss, a per-sample mean, times ``n`` back-propagates the sum of the VSWs' mean-loss
 gradients; GA rounds accumulate in place), with every BatchNorm normalising per VSW over its
 ``B_L`` samples and updating that VSW's own running statistics
@@ -184,7 +184,8 @@ class StepStats:
     comm_time: float                 # s: waiting for all-reduces after compute (exposed comm)
     update_time: float               # s: optimizer + weight copy
     weight_sync: str                 # "sws" | "ows" as used
-    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order
+    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order;
+                                            # keep_local_grad="split": [2, P], the two VSW halves
     optimizer_time: float = 0.0      # s: part of update_time spent in the optimizer (t_optim)
     copy_time: float = 0.0           # s: part of update_time spent copying weights (t_copy)
     batched: bool = False            # the VSWs ran as one batched pass (else per VSW)
@@ -225,6 +226,18 @@ class _VSW:
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)
         self.handles = []
+        self.set_hooks(True, owner)
+
+    def set_hooks(self, on: bool, owner: "IIDPWorker") -> None:
+        """Register (``on``) or remove the per-parameter gradient hooks. A batched step on one
+        device with autograd's own gradients needs none: nothing is copied into buckets or
+        launched during backward (:meth:`FlatBuffers.finish` completes the buckets after it),
+        and a Python call per parameter per step is host time a plain step does not pay."""
+        if on == bool(self.handles):
+            return
+        if not on:
+            self.remove_hooks()
+            return
         for b, plist in enumerate(self.buffers.modules_params):
             for k, p in enumerate(plist):
                 self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
@@ -370,6 +383,7 @@ class IIDPWorker:
         self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
         self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
         self._copy_replicas = True          # this step's update copies weights to the replicas
+        self._prescaled = False             # this step's gradients are averaged already
         self._logged: set[str] = set()      # fallback reasons already logged
         self._pool = VSWThreadPool(0)
         self._comm: DispatcherThread | None = None   # communication thread (process group only)
@@ -391,7 +405,8 @@ class IIDPWorker:
         self._ready: list[bool] = []
         self._next_launch = 0
         self._works: list[Any] = []
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: list[Any] | None = None
+        self._split = False                    # this step keeps the two VSW halves apart
         self.comm_guard = comm_guard
         self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
@@ -564,6 +579,18 @@ class IIDPWorker:
             if not vsw.done[b]:
                 self._vsw_bucket_done(vsw, b)
 
+    def _half_sums(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b`` summed over each half of the VSWs (first ``n/2`` / last ``n/2``), read
+        before the local aggregation adds every VSW into the main one."""
+        half = len(self._vsws) // 2
+        out = []
+        for vs in (self._vsws[:half], self._vsws[half:]):
+            flat = vs[0].buffers.bucket_flat_copy(b)
+            for v in vs[1:]:
+                flat.add_(v.buffers.bucket_flat_copy(b))
+            out.append(flat)
+        return out[0], out[1]
+
     def _launch(self, b: int) -> None:
         """Local aggregation of bucket ``b`` into the main VSW (autograd hook: queues kernels,
         never blocks), then the async global all-reduce is handed to the communication thread."""
@@ -572,9 +599,11 @@ class IIDPWorker:
         with lanes.context(lanes.comm):
             for v in self._active:
                 lanes.wait(lanes.comm, v.events[b])
+            if self._snapshot is not None and self._split:
+                self._snapshot[b] = self._half_sums(b)
             for v in self._active[1:]:
                 main.add_bucket_from(v.buffers, b)
-            if self._snapshot is not None:
+            if self._snapshot is not None and not self._split:
                 self._snapshot[b] = main.bucket_flat_copy(b)
         if self.process_group is not None:
             # never block here (autograd hook): the guard and the collective run on the
@@ -663,14 +692,18 @@ class IIDPWorker:
             sizes.append(n)
         return sizes
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool = False,
+    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str = False,
                    ragged: bool = False) -> StepStats:
         """One IIDP iteration over ``num_vsw*(num_ga+1)`` micro-batches (see the module notes).
 
         ``keep_local_grad``: also return ``local_grad``, the flattened SUM over this device's
         decoupled workers of their micro-batch mean-loss gradients, before the global
         all-reduce, in trainable-parameter registration order (``ragged``: each term weighted
-        by ``n_i / B_L``). ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
+        by ``n_i / B_L``). ``keep_local_grad="split"`` (a GPU that forms both similarity groups
+        on its own, JABAS section 6.1 with groups of decoupled workers): ``local_grad`` is a
+        ``[2, P]`` tensor, row 0 the sum over VSWs ``0 .. n_vsw/2 - 1``, row 1 over the other
+        half (``n_vsw`` must be even, so the two groups hold equally many decoupled workers).
+        ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
         weighted by its sample count so the step equals one step on the union (collective:
         all ranks must pass the same ``ragged``).
         """
@@ -681,8 +714,14 @@ class IIDPWorker:
             self._exit_comm_guard(e)      # a failed step never leaves the guard entered
             raise
 
-    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool,
+    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str,
                     ragged: bool) -> StepStats:
+        if keep_local_grad not in (False, True, "split"):
+            raise ValueError(f"keep_local_grad must be False, True or 'split', got {keep_local_grad!r}")
+        self._split = keep_local_grad == "split"
+        if self._split and self._num_vsw % 2:
+            raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
+                             f"got {self._num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
         lanes, B = self._lanes, self._local_batch_size
         nb = len(self._specs)
@@ -690,7 +729,10 @@ class IIDPWorker:
         t0 = self._clock()
 
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
-        reason = self.batch_fallback_reason(ragged)
+        # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
+        # only the last iteration of an adaptation interval)
+        reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
+        pg_set = self.process_group is not None
         rounds = None
         if reason is None:
             try:
@@ -704,6 +746,7 @@ class IIDPWorker:
                 log.info("IIDP: per-VSW execution (%s)", reason)
             self._refresh_replicas()
         self._active = self._vsws[:1] if rounds is not None else self._vsws
+        self._vsws[0].set_hooks(rounds is None or pg_set or self._flat_grads, self)
 
         # --- per-step state
         self._pending = [len(self._active)] * nb
@@ -734,7 +777,9 @@ class IIDPWorker:
             return [base + j for j in range(G) if sizes[base + j] > 0], []
 
         if rounds is not None:
-            losses = self._run_batched(begin_vsw, rounds)
+            # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
+            # leave backward averaged (no extra pass over them in the update)
+            losses = self._run_batched(begin_vsw, rounds, self._num_vsw / self._global_num_workers)
         elif self._execution == "threads":
             def run_vsw(vsw: _VSW) -> list[torch.Tensor]:
                 with lanes.context(lanes.vsw[vsw.index]):
@@ -774,6 +819,7 @@ class IIDPWorker:
             else:
                 divisor = float(self._global_num_workers)
             self._copy_replicas = rounds is None
+            self._prescaled = rounds is not None        # batched: averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -782,14 +828,23 @@ class IIDPWorker:
                 comm_time += time.perf_counter() - tw
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
-        loss_value = (loss_t / divisor).reshape(())   # on the device: read once per interval
+        # on the device: read once per interval (batched: the losses are already averaged)
+        loss_value = loss_t.reshape(()) if rounds is not None else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
 
         local_grad = None
         if keep_local_grad:
-            local_grad = self._vsws[0].buffers.grads_in_param_order(self._param_names, self._snapshot)
+            main = self._vsws[0].buffers
+            if self._split:
+                local_grad = torch.stack([
+                    main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
+                    for h in (0, 1)])
+            else:
+                local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
+                if rounds is not None and divisor != 1.0:
+                    local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
@@ -798,12 +853,13 @@ class IIDPWorker:
                          copy_time=tm.copy, batched=rounds is not None)
 
     def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
-                     rounds: Sequence[MicroBatch]) -> list[list[torch.Tensor]]:
+                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
         """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
         ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
-        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``n`` (the sum of the VSWs'
-        mean losses, :mod:`~jabasray.engine.batched`); gradients accumulate in place."""
-        lanes, main, n = self._lanes, self._vsws[0], float(self._num_vsw)
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
+        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
+        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
+        lanes, main, n = self._lanes, self._vsws[0], weight
         try:
             with lanes.context(lanes.vsw[0]):
                 _, losses = begin_vsw(main)
@@ -877,7 +933,7 @@ class IIDPWorker:
         their copy is deferred (:meth:`_refresh_replicas`)."""
         main = self._vsws[0].buffers
         others = [v.buffers for v in self._vsws[1:]] if self._copy_replicas else []
-        scale = 1.0 / divisor
+        scale = 1.0 if self._prescaled else 1.0 / divisor
         tm = _Timings()
         clock = self._clock
         buckets = range(len(self._specs))

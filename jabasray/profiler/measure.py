@@ -87,20 +87,25 @@ def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def _batch_fn(data: Any) -> Callable[[int], tuple[Any, Any]]:
-    """``data``: a callable n -> (inputs, targets), or an indexable dataset of (x, y) /
-    TensorDataset; batches cycle through it."""
+def _batch_fn(data: Any, collate_fn: Callable | None = None) -> Callable[[int], Any]:
+    """``data``: a callable n -> batch, or an indexable dataset of (x, y) / TensorDataset;
+    batches cycle through it. With ``collate_fn`` (the job's own, e.g. dict batches for a
+    ``step_fn``) a batch is ``collate_fn`` of n samples of any type."""
     if callable(data) and not hasattr(data, "__getitem__"):
         return data
     tensors = getattr(data, "tensors", None)
-    if tensors is not None and len(tensors) == 2:
-        X, Y = tensors
-
-        def take(n: int) -> tuple[Any, Any]:
-            idx = torch.arange(n) % len(X)
-            return X[idx], Y[idx]
+    if tensors is not None and (len(tensors) == 2 or collate_fn is not None):
+        # a TensorDataset is indexed directly, as training's loader does (no collate_fn)
+        def take(n: int) -> tuple[Any, ...]:
+            idx = torch.arange(n) % len(tensors[0])
+            return tuple(t[idx] for t in tensors)
         return take
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        if collate_fn is not None:
+            def collate_items(n: int) -> Any:
+                return collate_fn([data[i % len(data)] for i in range(n)])
+            return collate_items
+
         def take_items(n: int) -> tuple[Any, Any]:
             items = [data[i % len(data)] for i in range(n)]
             return torch.stack([x for x, _ in items]), torch.as_tensor([y for _, y in items])
@@ -372,17 +377,23 @@ def _step_stats(worker: Any, micro: list, warmup: int, repeats: int,
     return stat(comp), stat(upd), stat(over)
 
 
-def _forward_share(model: nn.Module, batch: tuple[Any, Any], loss_fn: Callable, device: torch.device,
-                   repeats: int, stat: Callable = statistics.median) -> float:
-    """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy."""
+def _forward_share(model: nn.Module, batch: Any, loss_fn: Callable, device: torch.device,
+                   repeats: int, stat: Callable = statistics.median,
+                   step_fn: Callable | None = None) -> float:
+    """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy; the
+    forward is the job's step (``step_fn(model, batch)``, else ``loss_fn(model(x), y)``)."""
+    from ..engine.loader import to_device
+    from ..engine.step import supervised_step
+
     m = copy.deepcopy(model).to(device)
-    x, y = (t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+    b = to_device(batch, device)
+    step = step_fn or supervised_step(loss_fn)
     fwd, full = [], []
     for _ in range(repeats + 1):
         m.zero_grad(set_to_none=True)
         _sync(device)
         t0 = time.perf_counter()
-        loss = loss_fn(m(x), y)
+        loss = step(m, b)
         _sync(device)
         t1 = time.perf_counter()
         loss.backward()
@@ -467,10 +478,14 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
                   contention: bool = False, vsw_execution: str = "auto",
-                  cache_dir: str | Path | None = None, refresh: bool = False) -> Profile:
+                  cache_dir: str | Path | None = None, refresh: bool = False,
+                  step_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  collate_fn: Callable[[list], Any] | None = None) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
-    ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``.
+    ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``; with the job's
+    ``step_fn`` (``(model, batch) -> loss``) and ``collate_fn`` any samples and batch type (e.g.
+    dict batches): what is profiled is the job's own step on its own batches.
     ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
     ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
     other than the cap). ``max_num_vsw``: upper bound of n_max (default: probe up to
@@ -516,7 +531,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if not isinstance(base, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a factory of one, got {type(base).__name__}")
     optimizer_fn = optimizer_fn or (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
-    sample = _batch_fn(data)
+    sample = _batch_fn(data, collate_fn)
     gpu_type = gpu_type or _default_gpu_type(dev)
     sig = model_signature(base)
 
@@ -536,13 +551,15 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if max_local_batch is None:   # keep profiling time bounded (CUDA probing stops at OOM)
         max_local_batch = (8 if dev.type == "cpu" else 32) * min_local_batch
     budget = memory_budget_gb * 2 ** 30 if memory_budget_gb is not None else None
-    mem = estimate_memory(base, sample, optimizer_fn, loss_fn) if (budget and dev.type == "cpu") else None
+    mem = estimate_memory(base, sample, optimizer_fn, loss_fn) \
+        if (budget and dev.type == "cpu" and step_fn is None) else None
 
     def fits_estimate(bl: int, n: int) -> bool:
         return mem is None or mem(bl, n) <= budget
 
     worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
-                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution)
+                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution,
+                        step_fn=step_fn)
     if dev.type == "cuda" and hasattr(worker, "sync_timing"):
         worker.sync_timing = True   # the engine synchronises the device around its timed phases
 
@@ -552,7 +569,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         if not fits_estimate(bl, n):
             return None
         # n distinct micro-batches, adjacent views of one batch (what the loader hands over)
-        micro = split_batch(to_device(tuple(sample(bl * n)), dev), [bl] * n)
+        batch = sample(bl * n)
+        micro = split_batch(to_device(tuple(batch) if isinstance(batch, list) else batch, dev), [bl] * n)
         out: list = []
 
         def step() -> None:
@@ -596,7 +614,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     update_times: list[float] = []
     overheads: list[float] = []
     for bl, n_max, one, at_max in points:
-        zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat)
+        zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat, step_fn)
         batches.append(BatchProfile(local_batch=bl, max_num_vsw=n_max, compute_time_1=one[0],
                                     compute_time_max=at_max[0], zeta=zeta))
         update_times.append(one[1])
