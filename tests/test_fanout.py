@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from jabasray.actors.fanout import ActorFailure, call_all
+from jabasray.actors.fanout import ActorFailure, ActorHung, call_all
+from jabasray.errors import RendezvousFailed
 
 
 class Dead(Exception):
@@ -38,6 +39,8 @@ class Clock:
         elif timeout is not None:
             ready = [f for f in pending if f.at <= self.now + timeout]
             self.now = max([self.now] + [f.at for f in ready])
+            if not ready:            # nothing came: the whole timeout passed
+                self.now += timeout
         return ready, [f for f in pending if f not in ready]
 
     @staticmethod
@@ -131,3 +134,47 @@ def test_an_error_without_a_dead_actor_is_reraised_after_the_grace_period():
         fan(actors, clock, grace_s=3.0)
     assert info.value is boom
     assert clock.waits == [None, 3.0]
+
+
+def deadline_fan(actors, clk, deadline_s, **kw):
+    return call_all(actors, "step", wait=clk.wait, get=clk.get, dead_errors=(Dead,),
+                    grace_s=kw.pop("grace_s", 5.0), deadline_s=deadline_s, clock=lambda: clk.now, **kw)
+
+
+def test_ranks_past_the_deadline_are_a_failure_naming_them_at_the_deadline():
+    """Rank 0 answers at t=1; ranks 1 and 2 never do (one stuck in its step, one waiting for it
+    in the collective). With a 10 s deadline call_all raises at t=10: no dead rank, ranks 1 and
+    2 failed, an ActorHung cause naming them; no wait is ever unbounded."""
+    clock = Clock()
+    actors = [FakeActor(lambda: Future(at=1, value=0)), FakeActor(lambda: Future(at=math.inf)),
+              FakeActor(lambda: Future(at=math.inf))]
+    with pytest.raises(ActorFailure) as info:
+        deadline_fan(actors, clock, 10.0)
+    f = info.value
+    assert (f.dead_ranks, f.failed_ranks) == ([], [1, 2])
+    assert isinstance(f.cause, ActorHung) and f.cause.ranks == [1, 2] and "within 10s" in str(f.cause)
+    assert clock.now == 10.0 and None not in clock.waits
+
+
+def test_a_deadline_met_returns_every_result_and_a_death_is_still_a_death():
+    clock = Clock()
+    actors = [FakeActor(lambda r=r: Future(at=2 + r, value=r)) for r in range(3)]
+    assert deadline_fan(actors, clock, 10.0) == [0, 1, 2]
+    clock = Clock()
+    actors = [FakeActor(lambda: Future(at=math.inf)), FakeActor(lambda: Future(at=3, error=Dead("1")))]
+    with pytest.raises(ActorFailure) as info:
+        deadline_fan(actors, clock, 10.0)
+    assert (info.value.dead_ranks, info.value.failed_ranks) == ([1], []) and clock.now == 3
+
+
+def test_a_rendezvous_failure_is_an_actor_failure_with_the_ranks_left_waiting():
+    """Rank 1 cannot reach the rendezvous (RendezvousFailed at t=2); rank 0 waits in it for
+    good, rank 2 had joined: after the grace period ranks 0 and 1 are the failed ones."""
+    clock = Clock()
+    err = RendezvousFailed("rank 1: rendezvous with 10.0.0.1:29400 failed: timeout")
+    actors = [FakeActor(lambda: Future(at=math.inf)), FakeActor(lambda: Future(at=2, error=err)),
+              FakeActor(lambda: Future(at=1, value=2))]
+    with pytest.raises(ActorFailure) as info:
+        deadline_fan(actors, clock, 100.0, grace_s=5.0)
+    assert (info.value.dead_ranks, info.value.failed_ranks) == ([], [0, 1])
+    assert info.value.cause is err and clock.now == 7.0

@@ -4,10 +4,15 @@
 
 1. the iteration-time model (steps 1-3, :func:`jabasray.profiler.cluster.job_perf_model`), which
    the job's plan policy plans with (:class:`jabasray.planners.job_planner.JobPlanner`);
-2. resume from the newest intact checkpoint, or start on the auto-scaler's initial allocation
-   (B_G^init over the whole epoch): :func:`.recovery.restore_or_start`;
+2. the given cluster reconciled with the live Ray nodes (:mod:`.reconcile`: node ids of a spec
+   detected before a cluster or driver restart name dead raylets; nodes are matched by GPU type
+   and count), then resume from the newest intact checkpoint - its cluster mapped onto the live
+   one, its allocation kept under the new names when the cluster has the same shape, else chosen
+   again - or start on the auto-scaler's initial allocation (B_G^init over the whole epoch):
+   :func:`.recovery.restore_or_start`;
 3. per epoch (steps 4-9): place one GPU actor per allocated GPU unless they run the allocation
-   (:class:`.pool.ActorPool`; SMA learners :mod:`.sma_learners`), then intervals of p iterations:
+   (:class:`.pool.ActorPool`; SMA learners :mod:`.sma_learners`; a pinned node found gone
+   re-plans on the live cluster), then intervals of p iterations:
    plan B_G (Alg. 1), ``configure`` the actors in place, train p iterations at the plan's B_G*
    (one Ray call per actor; burst parallelism :mod:`.burst_host`), feed Phi to the adaptive rule
    (:mod:`jabasray.adaptive.batch_rule`; the driver keeps the requested B_G);
@@ -25,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..adaptive import AdaptiveBatchController
 from ..adaptive.forecast import forecast_next_epoch
-from ..config import FailureConfig, JobConfig
+from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
@@ -36,15 +41,32 @@ from .burst_host import BurstIntervals
 from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
+from ..errors import JobFailed, NodesGone
 from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
+from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
+                        slots_for)
 from .pool import ActorPool
+from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
 log = logging.getLogger(__name__)
+
+MAX_REPLANS = 3   # placements tried in a row while pinned nodes keep leaving the cluster
+
+
+def interval_deadline(options: DriverOptions, predicted_s: float) -> float:
+    """How long a training interval predicted to take ``predicted_s`` may run before its
+    actors count as hung: ``max(call_timeout_s, interval_timeout_factor * predicted_s)``."""
+    return max(options.call_timeout_s, options.interval_timeout_factor * max(0.0, predicted_s))
+
+
+def loader_cpus(hooks: Any) -> float:
+    """CPUs a GPU actor's placement bundle reserves for its DataLoader worker processes
+    (``hooks.num_data_workers``; 0 without hooks)."""
+    return float(getattr(hooks, "num_data_workers", 0) or 0)
 
 
 class JabasDriver:
@@ -72,6 +94,10 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        checkpoint: :class:`jabasray.config.CheckpointConfig` (``RunConfig.checkpoint_config``):
+            every how many epochs a checkpoint is committed and how many are kept.
+        force_resume: resume a checkpoint written with another ``JobConfig``
+            (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
         background: optional scheduler with ``rebalance(actor_handles)`` (multiplexing).
     """
@@ -81,20 +107,24 @@ class JabasDriver:
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
-                 profile_data: Any = None, failure: FailureConfig | None = None) -> None:
+                 profile_data: Any = None, failure: FailureConfig | None = None,
+                 force_resume: bool = False, checkpoint: CheckpointConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
+        self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
+        self.checkpoint = checkpoint or CheckpointConfig()
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -106,8 +136,11 @@ class JabasDriver:
                                   0 if perf_model is not None or profiles else opts.max_reprofiles)
         self.pool = ActorPool(self._make_actor, opts.device, opts.emulate, opts.placement_timeout_s,
                               opts.collective_timeout_s, opts.failure_grace_s,
-                              label=self.run_dir.name)
+                              label=self.run_dir.name, call_timeout_s=opts.call_timeout_s,
+                              rendezvous_ports=opts.rendezvous_ports,
+                              bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
+        self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
             if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None   # Ray objects of the training and validation sets (run())
@@ -145,6 +178,7 @@ class JabasDriver:
         """Train until ``job.epochs`` epochs are complete (resuming from the run's checkpoint)."""
         import ray
 
+        self._reconcile_start()
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
@@ -187,7 +221,8 @@ class JabasDriver:
             cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
             host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
             shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh)
+            profiles=self._profiles, refresh=refresh,
+            step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
@@ -195,7 +230,12 @@ class JabasDriver:
         finished run resumed with more epochs plans its next epoch first."""
         self.record.check_marker()
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                             self._choose_allocation)
+                                             self._choose_allocation, force=self.force_resume)
+        events = self._start_notes + events
+        if cp is not None:
+            state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])
+            if note:
+                events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
@@ -221,9 +261,58 @@ class JabasDriver:
             self._save(state, None)
         return state, cp.load_worker_state() if cp is not None else None
 
+    # ------------------------------------------------------------------ the live cluster
+    def _reconcile_start(self) -> None:
+        """The given cluster mapped onto the live Ray nodes (:mod:`.reconcile`; a spec that pins
+        no node stays as it is): ids of a spec detected before a cluster or driver restart name
+        dead raylets. ValueError (one line) when none of its nodes is alive."""
+        cluster, _, notes = reconcile_with_ray(self.cluster)
+        if cluster is None:
+            raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
+                             f"is in the live Ray cluster ({'; '.join(notes)})")
+        self.cluster = job_cluster(cluster, self.job)
+        self._start_notes = [f"cluster reconciled with the live Ray nodes: {n}" for n in notes]
+
+    def _onto_live(self, state: DriverState, cluster: ClusterSpec, rename: dict[str, str],
+                   notes: list[str]) -> tuple[DriverState, str]:
+        """``state`` continued on the live ``cluster``: its allocation renamed when ``cluster``
+        is its cluster with nodes renamed (``rename``, :func:`.reconcile.same_shape`; the plan
+        holds), else chosen again on ``cluster`` for the state's forecast. Returns the state and
+        a line saying what changed (empty: nothing)."""
+        alloc = remap_allocation(state.allocation, rename, cluster) \
+            if same_shape(state.cluster, cluster, rename) else None
+        kept = alloc is not None
+        if not kept:
+            alloc = self._choose_allocation(cluster, state.forecast or None)
+        changed = not kept or alloc != state.allocation or notes
+        note = "; ".join(notes + [f"allocation {'kept' if kept else 're-chosen'}: {alloc}"]) \
+            if changed else ""
+        return replace(state, cluster=cluster, allocation=alloc), note
+
+    def _place_live(self, state: DriverState, worker_state: dict | None) -> tuple[DriverState, bool]:
+        """:meth:`_ensure_placement`; when a pinned node is gone (:class:`~jabasray.errors.NodesGone`,
+        raised before any actor changed) the state's cluster is reconciled with the live Ray
+        nodes, the allocation re-planned and the placement tried again. Returns the state
+        placed and whether actors were re-placed."""
+        for _ in range(MAX_REPLANS):
+            try:
+                return state, self._ensure_placement(state, worker_state, state.epochs_done)
+            except NodesGone as gone:
+                cluster, rename, notes = reconcile_with_ray(state.cluster)
+                if cluster is None:
+                    raise JobFailed(f"{gone}; no GPU node of the run is left in the live Ray "
+                                    f"cluster") from None
+                state, note = self._onto_live(state, job_cluster(cluster, self.job),
+                                              rename, notes)
+                self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
+                            f"cluster: {note}")
+        raise JobFailed(f"epoch {state.epochs_done + 1}: nodes kept leaving the Ray cluster "
+                        f"during {MAX_REPLANS} placements")
+
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
+        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
                               fixed=not self.job.autoscale or self._burst is not None)
 
@@ -244,6 +333,8 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
+        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
@@ -294,7 +385,7 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        """Checkpoint ``state`` with ``worker_state`` (``checkpoint.num_to_keep`` newest are kept),
         unless the run's lease was taken over by another run meanwhile."""
         if getattr(self.lock, "lost", False):
             from .run_folder import RunLockedError
@@ -302,13 +393,13 @@ class JabasDriver:
                                  f"while this one did not renew it; stopping before checkpoint "
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
-                                               keep=self.options.keep_checkpoints)
+                                               keep=self.checkpoint.num_to_keep or 0)
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
-        replaced = self._ensure_placement(state, worker_state, state.epochs_done)
+        state, replaced = self._place_live(state, worker_state)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
             self._save(replace(state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state)
@@ -354,7 +445,8 @@ class JabasDriver:
                                       local_batch=plan.local_batch_size, layout=layout, similarity=True,
                                       lr_batch=plan.global_batch_size if self._learners else None,
                                       record_samples=self.options.record_samples)
-        replies, end = self.pool.train(req)
+        replies, end = self.pool.train(req, deadline_s=interval_deadline(
+            self.options, plan.iteration_time * req.num_iterations))
         dt, iterations = time.perf_counter() - t0, replies[0].num_iterations
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,
@@ -391,7 +483,8 @@ class JabasDriver:
                         metrics=self.metrics)
         if state.epochs_done < self.job.epochs:
             state = self._decide_next_epoch(state, ctl)
-        self._save(state, worker_state)
+        if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
+            self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)
@@ -423,12 +516,13 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
-        pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        """Release the actors, restart from the last intact checkpoint without the dead actors'
+        GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
-        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
+                                    policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
 

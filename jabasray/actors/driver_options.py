@@ -1,6 +1,7 @@
 """Driver options and callbacks (plain data and hooks of :class:`jabasray.actors.driver.JabasDriver`)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,21 @@ class DriverOptions(JsonMixin):
                                         # (CPU time / speed: the same share for every emulated GPU
                                         # while sum(speeds) <= host cores); actors.emulation
     force_replacement: bool = False     # re-place all actors at every epoch boundary (tests/advanced)
-    keep_checkpoints: int = 2           # newest epoch checkpoints kept on disk
     placement_timeout_s: float = 120.0  # wait for placement-group resources
     collective_timeout_s: float = 300.0 # process-group timeout
     failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
+    call_timeout_s: float = 600.0       # the longest any call to the GPU actors may take (setup:
+                                        # plus placement_timeout_s and collective_timeout_s); a call
+                                        # past it is a hang: an actor failure (actors killed, the
+                                        # epoch redone)
+    interval_timeout_factor: float = 20.0  # a training interval may take up to this many times its
+                                        # predicted time when that exceeds call_timeout_s
+    rendezvous_ports: tuple[int, int] | None = None  # (first, last) port the driver's rendezvous
+                                        # store may listen on, tried in order (a cluster that opens
+                                        # only some ports); None: any free port
+    actor_env: dict[str, str] | None = None  # environment variables of the GPU actors (Ray
+                                        # runtime_env), e.g. {"NCCL_SOCKET_IFNAME": "eth0",
+                                        # "GLOO_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
     torch_threads: int = 1              # torch threads inside each actor
     bucket_cap_mb: float = 25.0         # engine gradient bucket cap
     bucket_planner: str = "size"        # "size" (cap-sized buckets) or "libra" (LIBRA fusion, profiler.buckets)
@@ -62,7 +74,6 @@ class DriverOptions(JsonMixin):
             self.emulate = self.device == "cpu"
         from .emulation import check_emulation
         check_emulation(self.emulation)
-        check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)
@@ -83,8 +94,14 @@ class DriverOptions(JsonMixin):
         for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
-        for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb"):
+        for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",
+                  "call_timeout_s"):
             check_float(f, getattr(self, f), min_value=0, min_exclusive=True)
+        check_float("interval_timeout_factor", self.interval_timeout_factor, min_value=1)
+        if self.rendezvous_ports is not None:
+            self.rendezvous_ports = check_port_range(self.rendezvous_ports)
+        if self.actor_env is not None:
+            self.actor_env = check_actor_env(self.actor_env)
 
     def check_job(self, job: Any) -> None:
         """What these options bound of a job (a JobConfig): sync="sma" needs sma_learners <=
@@ -92,6 +109,41 @@ class DriverOptions(JsonMixin):
         if job.sync == "sma" and job.sma_learners > self.sma_max_learners:
             raise ValueError(f"sma_learners must be <= DriverOptions.sma_max_learners "
                              f"({self.sma_max_learners}), got {job.sma_learners}")
+
+
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_port_range(ports: Any) -> tuple[int, int]:
+    """``(first, last)`` with 1024 <= first <= last <= 65535, else a one-line ValueError."""
+    if (not isinstance(ports, (list, tuple)) or len(ports) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+            or not 1024 <= ports[0] <= ports[1] <= 65535):
+        raise ValueError(f"rendezvous_ports must be (first, last) ports with 1024 <= first <= "
+                         f"last <= 65535, got {ports!r}")
+    return int(ports[0]), int(ports[1])
+
+
+def check_actor_env(env: Any) -> dict[str, str]:
+    """Environment variables for the GPU actors: names of letters, digits and ``_``, string
+    values; ``NCCL_DEBUG`` one of :data:`NCCL_DEBUG_LEVELS`; the interface variables
+    (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``) non-empty. One-line ValueError otherwise."""
+    if not isinstance(env, dict):
+        raise ValueError(f"actor_env must map variable names to strings, got {type(env).__name__}")
+    for k, v in env.items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise ValueError(f"actor_env: {k!r} is not an environment variable name "
+                             f"(letters, digits, _)")
+        if not isinstance(v, str):
+            raise ValueError(f"actor_env[{k}] must be a string, got {v!r}")
+    if "NCCL_DEBUG" in env and env["NCCL_DEBUG"].upper() not in NCCL_DEBUG_LEVELS:
+        raise ValueError(f"actor_env[NCCL_DEBUG] must be one of {list(NCCL_DEBUG_LEVELS)}, "
+                         f"got {env['NCCL_DEBUG']!r}")
+    for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        if k in env and not env[k].strip():
+            raise ValueError(f"actor_env[{k}] must name a network interface (e.g. eth0), got ''")
+    return dict(env)
 
 
 def check_driver_inputs(job: Any, cluster: Any, dataset: Any, dataset_size: int | None) -> int:
@@ -126,4 +178,5 @@ class DriverCallback:
         pass
 
 
-__all__ = ["DriverOptions", "DriverCallback", "check_driver_inputs"]
+__all__ = ["DriverOptions", "DriverCallback", "check_driver_inputs", "check_actor_env",
+           "check_port_range", "NCCL_DEBUG_LEVELS"]

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import JobConfig
+from ..engine.iidp import read_losses
 from ..engine.sampler import add_digests, sample_digest
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
@@ -149,10 +150,11 @@ class GPUActor(BackgroundHostMixin):
 
         from ..engine.loader import InMemoryBatches, LoaderBatches
         from ..engine.sampler import IIDPSampler
-        from .hooks import JobHooks
+        from .hooks import JobHooks, named, named_hooks
 
         torch.set_num_threads(torch_threads)
-        self.hooks = hooks if hooks is not None else JobHooks()
+        self.hooks = named_hooks(hooks if hooks is not None else JobHooks())   # errors name the hook
+        loss_fn = named("loss_fn", loss_fn)
         _configure_logging(self.hooks.log_level)
         self.slot = slot
         self.world_size = world_size
@@ -253,7 +255,7 @@ class GPUActor(BackgroundHostMixin):
                                      process_group=self.group, weight_sync=job.weight_sync,
                                      bucket_cap_mb=self.bucket_cap_mb, step_fn=h.step_fn,
                                      precision=job.precision, grad_clip_norm=job.grad_clip_norm,
-                                     bucket_plan=bucket_plan)
+                                     bucket_plan=bucket_plan, per_sample_loss=job.per_sample_loss)
             optimizer = self.worker.optimizer
         self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank
@@ -378,7 +380,7 @@ class GPUActor(BackgroundHostMixin):
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor
-        losses: list[float] = []
+        losses: list = []                      # floats or 0-d device tensors until the end
         lrs: list[float] = []
         compute = comm = update = slept = overrun = 0.0
         samples = 0
@@ -396,10 +398,11 @@ class GPUActor(BackgroundHostMixin):
             lr = self._apply_lr(req, global_batch, req.iteration + k)
             lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
-            keep = bool(req.similarity and last and self.world_size > 1)
+            keep = bool(req.similarity and last and (self.world_size > 1 or self.slot.solo))
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
                 with StepTimer() as timer:
-                    stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                    stats = self.worker.train_step(batches, ragged=it.ragged,
+                                                   keep_local_grad="split" if keep and self.slot.solo else keep)
                 if self.emulate:
                     if self.emulation == "wait":
                         s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
@@ -409,7 +412,7 @@ class GPUActor(BackgroundHostMixin):
                     if s > 0:
                         time.sleep(s)
                         slept += s
-            losses.append(float(stats.loss))
+            losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
             read = np.concatenate(it.micro_batches)      # what this iteration trained on
             samples += len(read)
             digest = add_digests(digest, sample_digest(read))
@@ -428,6 +431,7 @@ class GPUActor(BackgroundHostMixin):
                         "emulation by %.2fs of %.2fs this interval (sum of the placed speeds > "
                         "host cores?)", self.slot.rank, self.slot.gpu_type, self.slot.speed,
                         overrun, wall)
+        losses = read_losses(losses)           # one device read per interval, not per step
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
@@ -485,18 +489,24 @@ class GPUActor(BackgroundHostMixin):
             self.lr_scheduler.step()
 
     def _group_similarity(self, local_grad: Any) -> float:
-        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
-        two group sums; Phi = cosine(row 0, row 1) (identical on every rank)."""
+        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group`` (a solo GPU, which
+        forms both groups by its two VSW halves, fills both rows from its ``[2, P]`` local
+        gradient); rows end up as the two group sums; Phi = cosine(row 0, row 1) (identical on
+        every rank)."""
         import torch
         import torch.distributed as dist
 
         from ..adaptive import cosine_similarity
 
-        flat = local_grad.detach().reshape(-1)
-        buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
-        buf[self.slot.group].copy_(flat)
-        with self.bg_foreground_critical("allreduce"):
-            dist.all_reduce(buf, group=self.group)
+        if local_grad.dim() == 2:
+            buf = local_grad.detach().clone()
+        else:
+            flat = local_grad.detach().reshape(-1)
+            buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
+            buf[self.slot.group].copy_(flat)
+        if self.group is not None:
+            with self.bg_foreground_critical("allreduce"):
+                dist.all_reduce(buf, group=self.group)
         return float(cosine_similarity(buf[0], buf[1]))
 
 

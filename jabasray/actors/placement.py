@@ -1,14 +1,17 @@
-"""From an allocation (GPU pairs per node) to placed GPU actors.
+"""From an allocation (GPUs per node) to placed GPU actors.
 
-Rank layout (the one source of truth for who is in which similarity group):
-nodes in cluster order, pairs in node order; pair ``i`` gets ranks ``2i`` (group 0) and ``2i+1``
-(group 1). Group H of the configuration solver (Alg. 1, line 5 of the JABAS paper) is group 0, so
-``plan.workers[i]`` configures both GPUs of pair ``i``.
+Rank layout (the one source of truth for who is in which similarity group): nodes in cluster
+order; the ``g`` GPUs allocated on a node form ``g // 2`` pairs and, when ``g`` is odd, one solo
+GPU (:func:`jabasray.types.node_units`). Units are numbered in that order; ranks follow them:
+a pair's two GPUs get consecutive ranks, group 0 then group 1; a solo GPU gets one rank and
+``group = SOLO_GROUP``: it runs both groups' decoupled workers, the first half of its VSWs in
+group 0 and the second half in group 1. Group H of the configuration solver (Alg. 1, line 5 of
+the JABAS paper) is group 0, so ``plan.workers[i]`` configures unit ``i``.
 
-Placement: one Ray placement group per GPU pair (``STRICT_PACK``, one bundle per GPU), so both
-GPUs of a pair land on one Ray node, and a pair can be kept, released or added on its own when
-the allocation changes (pair ``k`` of a node is the node's ``k``-th pair; an allocation of ``n``
-pairs on a node uses its pairs ``0..n-1``). GPU types are Ray
+Placement: one Ray placement group per unit (``STRICT_PACK``, one bundle per GPU), so both
+GPUs of a pair land on one Ray node, and a unit can be kept, released or added on its own when
+the allocation changes (unit ``k`` of a node is the node's ``k``-th; an allocation of ``g``
+GPUs on a node uses its units ``0..``). GPU types are Ray
 resources: an emulated GPU of type ``t`` is one unit of the custom resource ``gpu_<t>`` with no CPU
 (8 emulated GPUs fit on 2 cores); a real GPU is ``{"GPU": 1}`` plus ``gpu_<t>`` when the cluster
 advertises such a resource (how a heterogeneous cluster labels its nodes' GPU types).
@@ -20,12 +23,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig
+from ..errors import NodesGone, PlacementTimeout
 from ..planners.job_planner import choose_for_job, initial_trajectory
 from ..serialization import JsonMixin
-from ..types import ClusterSpec, NodeSpec
+from ..types import ClusterSpec, NodeSpec, solo_unit
 from ..validation import check_int
 
 log = logging.getLogger(__name__)
+
+
+SOLO_GROUP = -1   # Slot.group of a GPU that forms both similarity groups (two VSW halves)
 
 
 def resource_name(gpu_type: str) -> str:
@@ -41,14 +48,19 @@ class Slot(JsonMixin):
     node: str          # ClusterSpec node name
     gpu_type: str      # GPU type
     speed: float       # emulation speed factor of the node
-    group: int         # similarity group: 0 (group H) or 1
-    pair: int          # pair index = index into plan.workers / group_gpus
-    local_pair: int = 0  # index of the pair on its node (identity of the pair's GPUs)
+    group: int         # similarity group: 0 (group H), 1, or SOLO_GROUP (both, by VSW halves)
+    pair: int          # unit index = index into plan.workers / group_gpus
+    local_pair: int = 0  # index of the unit on its node (identity of the unit's GPUs)
     ray_node_id: str | None = None  # Ray node the slot is pinned to (NodeSpec.ray_node_id)
 
     @property
     def pair_key(self) -> tuple[str, int]:
         return (self.node, self.local_pair)
+
+    @property
+    def solo(self) -> bool:
+        """True for a GPU that forms both similarity groups (no partner)."""
+        return self.group == SOLO_GROUP
 
 
 def ray_cluster_spec(speeds: dict[str, float] | None = None,
@@ -61,34 +73,50 @@ def ray_cluster_spec(speeds: dict[str, float] | None = None,
     return ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb)
 
 
+def job_cluster(cluster: ClusterSpec, job: JobConfig) -> ClusterSpec:
+    """The GPUs ``job`` may use: all of them for IIDP data parallelism (pairs and solo GPUs);
+    only identical pairs for Crossbow SMA (its learner tuner runs a pair's two GPUs alike) and
+    burst parallelism (DeepPool's plan over pair-built similarity groups), where an odd GPU of a
+    node is left out with a warning."""
+    if job.sync != "sma" and job.parallelism != "burst":
+        return cluster
+    try:
+        return cluster.validated_pairs(drop_odd_gpu=True)
+    except ValueError:
+        mode = "sync='sma' (Crossbow)" if job.sync == "sma" else "parallelism='burst'"
+        raise ValueError(f"cluster: {mode} needs two GPUs of one type on one node, got "
+                         f"{[(n.name, n.num_gpus) for n in cluster.nodes]}; use sync='iidp' "
+                         f"(any number of GPUs)") from None
+
+
 def normalize_allocation(cluster: ClusterSpec, allocation: dict[str, int]) -> dict[str, int]:
-    """Validate ``{node name: number of GPU pairs}`` against ``cluster``; drop zero entries."""
+    """Validate ``{node name: number of GPUs}`` against ``cluster``; drop zero entries."""
     out: dict[str, int] = {}
-    for name, pairs in allocation.items():
+    for name, gpus in allocation.items():
         node = cluster.node(name)
-        check_int(f"allocation[{name}]", pairs, min_value=0, max_value=node.num_pairs)
-        if pairs:
-            out[name] = int(pairs)
+        check_int(f"allocation[{name}]", gpus, min_value=0, max_value=node.num_gpus)
+        if gpus:
+            out[name] = int(gpus)
     if not out:
-        raise ValueError("allocation must use at least one GPU pair, got none")
+        raise ValueError("allocation must use at least one GPU, got none")
     return out
 
 
 def full_allocation(cluster: ClusterSpec) -> dict[str, int]:
-    """Every pair of every node."""
-    return {n.name: n.num_pairs for n in cluster.nodes if n.num_pairs}
+    """Every GPU of every node."""
+    return {n.name: n.num_gpus for n in cluster.nodes}
 
 
 def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[float],
                          dataset_size: int, job: JobConfig) -> dict[str, int]:
-    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: pairs}``."""
+    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: GPUs}``."""
     return normalize_allocation(cluster, choose_for_job(cluster, model, trajectory, dataset_size,
-                                                        job).allocation.node_pairs)
+                                                        job).allocation.node_gpus)
 
 
 def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
                    dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
-    """The allocation a job runs next on ``cluster``: every pair when ``fixed`` (no
+    """The allocation a job runs next on ``cluster``: every GPU when ``fixed`` (no
     ``job.autoscale``, or burst parallelism's fixed G), else the auto-scaler (JABAS 6.3) over all
     candidate allocations on the ``forecast`` B_G trajectory (None or empty: the initial phase,
     B_G^init for every interval of the epoch)."""
@@ -102,20 +130,23 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
     """Ranks for an allocation (see module docstring for the layout)."""
     allocation = normalize_allocation(cluster, allocation)
     slots: list[Slot] = []
-    pair = 0
+    unit = 0
     for node in cluster.nodes:
-        for k in range(allocation.get(node.name, 0)):
-            for g in (0, 1):
-                slots.append(Slot(rank=2 * pair + g, node=node.name, gpu_type=node.gpu_type,
-                                  speed=node.speed, group=g, pair=pair, local_pair=k,
+        gpus = allocation.get(node.name, 0)
+        for k in range(gpus // 2 + gpus % 2):
+            groups = (0, 1) if k < gpus // 2 else (SOLO_GROUP,)
+            for g in groups:
+                slots.append(Slot(rank=len(slots), node=node.name, gpu_type=node.gpu_type,
+                                  speed=node.speed, group=g, pair=unit, local_pair=k,
                                   ray_node_id=node.ray_node_id))
-            pair += 1
+            unit += 1
     return slots
 
 
 def group_gpus(slots: list[Slot]) -> list[str]:
-    """GPU types of group H (group 0), in pair order: the ``G``/``H`` input of the solver."""
-    return [s.gpu_type for s in slots if s.group == 0]
+    """Group H as unit names, in unit order: the ``G``/``H`` input of the solver (a pair's GPU
+    type, or :func:`jabasray.types.solo_unit` of a solo GPU)."""
+    return [solo_unit(s.gpu_type) if s.solo else s.gpu_type for s in slots if s.group in (0, SOLO_GROUP)]
 
 
 def multi_node(slots: list[Slot]) -> bool:
@@ -124,21 +155,22 @@ def multi_node(slots: list[Slot]) -> bool:
 
 
 def layout_for(slots: list[Slot], workers: list[Any]) -> list[int]:
-    """Decoupled workers per rank: pair ``i``'s ranks both run ``workers[i]`` (Plan.workers)."""
-    if len(workers) != len(slots) // 2:
-        raise ValueError(f"plan.workers must have one entry per GPU pair ({len(slots) // 2}), "
-                         f"got {len(workers)}")
-    return [int(workers[s.pair].num_workers) for s in slots]
+    """Decoupled workers per rank: unit ``i``'s ranks run ``workers[i]`` (Plan.workers), a solo
+    GPU twice (both groups)."""
+    units = len({s.pair for s in slots})
+    if len(workers) != units:
+        raise ValueError(f"plan.workers must have one entry per GPU unit ({units}), got {len(workers)}")
+    return [int(workers[s.pair].num_workers) * (2 if s.solo else 1) for s in slots]
 
 
-def drop_pair(cluster: ClusterSpec, node_name: str) -> ClusterSpec | None:
-    """The cluster without one GPU pair of ``node_name`` (a node left without a pair is removed).
+def drop_gpus(cluster: ClusterSpec, node_name: str, count: int = 1) -> ClusterSpec | None:
+    """The cluster without ``count`` GPUs of ``node_name`` (a node left without a GPU is removed).
     Returns None when nothing is left."""
     nodes: list[NodeSpec] = []
     for n in cluster.nodes:
         if n.name == node_name:
-            if n.num_gpus - 2 >= 2:
-                nodes.append(replace(n, num_gpus=n.num_gpus - 2))
+            if n.num_gpus - count >= 1:
+                nodes.append(replace(n, num_gpus=n.num_gpus - count))
         else:
             nodes.append(n)
     return ClusterSpec(nodes=nodes) if nodes else None
@@ -178,9 +210,10 @@ def actor_name(label: str, generation: int, slot: Slot, prefix: str = "jabasray"
 EMULATED_CPU_SHARE = 0.01   # CPUs an emulated GPU asks for when the cluster has no gpu_<type>
 
 
-def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None
-               ) -> dict[str, float]:
-    """Ray resources of one GPU of ``gpu_type``.
+def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None = None,
+               cpus: float = 0.0) -> dict[str, float]:
+    """Ray resources of one GPU of ``gpu_type``, with ``cpus`` CPUs for its data-loader workers
+    (reserved in the bundle, so a node's GPUs are not placed beyond the CPUs their loaders need).
 
     Emulated: one unit of the custom resource ``gpu_<type>``, no CPU; on a cluster that does not
     advertise that resource (e.g. a plain ``ray start --head``) a small CPU share instead, so that
@@ -190,22 +223,49 @@ def bundle_for(gpu_type: str, emulate: bool, available: dict[str, float] | None 
     res = resource_name(gpu_type)
     if emulate:
         if available is None or res in available:
-            return {res: 1.0}
-        return {"CPU": EMULATED_CPU_SHARE}
-    bundle = {"GPU": 1.0}
-    if available is None or res in available:
-        bundle[res] = 1.0
+            bundle = {res: 1.0}
+        else:
+            bundle = {"CPU": EMULATED_CPU_SHARE}
+    else:
+        bundle = {"GPU": 1.0}
+        if available is None or res in available:
+            bundle[res] = 1.0
+    if cpus > 0:
+        bundle["CPU"] = bundle.get("CPU", 0.0) + float(cpus)
     return bundle
 
 
-def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None
-                 ) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
-    """Bundles (one per GPU, :func:`bundle_for`) and the ``bundle_label_selector`` of the
-    placement group of one GPU pair: every bundle on the pair's Ray node when it is pinned
-    (``Slot.ray_node_id``), else None (any node with the resources)."""
-    bundles = [bundle_for(s.gpu_type, emulate, available) for s in pair_slots]
+def pair_request(pair_slots: list[Slot], emulate: bool, available: dict[str, float] | None = None,
+                 cpus: float = 0.0) -> tuple[list[dict[str, float]], list[dict[str, str]] | None]:
+    """Bundles (one per GPU, :func:`bundle_for` with ``cpus`` loader CPUs) and the
+    ``bundle_label_selector`` of the placement group of one GPU pair: every bundle on the pair's
+    Ray node when it is pinned (``Slot.ray_node_id``), else None (any node with the resources)."""
+    bundles = [bundle_for(s.gpu_type, emulate, available, cpus) for s in pair_slots]
     node_id = pair_slots[0].ray_node_id
     return bundles, ([{NODE_ID_LABEL: node_id} for _ in bundles] if node_id else None)
+
+
+def missing_resources(bundles: list[dict[str, float]], free: dict[str, float]) -> dict[str, float]:
+    """What the ``bundles`` need beyond the ``free`` resources, per resource (empty: the amounts
+    are free, but not together on one node)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + float(v)
+    return {k: round(v - free.get(k, 0.0), 6) for k, v in sorted(need.items())
+            if v - free.get(k, 0.0) > 1e-9}
+
+
+def placement_timeout_message(node: str, ray_node_id: str | None, bundles: list[dict[str, float]],
+                              timeout_s: float, free: dict[str, float]) -> str:
+    """The one line of :class:`~jabasray.errors.PlacementTimeout`: which pair, what it asked for,
+    what is missing from the cluster's free resources."""
+    missing = missing_resources(bundles, free)
+    where = f"on Ray node {ray_node_id[:8]}" if ray_node_id else "on any one node"
+    lack = (f"missing {missing} (free: {({k: free.get(k, 0.0) for k in missing})})" if missing
+            else f"the amounts are free in the cluster but not together {where}")
+    return (f"placement timed out after {timeout_s:.0f}s: the GPU pair of node {node} needs "
+            f"{bundles} {where}; {lack}; free resources or raise DriverOptions.placement_timeout_s")
 
 
 @dataclass
@@ -222,17 +282,19 @@ class Placement:
 
 
 def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emulate: bool,
-                 timeout_s: float = 120.0, reuse: Placement | None = None
+                 timeout_s: float = 120.0, reuse: Placement | None = None, cpus: float = 0.0
                  ) -> tuple[Placement, list[int]]:
     """Start one actor per slot, one placement group per pair; keep the pairs of ``reuse`` that
     the new slots still use (their actors must then be set up again for their new slot) and
     release the others.
 
     ``make_actor(slot, options)`` must return ``ActorClass.options(**options).remote(...)``;
-    ``options`` carries the resources and the placement-group scheduling strategy.
-    Returns the placement and the ranks whose actors are new. Raises ``RuntimeError`` when the
-    resources do not appear within ``timeout_s``, or at once when a slot is pinned to a Ray node
-    that is not alive.
+    ``options`` carries the resources and the placement-group scheduling strategy; every GPU's
+    bundle also reserves ``cpus`` CPUs (its data-loader workers), which its actor holds.
+    Returns the placement and the ranks whose actors are new. Raises
+    :class:`~jabasray.errors.PlacementTimeout` when the resources do not appear within
+    ``timeout_s``, or :class:`~jabasray.errors.NodesGone` at once (before anything changed) when
+    a slot is pinned to a Ray node that is not alive.
 
     Pinned slots (``Slot.ray_node_id``, clusters detected from Ray): the pair's placement group
     asks for that node through the label ``ray.io/node-id`` of every bundle, so the actors land
@@ -248,8 +310,8 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
         gone = pinned - alive_ray_nodes()
         if gone:
             names = sorted({s.node for s in slots if s.ray_node_id in gone})
-            raise RuntimeError(f"node(s) {names} left the Ray cluster (Ray node ids "
-                               f"{sorted(g[:8] for g in gone)}); detect the cluster again")
+            raise NodesGone(f"node(s) {names} left the Ray cluster (Ray node ids "
+                            f"{sorted(g[:8] for g in gone)})", sorted(gone))
     wanted: dict[tuple[str, int], list[Slot]] = {}
     for s in slots:
         wanted.setdefault(s.pair_key, []).append(s)
@@ -265,14 +327,15 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
                 pairs[key] = old.pop(key)
                 continue
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles, selector = pair_request(pair_slots, emulate, available)
+            bundles, selector = pair_request(pair_slots, emulate, available, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
                 ray.get(pg.ready(), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"resources {bundles} for a GPU pair of node {key[0]} not available "
-                                   f"within {timeout_s:.0f}s (cluster: {ray.cluster_resources()})") from None
+                raise PlacementTimeout(placement_timeout_message(
+                    key[0], pair_slots[0].ray_node_id, bundles, timeout_s,
+                    ray.available_resources())) from None
             actors = []
             for i, s in enumerate(pair_slots):
                 bundle = bundles[i]
@@ -288,7 +351,7 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
         for pg, actors in created:
             _release_pair(pg, actors)
         raise
-    actors = [pairs[s.pair_key][1][s.group] for s in slots]
+    actors = [pairs[s.pair_key][1][max(s.group, 0)] for s in slots]
     return Placement(slots=list(slots), actors=actors, pairs=pairs), sorted(new_ranks)
 
 

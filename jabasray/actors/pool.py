@@ -28,14 +28,18 @@ class ActorPool:
         make_actor: ``(slot, world_size, ray_options) -> actor handle`` (starts one GPU actor).
         device: "cpu" or "cuda" (process-group backend).
         emulate: emulated GPU types (placement bundles).
-        placement_timeout_s, collective_timeout_s, failure_grace_s: see ``DriverOptions``.
+        placement_timeout_s, collective_timeout_s, failure_grace_s, call_timeout_s,
+            rendezvous_ports: see ``DriverOptions`` (call_timeout_s None: calls wait without limit).
+        bundle_cpus: CPUs each GPU's placement bundle reserves for its data-loader workers.
         label: what the actors' names say about the job (e.g. the run name); a short unique
             suffix is added (:func:`.placement.actor_name`).
     """
 
     def __init__(self, make_actor: Callable[[Slot, int, dict], Any], device: str, emulate: bool,
                  placement_timeout_s: float, collective_timeout_s: float, failure_grace_s: float,
-                 label: str = "job") -> None:
+                 label: str = "job", call_timeout_s: float | None = None,
+                 rendezvous_ports: tuple[int, int] | None = None,
+                 bundle_cpus: float = 0.0) -> None:
         self._make = make_actor
         self.label = f"{label}-{uuid.uuid4().hex[:6]}"
         self.name_prefix = "jabasray"      # first part of the actors' names (actor_name)
@@ -43,6 +47,9 @@ class ActorPool:
         self.placement_timeout_s = placement_timeout_s
         self.collective_timeout_s = collective_timeout_s
         self.failure_grace_s = failure_grace_s
+        self.call_timeout_s = call_timeout_s
+        self.rendezvous_ports = rendezvous_ports
+        self.bundle_cpus = bundle_cpus          # CPUs every GPU bundle reserves (loader workers)
         self.placement: Placement | None = None
         self._rdv: RendezvousServer | None = None
         self._generation = 0
@@ -79,12 +86,19 @@ class ActorPool:
             return self._make(s, world, {**opts, "name": actor_name(self.label, gen, s, self.name_prefix)})
 
         self.placement, new = place_actors(slots, make, emulate=self.emulate,
-                                           timeout_s=self.placement_timeout_s, reuse=self.placement)
+                                           timeout_s=self.placement_timeout_s, reuse=self.placement,
+                                           cpus=self.bundle_cpus)
         log.debug("placement: %d actors, %d new", world, len(new))
         self._rdv = RendezvousServer(world, backend_for(self.device), self._generation,
-                                     timeout_s=self.collective_timeout_s)
+                                     timeout_s=self.collective_timeout_s, ports=self.rendezvous_ports)
+        # setup's deadline covers a new actor's start (its process, runtime_env, dataset: as long
+        # as a placement may take), the rendezvous (which times out in the actors first:
+        # RendezvousFailed, an actor failure) and building the worker (a call)
+        deadline = None if self.call_timeout_s is None else \
+            self.placement_timeout_s + self.collective_timeout_s + self.call_timeout_s
         try:
-            self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots])
+            self.call_all("setup", per_rank=[(self._rdv.info, s, bucket_plan) for s in slots],
+                          deadline_s=deadline)
         except DatasetMismatch as e:   # Ray's RayTaskError is also its cause's class: one line
             raise DatasetMismatch(str(getattr(e, "cause", e))) from None
         if worker_state_ref is not None:
@@ -94,15 +108,18 @@ class ActorPool:
         self._applied = None
 
     def call_all(self, method: str, *args: Any, per_rank: list[tuple] | None = None,
-                 ranks: list[int] | None = None) -> list:
-        """:func:`.fanout.call_all` on the placed actors (raises ``ActorFailure``)."""
+                 ranks: list[int] | None = None, deadline_s: float | None = None) -> list:
+        """:func:`.fanout.call_all` on the placed actors (raises ``ActorFailure``, also for a
+        call past ``deadline_s``; None: ``call_timeout_s``)."""
         return call_all(self.placement.actors, method, *args, per_rank=per_rank, ranks=ranks,
-                        grace_s=self.failure_grace_s)
+                        grace_s=self.failure_grace_s,
+                        deadline_s=self.call_timeout_s if deadline_s is None else deadline_s)
 
-    def train(self, req: Any) -> tuple[list, int]:
-        """``run_interval(req)`` on every actor: the replies (rank order) and their common end
-        cursor (RuntimeError when the actors disagree on it)."""
-        replies = self.call_all("run_interval", req)
+    def train(self, req: Any, deadline_s: float | None = None) -> tuple[list, int]:
+        """``run_interval(req)`` on every actor (within ``deadline_s``; None: ``call_timeout_s``):
+        the replies (rank order) and their common end cursor (RuntimeError when the actors
+        disagree on it)."""
+        replies = self.call_all("run_interval", req, deadline_s=deadline_s)
         end = {r.end_cursor for r in replies}
         if len(end) != 1:
             raise RuntimeError(f"actors disagree on the epoch cursor: {sorted(end)}")

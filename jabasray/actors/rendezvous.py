@@ -5,7 +5,7 @@ port; every GPU actor connects to it as a client and calls ``init_process_group`
 (NCCL on CUDA devices, gloo on CPU). Each placement of actors gets a fresh store (a new
 *generation*), so actors of an old placement can never collide with the keys of a new one.
 
-Security (issue 14): the store's listening socket is bound by us to exactly the address the
+Security: the store's listening socket is bound by us to exactly the address the
 actors are given (``host``; ``127.0.0.1`` stays on the loopback device) and handed to the store
 (``master_listen_fd``), instead of the store's own bind to every interface. Every key lives under
 a per-job random prefix of 128 bits (``Rendezvous.secret``, sent to the actors through Ray's own
@@ -72,11 +72,12 @@ class RendezvousServer:
     actors of that generation live; ``close()`` drops it."""
 
     def __init__(self, world_size: int, backend: str = "gloo", generation: int = 0,
-                 timeout_s: float = 120.0, host: str | None = None) -> None:
+                 timeout_s: float = 120.0, host: str | None = None,
+                 ports: tuple[int, int] | None = None) -> None:
         import torch.distributed as dist
 
         self.host = host or node_ip()
-        sock = listen_socket(self.host)
+        sock = listen_socket(self.host, ports)
         port = int(sock.getsockname()[1])
         try:   # the store takes over the listening socket (and closes it when dropped)
             self._store = dist.TCPStore(self.host, port, world_size=None, is_master=True,
@@ -96,17 +97,25 @@ class RendezvousServer:
         self._store = None
 
 
-def listen_socket(host: str) -> socket.socket:
-    """A TCP socket listening on ``host`` only (a free port chosen by the kernel)."""
+def listen_socket(host: str, ports: tuple[int, int] | None = None) -> socket.socket:
+    """A TCP socket listening on ``host`` only: on the first free port of ``ports`` (first, last;
+    tried in order, so the port is deterministic on an idle node and within what the cluster's
+    firewall opens), or on a free port the kernel chooses (None)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"could not listen on {host} for the rendezvous: {e.strerror}") from None
-    return sock
+    candidates = [0] if ports is None else list(range(ports[0], ports[1] + 1))
+    last: OSError | None = None
+    for port in candidates:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+            sock.listen(128)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+    where = "" if ports is None else f" on any port of rendezvous_ports {list(ports)}"
+    raise RuntimeError(f"could not listen on {host} for the rendezvous{where}: "
+                       f"{last.strerror if last else 'no port'}")
 
 
 def join_process_group(rdv: Rendezvous, rank: int):
@@ -122,10 +131,19 @@ def join_process_group(rdv: Rendezvous, rank: int):
     timeout = datetime.timedelta(seconds=rdv.timeout_s)
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.TCPStore(rdv.host, rdv.port, world_size=None, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(rdv.prefix, store)
-    dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
-                            timeout=timeout)
+    try:
+        store = dist.TCPStore(rdv.host, rdv.port, world_size=None, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(rdv.prefix, store)
+        dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
+                                timeout=timeout)
+    except (RuntimeError, OSError) as e:   # DistStoreError/DistNetworkError are RuntimeErrors
+        from ..errors import RendezvousFailed
+        msg = " ".join(str(e).split())[:300]
+        raise RendezvousFailed(f"rank {rank}: could not join the process group at "
+                               f"{rdv.host}:{rdv.port} ({rdv.backend}) within {rdv.timeout_s:g}s: "
+                               f"{type(e).__name__}: {msg}; check that the port is open between "
+                               f"the nodes (DriverOptions.rendezvous_ports) and the network "
+                               f"interface (actor_env NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME)") from None
     return dist.group.WORLD
 
 

@@ -1,0 +1,216 @@
+"""Faults that must neither hang nor stop a run, on a ``ray.cluster_utils.Cluster`` of two
+raylets (a head with 2 CPUs and 2 emulated "fast" GPUs, a node with 1 CPU and 2 more).
+
+Proves: a GPU actor that blocks forever inside the user's step becomes an actor failure naming
+the hung ranks within the call's deadline (not after the collective timeout), every actor is
+killed and the epoch is redone on the same allocation, losing no completed epoch and serving
+every sample once; the actors' environment (``DriverOptions.actor_env``) reaches their process
+and gloo (an interface that does not exist makes every rendezvous fail), and a failed rendezvous
+is an actor failure counted against ``max_failures``, ending in one line; the rendezvous store
+listens on the first free port of ``rendezvous_ports``; placement bundles reserve the data
+loaders' CPUs, and a placement that cannot be met ends with PlacementTimeout naming what is
+missing.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+from ray import cloudpickle
+
+from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
+                            perf_model, tiny_data)
+from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
+from jabasray.actors.hooks import JobHooks
+from jabasray.actors.placement import place_actors, release, slots_for
+from jabasray.config import FailureConfig, JobConfig
+from jabasray.errors import JobFailed, PlacementTimeout
+from jabasray.types import ClusterSpec, NodeSpec
+
+pytestmark = pytest.mark.multinode
+
+
+@pytest.fixture(scope="module")
+def cluster(without_session_ray):
+    ray = without_session_ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}))
+    c.add_node(num_cpus=1, resources={"gpu_fast": 2})
+    try:
+        ray.init(address=c.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+FOUR = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4)])   # 4 GPUs (2 pairs), placed on either raylet
+
+
+def job(epochs: int = 2) -> JobConfig:
+    return JobConfig(epochs=epochs, initial_global_batch=32, min_global_batch=16,
+                     max_global_batch=64, min_local_batch=4, adapt_interval=2, autoscale=False,
+                     seed=1)
+
+
+class HangOnce:
+    """The user's step, which blocks for an hour in the first step after ``armed`` appears, in
+    one actor only (the one that creates ``taken`` first)."""
+
+    def __init__(self, armed: str, taken: str) -> None:
+        self.armed, self.taken = armed, taken
+
+    def __call__(self, model, batch):
+        if os.path.exists(self.armed):
+            try:
+                os.close(os.open(self.taken, os.O_CREAT | os.O_EXCL))
+                time.sleep(3600)
+            except FileExistsError:
+                pass
+        inputs, targets = batch
+        return loss_fn(model(inputs), targets)
+
+
+class Arm(DriverCallback):
+    """Arms the hang after interval 0 of ``epoch``; records events with their times."""
+
+    def __init__(self, armed: str, epoch: int) -> None:
+        self.armed, self.epoch = armed, epoch
+        self.t_armed: float | None = None
+        self.events: list[tuple[float, str]] = []
+
+    def on_interval(self, drv, record):
+        if self.t_armed is None and record.epoch == self.epoch and record.interval == 0:
+            open(self.armed, "w").close()
+            self.t_armed = time.monotonic()
+
+    def on_event(self, drv, message):
+        self.events.append((time.monotonic(), message))
+
+
+def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(cluster, tmp_path):
+    """One actor blocks in its step in epoch 1 (the other three wait for it in the gradient
+    all-reduce). The interval's deadline (call_timeout_s=8; the collective timeout is 120 s)
+    turns it into one actor failure naming the ranks still running; the driver kills every
+    actor, restarts epoch 1 from its checkpoint on the same allocation (a hang drops no GPU
+    pair) and finishes: epoch 0 kept, each epoch served every sample exactly once."""
+    ds, val = tiny_data(240)
+    hook = Arm(str(tmp_path / "armed"), epoch=1)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), FOUR, tmp_path / "hang",
+                      val_dataset=val, perf_model=perf_model(),
+                      hooks=JobHooks(step_fn=HangOnce(str(tmp_path / "armed"), str(tmp_path / "taken"))),
+                      callbacks=[hook],
+                      options=DriverOptions(failure_grace_s=5, call_timeout_s=8,
+                                            collective_timeout_s=120, record_samples=True))
+    hist = drv.run()
+    assert os.path.exists(tmp_path / "taken")              # the hang happened
+    fail = [(t, m) for t, m in hook.events if "failure" in m]
+    assert len(fail) == 1
+    t_fail, msg = fail[0]
+    assert "ActorHung" in msg and "run_interval on rank(s) [" in msg and "within 8s" in msg
+    assert t_fail - hook.t_armed >= 8                      # not before its deadline
+    assert "restarting epoch 2" in msg
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"n0": 4}
+    assert_each_sample_once_per_epoch(hist, 240)
+    assert drv.gpu_actors() == []
+
+
+class Env(DriverCallback):
+    """At the first interval: each actor's values of ``names`` and the rendezvous port."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names, self.env, self.port = names, None, None
+
+    def on_interval(self, drv, record):
+        import ray
+        if self.env is None:
+            names = self.names
+            self.env = ray.get([a.__ray_call__.remote(lambda _self: {k: os.environ.get(k) for k in names})
+                                for a in drv.gpu_actors()])
+            self.port = drv.pool._rdv.info.port
+
+
+def free_port_range(n: int = 8) -> tuple[int, int]:
+    """A range of ``n`` ports whose first one is free now."""
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return (port, port + n - 1) if port + n - 1 <= 65535 else (port - n + 1, port)
+
+
+def test_actor_env_reaches_the_actors_and_the_store_listens_in_the_port_range(cluster, tmp_path):
+    ds, val = tiny_data(240)
+    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    ports = free_port_range()
+    seen = Env(list(env) + ["OMP_NUM_THREADS"])
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "env",
+                      val_dataset=val, perf_model=perf_model(), callbacks=[seen],
+                      options=DriverOptions(actor_env=env, rendezvous_ports=ports))
+    hist = drv.run()
+    assert len(hist.epochs) == 1
+    # the job's own runtime_env (OMP_NUM_THREADS) is kept beside actor_env
+    assert seen.env == [dict(env, OMP_NUM_THREADS="1")] * 4
+    assert ports[0] <= seen.port <= ports[1]
+
+
+def test_a_rendezvous_that_fails_is_an_actor_failure_and_ends_in_one_line(cluster, tmp_path):
+    """GLOO_SOCKET_IFNAME names no interface: every actor fails to join the process group
+    (RendezvousFailed), the driver recovers once (max_failures=1), fails again and gives up with
+    a one-line JobFailed that says what happened."""
+    ds, _ = tiny_data(240)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "rdv",
+                      perf_model=perf_model(), failure=FailureConfig(max_failures=1),
+                      options=DriverOptions(actor_env={"GLOO_SOCKET_IFNAME": "nosuchif0"},
+                                            collective_timeout_s=20, call_timeout_s=30))
+    with pytest.raises(JobFailed) as info:
+        drv.run()
+    msg = str(info.value)
+    assert "\n" not in msg and "giving up after 2 GPU actor failures" in msg
+    assert "RendezvousFailed" in msg
+    assert drv.gpu_actors() == []
+
+
+class Where:
+    def ping(self) -> bool:
+        return True
+
+
+def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missing(cluster):
+    """One pair with 1 loader CPU per GPU: both bundles hold {gpu_fast: 1, CPU: 1} and the
+    actors hold the CPU (it is gone from the cluster's free CPUs while they live). Two pairs
+    with 2 CPUs per GPU need 8 CPUs of a 3-CPU cluster: PlacementTimeout, one line."""
+    import ray
+
+    remote = ray.remote(num_cpus=0)(Where)
+    make = lambda slot, opts: remote.options(**opts).remote()   # noqa: E731
+    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 1})
+    free_before = ray.available_resources().get("CPU", 0)
+    placement, _ = place_actors(slots, make, emulate=True, timeout_s=60, cpus=1)
+    try:
+        assert ray.get([a.ping.remote() for a in placement.actors]) == [True, True]
+        pg = next(iter(placement.pairs.values()))[0]
+        table = ray.util.placement_group_table(pg)
+        assert list(table["bundles"].values()) == [{"gpu_fast": 1.0, "CPU": 1.0}] * 2
+        deadline = time.monotonic() + 30
+        while ray.available_resources().get("CPU", 0) > free_before - 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ray.available_resources().get("CPU", 0) == free_before - 2
+    finally:
+        release(placement)
+    with pytest.raises(PlacementTimeout) as info:
+        place_actors(slots_for(FOUR, {"n0": 2}), make, emulate=True, timeout_s=3, cpus=2)
+    msg = str(info.value)
+    assert "\n" not in msg and "node n0" in msg and "'CPU'" in msg and "missing" in msg
+
+
+# Ray workers cannot import this test module: ship its classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,0 +1,85 @@
+"""The cluster-facing driver options without Ray: actor environment and rendezvous-port checks,
+their CLI flags, the interval deadline, the loader CPUs of a bundle, the rendezvous store on the
+first free port of a range, and a rendezvous nobody answers as RendezvousFailed (one line)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from jabasray.actors.driver import DriverOptions, interval_deadline, loader_cpus
+from jabasray.actors.hooks import JobHooks
+from jabasray.actors.placement import bundle_for
+from jabasray.actors.rendezvous import Rendezvous, join_process_group, listen_socket
+from jabasray.commands.train import parse_actor_env, parse_port_range
+from jabasray.errors import RendezvousFailed
+
+
+@pytest.mark.parametrize("env, field", [
+    ({"NCCL_DEBUG": "LOUD"}, "NCCL_DEBUG"), ({"GLOO_SOCKET_IFNAME": " "}, "GLOO_SOCKET_IFNAME"),
+    ({"1BAD": "x"}, "'1BAD'"), ({"NCCL_SOCKET_IFNAME": 3}, "NCCL_SOCKET_IFNAME"),
+    (["NCCL_DEBUG=INFO"], "actor_env")])
+def test_actor_env_is_checked_in_one_line(env, field):
+    with pytest.raises(ValueError) as info:
+        DriverOptions(actor_env=env)
+    assert field in str(info.value) and "\n" not in str(info.value)
+
+
+def test_actor_env_and_ports_round_trip_and_bad_ports_are_refused():
+    opts = DriverOptions(actor_env={"NCCL_DEBUG": "INFO", "NCCL_SOCKET_IFNAME": "eth0"},
+                         rendezvous_ports=[29400, 29410])
+    assert opts.rendezvous_ports == (29400, 29410)
+    assert DriverOptions.from_dict(opts.to_dict()) == opts
+    for bad in [(29410, 29400), (80, 90), (29400,), ("a", "b"), (29400, 70000)]:
+        with pytest.raises(ValueError, match="rendezvous_ports"):
+            DriverOptions(rendezvous_ports=bad)
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        DriverOptions(call_timeout_s=0)
+
+
+def test_cli_flags_parse_to_the_options():
+    assert parse_actor_env(["NCCL_DEBUG=WARN", "X=a=b"]) == {"NCCL_DEBUG": "WARN", "X": "a=b"}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_actor_env(["NCCL_DEBUG"])
+    assert parse_port_range("29400-29410") == (29400, 29410) and parse_port_range("29400") == (29400, 29400)
+    assert parse_port_range(None) is None
+    with pytest.raises(ValueError, match="FIRST-LAST"):
+        parse_port_range("x-y")
+
+
+def test_interval_deadline_and_loader_cpus():
+    opts = DriverOptions(call_timeout_s=60, interval_timeout_factor=10)
+    assert interval_deadline(opts, 1.0) == 60 and interval_deadline(opts, 30.0) == 300
+    assert loader_cpus(None) == 0 and loader_cpus(JobHooks(num_data_workers=3)) == 3
+    assert bundle_for("fast", True, {"gpu_fast": 2}, cpus=3) == {"gpu_fast": 1.0, "CPU": 3.0}
+    assert bundle_for("v100", False, {"GPU": 8}, cpus=2) == {"GPU": 1.0, "CPU": 2.0}
+    assert bundle_for("fast", True, {"CPU": 2}, cpus=1) == {"CPU": 1.01}
+
+
+def test_the_store_listens_on_the_first_free_port_of_the_range():
+    blocker = listen_socket("127.0.0.1")
+    taken = blocker.getsockname()[1]
+    try:
+        if taken + 1 > 65535:
+            pytest.skip("kernel gave the last port")
+        sock = listen_socket("127.0.0.1", (taken, taken + 1))
+        try:
+            assert sock.getsockname()[1] == taken + 1
+        finally:
+            sock.close()
+        with pytest.raises(RuntimeError, match="rendezvous_ports"):
+            listen_socket("127.0.0.1", (taken, taken))
+    finally:
+        blocker.close()
+
+
+def test_a_rendezvous_nobody_answers_is_rendezvous_failed():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                         # nobody listens there now
+    rdv = Rendezvous("127.0.0.1", port, world_size=2, timeout_s=2, secret="ab")
+    with pytest.raises(RendezvousFailed) as info:
+        join_process_group(rdv, 1)
+    msg = str(info.value)
+    assert "\n" not in msg and f"127.0.0.1:{port}" in msg and msg.startswith("rank 1:")
