@@ -242,7 +242,9 @@ def _weight_sync_workers(variants: list[tuple[str, type, str]], num_vsw: int, lo
     workers = {}
     for name, cls, method in variants:
         torch.manual_seed(0)
+        # per-VSW execution: the naive baseline steps every replica's own optimizer
         w = cls(wide_mlp().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
+                vsw_execution="one_thread" if torch.device(device).type == "cuda" else "threads",
                 **worker_kw)
         w.configure(num_vsw, 0, local_batch)
         workers[name] = w

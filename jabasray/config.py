@@ -192,6 +192,30 @@ class FailureConfig(JsonMixin):
         return self.max_failures != -1 and failures > self.max_failures
 
 
+@dataclass(frozen=True)
+class CheckpointConfig(JsonMixin):
+    """Which checkpoints a run writes and keeps (Ray Train's ``CheckpointConfig`` fields and
+    meanings). A checkpoint is taken at epoch boundaries: every ``checkpoint_frequency``
+    epochs and always after the final epoch; a fault restarts from the newest one, so up to
+    ``checkpoint_frequency - 1`` completed epochs are redone. ``num_to_keep`` newest are kept
+    (None: all, as in Ray). Default 2, not Ray's None: every checkpoint holds the whole
+    optimizer state and resuming needs only the newest intact one (the older one covers a
+    corrupt newest)."""
+
+    num_to_keep: int | None = 2         # newest checkpoints kept (None: all)
+    checkpoint_frequency: int = 1       # epochs between checkpoints (0: only after the final epoch)
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None:
+            check_int("num_to_keep", self.num_to_keep, min_value=1)
+        check_int("checkpoint_frequency", self.checkpoint_frequency, min_value=0)
+
+    def due(self, epochs_done: int, epochs: int) -> bool:
+        """Whether the epoch boundary after ``epochs_done`` of ``epochs`` epochs is checkpointed."""
+        return epochs_done >= epochs or (self.checkpoint_frequency > 0 and
+                                         epochs_done % self.checkpoint_frequency == 0)
+
+
 def default_run_name(prefix: str = "JabasTrainer") -> str:
     """A run name unique per run, as Ray Train names runs: ``<prefix>_<local date>_<time>_<6 hex>``
     (the random suffix keeps two runs started in the same second apart)."""
@@ -201,6 +225,7 @@ def default_run_name(prefix: str = "JabasTrainer") -> str:
 
 
 RESUME_MODES = ("auto", "force")
+CALLBACK_METHODS = ("on_epoch", "on_interval", "on_event", "on_trial_result", "log_trial_result")
 
 
 @dataclass(frozen=True)
@@ -227,6 +252,9 @@ class RunConfig(JsonMixin):
     name: str | None = None                # this run's folder under storage_path (None: unique)
     storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
     failure_config: FailureConfig = field(default_factory=FailureConfig)   # GPU-actor failures
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)  # what is kept
+    callbacks: Sequence[Any] = ()          # DriverCallbacks and Ray Tune logger callbacks
+                                           # (TBXLoggerCallback, MLflow, W&B): jabasray.actors.callbacks
     resume: str = "auto"                   # "auto": resume a matching job; "force": also a changed one
 
     def __post_init__(self) -> None:
@@ -235,6 +263,17 @@ class RunConfig(JsonMixin):
         if self.name is not None:
             check_run_name(self.name)
         check_choice("resume", self.resume, RESUME_MODES)
+        if not isinstance(self.checkpoint_config, CheckpointConfig):
+            raise ValueError(f"checkpoint_config must be a jabasray.config.CheckpointConfig, got "
+                             f"{type(self.checkpoint_config).__name__}")
+        if isinstance(self.callbacks, (str, bytes)) or not isinstance(self.callbacks, Sequence):
+            raise ValueError(f"callbacks must be a list of callbacks, got {self.callbacks!r}")
+        for cb in self.callbacks:
+            if not any(hasattr(cb, m) for m in CALLBACK_METHODS):
+                raise ValueError(f"callbacks: {type(cb).__name__} is not a callback (a "
+                                 f"jabasray DriverCallback or a Ray Tune Callback such as "
+                                 f"ray.tune.logger.TBXLoggerCallback)")
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
         check_storage_path(self.storage_path, self.storage_filesystem)
         if not isinstance(self.failure_config, FailureConfig):
             raise ValueError(f"failure_config must be a jabasray.config.FailureConfig, got "
@@ -263,3 +302,55 @@ class RunConfig(JsonMixin):
             raise ValueError("name: this RunConfig has no run name yet; the trainer names it "
                              "(RunConfig.named()) or pass name=...")
         return self.storage / self.name
+
+
+RAY_RUN_FIELDS = ("name", "storage_path", "storage_filesystem", "failure_config",
+                  "checkpoint_config", "callbacks")
+
+
+def is_ray_run_config(obj: object) -> bool:
+    """Whether ``obj`` is Ray's ``ray.train.RunConfig`` or ``ray.tune.RunConfig`` (duck-typed:
+    this module imports no Ray)."""
+    cls = type(obj)
+    return cls.__name__ == "RunConfig" and cls.__module__.split(".")[0] == "ray"
+
+
+def run_config_from_ray(cfg: Any) -> RunConfig:
+    """A jabasray :class:`RunConfig` from Ray's ``ray.train.RunConfig`` / ``ray.tune.RunConfig``.
+
+    Converted, with Ray's meanings: ``name`` (None: unique per run), ``storage_path`` (Ray's
+    default ``~/ray_results`` becomes ours, ``jabasray_runs``), ``storage_filesystem``,
+    ``failure_config.max_failures``, ``checkpoint_config.num_to_keep`` and (Tune's)
+    ``checkpoint_frequency`` (0, Ray's default, becomes 1: a jabasray run checkpoints at epoch
+    boundaries so that a fault never loses more than an epoch), ``callbacks``. Any other field
+    set to a non-default value (``stop``, ``sync_config``, ``verbose``, ``checkpoint_score_attribute``,
+    ``fail_fast`` ...) is refused in one ``ValueError`` naming it."""
+    import dataclasses
+
+    where = f"{type(cfg).__module__}.{type(cfg).__qualname__}"
+    default = type(cfg)()
+    unsupported = [f.name for f in dataclasses.fields(cfg)
+                   if f.name not in RAY_RUN_FIELDS and getattr(cfg, f.name) != getattr(default, f.name)]
+    fc, cc = cfg.failure_config, cfg.checkpoint_config
+    if fc is not None and getattr(fc, "fail_fast", False) not in (False, "DEPRECATED", None):
+        unsupported.append("failure_config.fail_fast")
+    if cc is not None:
+        if getattr(cc, "checkpoint_score_attribute", None) is not None:
+            unsupported.append("checkpoint_config.checkpoint_score_attribute (jabasray keeps the "
+                               "newest checkpoints)")
+        if getattr(cc, "checkpoint_at_end", None) is False:
+            unsupported.append("checkpoint_config.checkpoint_at_end=False (the final epoch is "
+                               "always checkpointed)")
+    if unsupported:
+        raise ValueError(f"run_config: {where} sets {', '.join(unsupported)}, which JabasTrainer "
+                         f"does not support; it converts {', '.join(RAY_RUN_FIELDS)} (verbose: "
+                         f"JabasTrainer(verbose=...)) - or pass a jabasray.config.RunConfig")
+    freq = getattr(cc, "checkpoint_frequency", 0) if cc is not None else 0
+    checkpoint = CheckpointConfig(
+        num_to_keep=cc.num_to_keep if cc is not None else CheckpointConfig().num_to_keep,
+        checkpoint_frequency=freq if isinstance(freq, int) and freq > 0 else 1)
+    failure = FailureConfig(max_failures=fc.max_failures) if fc is not None else FailureConfig()
+    storage = cfg.storage_path if cfg.storage_path != default.storage_path else None
+    return RunConfig(storage_path=storage or RunConfig.storage_path, name=cfg.name,
+                     storage_filesystem=cfg.storage_filesystem, failure_config=failure,
+                     checkpoint_config=checkpoint, callbacks=tuple(cfg.callbacks or ()))

@@ -247,16 +247,19 @@ def test_dict_batches_and_unjoinable_leaves():
     assert max_rel_diff(w.model, ref.model) < 1e-10
 
 
-def test_join_batches_is_a_view_for_adjacent_splits_and_a_copy_otherwise():
+def test_join_batches_interleaves_every_leaf_alike():
+    """Row b*n + v of the joined batch is row b of micro-batch v, for every leaf (so inputs and
+    targets stay paired); one part is returned as it is."""
     X = torch.arange(24.).reshape(12, 2)
-    parts = list(X.split([3, 3, 3, 3]))
+    parts = list(X.split([4, 4, 4]))
     j = join_batches(parts)
-    assert torch.equal(j, X) and j.data_ptr() == X.data_ptr()          # no copy
-    k = join_batches([parts[0], parts[2]])                               # not adjacent: a copy
-    assert torch.equal(k, torch.cat([parts[0], parts[2]])) and k.data_ptr() != X.data_ptr()
-    one_row = list(X.split(1))[:4]                                       # size-1 rows stay exact
-    assert torch.equal(join_batches(one_row), X[:4])
-    assert join_batches([(X[:2], ["a", "b"]), (X[2:3], ["c"])])[1] == ["a", "b", "c"]
+    assert torch.equal(j, torch.stack(parts, 1).reshape(12, 2))
+    assert all(torch.equal(j[b * 3 + v], parts[v][b]) for b in range(4) for v in range(3))
+    assert join_batches(parts[:1]) is parts[0]
+    joined = join_batches([(X[:2], ["a", "b"]), (X[2:4], ["c", "d"])])
+    assert joined[1] == ["a", "c", "b", "d"] and torch.equal(joined[0], X[[0, 2, 1, 3]])
+    with pytest.raises(ValueError, match="unequal size"):
+        join_batches([X[:2], X[2:5]])
 
 
 def test_fallback_reasons_in_order():
@@ -284,3 +287,25 @@ def test_state_dict_of_batched_worker_is_compact_and_round_trips():
     b.load_state_dict(sd)
     for r in b.replicas():          # new replicas start from the main VSW (its statistics)
         torch.testing.assert_close(r.bn.running_var, sd["model"]["bn.running_var"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, ga", [(1, 0), (4, 1)])
+def test_cuda_batched_equals_per_vsw_on_streams(n, ga):
+    """On a GPU (float64): batched == per-VSW on the VSWs' streams (``one_thread``), with
+    BatchNorm (momentum and cumulative average), weights and every VSW's statistics."""
+    ws = {}
+    for ex in ("auto", "one_thread"):
+        torch.manual_seed(0)
+        ws[ex] = IIDPWorker(Conv3BN(momentum=None).cuda(), OPTIMIZERS["sgd_momentum"], F.cross_entropy,
+                            device="cuda", bucket_cap_mb=CAP, vsw_execution=ex)
+        ws[ex].configure(n, ga, 4)
+    for step in range(3):
+        X, y = make_data(step, n * (ga + 1) * 4)
+        mbs = split(X.cuda(), y.cuda(), [4] * (n * (ga + 1)))
+        a, b = ws["auto"].train_step(mbs), ws["one_thread"].train_step(mbs)
+        assert a.batched and not b.batched and a.loss == pytest.approx(b.loss, rel=1e-10)
+    for ra, rb in zip(ws["auto"].replicas(), ws["one_thread"].replicas()):
+        assert max_rel_diff(ra, rb) < 1e-10
+        for (k, ba), (_, bb) in zip(ra.named_buffers(), rb.named_buffers()):
+            torch.testing.assert_close(ba, bb, msg=k)

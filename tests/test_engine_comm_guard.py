@@ -1,5 +1,5 @@
 """IIDP's communication critical section (``comm_guard``) is never entered, and no collective is
-issued, from within a backward pass (issue 19: deadlock risk on CUDA, where the hook runs on the
+issued, from within a backward pass (deadlock risk on CUDA, where the hook runs on the
 device's single autograd thread, which a paused background job's ``backward()`` also needs)."""
 from __future__ import annotations
 

@@ -166,8 +166,15 @@ def test_custom_bucket_plan_one_parameter_per_bucket():
 
 
 def test_allreduce_of_first_bucket_is_launched_during_backward(monkeypatch):
-    """Overlap: bucket 0 (last layers) is launched while the main VSW's backward still runs."""
-    w = _worker(make_model(0), method="ows")
+    """Overlap: bucket 0 (last layers) is launched while the main VSW's backward still runs
+    (flat gradient buckets, as with a process group; a single device with autograd's own
+    gradients has nothing to launch and runs without hooks, checked at the end)."""
+    plain = _worker(make_model(0), method="ows")
+    plain.configure(2, 0, 2)
+    X, y = make_data(0, 4)
+    plain.train_step(split(X, y, [2, 2]))
+    assert plain._vsws[0].handles == []
+    w = _worker(make_model(0), method="ows", flat_grads=True)
     w.configure(1, 0, 4)
     during_backward = []
     orig = w._launch

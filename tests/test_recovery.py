@@ -1,4 +1,4 @@
-"""Recovery from every failure point (issue 14), on the session Ray instance: a GPU actor lost
+"""Recovery from every failure point, on the session Ray instance: a GPU actor lost
 during start-up or the first epoch is recovered like a later loss (a checkpoint exists from the
 start); exhausted restarts end in one line naming the failure and the last checkpoint; a driver
 that dies mid-epoch resumes without losing a completed epoch; a corrupt newest checkpoint is

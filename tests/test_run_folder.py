@@ -1,6 +1,6 @@
 """One run per run folder (lock with stale detection), the writability probe, and the CLI's
-one-line errors before any work: run names, file-system problems, batch bounds, scripts, odd GPUs
-(issue 14). No Ray is started here: every error comes before it."""
+one-line errors before any work: run names, file-system problems, batch bounds, scripts, odd GPUs.
+No Ray is started here: every error comes before it."""
 from __future__ import annotations
 
 import errno

@@ -192,3 +192,32 @@ def test_unknown_or_duplicate_members_are_value_errors():
         run.load("a", A)
     with pytest.raises(ValueError, match=r"members \['zz'\] are not loaded"):
         run.unit(["zz"])
+
+
+def test_joins_and_leaves_of_a_unit_boundary_restack_once_and_stay_exact():
+    """Unit 1: a, b, c. Then a and b leave and d, e join: ONE restack at unit 2's boundary;
+    unit 3 with the same members: none. Every member equals its configuration trained alone."""
+    D = {**A, "lr": 3e-3}
+    E = {**B, "lr": 1e-2}
+    run = PackRunner(SPEC, STREAM)
+    refs = {k: _Alone(c, SPEC) for k, c in zip("abcde", (A, B, C, D, E))}
+    for k, c in zip("abc", (A, B, C)):
+        run.load(k, c)
+    pos = run.position
+    rows = run.unit(["a", "b", "c"])
+    for k in "abc":
+        _check(rows[k], *refs[k].unit(pos))
+    run.free("a")
+    run.free("b")
+    run.load("d", D)
+    run.load("e", E)
+    builds = []
+    build = run.pack._build
+    run.pack._build = lambda: (builds.append(1), build())[1]
+    for u in (2, 3):
+        pos = run.position
+        rows = run.unit(["c", "d", "e"])
+        assert len(builds) == 1                            # unit 2: one restack; unit 3: none
+        for k in "cde":
+            _check(rows[k], *refs[k].unit(pos))
+        assert rows["c"]["pack_size"] == 3

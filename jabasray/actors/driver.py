@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from ..adaptive import AdaptiveBatchController
 from ..adaptive.forecast import forecast_next_epoch
-from ..config import FailureConfig, JobConfig
+from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
@@ -94,6 +94,8 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        checkpoint: :class:`jabasray.config.CheckpointConfig` (``RunConfig.checkpoint_config``):
+            every how many epochs a checkpoint is committed and how many are kept.
         force_resume: resume a checkpoint written with another ``JobConfig``
             (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
@@ -106,7 +108,7 @@ class JabasDriver:
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
                  profile_data: Any = None, failure: FailureConfig | None = None,
-                 force_resume: bool = False) -> None:
+                 force_resume: bool = False, checkpoint: CheckpointConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
@@ -122,6 +124,7 @@ class JabasDriver:
         self.failure = failure or FailureConfig()
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
+        self.checkpoint = checkpoint or CheckpointConfig()
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -382,7 +385,7 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        """Checkpoint ``state`` with ``worker_state`` (``checkpoint.num_to_keep`` newest are kept),
         unless the run's lease was taken over by another run meanwhile."""
         if getattr(self.lock, "lost", False):
             from .run_folder import RunLockedError
@@ -390,7 +393,7 @@ class JabasDriver:
                                  f"while this one did not renew it; stopping before checkpoint "
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
-                                               keep=self.options.keep_checkpoints)
+                                               keep=self.checkpoint.num_to_keep or 0)
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
@@ -480,7 +483,8 @@ class JabasDriver:
                         metrics=self.metrics)
         if state.epochs_done < self.job.epochs:
             state = self._decide_next_epoch(state, ctl)
-        self._save(state, worker_state)
+        if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
+            self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)

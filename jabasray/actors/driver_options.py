@@ -23,7 +23,6 @@ class DriverOptions(JsonMixin):
                                         # (CPU time / speed: the same share for every emulated GPU
                                         # while sum(speeds) <= host cores); actors.emulation
     force_replacement: bool = False     # re-place all actors at every epoch boundary (tests/advanced)
-    keep_checkpoints: int = 2           # newest epoch checkpoints kept on disk
     placement_timeout_s: float = 120.0  # wait for placement-group resources
     collective_timeout_s: float = 300.0 # process-group timeout
     failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
@@ -75,7 +74,6 @@ class DriverOptions(JsonMixin):
             self.emulate = self.device == "cpu"
         from .emulation import check_emulation
         check_emulation(self.emulation)
-        check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)

@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..config import JobConfig, RunConfig
+from ..config import JobConfig, RunConfig, is_ray_run_config, run_config_from_ray
 from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
+from .callbacks import ConsoleReporter, console_reporter, tracker_callbacks
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
@@ -65,6 +66,16 @@ class Result:
     plot_path: StoragePath | None  # trajectory.png
     run_checkpoint: Checkpoint | None = None   # jabasray's epoch checkpoint (resume)
     storage: StoragePath | None = None         # the run folder (filesystem + path)
+
+    def __repr__(self) -> str:
+        """Compact, as Ray Train's: the last epoch's metrics (4 significant digits), the run
+        folder and the checkpoint - not the history (``result.history``, ``metrics.json``)."""
+        def short(v: Any) -> str:
+            return f"{v:.4g}" if isinstance(v, float) else repr(v)
+        metrics = ", ".join(f"{k!r}: {short(v)}" for k, v in self.metrics.items() if v is not None)
+        cp = None if self.checkpoint is None else f"Checkpoint(path={self.checkpoint.path!r})"
+        return (f"Result(metrics={{{metrics}}}, path={self.path!r}, "
+                f"epochs={len(self.history.epochs)}, checkpoint={cp})")
 
     @property
     def filesystem(self) -> Any:
@@ -313,6 +324,8 @@ class JabasTrainer:
         if cluster is not None:
             from .placement import job_cluster
             job_cluster(cluster, self.job)   # SMA/burst need GPU pairs: one line, before Ray
+        if is_ray_run_config(run_config):   # Ray's own RunConfig: converted or refused here
+            run_config = run_config_from_ray(run_config)
         if run_config is not None and not isinstance(run_config, RunConfig):
             raise ValueError(f"run_config must be a jabasray.config.RunConfig, got "
                              f"{type(run_config).__module__}.{type(run_config).__qualname__}")
@@ -382,23 +395,52 @@ class JabasTrainer:
                       options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows,
                       failure=self.run_config.failure_config,
-                      force_resume=self.run_config.resume == "force")
-        self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+                      force_resume=self.run_config.resume == "force",
+                      checkpoint=self.run_config.checkpoint_config)
+        # the console and Ray's logger callbacks (RunConfig.callbacks), fed in this process
+        callbacks, adapters = tracker_callbacks(self.run_config.callbacks, run_dir,
+                                                self.run_config.name, self.job.to_dict())
+        callbacks = [*self.callbacks, *callbacks]
+        reporter = console_reporter(callbacks)
+        if reporter is None and self.verbose >= 1 and wait:
+            reporter = ConsoleReporter()
+            callbacks.append(reporter)
+        if not wait:
+            adapters, reporter = [], None
+        callbacks += adapters
+        self.driver = JabasDriver(*args, **kwargs, callbacks=callbacks)  # checks the input
         self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
-        if opts.driver == "actor":
-            from . import run_client
-            self.driver = None
-            run_client.check_name_free(self.run_config.name)
-            record.begin()                # the marker, and Ray's record of it (run_record)
-            run_client.start_run(self.run_config.name, args, kwargs, opts)
-            if not wait:
-                return self.run_config.name
-            return run_client.follow(self.run_config.name, self.callbacks)
-        record.begin()
-        history = self.driver.run()
-        result = finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
-        record.forget()
+        done = start.checkpoint.epochs_done if start.checkpoint is not None else 0
+        try:
+            for a in adapters:
+                a.start()
+            if reporter is not None:
+                reporter.start(max(0, self.job.epochs - done) * probe.dataset_size)
+            if opts.driver == "actor":
+                from . import run_client
+                self.driver = None
+                run_client.check_name_free(self.run_config.name)
+                record.begin()                # the marker, and Ray's record of it (run_record)
+                run_client.start_run(self.run_config.name, args, kwargs, opts)
+                if not wait:
+                    return self.run_config.name
+                result = run_client.follow(self.run_config.name, callbacks)
+            else:
+                record.begin()
+                history = self.driver.run()
+                result = finish_run(history, run_dir,
+                                    self.driver.last_checkpoint or latest_checkpoint(run_dir))
+                record.forget()
+        except BaseException:
+            for a in adapters:
+                a.finish(failed=True)
+            raise
+        finally:
+            if reporter is not None:
+                reporter.close()
+        for a in adapters:
+            a.finish(failed=False)
         return result
 
     def _say(self, message: str | None) -> None:

@@ -228,6 +228,7 @@ def call_script(path: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..actors.callbacks import ConsoleReporter
     from ..actors.driver import DriverOptions
     from ..actors.run_folder import probe_run_folder, run_lock
     from ..actors.trainer import JabasTrainer, ensure_ray
@@ -263,10 +264,10 @@ def run(args: argparse.Namespace) -> int:
     check_int("num_cpus", args.num_cpus, min_value=1)
     if args.detach and (args.driver != "actor" or args.ray_address == "local"):
         raise ValueError("detach: needs --driver actor and a running Ray cluster (not --ray-address local)")
-    progress = _Progress(total=job.epochs * len(train) if train is not None else None,
-                         enabled=not args.no_progress)
+    # the console reporter fit() uses: epoch lines, events, the bar (fit() starts it)
+    progress = ConsoleReporter(bar=not args.no_progress)
     if not getattr(args, "verbose", False):
-        # the driver's events reach the user through _Progress.on_event; its INFO log lines
+        # the driver's events reach the user through ConsoleReporter.on_event; its INFO log lines
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
     options = DriverOptions(device=args.device, emulate=emulate, emulation=args.emulation,
@@ -306,7 +307,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
               flush=True)
-        progress.start()
         result = trainer.fit()
     finally:
         if lock is not None:
@@ -350,45 +350,3 @@ def check_run_folder(run_dir: "StoragePath", resume: bool) -> None:
         return
     cp.load_driver_state()
     cp.load_worker_state()
-
-
-class _Progress:
-    """tqdm bar on stderr (samples) + one printed line per epoch."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.bar = None
-
-    def start(self) -> None:
-        """Show the bar (once the run has passed its checks)."""
-        if self.enabled and self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=self.total, unit="sample", file=sys.stderr, dynamic_ncols=True,
-                            leave=False)
-
-    # DriverCallback protocol (duck-typed to keep the import light)
-    def on_interval(self, driver: Any, record: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(record.samples if self.total is None
-                            else min(self.total - self.bar.n, record.samples))
-            self.bar.set_postfix(B_G=record.global_batch, B_L=record.local_batch,
-                                 phi=f"{record.phi:.2f}" if record.phi is not None else "-",
-                                 loss=f"{record.loss:.3f}")
-
-    def on_epoch(self, driver: Any, record: Any) -> None:
-        from ..actors.metrics import epoch_line
-        line = epoch_line(record)
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
-
-    def on_event(self, driver: Any, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -13,9 +13,10 @@ workers, as per-VSW execution does). BatchNorm stays per VSW (:mod:`.vsw_norm`).
 accumulate in place (activation memory as for ``n`` concurrent VSWs, not ``n*(n_GA+1)``).
 
 :func:`batch_fallback_reason` says why a step cannot run batched (then it runs per VSW);
-:func:`join_batches` concatenates micro-batches, without a copy when they are adjacent views
-of one batch (the loader splits one collated batch, so with ``n_GA = 0`` a round is exactly
-the batch it was split from).
+:func:`join_batches` INTERLEAVES the round's micro-batches (row ``b*n + v`` = sample ``b`` of
+VSW ``v``): one copy of the inputs, which lets every BatchNorm view its activations as
+``[B_L, n*C, ...]`` without a copy (:mod:`.vsw_norm`); every other layer is per sample and
+indifferent to the order of rows, and so is a per-sample-mean loss.
 """
 from __future__ import annotations
 
@@ -45,49 +46,27 @@ def batch_fallback_reason(num_vsw: int, ragged: bool, per_sample_loss: bool,
     return None
 
 
-def _adjacent(parts: Sequence[torch.Tensor]) -> bool:
-    """``parts`` are contiguous, same-shaped-row views that follow each other in one storage."""
-    p0 = parts[0]
-    if not p0.is_contiguous():
-        return False
-    storage = p0.untyped_storage().data_ptr()
-    end = p0.data_ptr() + p0.numel() * p0.element_size()
-    for p in parts[1:]:
-        if (not p.is_contiguous() or p.dtype != p0.dtype or p.device != p0.device
-                or p.shape[1:] != p0.shape[1:] or p.untyped_storage().data_ptr() != storage
-                or p.data_ptr() != end):
-            return False
-        end += p.numel() * p.element_size()
-    return True
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(strides))
-
-
 def join_batches(parts: Sequence[Any]) -> Any:
-    """Concatenate micro-batches along the sample dimension (structure kept): tensors by
-    ``torch.cat`` (a view when :func:`_adjacent`), lists/tuples/dicts element-wise, collated
-    lists of plain values by list concatenation. ``ValueError`` for anything else."""
+    """Interleave ``n`` equal-size micro-batches along the sample dimension (structure kept):
+    row ``b*n + v`` of the result is row ``b`` of ``parts[v]``. Tensors by ``torch.stack`` on
+    dim 1 (one copy; a single part is returned as it is), lists/tuples/dicts element-wise,
+    collated lists of plain values likewise. ``ValueError`` for anything else."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
-            raise ValueError("a 0-d tensor in a micro-batch cannot be concatenated")
+            raise ValueError("a 0-d tensor in a micro-batch cannot be joined")
         if len(parts) == 1:
             return first
-        if _adjacent(parts) and not any(p.requires_grad for p in parts):
-            rows = sum(int(p.shape[0]) for p in parts)
-            shape = (rows, *first.shape[1:])
-            return first.as_strided(shape, _contiguous_strides(shape))
-        return torch.cat(list(parts))
+        rows = {int(p.shape[0]) for p in parts}
+        if len(rows) != 1:
+            raise ValueError(f"micro-batches of unequal size {sorted(rows)} cannot be interleaved")
+        return torch.stack(list(parts), dim=1).reshape(len(parts) * rows.pop(), *first.shape[1:])
     if isinstance(first, Mapping):
         return {k: join_batches([p[k] for p in parts]) for k in first}
     if isinstance(first, (list, tuple)):
         if _is_per_sample(first):
-            return type(first)(v for p in parts for v in p)
+            if len({len(p) for p in parts}) != 1:
+                raise ValueError("micro-batches of unequal size cannot be interleaved")
+            return type(first)(v for row in zip(*parts) for v in row)
         return type(first)(join_batches([p[i] for p in parts]) for i in range(len(first)))
-    raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be concatenated")
+    raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be joined")

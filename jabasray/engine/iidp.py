@@ -50,7 +50,7 @@ VSW execution
 -------------
 **Batched (the default wherever it is exact).** After one-way weight sync every VSW holds the
 main VSW's weights, so GA round ``j`` of all ``n`` VSWs runs as ONE forward/backward of the
-main VSW's module over the ``n`` micro-batches side by side (:mod:`~jabasray.engine.batched`:
+main VSW's module over the ``n`` micro-batches interleaved (:mod:`~jabasray.engine.batched`:
 the loss, a per-sample mean, times ``n`` back-propagates the sum of the VSWs' mean-loss
 gradients; GA rounds accumulate in place), with every BatchNorm normalising per VSW over its
 ``B_L`` samples and updating that VSW's own running statistics
@@ -230,6 +230,18 @@ class _VSW:
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)
         self.handles = []
+        self.set_hooks(True, owner)
+
+    def set_hooks(self, on: bool, owner: "IIDPWorker") -> None:
+        """Register (``on``) or remove the per-parameter gradient hooks. A batched step on one
+        device with autograd's own gradients needs none: nothing is copied into buckets or
+        launched during backward (:meth:`FlatBuffers.finish` completes the buckets after it),
+        and a Python call per parameter per step is host time a plain step does not pay."""
+        if on == bool(self.handles):
+            return
+        if not on:
+            self.remove_hooks()
+            return
         for b, plist in enumerate(self.buffers.modules_params):
             for k, p in enumerate(plist):
                 self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
@@ -375,6 +387,7 @@ class IIDPWorker:
         self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
         self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
         self._copy_replicas = True          # this step's update copies weights to the replicas
+        self._prescaled = False             # this step's gradients are averaged already
         self._logged: set[str] = set()      # fallback reasons already logged
         self._pool = VSWThreadPool(0)
         self._comm: DispatcherThread | None = None   # communication thread (process group only)
@@ -725,6 +738,7 @@ class IIDPWorker:
         # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
         # only the last iteration of an adaptation interval)
         reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
+        pg_set = self.process_group is not None
         rounds = None
         if reason is None:
             try:
@@ -738,6 +752,7 @@ class IIDPWorker:
                 log.info("IIDP: per-VSW execution (%s)", reason)
             self._refresh_replicas()
         self._active = self._vsws[:1] if rounds is not None else self._vsws
+        self._vsws[0].set_hooks(rounds is None or pg_set or self._flat_grads, self)
 
         # --- per-step state
         self._pending = [len(self._active)] * nb
@@ -769,7 +784,9 @@ class IIDPWorker:
             return [base + j for j in range(G) if sizes[base + j] > 0], []
 
         if rounds is not None:
-            losses = self._run_batched(begin_vsw, rounds)
+            # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
+            # leave backward averaged (no extra pass over them in the update)
+            losses = self._run_batched(begin_vsw, rounds, self._num_vsw / self._global_num_workers)
         elif self._execution == "threads":
             def run_vsw(vsw: _VSW) -> list[torch.Tensor]:
                 with lanes.context(lanes.vsw[vsw.index]):
@@ -809,6 +826,7 @@ class IIDPWorker:
             else:
                 divisor = float(self._global_num_workers)
             self._copy_replicas = rounds is None
+            self._prescaled = rounds is not None        # batched: averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -817,7 +835,8 @@ class IIDPWorker:
                 comm_time += time.perf_counter() - tw
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
-        loss_value = (loss_t / divisor).reshape(())   # on the device: read once per interval
+        # on the device: read once per interval (batched: the losses are already averaged)
+        loss_value = loss_t.reshape(()) if rounds is not None else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
@@ -831,6 +850,8 @@ class IIDPWorker:
                     for h in (0, 1)])
             else:
                 local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
+                if rounds is not None and divisor != 1.0:
+                    local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
@@ -840,12 +861,13 @@ class IIDPWorker:
                          metric_sums=self._metric_sums, metric_counts=self._metric_counts)
 
     def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
-                     rounds: Sequence[MicroBatch]) -> list[list[torch.Tensor]]:
+                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
         """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
         ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
-        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``n`` (the sum of the VSWs'
-        mean losses, :mod:`~jabasray.engine.batched`); gradients accumulate in place."""
-        lanes, main, n = self._lanes, self._vsws[0], float(self._num_vsw)
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
+        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
+        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
+        lanes, main, n = self._lanes, self._vsws[0], weight
         try:
             with lanes.context(lanes.vsw[0]):
                 _, losses = begin_vsw(main)
@@ -932,7 +954,7 @@ class IIDPWorker:
         their copy is deferred (:meth:`_refresh_replicas`)."""
         main = self._vsws[0].buffers
         others = [v.buffers for v in self._vsws[1:]] if self._copy_replicas else []
-        scale = 1.0 / divisor
+        scale = 1.0 if self._prescaled else 1.0 / divisor
         tm = _Timings()
         clock = self._clock
         buckets = range(len(self._specs))

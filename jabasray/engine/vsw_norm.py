@@ -7,11 +7,14 @@ forwards can run as one forward over the ``n*B_L`` samples side by side - except
 BatchNorm would then normalise over all ``n*B_L`` samples. :func:`ghost_norms` swaps every
 BatchNorm layer's forward, for the duration of one batched forward, for :func:`ghost_forward`:
 
-* the activations ``x`` of shape ``[n*B_L, C, *rest]`` (VSW ``v``'s samples are rows
-  ``v*B_L .. (v+1)*B_L - 1``) are viewed as ``[B_L, n*C, *rest]`` (channel ``v*C + c`` is VSW
-  ``v``'s channel ``c``), so the STOCK kernel ``F.batch_norm`` computes each VSW's statistics
-  over exactly its ``B_L`` samples: ``y = (x - mean_v) / sqrt(var_v + eps) * w + b`` with
-  ``mean_v, var_v`` over VSW ``v``'s samples (and spatial positions);
+* the batched pass holds the VSWs' samples INTERLEAVED (:func:`~jabasray.engine.batched.join_batches`):
+  row ``b*n + v`` is sample ``b`` of VSW ``v``. The activations ``x`` of shape
+  ``[B_L*n, C, *rest]`` are then, without a copy, the view ``[B_L, n*C, *rest]`` (channel
+  ``v*C + c`` is VSW ``v``'s channel ``c``), so the STOCK kernel ``F.batch_norm`` computes each
+  VSW's statistics over exactly its ``B_L`` samples: ``y = (x - mean_v) / sqrt(var_v + eps) * w
+  + b`` with ``mean_v, var_v`` over VSW ``v``'s samples (and positions), at the cost of one
+  stock BatchNorm over the batch (no transposes: every other layer is per sample and does not
+  care about the order of the rows);
 * weight and bias are repeated ``n`` times (autograd sums their gradient over VSWs, as the
   sum of the VSWs' gradients);
 * the running statistics are the ``n`` VSWs' own: :class:`PackedNormStats` stores every VSW's
@@ -102,15 +105,15 @@ def pack_norm_stats(replicas: Sequence[nn.Module]) -> list[tuple[_BatchNorm, Pac
 
 
 def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor) -> torch.Tensor:
-    """``module``'s forward over ``stats.n`` VSWs' batches side by side (module notes):
-    each VSW normalised over its own rows and its own running statistics updated."""
+    """``module``'s forward over ``stats.n`` VSWs' interleaved batches (module notes): each
+    VSW normalised over its own rows and its own running statistics updated."""
     module._check_input_dim(x)
     n = stats.n
     N, C = x.shape[0], x.shape[1]
     if N % n:
         raise ValueError(f"a batched forward needs {n} equal local batches, got {N} rows")
     B, rest = N // n, tuple(x.shape[2:])
-    xv = x.reshape(n, B, C, *rest).transpose(0, 1).reshape(B, n * C, *rest)
+    xv = x.reshape(B, n * C, *rest)             # a view for a contiguous x
     w = module.weight.repeat(n) if module.weight is not None else None
     b = module.bias.repeat(n) if module.bias is not None else None
     tracking = stats.tracking
@@ -135,7 +138,7 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor) -
         y = F.batch_norm(xv, stats.mean.view(-1) if use_stats else None,
                          stats.var.view(-1) if use_stats else None, w, b,
                          module.training or not tracking, 0.0, module.eps)
-    return y.reshape(B, n, C, *rest).transpose(0, 1).reshape(N, C, *rest)
+    return y.reshape(N, C, *rest)
 
 
 @contextlib.contextmanager

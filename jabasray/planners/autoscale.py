@@ -1,7 +1,7 @@
 """JABAS coarse-grained automatic scaling (paper section 6.3) and its cost model (Eq. 8).
 
-Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (text lines 284-290, continued
-at 318) and Eq. 8 (text lines 349-351).
+Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (coarse-grained
+automatic scaling) and the cost model of section 7.1 (Eq. 8).
 
 Implementation notes
 --------------------

@@ -1,7 +1,7 @@
 """JABAS configuration solver (paper section 5.2, Algorithm 1), exact and fast.
 
-Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 (text lines 198-228) and
-section 5.2 with Eq. 7 and the Figure 8 example (text lines 236-262).
+Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 ("line N" below is its line N)
+and section 5.2 with Eq. 7 and the Figure 8 example.
 
 Problem (Eq. 7). For one group H of GPUs (one GPU of every identical pair) and a requested
 global batch B_G, choose a local batch B_L (a multiple of min B_L, at most min_g max B_L^g)

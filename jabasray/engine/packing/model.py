@@ -122,6 +122,24 @@ class PackedModel:
         self._build()
         return m.model, m.optimizer
 
+    def update(self, free: Sequence[int] = (),
+               load: Sequence[tuple[nn.Module, torch.optim.Optimizer, int]] = ()) -> list[int]:
+        """Free the members ``free`` and load the ``(model, optimizer, batch_size)`` members
+        ``load`` with ONE write-back and ONE restack (joins and leaves of a unit boundary
+        applied together); returns the new members' ids. The freed members' modules and
+        optimizers hold their trained state, as after :meth:`free`."""
+        for mid in free:
+            self._get(mid)
+        for k, (model, optimizer, b) in enumerate(load):
+            check_int(f"load[{k}] batch_size", b, min_value=1)
+            self._check_member(model, optimizer)
+        self._flush()
+        for mid in free:
+            del self._members[mid]
+        ids = [self._add(model, optimizer, int(b)) for model, optimizer, b in load]
+        self._build()
+        return ids
+
     def _flush(self) -> None:
         """Write stacked weights/state back into every member (params get their own storage)."""
         with torch.no_grad():
