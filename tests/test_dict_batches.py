@@ -3,8 +3,11 @@ its own step_fn and collate_fn, so it needs no given profiles: the profiler's ti
 the user's step on the user's batches; end to end, such a job trains on Ray without profiles."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from ray import cloudpickle
 import torch.nn.functional as F
 
 from actors_helpers import model_fn, optimizer_fn
@@ -35,6 +38,10 @@ class CountingStep:
         out = model(batch["features"])
         acc = (out.argmax(1) == batch["label"]).double().mean()
         return F.cross_entropy(out, batch["label"]), {"acc": acc}   # with a training metric
+
+
+# Ray workers cannot import this test module: ship its functions and classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_profile_runs_the_jobs_step_on_its_dict_batches(tmp_path):
