@@ -101,7 +101,7 @@ def main() -> None:
         job = JobConfig(seed=0, initial_global_batch=32, min_global_batch=8, min_local_batch=4)
         data = torch.utils.data.TensorDataset(torch.randn(256, 64), torch.randint(0, 10, (256,)))
         data_ref = ray.put(data)
-        timed_place(job, data_ref, slots_for(pinned_spec, {order[0]: 1}))   # warm-up, not recorded
+        timed_place(job, data_ref, slots_for(pinned_spec, {order[0]: 2}))   # warm-up, not recorded
         rows = []
 
         def save(rows: list[dict], announce: bool = False) -> dict:
@@ -118,8 +118,8 @@ def main() -> None:
 
         def contenders(n: int) -> dict:
             k = n // 2
-            target = {name: 1 for name in order[:k]}
-            before = {name: 1 for name in order[1:k + 1]}
+            target = {name: 2 for name in order[:k]}          # allocations count GPUs: a pair each
+            before = {name: 2 for name in order[1:k + 1]}
             return {
                 "pinned": lambda: timed_place(job, data_ref, slots_for(pinned_spec, target)),
                 "unpinned": lambda: timed_place(job, data_ref, slots_for(unpinned_spec, target)),

@@ -30,14 +30,14 @@ EMULATED = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
 
 
 def running_emulated_cluster() -> ClusterSpec | None:
-    """The Ray cluster we connected to, node by node (each GPU pair's actors are pinned to its
-    node), when its nodes advertise ``gpu_<type>`` resources; types run at EMULATED's speeds.
+    """The Ray cluster we connected to, node by node (each GPU's actor is pinned to its node;
+    any GPU count), when its nodes advertise ``gpu_<type>`` resources; types run at EMULATED's speeds.
     None when no node does (e.g. a plain ``ray start --head``)."""
     try:
         spec = ray_cluster_spec(speeds={t: speed for t, (_, _, speed) in EMULATED.items()})
     except ValueError:
         return None
-    return spec.validated_pairs(drop_odd_gpu=True)
+    return spec
 
 
 def main() -> None:

@@ -192,7 +192,7 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
 
     remote = ray.remote(num_cpus=0)(Where)
     make = lambda slot, opts: remote.options(**opts).remote()   # noqa: E731
-    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 1})
+    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 2})   # one pair
     free_before = ray.available_resources().get("CPU", 0)
     placement, _ = place_actors(slots, make, emulate=True, timeout_s=60, cpus=1)
     try:
@@ -207,7 +207,7 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
     finally:
         release(placement)
     with pytest.raises(PlacementTimeout) as info:
-        place_actors(slots_for(FOUR, {"n0": 2}), make, emulate=True, timeout_s=3, cpus=2)
+        place_actors(slots_for(FOUR, {"n0": 4}), make, emulate=True, timeout_s=3, cpus=2)
     msg = str(info.value)
     assert "\n" not in msg and "node n0" in msg and "'CPU'" in msg and "missing" in msg
 

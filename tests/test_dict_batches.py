@@ -3,8 +3,11 @@ its own step_fn and collate_fn, so it needs no given profiles: the profiler's ti
 the user's step on the user's batches; end to end, such a job trains on Ray without profiles."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from ray import cloudpickle
 import torch.nn.functional as F
 
 from actors_helpers import model_fn, optimizer_fn
@@ -32,7 +35,13 @@ class CountingStep:
     def __call__(self, model, batch):
         assert isinstance(batch, dict)
         self.samples += len(batch["label"])
-        return F.cross_entropy(model(batch["features"]), batch["label"])
+        out = model(batch["features"])
+        acc = (out.argmax(1) == batch["label"]).double().mean()
+        return F.cross_entropy(out, batch["label"]), {"acc": acc}   # with a training metric
+
+
+# Ray workers cannot import this test module: ship its functions and classes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def test_profile_runs_the_jobs_step_on_its_dict_batches(tmp_path):
@@ -75,3 +84,6 @@ def test_dict_batch_job_trains_without_given_profiles(ray_session, tmp_path):
     assert sum(r.samples for r in hist.intervals) == len(rows)
     assert all(r.plan is not None and r.plan.local_batch_size <= 8 for r in hist.intervals)
     assert list((tmp_path / "prof").glob("*.json"))          # profiled, not given
+    acc = hist.epochs[0].train_metrics["acc"]               # the step's metric, epoch mean
+    assert 0.0 <= acc <= 1.0 and hist.epochs[0].flat()["train_acc"] == acc
+    assert sum(r.train_metric_counts["acc"] for r in hist.intervals) == len(rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -162,3 +163,42 @@ def test_multi_node():
     assert not multi_node(_slots("ab")) and multi_node(
         [Slot(rank=0, node="n0", gpu_type="a", speed=1.0, group=0, pair=0),
          Slot(rank=1, node="n1", gpu_type="a", speed=1.0, group=1, pair=0)])
+
+
+def test_training_metrics_are_reduced_by_sample_counts_exactly():
+    """step_fn metrics: every forward reports its batch mean; ranks, intervals and the epoch sum
+    mean x samples and divide by the samples (float64), which equals the plain mean over every
+    sample the epoch trained on - whatever the forwards' sizes; they reach the CSV row
+    (train_<name>), the epoch line and Result.metrics (the flat row)."""
+    import random
+    from jabasray.actors.metrics import MetricsHistory, epoch_line, metrics_csv
+
+    rng = random.Random(3)
+    tally, every = EpochTally(), []
+    for i in range(3):                                  # intervals
+        replies = []
+        for rank in range(3):                           # ranks with different forward sizes
+            sums, counts = {"acc": 0.0}, {"acc": 0}
+            for _ in range(rng.randint(1, 4)):          # forwards (VSW micro-batches, ragged)
+                vals = [rng.random() for _ in range(rng.randint(1, 9))]
+                every.extend(vals)
+                sums["acc"] += (sum(vals) / len(vals)) * len(vals)
+                counts["acc"] += len(vals)
+            r = _reply(counts["acc"])
+            r.metric_sums, r.metric_counts = sums, counts
+            replies.append(r)
+        rec = interval_record(replies, 1.0, epoch=0, interval=i, iteration=0, cursor=0,
+                              requested_global_batch=8, global_batch=8, local_batch=4, plan=None)
+        assert rec.train_metric_counts["acc"] == sum(r.metric_counts["acc"] for r in replies)
+        tally.add(rec)
+    rec = epoch_record(tally, epoch=0, allocation={"n0": 2}, gpu_types=["fast"] * 2, trajectory=[8],
+                       forecast=[], val_metrics={"accuracy": 0.5}, replaced=False, predicted_time_s=None,
+                       time_s=1.0)
+    assert rec.train_metrics["acc"] == pytest.approx(math.fsum(every) / len(every), rel=1e-13)
+    assert rec.flat()["train_acc"] == rec.train_metrics["acc"]
+    assert f"train acc {rec.train_metrics['acc']:.4f}" in epoch_line(rec)
+    hist = MetricsHistory(epochs=[rec])
+    header, row = metrics_csv(hist).splitlines()[:2]
+    assert "train_acc" in header.split(",")
+    back = type(rec).from_dict(rec.to_dict())
+    assert back.train_metrics == rec.train_metrics

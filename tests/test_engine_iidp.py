@@ -529,3 +529,38 @@ def test_comm_guard_unused_without_process_group_and_left_on_error(monkeypatch):
     assert guard.log == [("enter", "allreduce"), ("exit", "allreduce")] and not guard.active
     with pytest.raises(ValueError, match=r"^comm_guard must be None or a callable"):
         _worker(make_model(0), comm_guard=5)
+
+
+@pytest.mark.parametrize("execution", ["auto", "threads"])
+def test_step_metrics_are_sample_weighted_sums_of_each_forward(execution):
+    """step_fn returning (loss, {name: mean}): the step reports, per metric, the float64 sum of
+    mean x samples over every forward and the samples behind it; their ratio is the metric's
+    mean over the union of the micro-batches (ragged sizes included), and the update equals
+    the plain step."""
+    model = make_model(0)
+    ref = clone(model)
+
+    def step(m, batch):
+        x, y = batch
+        out = m(x)
+        loss = F.cross_entropy(out, y)
+        return loss, {"acc": (out.argmax(1) == y).double().mean(), "ones": 1.0}
+
+    w = IIDPWorker(model, OPTIMIZERS["sgd_momentum"], F.cross_entropy, bucket_cap_mb=CAP,
+                   step_fn=step, vsw_execution=execution)
+    w.configure(2, 1, 4)
+    sizes = [4, 1, 3, 2]
+    X, y = make_data(5, sum(sizes))
+    st = w.train_step(split(X, y, sizes), ragged=True)
+    with torch.no_grad():
+        want = (ref(X).argmax(1) == y).double().sum()
+    assert st.metric_counts == {"acc": 10, "ones": 10}
+    assert float(st.metric_sums["acc"]) == pytest.approx(float(want), abs=1e-9)
+    assert float(st.metric_sums["ones"]) == 10.0
+    st = w.train_step(split(*make_data(6, 16), [4] * 4))        # batched where exact
+    assert st.metric_counts == {"acc": 16, "ones": 16} and float(st.metric_sums["ones"]) == 16.0
+    bad = IIDPWorker(make_model(0), OPTIMIZERS["sgd_momentum"], F.cross_entropy, step_fn=lambda m, b: (
+        F.cross_entropy(m(b[0]), b[1]), {"acc": "high"}))
+    bad.configure(1, 0, 4)
+    with pytest.raises(ValueError, match=r"^step_fn must return \(loss, dict\[str, number\]\)"):
+        bad.train_step(split(*make_data(7, 4), [4]))

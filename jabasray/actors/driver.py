@@ -518,6 +518,7 @@ class JabasDriver:
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
         """Release the actors, restart from the last intact checkpoint without the dead actors'
         GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        failure = self._all_dead(failure)
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
@@ -525,6 +526,31 @@ class JabasDriver:
                                     policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
+
+    def _all_dead(self, failure: ActorFailure) -> ActorFailure:
+        """``failure`` with every rank that is dead by now: the fan-out stops at the first dead
+        actor, so actors killed together (a collective abort) surface one at a time; each other
+        actor is asked for a ``ping`` (``failure_grace_s``): a dead one answers RayActorError,
+        a survivor its ping, one still stuck in a collective nothing (alive)."""
+        import ray
+
+        actors = self.gpu_actors()
+        others = {r: a for r, a in enumerate(actors) if r not in failure.dead_ranks}
+        if not failure.dead_ranks or not others:
+            return failure
+        refs = {a.ping.remote(): r for r, a in others.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.options.failure_grace_s)
+        dead = set(failure.dead_ranks)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                dead.add(refs[ref])
+            except Exception:  # noqa: BLE001 - alive, its call failed
+                pass
+        if dead == set(failure.dead_ranks):
+            return failure
+        return ActorFailure(sorted(dead), failure.cause, failure.failed_ranks)
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)

@@ -115,6 +115,9 @@ class IntervalReply(JsonMixin):
     served: list[int] | None = None    # the indices served (only with record_samples)
     emulation_overrun: float = 0.0     # "wait" emulation: seconds the steps took beyond cpu / speed
     sma_restarts: list[int] = field(default_factory=list)  # SMA: iterations that restarted from z
+    metric_sums: dict[str, float] = field(default_factory=dict)  # step_fn metrics: sum of mean x
+                                                                 # samples over the interval (float64)
+    metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
 
 
 def gather(dataset: Any, indices: Any) -> tuple:
@@ -385,6 +388,8 @@ class GPUActor(BackgroundHostMixin):
         compute = comm = update = slept = overrun = 0.0
         samples = 0
         digest = 0
+        msums: dict = {}                       # step_fn metrics (device tensors, float64)
+        mcounts: dict[str, int] = {}
         served: list[int] | None = [] if req.record_samples else None
         phi = None
         lr = self._effective_lr()
@@ -413,6 +418,9 @@ class GPUActor(BackgroundHostMixin):
                         time.sleep(s)
                         slept += s
             losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
+            for name, v in getattr(stats, "metric_sums", {}).items():
+                msums[name] = msums[name] + v if name in msums else v
+                mcounts[name] = mcounts.get(name, 0) + stats.metric_counts[name]
             read = np.concatenate(it.micro_batches)      # what this iteration trained on
             samples += len(read)
             digest = add_digests(digest, sample_digest(read))
@@ -437,7 +445,9 @@ class GPUActor(BackgroundHostMixin):
                              compute_time=compute, comm_time=comm, update_time=update,
                              emulation_sleep=slept, wall_time=wall, emulation_overrun=overrun,
                              end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
-                             served=served, sma_restarts=list(self._sma_restarts))
+                             served=served, sma_restarts=list(self._sma_restarts),
+                             metric_sums={k: float(v) for k, v in msums.items()},  # one read per interval
+                             metric_counts=mcounts)
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:

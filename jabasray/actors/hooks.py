@@ -238,7 +238,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
     import torch
 
     from ..engine.loader import batch_size, gather_rows, split_batch
-    from ..engine.step import autocast, check_loss, check_metrics, supervised_step
+    from ..engine.step import autocast, check_loss, check_metrics, split_step_output, supervised_step
     from ..engine.evaluation import default_eval_fn
 
     hooks, loss_fn = named_hooks(hooks), named("loss_fn", loss_fn)
@@ -257,7 +257,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         hook = "step_fn" if hooks.step_fn is not None else "loss_fn"
         device = torch.device("cpu")
         with autocast(device, precision):
-            loss = check_loss(step(model, rows), hook)
+            loss = check_loss(split_step_output(step(model, rows), hook)[0], hook)
         loss.backward()
         if val is not None:
             vrows = gather_rows(val, list(range(min(2, len(val)))), hooks.collate_fn)

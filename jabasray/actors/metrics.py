@@ -53,6 +53,15 @@ class IntervalRecord(JsonMixin):
                                      # iteration time (actors.burst_host.burst_record)
     served_digest: int | None = None  # digest of the indices all ranks served (engine.sampler)
     served: list[int] | None = None   # the indices served, rank order (DriverOptions.record_samples)
+    train_metric_sums: dict[str, float] = field(default_factory=dict)  # step_fn metrics, all ranks:
+                                      # sum of mean x samples (float64)
+    train_metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
+
+    @property
+    def train_metrics(self) -> dict[str, float]:
+        """The interval's step_fn metrics: sample-weighted means over every rank's forwards."""
+        return {k: v / self.train_metric_counts[k] for k, v in self.train_metric_sums.items()
+                if self.train_metric_counts.get(k)}
 
 
 @dataclass
@@ -86,10 +95,13 @@ class EpochRecord(JsonMixin):
         return (self.predicted_train_time_s - self.train_time_s) / self.train_time_s
     val_metrics: dict[str, float] = field(default_factory=dict)  # eval_fn's means, all shards
     lr: float | None = None                   # LR of the epoch's last iteration
+    train_metrics: dict[str, float] = field(default_factory=dict)  # step_fn's metrics, sample-
+                                              # weighted means over the epoch
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
         row: dict = {"epoch": self.epoch, "train_loss": self.train_loss}
+        row.update({f"train_{k}": v for k, v in self.train_metrics.items() if k != "loss"})
         row.update({f"val_{k}": v for k, v in self.val_metrics.items()})
         if "val_accuracy" not in row:
             row["val_accuracy"] = self.val_accuracy
@@ -139,9 +151,19 @@ class EpochTally:
     predicted_time: float = 0.0      # the model's prediction of train_time (interval by interval)
     lr: float | None = None          # LR of the last interval's last iteration
     served_digest: int | None = 0    # sum of the intervals' digests (None once one has none)
+    metric_sums: dict[str, float] = field(default_factory=dict)   # step_fn metrics x samples
+    metric_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def train_metrics(self) -> dict[str, float]:
+        """The epoch's step_fn metrics: sum of mean x samples over sum of samples, all intervals."""
+        return {k: v / self.metric_counts[k] for k, v in self.metric_sums.items() if self.metric_counts[k]}
 
     def add(self, rec: IntervalRecord) -> None:
         self.lr = rec.lr
+        for k, v in rec.train_metric_sums.items():
+            self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
+            self.metric_counts[k] = self.metric_counts.get(k, 0) + rec.train_metric_counts[k]
         self.served_digest = None if self.served_digest is None or rec.served_digest is None \
             else add_digests(self.served_digest, rec.served_digest)
         self.iterations += rec.num_iterations
@@ -177,12 +199,18 @@ def interval_record(replies: Sequence[Any], time_s: float, **fields: Any) -> Int
     done, first = sum(r.samples for r in replies), replies[0]
     digests = [getattr(r, "served_digest", None) for r in replies]
     served = [getattr(r, "served", None) for r in replies]
+    msums: dict[str, float] = {}
+    mcounts: dict[str, int] = {}
+    for r in replies:
+        for k, v in getattr(r, "metric_sums", {}).items():
+            msums[k] = msums.get(k, 0.0) + v
+            mcounts[k] = mcounts.get(k, 0) + r.metric_counts[k]
     return IntervalRecord(num_iterations=first.num_iterations, loss=first.loss, phi=first.phi,
                           lr=first.lr, time_s=time_s, samples=done,
                           throughput=done / time_s if time_s > 0 else 0.0,
                           served_digest=None if None in digests else add_digests(*digests),
                           served=None if None in served else [i for s in served for i in s],
-                          **fields)
+                          train_metric_sums=msums, train_metric_counts=mcounts, **fields)
 
 
 def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
@@ -200,6 +228,7 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        throughput=tally.throughput, replaced=replaced,
                        train_time_s=tally.train_time, predicted_train_time_s=tally.predicted_time,
                        predicted_time_s=predicted_time_s, val_metrics=val_metrics, lr=tally.lr,
+                       train_metrics=tally.train_metrics,
                        served_exactly_once=None if dataset_size is None
                        else tally.served_exactly_once(dataset_size))
 
@@ -228,6 +257,7 @@ def epoch_line(record: EpochRecord) -> str:
     traj = record.trajectory or [0]
     short = {"accuracy": "acc"}
     metrics = [f"train loss {record.train_loss:.4f}"]
+    metrics += [f"train {short.get(k, k)} {v:.4f}" for k, v in record.train_metrics.items() if k != "loss"]
     metrics += [f"val {short.get(k, k)} {v:.4f}" for k, v in record.val_metrics.items()]
     if not record.val_metrics and record.val_accuracy is not None:
         metrics.append(f"val acc {record.val_accuracy:.4f}")

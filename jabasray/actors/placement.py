@@ -258,13 +258,15 @@ def missing_resources(bundles: list[dict[str, float]], free: dict[str, float]) -
 
 def placement_timeout_message(node: str, ray_node_id: str | None, bundles: list[dict[str, float]],
                               timeout_s: float, free: dict[str, float]) -> str:
-    """The one line of :class:`~jabasray.errors.PlacementTimeout`: which pair, what it asked for,
+    """The one line of :class:`~jabasray.errors.PlacementTimeout`: which unit (a GPU pair or a
+    solo GPU), what it asked for,
     what is missing from the cluster's free resources."""
     missing = missing_resources(bundles, free)
     where = f"on Ray node {ray_node_id[:8]}" if ray_node_id else "on any one node"
     lack = (f"missing {missing} (free: {({k: free.get(k, 0.0) for k in missing})})" if missing
             else f"the amounts are free in the cluster but not together {where}")
-    return (f"placement timed out after {timeout_s:.0f}s: the GPU pair of node {node} needs "
+    unit = "GPU pair" if len(bundles) == 2 else "GPU"
+    return (f"placement timed out after {timeout_s:.0f}s: the {unit} of node {node} needs "
             f"{bundles} {where}; {lack}; free resources or raise DriverOptions.placement_timeout_s")
 
 

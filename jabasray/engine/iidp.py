@@ -113,7 +113,7 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
@@ -123,7 +123,7 @@ from torch import nn
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
 from .loader import batch_size, to_device
-from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, supervised_step
+from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step_output, supervised_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .batched import batch_fallback_reason, join_batches
@@ -188,6 +188,10 @@ class StepStats:
                                             # keep_local_grad="split": [2, P], the two VSW halves
     optimizer_time: float = 0.0      # s: part of update_time spent in the optimizer (t_optim)
     copy_time: float = 0.0           # s: part of update_time spent copying weights (t_copy)
+    metric_sums: dict = field(default_factory=dict)    # step_fn's (loss, {name: mean}) metrics:
+                                     # sum over this device's forwards of mean x samples (float64,
+                                     # 0-d tensors on the device)
+    metric_counts: dict = field(default_factory=dict)  # samples behind each metric sum
     batched: bool = False            # the VSWs ran as one batched pass (else per VSW)
 
     @property
@@ -407,6 +411,8 @@ class IIDPWorker:
         self._works: list[Any] = []
         self._snapshot: list[Any] | None = None
         self._split = False                    # this step keeps the two VSW halves apart
+        self._metric_sums: dict[str, torch.Tensor] = {}   # step_fn's metrics x samples (float64)
+        self._metric_counts: dict[str, int] = {}          # samples behind each metric sum
         self.comm_guard = comm_guard
         self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
@@ -754,6 +760,7 @@ class IIDPWorker:
         self._next_launch = 0
         self._works = [None] * nb
         self._snapshot = [None] * nb if keep_local_grad else None
+        self._metric_sums, self._metric_counts = {}, {}
         weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
         pg = self.process_group
         count_work = None
@@ -854,7 +861,8 @@ class IIDPWorker:
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
                          compute_time=t_compute, comm_time=comm_time, update_time=tm.optim + tm.copy,
                          weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
-                         copy_time=tm.copy, batched=rounds is not None)
+                         copy_time=tm.copy, batched=rounds is not None,
+                         metric_sums=self._metric_sums, metric_counts=self._metric_counts)
 
     def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
                      rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
@@ -918,10 +926,23 @@ class IIDPWorker:
         back-propagate."""
         batch = to_device(micro_batch, self.device)
         with autocast(self.device, self.precision):
-            loss = check_loss(self.step_fn(vsw.module, batch))
+            loss, metrics = split_step_output(self.step_fn(vsw.module, batch))
+            loss = check_loss(loss)
+        if metrics:
+            self._add_metrics(metrics, batch_size(batch))
         scaled = loss if weight == 1.0 else loss * weight
         losses.append(scaled.detach())
         return self._scaler.scale(scaled) if self._scaler is not None else scaled
+
+    def _add_metrics(self, metrics: dict[str, Any], n: int) -> None:
+        """Training metrics of one forward (means over its ``n`` samples) into this step's
+        sample-weighted float64 sums, on the device (read once per interval by the caller)."""
+        with self._lock:
+            for k, v in metrics.items():
+                t = v.detach().reshape(()).to(torch.float64) if isinstance(v, torch.Tensor) else \
+                    torch.tensor(float(v), dtype=torch.float64, device=self.device)
+                self._metric_sums[k] = self._metric_sums[k] + t * n if k in self._metric_sums else t * n
+                self._metric_counts[k] = self._metric_counts.get(k, 0) + n
 
     @staticmethod
     def _backward(vsw: _VSW, scaled: torch.Tensor, last: bool) -> None:

@@ -68,6 +68,22 @@ def check_loss(loss: Any, hook: str = "step_fn") -> torch.Tensor:
     return loss
 
 
+def split_step_output(out: Any, hook: str = "step_fn") -> tuple[Any, dict[str, Any] | None]:
+    """A step returns a loss, or ``(loss, {name: value})`` with training metrics (means over
+    the step's batch: numbers or one-element tensors, kept on their device). Returns
+    ``(loss, metrics or None)``; a bad metrics dict is a one-line ValueError naming ``hook``."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
+        return out, None
+    loss, metrics = out
+    for k, v in metrics.items():
+        ok = isinstance(k, str) and not isinstance(v, bool) and (
+            isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1))
+        if not ok:
+            raise ValueError(f"{hook} must return (loss, dict[str, number]) for training metrics, "
+                             f"got {{{k!r}: {_short(v)}}}")
+    return loss, metrics
+
+
 def check_metrics(metrics: Any, hook: str = "eval_fn") -> dict[str, float]:
     """``metrics`` must be a ``dict[str, number]``; returns it with float values."""
     if not isinstance(metrics, dict) or not metrics:

@@ -383,7 +383,7 @@ def _forward_share(model: nn.Module, batch: Any, loss_fn: Callable, device: torc
     """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy; the
     forward is the job's step (``step_fn(model, batch)``, else ``loss_fn(model(x), y)``)."""
     from ..engine.loader import to_device
-    from ..engine.step import supervised_step
+    from ..engine.step import split_step_output, supervised_step
 
     m = copy.deepcopy(model).to(device)
     b = to_device(batch, device)
@@ -393,7 +393,7 @@ def _forward_share(model: nn.Module, batch: Any, loss_fn: Callable, device: torc
         m.zero_grad(set_to_none=True)
         _sync(device)
         t0 = time.perf_counter()
-        loss = step(m, b)
+        loss = split_step_output(step(m, b))[0]   # a step may also return training metrics
         _sync(device)
         t1 = time.perf_counter()
         loss.backward()
