@@ -83,3 +83,28 @@ def test_a_rendezvous_nobody_answers_is_rendezvous_failed():
         join_process_group(rdv, 1)
     msg = str(info.value)
     assert "\n" not in msg and f"127.0.0.1:{port}" in msg and msg.startswith("rank 1:")
+
+
+def test_profile_type_names_match_ray_detection():
+    """``jabasray profile`` names a CUDA device's type as ClusterSpec.from_ray names a node of
+    that GPU (Ray's accelerator type, lower-cased)."""
+    from jabasray.profiler.measure import gpu_type_name
+    from jabasray.types import ClusterSpec
+    for device_name, accel in [("NVIDIA A100-SXM4-80GB", "A100"), ("Tesla V100-SXM2-16GB", "V100"),
+                               ("NVIDIA H100 80GB HBM3", "H100")]:
+        node = {"NodeID": "ab" * 14, "Alive": True,
+                "Resources": {"GPU": 2.0, f"accelerator_type:{accel}": 1.0}}
+        assert gpu_type_name(device_name) == ClusterSpec.from_ray([node]).nodes[0].gpu_type
+
+
+def test_train_profiles_flag_reads_a_folder_of_profiles(tmp_path):
+    from jabasray.commands.train import profiles_from
+    from jabasray.profiles import save_profiles, synthetic_profile
+    save_profiles([synthetic_profile("a100")], tmp_path / "a.json")
+    synthetic_profile("v100").save(tmp_path / "v.json")
+    got = profiles_from(str(tmp_path))
+    assert sorted(got) == ["a100", "v100"] and got["v100"].gpu_type == "v100"
+    assert sorted(profiles_from(str(tmp_path / "a.json"))) == ["a100"]
+    assert profiles_from(None) is None
+    with pytest.raises(ValueError, match="profiles"):
+        profiles_from(str(tmp_path / "none"))

@@ -41,6 +41,9 @@ class DriverOptions(JsonMixin):
     evaluate: bool = True               # validation accuracy at every epoch end
     profile_cache_dir: str | None = None  # where profiles are cached (default: <storage>/.profiles)
     reprofile: bool = False             # measure the profile again even if the cache has it
+    profile_in_tasks: bool | None = None  # measure each GPU type in a Ray task holding one GPU of
+                                        # it (actors.profiling); None: on CUDA (the driver holds no
+                                        # GPU), not for CPU emulation (measured once, scaled)
     sma_autotune: bool = True           # sync="sma": tune learners per rank (Crossbow Alg. 2)
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
@@ -87,7 +90,10 @@ class DriverOptions(JsonMixin):
         check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
                     min_exclusive=True)
         check_float("reprofile_threshold", self.reprofile_threshold, min_value=1, min_exclusive=True)
-        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples"):
+        if self.profile_in_tasks is None:
+            self.profile_in_tasks = self.device == "cuda"
+        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples",
+                  "profile_in_tasks"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",
