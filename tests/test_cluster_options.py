@@ -108,3 +108,18 @@ def test_train_profiles_flag_reads_a_folder_of_profiles(tmp_path):
     assert profiles_from(None) is None
     with pytest.raises(ValueError, match="profiles"):
         profiles_from(str(tmp_path / "none"))
+
+
+def test_shared_node_devices_pick_the_gpu_ray_assigned():
+    """With the node's GPUs shared (Ray leaves CUDA_VISIBLE_DEVICES alone) the actor's device is
+    the index of its Ray-assigned GPU among those visible; Ray's default (its own GPU only) is
+    cuda:0."""
+    from jabasray.actors.gpu_actor import SHARE_DEVICES_ENV, cuda_device, visible_index
+    assert visible_index("3", None) == 3 and visible_index("3", "") == 3
+    assert visible_index("3", "2,3,5") == 1 and visible_index("5", " 2, 3 ,5") == 2
+    with pytest.raises(ValueError, match="not in CUDA_VISIBLE_DEVICES"):
+        visible_index("4", "2,3")
+    assert cuda_device({}) == "cuda:0" and cuda_device({SHARE_DEVICES_ENV: "0"}) == "cuda:0"
+    assert DriverOptions(device="cuda", share_node_devices=True).share_node_devices is True
+    with pytest.raises(ValueError, match="share_node_devices"):
+        DriverOptions(share_node_devices="yes")

@@ -43,7 +43,7 @@ from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
-from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
+from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
 from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
 from .pool import ActorPool
@@ -337,8 +337,11 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
-        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
-            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
+        env = dict(opts.actor_env or {})   # NCCL/gloo interface, debug level ...
+        if opts.share_node_devices and opts.device == "cuda":
+            env[SHARE_DEVICES_ENV] = "1"      # gpu_actor.cuda_device picks Ray's GPU among all
+        if env:   # Ray merges them into the job's runtime_env
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": env})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,

@@ -32,6 +32,9 @@ class DriverOptions(JsonMixin):
     rendezvous_ports: tuple[int, int] | None = None  # (first, last) port the driver's rendezvous
                                         # store may listen on, tried in order (a cluster that opens
                                         # only some ports); None: any free port
+    share_node_devices: bool = False   # CUDA: every GPU actor sees all GPUs of its node (as Ray
+                                        # Train's shared CUDA_VISIBLE_DEVICES; NCCL can use NVLink/
+                                        # peer paths) and uses the one Ray assigned it
     actor_env: dict[str, str] | None = None  # environment variables of the GPU actors (Ray
                                         # runtime_env), e.g. {"NCCL_SOCKET_IFNAME": "eth0",
                                         # "GLOO_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
@@ -93,7 +96,7 @@ class DriverOptions(JsonMixin):
         if self.profile_in_tasks is None:
             self.profile_in_tasks = self.device == "cuda"
         for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples",
-                  "profile_in_tasks"):
+                  "profile_in_tasks", "share_node_devices"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",
