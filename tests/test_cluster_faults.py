@@ -25,7 +25,7 @@ import pytest
 from ray import cloudpickle
 
 from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
-                            perf_model, tiny_data)
+                            perf_model, start_cluster, tiny_data)
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.hooks import JobHooks
 from jabasray.actors.placement import place_actors, release, slots_for
@@ -41,9 +41,8 @@ def cluster(without_session_ray):
     ray = without_session_ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}))
-    c.add_node(num_cpus=1, resources={"gpu_slow": 2})
+    c = start_cluster(Cluster, dict(num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}),
+                      [dict(num_cpus=1, resources={"gpu_slow": 2})])
     try:
         ray.init(address=c.address, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
