@@ -53,7 +53,7 @@ def cluster(without_session_ray):
         c.shutdown()
 
 
-FOUR = ClusterSpec(nodes=[NodeSpec("f", "fast", 2), NodeSpec("s", "slow", 2)])   # not pinned
+FOUR = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0), NodeSpec("s", "slow", 2, speed=0.5)])
 SPEEDS = {"fast": 1.0, "slow": 0.5}
 
 
