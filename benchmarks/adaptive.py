@@ -1,32 +1,38 @@
-"""Adaptive batching + auto-scaling vs static baselines on the emulated heterogeneous cluster.
+"""Adaptive batching + auto-scaling vs static baselines, paired rounds on a fair emulation.
 
-Four variants of the same job (DigitsCNN on digits, same seed, same profile/perf model), run one
-after the other in ONE invocation on the same emulated cluster (JABAS paper section 7.2's
-comparison, scaled down):
+Four contenders train the same job (DigitsCNN on digits, same profile and performance model) on
+the same emulated heterogeneous cluster (JABAS paper section 7.2's comparison, scaled down):
 
-* ``static_small``  - B_G fixed at the small batch, all GPUs;
+* ``static_small``  - B_G fixed at the small batch, all GPUs (what Ray Train DDP would run);
 * ``static_max``    - B_G fixed at max B_G, all GPUs;
 * ``adaptive_all``  - adaptive B_G (SimiGrad-like rule) on all GPUs, no auto-scaling;
-* ``jabas``         - adaptive B_G + per-epoch auto-scaling (the full system).
+* ``jabas``         - adaptive B_G + per-epoch auto-scaling (the joint system).
 
-Reported per variant: final validation accuracy, time to the target accuracy (the accuracy the
-static small batch reaches, capped by ``--target``), GPU-seconds to that target (sum over the
-allocated emulated GPUs of epoch wall time), both for wall time (includes actor placement and
-re-placement) and for training time only (the intervals: actor start-up on a 2-core CPU is an
-artefact of the emulation). Ratios are relative to ``static_small``.
+Fairness: the emulated GPUs run under ``DriverOptions(emulation="wait")``
+(:mod:`jabasray.actors.emulation`): a step takes its CPU time / speed, and the speeds sum to at
+most the host's cores (``--speeds``; 4 x 0.25 + 4 x 0.125 = 1.5 on 2 cores), so an emulated GPU
+is equally fast whether 2 or 8 of them are placed. Each round is one seed (model init, data
+order, search); the four contenders run in that round in an order rotated by one every round.
+Per contender and round: time to the target accuracy (training time: the intervals' wall time
+summed over the epochs until the first epoch whose validation accuracy reaches ``--target``;
+actor start-up and re-placement are excluded - start-up of Ray actors on a 2-core host is an
+artefact of the emulation - and reported apart) and GPU-seconds to it (each epoch's training
+time x its emulated GPUs); the per-round ratios to ``static_small`` and their medians.
 
-    python benchmarks/adaptive.py                  # ~5-10 min on a 2-core CPU
-    python benchmarks/adaptive.py --epochs 4 --variants jabas static_small
+    flock /tmp/jabasray-bench.lock python benchmarks/adaptive.py     # ~15 min on 2 cores
+    python benchmarks/adaptive.py --seeds 0 --epochs 3 --variants jabas static_small
 
-Writes ``<tmp>/jabasray_bench/adaptive.json`` and the per-epoch B_G trajectories of the adaptive
-variants to ``benchmarks/data/trajectories_jabas.json`` (input for the forecaster's benchmark).
-Runs on the CPU only (it needs Ray: the GPU actors are Ray actors).
+Writes ``<tmp>/jabasray_bench/adaptive.json`` (``--out``) and the per-epoch B_G trajectories of
+the adaptive contenders (``--trajectories``; the forecaster's benchmark reads
+``benchmarks/data/trajectories_jabas.json``). CPU only (the GPU actors are Ray actors emulating GPU types).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import platform
+import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -57,112 +63,159 @@ def time_to(epochs: list[dict], target: float, key: str) -> float | None:
     return None
 
 
+def rotated(names: list[str], k: int) -> list[str]:
+    """``names`` rotated left by ``k`` (round k's order)."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> dict:
+    import shutil
+
+    from jabasray.actors.driver import DriverOptions
+    from jabasray.actors.trainer import JabasTrainer
+    from jabasray.config import RunConfig
+    from jabasray.models import DigitsCNN
+    from jabasray.planners.perf_model import PerfModel
+
+    run_dir = runs_dir / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    load = os.getloadavg()
+    t = time.perf_counter()
+    res = JabasTrainer(DigitsCNN, train, None, None, job, cluster=cluster,
+                       run_config=RunConfig(str(runs_dir), name), val_dataset=val,
+                       perf_model=PerfModel(profiles),
+                       options=DriverOptions(emulation="wait", driver="local")).fit()
+    epochs = []
+    for e in res.history.epochs:
+        train_time = sum(r.time_s for r in res.history.intervals if r.epoch == e.epoch)
+        epochs.append({"epoch": e.epoch, "allocation": e.allocation, "num_gpus": len(e.gpu_types),
+                       "trajectory": e.trajectory, "forecast": e.predicted_trajectory,
+                       "val_accuracy": e.val_accuracy, "wall_s": e.time_s, "train_s": train_time,
+                       "gpu_seconds_train": train_time * len(e.gpu_types),
+                       "throughput": e.throughput})
+    return {"job": job.to_dict(), "epochs": epochs, "events": res.history.events,
+            "final_val_accuracy": res.val_accuracy, "total_wall_s": time.perf_counter() - t,
+            "load_average_before": load, "load_average_after": os.getloadavg()}
+
+
+def summarise(rounds: list[dict], target: float) -> dict:
+    """Per round and contender: time and GPU-seconds to the target; per-round ratios to
+    static_small; medians over rounds (None where a contender missed the target)."""
+    per = {}
+    for metric, key in (("time_to_target_s", "train_s"), ("gpu_seconds_to_target", "gpu_seconds_train")):
+        table = {}
+        for name in VARIANTS:
+            values, ratios = [], []
+            for rd in rounds:
+                r = rd["runs"].get(name)
+                base = rd["runs"].get("static_small")
+                if r is None:
+                    continue
+                v = time_to(r["epochs"], target, key)
+                b = time_to(base["epochs"], target, key) if base is not None else None
+                values.append(v)
+                ratios.append(v / b if v is not None and b else None)
+            if not values:
+                continue
+            reached = [v for v in values if v is not None]
+            ok = [x for x in ratios if x is not None]
+            table[name] = {"per_round": values, "ratio_per_round": ratios,
+                           "reached": f"{len(reached)}/{len(values)}",
+                           "median": statistics.median(reached) if len(reached) == len(values) else None,
+                           "median_ratio": statistics.median(ok) if len(ok) == len(ratios) else None}
+        per[metric] = table
+    return per
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one round per seed")
+    ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--small", type=int, default=64, help="static small B_G (= initial B_G)")
     ap.add_argument("--max-batch", type=int, default=512)
-    ap.add_argument("--target", type=float, default=0.95, help="upper cap of the target accuracy")
+    ap.add_argument("--target", type=float, default=0.93, help="target validation accuracy")
+    ap.add_argument("--speeds", type=float, nargs=2, default=[0.25, 0.125], metavar=("FAST", "SLOW"),
+                    help="emulated speeds of the 4 fast and 4 slow GPUs (sum <= host cores)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--out", type=Path, default=Path(default_out('adaptive.json')))
-    ap.add_argument("--trajectories", type=Path, default=HERE / "data" / "trajectories_jabas.json")
-    ap.add_argument("--device", default="cpu", choices=["cpu"],
-                    help="the benchmark drives Ray actors; only CPU emulation is supported")
+    ap.add_argument("--trajectories", type=Path, default=Path(default_out("trajectories_jabas.json")),
+                    help="B_G trajectories of the adaptive runs (benchmarks/data/ holds the "
+                         "forecaster benchmark's input; pass it there to refresh it)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     import ray
     import torch
 
-    from jabasray.actors.driver import DriverOptions
-    from jabasray.actors.trainer import JabasTrainer, emulated_resources
-    from jabasray.config import JobConfig, RunConfig
+    from jabasray.actors.emulation import host_keeps_up
+    from jabasray.actors.trainer import emulated_resources
+    from jabasray.config import JobConfig
     from jabasray.data import load_digits_split
     from jabasray.models import DigitsCNN
-    from jabasray.planners.perf_model import PerfModel, emulated_profiles
+    from jabasray.planners.perf_model import emulated_profiles
     from jabasray.profiler import profile_model
     from jabasray.types import ClusterSpec
 
     torch.set_num_threads(1)
-    cluster = ClusterSpec.emulated({"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)})
+    fast, slow = args.speeds
+    cluster = ClusterSpec.emulated({"fast": (1, 4, fast), "slow": (1, 4, slow)})
+    cpus = 2
+    if not host_keeps_up([fast] * 4 + [slow] * 4, cpus):
+        ap.error(f"--speeds must sum to <= {cpus} host cores over the 8 GPUs, got {4 * (fast + slow)}")
     train, val = load_digits_split()
-    base = JobConfig(epochs=args.epochs, lr=0.1, lr_scaling="sqrt", initial_global_batch=args.small,
-                     min_global_batch=args.small, max_global_batch=args.max_batch, min_local_batch=8,
-                     adapt_interval=5, alpha=0.1, gamma=0.5, warmup_iterations=10, seed=0)
     t0 = time.perf_counter()
     prof = profile_model(DigitsCNN, train, min_local_batch=8, max_local_batch=64, warmup=2, repeats=5,
                          cache_dir=HERE / "out" / ".profiles", gpu_type="cpu")
     prof = replace(prof, allreduce_inter=prof.allreduce_inter or prof.allreduce_intra)
     profiles = emulated_profiles(prof, {n.gpu_type: n.speed for n in cluster.nodes})
-    print(f"profile: {time.perf_counter() - t0:.1f}s (cached in benchmarks/out/.profiles)")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    print(f"profile: {time.perf_counter() - t0:.1f}s (cached in benchmarks/out/.profiles)", flush=True)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              resources=emulated_resources(cluster), runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-    results = {}
+    rounds = []
     runs_dir = HERE / "out" / "adaptive_runs"
     try:
-        for name in args.variants:
-            job = variant_job(name, base, args.small)
-            t = time.perf_counter()
-            run_dir = runs_dir / name
-            if run_dir.exists():
-                import shutil
-                shutil.rmtree(run_dir)
-            res = JabasTrainer(DigitsCNN, train, None, None, job, cluster=cluster,
-                               run_config=RunConfig(str(runs_dir), name), val_dataset=val,
-                               perf_model=PerfModel(profiles), options=DriverOptions()).fit()
-            epochs = []
-            for e in res.history.epochs:
-                train_time = sum(r.time_s for r in res.history.intervals if r.epoch == e.epoch)
-                epochs.append({"epoch": e.epoch, "allocation": e.allocation, "num_gpus": len(e.gpu_types),
-                               "trajectory": e.trajectory, "forecast": e.predicted_trajectory,
-                               "val_accuracy": e.val_accuracy, "wall_s": e.time_s, "train_s": train_time,
-                               "gpu_seconds_wall": e.gpu_seconds,
-                               "gpu_seconds_train": train_time * len(e.gpu_types),
-                               "throughput": e.throughput})
-            results[name] = {"job": job.to_dict(), "epochs": epochs, "events": res.history.events,
-                             "final_val_accuracy": res.val_accuracy,
-                             "total_wall_s": time.perf_counter() - t}
-            print(f"{name:13s} final acc {res.val_accuracy:.4f}  "
-                  f"allocations {[e['num_gpus'] for e in epochs]}  ({time.perf_counter() - t:.0f}s)",
-                  flush=True)
+        for k, seed in enumerate(args.seeds):
+            base = JobConfig(epochs=args.epochs, lr=0.1, lr_scaling="sqrt",
+                             initial_global_batch=args.small, min_global_batch=args.small,
+                             max_global_batch=args.max_batch, min_local_batch=8, adapt_interval=5,
+                             alpha=0.1, gamma=0.5, warmup_iterations=10, seed=seed)
+            order = rotated(list(args.variants), k)
+            runs = {}
+            for name in order:
+                r = run_one(name, variant_job(name, base, args.small), cluster, train, val,
+                            profiles, runs_dir)
+                runs[name] = r
+                print(f"seed {seed} {name:13s} acc {[round(e['val_accuracy'], 3) for e in r['epochs']]} "
+                      f"GPUs {[e['num_gpus'] for e in r['epochs']]} "
+                      f"train {sum(e['train_s'] for e in r['epochs']):.1f}s "
+                      f"({r['total_wall_s']:.0f}s wall, load {r['load_average_before'][0]:.1f})",
+                      flush=True)
+            rounds.append({"seed": seed, "order": order, "runs": runs})
     finally:
         ray.shutdown()
 
-    ref = results.get("static_small")
-    target = min(args.target, ref["final_val_accuracy"]) if ref else args.target
-    summary = {}
-    for name, r in results.items():
-        s = {"final_val_accuracy": r["final_val_accuracy"]}
-        for kind in ("wall", "train"):
-            s[f"time_to_target_{kind}_s"] = time_to(r["epochs"], target, f"{kind}_s")
-            s[f"gpu_seconds_to_target_{kind}"] = time_to(r["epochs"], target, f"gpu_seconds_{kind}")
-        summary[name] = s
-    print(f"\ntarget accuracy {target:.4f} (static_small final, capped at {args.target})")
-    print(f"{'variant':13s} {'final acc':>9s} {'t->target':>10s} {'(train)':>8s} {'GPU-s':>8s} "
-          f"{'(train)':>8s} {'t ratio':>8s} {'GPU-s ratio':>11s}")
-    base_s = summary.get("static_small", {})
-    for name, s in summary.items():
-        def fmt(v):
-            return f"{v:.1f}" if v is not None else "n/a"
-
-        def ratio(k):
-            a, b = s.get(k), base_s.get(k)
-            return f"{a / b:.2f}" if a is not None and b else "n/a"
-        print(f"{name:13s} {s['final_val_accuracy']:9.4f} {fmt(s['time_to_target_wall_s']):>10s} "
-              f"{fmt(s['time_to_target_train_s']):>8s} {fmt(s['gpu_seconds_to_target_wall']):>8s} "
-              f"{fmt(s['gpu_seconds_to_target_train']):>8s} {ratio('time_to_target_wall_s'):>8s} "
-              f"{ratio('gpu_seconds_to_target_wall'):>11s}")
-    doc = {"benchmark": "adaptive", "machine": f"{platform.platform()} (2-core CPU dev machine, no GPU)",
-           "cluster": cluster.to_dict(), "target_accuracy": target, "summary": summary,
-           "variants": results}
+    summary = summarise(rounds, args.target)
+    for metric, table in summary.items():
+        print(f"\n{metric} (target {args.target}); per-round ratio to static_small")
+        for name, s in table.items():
+            vals = " ".join(f"{v:7.1f}" if v is not None else "    n/a" for v in s["per_round"])
+            rat = " ".join(f"{x:5.2f}" if x is not None else "  n/a" for x in s["ratio_per_round"])
+            med = f"{s['median_ratio']:.2f}" if s["median_ratio"] is not None else "n/a"
+            print(f"  {name:13s} {vals} | ratios {rat} | median ratio {med} (reached {s['reached']})")
+    doc = {"benchmark": "adaptive", "machine": f"{platform.platform()} ({os.cpu_count()}-core CPU, no GPU)",
+           "emulation": "wait", "host_cpus": cpus, "cluster": cluster.to_dict(),
+           "target_accuracy": args.target, "seeds": args.seeds, "summary": summary,
+           "rounds": rounds}
     write_json(args.out, doc, indent=1, announce=False)
-    runs = [{"variant": n, "gamma": r["job"]["gamma"], "alpha": r["job"]["alpha"],
+    runs = [{"variant": n, "seed": rd["seed"], "gamma": r["job"]["gamma"], "alpha": r["job"]["alpha"],
              "trajectories": [e["trajectory"] for e in r["epochs"]],
              "val_accuracy": [e["val_accuracy"] for e in r["epochs"]]}
-            for n, r in results.items() if r["job"]["adaptive"]]
+            for rd in rounds for n, r in rd["runs"].items() if r["job"]["adaptive"]]
     if runs:
         write_json(args.trajectories, {"source": "benchmarks/adaptive.py", "model": "DigitsCNN",
-                                       "dataset": "digits", "adapt_interval": base.adapt_interval,
+                                       "dataset": "digits", "adapt_interval": 5,
                                        "runs": runs}, indent=1, announce=False)
     print(f"wrote {args.out}" + (f" and {args.trajectories}" if runs else ""))
     return 0

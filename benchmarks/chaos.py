@@ -1,4 +1,4 @@
-"""Chaos benchmark (issue 14): N short `jabasray train` runs, each hit by random faults at random
+"""Chaos benchmark: N short `jabasray train` runs, each hit by random faults at random
 moments, and what survived.
 
 Setup: one local Ray instance (this process) with the emulated GPU resources of a two-type,

@@ -1,4 +1,4 @@
-"""What the driver actor costs and how fast it recovers (issue 21).
+"""What the driver actor costs and how fast it recovers.
 
 Paired rounds on one local Ray instance, the same tiny job each time (MLP on 200 digits, one
 emulated GPU pair, given perf model, ``--epochs`` epochs):

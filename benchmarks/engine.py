@@ -7,7 +7,16 @@
 3. CPU only (skip with ``--no-dist``): two processes over gloo on 127.0.0.1, 2 VSWs each:
    SWS vs OWS vs SWS without comm/backward overlap (all-reduce launched after the whole
    backward), wall time per step and exposed (waited-for) communication time.
-4. ``--device cuda`` only: throughput vs num_vsw = 1 .. n_max (probed to the memory limit,
+4. Batched VSWs vs one plain PyTorch worker (``--parts batched``; CPU and CUDA): n VSWs at
+   B_L run by the engine's default (batched: one pass over the n adjacent micro-batches,
+   per-VSW BatchNorm) and forced per-VSW, against a plain loop (zero_grad, forward, backward,
+   optimizer step) on the same n * B_L samples. Same host work on every side: the loss stays
+   on the device and is read once per window (``read_losses``), which is also the only
+   synchronisation. Windows of ``--window`` steps (default 50), rounds with the variant order
+   rotated, per-round ratios (variant time / plain time: 1.00 = as fast as plain, the goal is
+   <= 1/0.95) and their median. Models: a small CNN with BatchNorm and a small transformer
+   encoder (CPU), ResNet-18 (CUDA).
+5. ``--device cuda`` only: throughput vs num_vsw = 1 .. n_max (probed to the memory limit,
    bounded by ``--max-vsw``) at several B_L (``--local-batches``) on the ResNet-18-sized model
    below, with real CUDA streams (analogue of JABAS Fig. 7), in paired rounds of three
    contenders doing the same work: VSWs issued from one thread (the CUDA scheme), VSWs on one
@@ -37,7 +46,8 @@ from torch import nn
 from common import default_out, positive_ints, write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
-from jabasray.engine.iidp import _Timings
+from jabasray.engine.iidp import _Timings, read_losses
+from jabasray.engine.loader import split_batch
 from jabasray.models import MLP
 
 
@@ -79,6 +89,46 @@ class ResNet18(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class SmallCNN(nn.Module):
+    """Three conv-BatchNorm-ReLU stages and a linear head on 3x16x16 inputs (~60k parameters)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        chans, layers, cin = (16, 32, 64), [], 3
+        for c in chans:
+            layers += [nn.Conv2d(cin, c, 3, 2 if cin != 3 else 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU()]
+            cin = c
+        self.body = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.adaptive_avg_pool2d(self.body(x), 1).flatten(1))
+
+
+class SmallTransformer(nn.Module):
+    """Token embedding + 2 pre-norm encoder layers (d 64, 4 heads) + mean-pool classifier over
+    sequences of 16 tokens from a vocabulary of 256 (~110k parameters); no dropout."""
+
+    def __init__(self, classes: int = 10, vocab: int = 256, d: int = 64, seq: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.fc = nn.Linear(d, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.enc(self.emb(tokens) + self.pos).mean(1))
+
+
+# model name -> (factory, one sample's input: ("float", shape) or ("tokens", (seq, vocab)))
+BATCHED_MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[str, tuple[int, ...]]]] = {
+    "small_cnn": (SmallCNN, ("float", (3, 16, 16))),
+    "small_transformer": (SmallTransformer, ("tokens", (16, 256))),
+    "resnet18": (lambda: ResNet18(), ("float", (3, 32, 32))),
+}
 
 
 # ----------------------------------------------------------------------------- naive baseline
@@ -192,7 +242,9 @@ def _weight_sync_workers(variants: list[tuple[str, type, str]], num_vsw: int, lo
     workers = {}
     for name, cls, method in variants:
         torch.manual_seed(0)
+        # per-VSW execution: the naive baseline steps every replica's own optimizer
         w = cls(wide_mlp().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
+                vsw_execution="one_thread" if torch.device(device).type == "cuda" else "threads",
                 **worker_kw)
         w.configure(num_vsw, 0, local_batch)
         workers[name] = w
@@ -353,6 +405,100 @@ def bench_vsw_throughput(device: torch.device, local_batches: list[int], max_vsw
     return rows
 
 
+def _model_batch(kind: tuple[str, tuple[int, ...]], n: int, device: torch.device, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    what, shape = kind
+    x = (torch.randn((n,) + shape, generator=g) if what == "float"
+         else torch.randint(0, shape[1], (n, shape[0]), generator=g))
+    return x.to(device), torch.randint(0, 10, (n,), generator=g).to(device)
+
+
+def _rotated_rounds(variants: dict[str, Callable[[], None]], rounds: int, window: int,
+                    device: torch.device) -> dict[str, list[float]]:
+    """Per round, each variant's mean seconds per step over a window of ``window`` steps; the
+    order of the variants rotates by one every round. A variant's window ends with its own read
+    of the window's losses (the one synchronisation), included in its time. Returns
+    ``{name: [s per round]}`` (wall on CUDA, process CPU time on CPU: the shared CPU machine's
+    load inflates wall time at random, CPU time of a single-threaded step does not) and
+    ``{name + ":wall": ...}``."""
+    names = list(variants)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    out.update({k + ":wall": [] for k in names})
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            _sync(device)
+            t, c = time.perf_counter(), time.process_time()
+            variants[k](window)
+            wall, cpu = (time.perf_counter() - t) / window, (time.process_time() - c) / window
+            out[k].append(wall if device.type == "cuda" else cpu)
+            out[k + ":wall"].append(wall)
+    return out
+
+
+def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches: list[int],
+                           counts: list[int], rounds: int, window: int) -> list[dict]:
+    """Part 4 of the module notes: n VSWs (batched, and forced per VSW) vs ONE plain worker on
+    the same ``n * B_L`` samples, per-round ratios (variant / plain) and their median."""
+    factory, kind = BATCHED_MODELS[model_name]
+    per_vsw_scheme = "one_thread" if device.type == "cuda" else "threads"
+    rows = []
+    for bl in local_batches:
+        for n in counts:
+            total = n * bl
+            X, y = _model_batch(kind, total, device)
+            micro = split_batch((X, y), [bl] * n)        # adjacent views, as the loader hands them
+            torch.manual_seed(0)
+            plain_model = factory().to(device)
+            opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
+            workers = {}
+            for name, execution in (("batched", "auto"), ("per_vsw", per_vsw_scheme)):
+                torch.manual_seed(0)
+                w = IIDPWorker(factory().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                               F.cross_entropy, device=device, vsw_execution=execution)
+                w.configure(n, 0, bl)
+                workers[name] = w
+
+            def plain(steps: int) -> None:
+                losses = []
+                for _ in range(steps):
+                    opt.zero_grad(set_to_none=True)
+                    loss = F.cross_entropy(plain_model(X), y)
+                    loss.backward()
+                    opt.step()
+                    losses.append(loss.detach())
+                read_losses(losses)
+
+            def engine(name: str) -> Callable[[int], None]:
+                def run(steps: int) -> None:
+                    read_losses([workers[name].train_step(micro).loss_raw for _ in range(steps)])
+                return run
+            variants = {"plain": plain, "batched": engine("batched")}
+            if n > 1:
+                variants["per_vsw"] = engine("per_vsw")
+            for fn in variants.values():          # warm-up (allocator, lazy optimizer state)
+                fn(3)
+            times = _rotated_rounds(variants, rounds, window, device)
+            row = {"model": model_name, "local_batch": bl, "num_vsw": n, "total_batch": total,
+                   "time": "wall" if device.type == "cuda" else "process CPU",
+                   "ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
+                   "load_average": os.getloadavg()}
+            for k in variants:
+                if k == "plain":
+                    continue
+                ratios = [a / b for a, b in zip(times[k], times["plain"])]
+                row[f"{k}_over_plain_per_round"] = ratios
+                row[f"{k}_over_plain_median"] = statistics.median(ratios)
+            rows.append(row)
+            extra = (f", per-VSW / plain {row['per_vsw_over_plain_median']:.3f}" if n > 1 else "")
+            print(f"[batched vs plain] {model_name} B_L={bl} n={n} (plain batch {total}): plain "
+                  f"{statistics.median(times['plain']) * 1e3:.2f} ms/step; batched / plain median "
+                  f"{row['batched_over_plain_median']:.3f}{extra} ({rounds} rounds x {window} steps)")
+            for w in workers.values():
+                w.close()
+    return rows
+
+
 def _dist_worker(rank: int, world: int, init_file: str, out_file: str, rounds: int, iters: int,
                  local_batch: int, num_vsw: int, bucket_cap_mb: float) -> None:
     import os
@@ -418,8 +564,22 @@ def main(argv: list[str] | None = None) -> dict:
                     help="CUDA throughput part: comma-separated B_L values (default 16,32,64)")
     ap.add_argument("--max-vsw", type=int, default=16,
                     help="CUDA throughput part: upper bound of the n_max probe (default 16)")
+    ap.add_argument("--parts", default="overhead,weight_sync,dist,batched,throughput",
+                    help="comma-separated parts to run (default all that apply to the device)")
+    ap.add_argument("--models", default=None,
+                    help="batched part: models (default small_cnn,small_transformer on CPU, "
+                         "resnet18,small_transformer on CUDA)")
+    ap.add_argument("--vsw", default=None, help="batched part: n values (default 1,2,4)")
+    ap.add_argument("--window", type=int, default=50, help="batched part: steps per window (>= 1)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 21, --quick 2)")
     ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"overhead", "weight_sync", "dist", "batched", "throughput"}
+    if unknown:
+        ap.error(f"--parts must name overhead, weight_sync, dist, batched, throughput; got {sorted(unknown)}")
+    if args.window < 1:
+        ap.error(f"--window must be >= 1, got {args.window}")
     local_batches = positive_ints(ap, "--local-batches", args.local_batches)
     if args.max_vsw < 1:
         ap.error(f"--max-vsw must be >= 1, got {args.max_vsw}")
@@ -429,6 +589,10 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     rounds, iters = (2, 3) if args.quick else (21, 3)
+    if args.rounds is not None:
+        if args.rounds < 1:
+            ap.error(f"--rounds must be >= 1, got {args.rounds}")
+        rounds = args.rounds
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()} CPU, torch threads {torch.get_num_threads()}")
     print(f"device {device} ({machine}), torch {torch.__version__}; times are medians of "
@@ -436,11 +600,24 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"device": str(device), "machine": machine, "torch": torch.__version__,
               "load_average": os.getloadavg(),
               "rounds": rounds, "iters_per_round": iters}
-    result["overhead"] = [bench_overhead(device, b, rounds, iters) for b in (32, 128)]
-    result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
-    if device.type == "cpu" and not args.no_dist:
+    if "overhead" in parts:
+        result["overhead"] = [bench_overhead(device, b, rounds, iters) for b in (32, 128)]
+    if "weight_sync" in parts:
+        result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
+    if device.type == "cpu" and not args.no_dist and "dist" in parts:
         result["distributed_gloo"] = bench_distributed(rounds, iters)
-    if device.type == "cuda":
+    if "batched" in parts:
+        models = (args.models.split(",") if args.models else
+                  ["resnet18", "small_transformer"] if device.type == "cuda" else ["small_cnn", "small_transformer"])
+        bad = [m for m in models if m not in BATCHED_MODELS]
+        if bad:
+            ap.error(f"--models must be among {sorted(BATCHED_MODELS)}, got {bad}")
+        counts = positive_ints(ap, "--vsw", args.vsw) if args.vsw else [1, 2, 4]
+        result["window"] = args.window
+        result["batched_vs_plain"] = [row for m in models for row in bench_batched_vs_plain(
+            device, m, local_batches, counts, rounds, args.window)]
+        result["load_average_end"] = os.getloadavg()
+    if device.type == "cuda" and "throughput" in parts:
         result["vsw_throughput"] = bench_vsw_throughput(device, local_batches, args.max_vsw,
                                                         rounds, iters)
     write_json(args.out, result)

@@ -1,4 +1,4 @@
-"""Profiling the default job's CNN: the profiler before issue 15 ("old") vs now ("new"), side by side.
+"""Profiling the default job's CNN: the earlier profiler ("old", which timed every n_vsw) vs now ("new"), side by side.
 
 Both contenders profile :class:`jabasray.models.DigitsCNN` on the digits data exactly as the
 driver asks for it (min B_L 8, B_L up to 64, n_max up to 4, gloo all-reduce fit), with an empty

@@ -50,9 +50,9 @@ def main() -> None:
     tuner = tune.Tuner(
         packed(spec, max_units=args.R, param_space=param_space, members_per_device=args.members_per_device),
         param_space=param_space, tune_config=tune_config,
-        # packed trials checkpoint every unit (checkpoint_every=1); with CheckpointConfig(num_to_keep=k)
-        # Tune forces an experiment snapshot every k checkpoints of a trial, so it is left out here
+        # packed trials checkpoint when Tune asks: HyperBand's pauses and, here, each trial's end
         run_config=tune.RunConfig(name="packed_tune_example",
+                                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True),
                                   storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_")))
     grid = tuner.fit()                                  # an ordinary ResultGrid: one row per trial
     best = grid.get_best_result()

@@ -20,6 +20,7 @@ LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
+SMA_RESTART_RULES = ("schedule", "batch", "never")   # when SMA restarts (engine.sma.sma_restart_due)
 PARALLELISM = ("data", "burst")
 AUTOSCALE_OBJECTIVES = ("time", "cost", "time_under_budget")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -53,6 +54,8 @@ class JobConfig(JsonMixin):
     min_global_batch: int = 32          # lower clamp of adaptive B_G
     max_global_batch: int = 512         # upper clamp of adaptive B_G
     min_local_batch: int = 8            # min B_L; every B_L is a multiple of it
+    max_local_batch: int | None = None  # upper bound of B_L (AdaptDL's local_bsz_bounds[1]): the
+                                        # solver and the profiler never go beyond it; None: what fits
     adapt_interval: int = 10            # p: iterations between two B_G adaptations (one Ray call)
     alpha: float = 0.1                  # adaptive rate: B_G' = B_G * (1 +/- alpha)
     gamma: float = 0.5                  # similarity threshold: Phi < gamma grows B_G, > shrinks
@@ -68,11 +71,17 @@ class JobConfig(JsonMixin):
     lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
+    per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
+                                        # VSWs of a device run as one batched pass (False: per VSW)
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
     sma_sync: str = "flat"              # SMA across GPUs: "flat" (Alg. 1 over all learners) |
                                         # "hierarchical" (Crossbow 3.3; slower to converge on digits)
+    sma_restart: str = "schedule"       # when SMA restarts from z (Crossbow 3.2): "schedule" (a
+                                        # step of the user's epoch-stepped LR scheduler; a B_G
+                                        # change only rescales the LR) | "batch" (also at every
+                                        # B_G change) | "never"; engine.sma.sma_restart_due
     seed: int = 0                       # seeds data order, model init and search
     parallelism: str = "data"           # "data" (IIDP) or "burst" (DeepPool: per-layer GPU counts
                                         # on all allocated GPUs; the auto-scaler is not applied)
@@ -92,7 +101,11 @@ class JobConfig(JsonMixin):
         if self.min_local_batch > self.min_global_batch:
             raise ValueError(f"min_local_batch must be <= min_global_batch ({self.min_global_batch}), "
                              f"got {self.min_local_batch}")
+        if self.max_local_batch is not None:
+            check_int("max_local_batch", self.max_local_batch, min_value=self.min_local_batch)
         check_int("adapt_interval", self.adapt_interval, min_value=1)
+        if not isinstance(self.per_sample_loss, bool):
+            raise ValueError(f"per_sample_loss must be True or False, got {self.per_sample_loss!r}")
         check_float("alpha", self.alpha, min_value=0, min_exclusive=True)
         check_float("gamma", self.gamma, min_value=-1, max_value=1)
         check_choice("autoscale_objective", self.autoscale_objective, AUTOSCALE_OBJECTIVES)
@@ -121,6 +134,7 @@ class JobConfig(JsonMixin):
         if self.sma_alpha is not None:
             check_float("sma_alpha", self.sma_alpha, min_value=0, max_value=1, min_exclusive=True)
         check_choice("sma_sync", self.sma_sync, SMA_SYNC_MODES)
+        check_choice("sma_restart", self.sma_restart, SMA_RESTART_RULES)
         check_int("seed", self.seed, min_value=0)
         check_choice("parallelism", self.parallelism, PARALLELISM)
         check_float("amp_limit", self.amp_limit, min_value=1.0)
@@ -155,13 +169,23 @@ def check_run_name(name: object) -> str:
 @dataclass(frozen=True)
 class FailureConfig(JsonMixin):
     """How a run meets GPU-actor failures (Ray Train's ``FailureConfig`` shape). Each failure
-    restores the last checkpoint and redoes the epoch without the dead actor's GPU; completed
-    epochs are never lost."""
+    restores the last checkpoint and redoes the epoch; completed epochs are never lost. What
+    the redo runs on (:func:`jabasray.actors.recovery.failed_gpus`): a node that left the Ray
+    cluster loses all its GPUs; a single dead actor on a live node costs its GPU once that GPU
+    has failed ``drop_gpu_after`` times; several actors dead at once on live nodes (e.g. an NCCL
+    abort) retry on the same GPUs."""
 
     max_failures: int = 3               # GPU-actor failures a run survives (-1: no limit)
+    drop_gpu_after: int = 1             # failures of one GPU (its node alive, one rank dead) after
+                                        # which the run leaves that GPU out (-1: never; a GPU then
+                                        # leaves only with its node). Several ranks dying at once on
+                                        # live nodes (a collective abort) retry on the same GPUs.
 
     def __post_init__(self) -> None:
         check_int("max_failures", self.max_failures, min_value=-1)
+        check_int("drop_gpu_after", self.drop_gpu_after, min_value=-1)
+        if self.drop_gpu_after == 0:
+            raise ValueError("drop_gpu_after must be >= 1 or -1 (never), got 0")
 
     def exhausted(self, failures: int) -> bool:
         """Whether ``failures`` failures are more than the run survives."""
@@ -169,8 +193,51 @@ class FailureConfig(JsonMixin):
 
 
 @dataclass(frozen=True)
+class CheckpointConfig(JsonMixin):
+    """Which checkpoints a run writes and keeps (Ray Train's ``CheckpointConfig`` fields and
+    meanings). A checkpoint is taken at epoch boundaries: every ``checkpoint_frequency``
+    epochs and always after the final epoch; a fault restarts from the newest one, so up to
+    ``checkpoint_frequency - 1`` completed epochs are redone. ``num_to_keep`` newest are kept
+    (None: all, as in Ray). Default 2, not Ray's None: every checkpoint holds the whole
+    optimizer state and resuming needs only the newest intact one (the older one covers a
+    corrupt newest)."""
+
+    num_to_keep: int | None = 2         # newest checkpoints kept (None: all)
+    checkpoint_frequency: int = 1       # epochs between checkpoints (0: only after the final epoch)
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None:
+            check_int("num_to_keep", self.num_to_keep, min_value=1)
+        check_int("checkpoint_frequency", self.checkpoint_frequency, min_value=0)
+
+    def due(self, epochs_done: int, epochs: int) -> bool:
+        """Whether the epoch boundary after ``epochs_done`` of ``epochs`` epochs is checkpointed."""
+        return epochs_done >= epochs or (self.checkpoint_frequency > 0 and
+                                         epochs_done % self.checkpoint_frequency == 0)
+
+
+def default_run_name(prefix: str = "JabasTrainer") -> str:
+    """A run name unique per run, as Ray Train names runs: ``<prefix>_<local date>_<time>_<6 hex>``
+    (the random suffix keeps two runs started in the same second apart)."""
+    import datetime
+    import uuid
+    return f"{prefix}_{datetime.datetime.now():%Y-%m-%d_%H-%M-%S}_{uuid.uuid4().hex[:6]}"
+
+
+RESUME_MODES = ("auto", "force")
+CALLBACK_METHODS = ("on_epoch", "on_interval", "on_event", "on_trial_result", "log_trial_result")
+
+
+@dataclass(frozen=True)
 class RunConfig(JsonMixin):
     """Where a run keeps its checkpoints, metrics and plots (Ray Train's ``RunConfig`` shape).
+
+    ``name`` None (the default) names every run uniquely (:func:`default_run_name`, set by the
+    trainer), so two jobs never share a folder. A run folder records the job that wrote it
+    (``job.json``: :mod:`jabasray.actors.job_identity`); ``fit()`` on a folder that holds
+    checkpoints resumes it only when the recorded job matches (``epochs`` may grow), and a
+    finished run returns its result. ``resume="force"`` resumes a folder whose recorded job
+    differs (e.g. a deliberately changed LR or batch bound), rewriting the record.
 
     ``storage_path`` is a local path (a shared NFS folder on a multi-node cluster) or a URI
     (``s3://bucket/runs``, ``gs://bucket/runs``, ...); with ``storage_filesystem`` (any
@@ -182,14 +249,31 @@ class RunConfig(JsonMixin):
     """
 
     storage_path: str = "jabasray_runs"   # parent of all runs: local path or URI
-    name: str = "run"                      # this run's folder under storage_path
+    name: str | None = None                # this run's folder under storage_path (None: unique)
     storage_filesystem: Any = None         # pyarrow.fs.FileSystem (None: from storage_path)
     failure_config: FailureConfig = field(default_factory=FailureConfig)   # GPU-actor failures
+    checkpoint_config: CheckpointConfig = field(default_factory=CheckpointConfig)  # what is kept
+    callbacks: Sequence[Any] = ()          # DriverCallbacks and Ray Tune logger callbacks
+                                           # (TBXLoggerCallback, MLflow, W&B): jabasray.actors.callbacks
+    resume: str = "auto"                   # "auto": resume a matching job; "force": also a changed one
 
     def __post_init__(self) -> None:
         from .storage import check_storage_path
 
-        check_run_name(self.name)
+        if self.name is not None:
+            check_run_name(self.name)
+        check_choice("resume", self.resume, RESUME_MODES)
+        if not isinstance(self.checkpoint_config, CheckpointConfig):
+            raise ValueError(f"checkpoint_config must be a jabasray.config.CheckpointConfig, got "
+                             f"{type(self.checkpoint_config).__name__}")
+        if isinstance(self.callbacks, (str, bytes)) or not isinstance(self.callbacks, Sequence):
+            raise ValueError(f"callbacks must be a list of callbacks, got {self.callbacks!r}")
+        for cb in self.callbacks:
+            if not any(hasattr(cb, m) for m in CALLBACK_METHODS):
+                raise ValueError(f"callbacks: {type(cb).__name__} is not a callback (a "
+                                 f"jabasray DriverCallback or a Ray Tune Callback such as "
+                                 f"ray.tune.logger.TBXLoggerCallback)")
+        object.__setattr__(self, "callbacks", tuple(self.callbacks))
         check_storage_path(self.storage_path, self.storage_filesystem)
         if not isinstance(self.failure_config, FailureConfig):
             raise ValueError(f"failure_config must be a jabasray.config.FailureConfig, got "
@@ -203,7 +287,70 @@ class RunConfig(JsonMixin):
         from .storage import resolve
         return resolve(self.storage_path, self.storage_filesystem)
 
+    def named(self, prefix: str = "JabasTrainer") -> "RunConfig":
+        """This config with a unique ``name`` when it has none (:func:`default_run_name`)."""
+        if self.name is not None:
+            return self
+        import dataclasses
+        return dataclasses.replace(self, name=default_run_name(prefix))
+
     @property
     def path(self) -> "StoragePath":
-        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI)."""
+        """The run folder, ``storage / name`` (``str()``: a local absolute path or a URI);
+        ``name`` must be set (:meth:`named`)."""
+        if self.name is None:
+            raise ValueError("name: this RunConfig has no run name yet; the trainer names it "
+                             "(RunConfig.named()) or pass name=...")
         return self.storage / self.name
+
+
+RAY_RUN_FIELDS = ("name", "storage_path", "storage_filesystem", "failure_config",
+                  "checkpoint_config", "callbacks")
+
+
+def is_ray_run_config(obj: object) -> bool:
+    """Whether ``obj`` is Ray's ``ray.train.RunConfig`` or ``ray.tune.RunConfig`` (duck-typed:
+    this module imports no Ray)."""
+    cls = type(obj)
+    return cls.__name__ == "RunConfig" and cls.__module__.split(".")[0] == "ray"
+
+
+def run_config_from_ray(cfg: Any) -> RunConfig:
+    """A jabasray :class:`RunConfig` from Ray's ``ray.train.RunConfig`` / ``ray.tune.RunConfig``.
+
+    Converted, with Ray's meanings: ``name`` (None: unique per run), ``storage_path`` (Ray's
+    default ``~/ray_results`` becomes ours, ``jabasray_runs``), ``storage_filesystem``,
+    ``failure_config.max_failures``, ``checkpoint_config.num_to_keep`` and (Tune's)
+    ``checkpoint_frequency`` (0, Ray's default, becomes 1: a jabasray run checkpoints at epoch
+    boundaries so that a fault never loses more than an epoch), ``callbacks``. Any other field
+    set to a non-default value (``stop``, ``sync_config``, ``verbose``, ``checkpoint_score_attribute``,
+    ``fail_fast`` ...) is refused in one ``ValueError`` naming it."""
+    import dataclasses
+
+    where = f"{type(cfg).__module__}.{type(cfg).__qualname__}"
+    default = type(cfg)()
+    unsupported = [f.name for f in dataclasses.fields(cfg)
+                   if f.name not in RAY_RUN_FIELDS and getattr(cfg, f.name) != getattr(default, f.name)]
+    fc, cc = cfg.failure_config, cfg.checkpoint_config
+    if fc is not None and getattr(fc, "fail_fast", False) not in (False, "DEPRECATED", None):
+        unsupported.append("failure_config.fail_fast")
+    if cc is not None:
+        if getattr(cc, "checkpoint_score_attribute", None) is not None:
+            unsupported.append("checkpoint_config.checkpoint_score_attribute (jabasray keeps the "
+                               "newest checkpoints)")
+        if getattr(cc, "checkpoint_at_end", None) is False:
+            unsupported.append("checkpoint_config.checkpoint_at_end=False (the final epoch is "
+                               "always checkpointed)")
+    if unsupported:
+        raise ValueError(f"run_config: {where} sets {', '.join(unsupported)}, which JabasTrainer "
+                         f"does not support; it converts {', '.join(RAY_RUN_FIELDS)} (verbose: "
+                         f"JabasTrainer(verbose=...)) - or pass a jabasray.config.RunConfig")
+    freq = getattr(cc, "checkpoint_frequency", 0) if cc is not None else 0
+    checkpoint = CheckpointConfig(
+        num_to_keep=cc.num_to_keep if cc is not None else CheckpointConfig().num_to_keep,
+        checkpoint_frequency=freq if isinstance(freq, int) and freq > 0 else 1)
+    failure = FailureConfig(max_failures=fc.max_failures) if fc is not None else FailureConfig()
+    storage = cfg.storage_path if cfg.storage_path != default.storage_path else None
+    return RunConfig(storage_path=storage or RunConfig.storage_path, name=cfg.name,
+                     storage_filesystem=cfg.storage_filesystem, failure_config=failure,
+                     checkpoint_config=checkpoint, callbacks=tuple(cfg.callbacks or ()))

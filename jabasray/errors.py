@@ -18,6 +18,32 @@ class DatasetMismatch(ValueError):
     naming the node): samples would be duplicated or missed."""
 
 
+class HookError(ValueError):
+    """A user hook (``loss_fn``, ``step_fn``, ``eval_fn``, ``collate_fn``, ``dataset_fn``, ...)
+    raised. The message is one line naming the hook and the original error; ``traceback`` holds
+    the original traceback as text, so it survives pickling across Ray (where ``__cause__`` and
+    traceback objects do not); in the process that caught it the original is also chained as
+    ``__cause__``."""
+
+    def __init__(self, hook: str, error: str, traceback: str = "") -> None:
+        super().__init__(f"{hook} raised {error}")
+        self.hook, self.error, self.traceback = hook, error, traceback
+
+    @classmethod
+    def from_exception(cls, hook: str, exc: BaseException) -> "HookError":
+        import traceback as tb
+
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        return cls(hook, error, "".join(tb.format_exception(type(exc), exc, exc.__traceback__)))
+
+    def __reduce__(self):   # keeps hook, error and traceback text across pickling
+        return (type(self), (self.hook, self.error, self.traceback))
+
+    def __str__(self) -> str:
+        return f"{self.hook} raised {self.error}"
+
+
 class NodesGone(RuntimeError):
     """A placement found Ray nodes it was pinned to no longer alive (the driver re-plans on the
     live cluster). ``ray_node_ids``: the ids that are gone."""

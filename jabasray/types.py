@@ -18,6 +18,36 @@ log = logging.getLogger(__name__)
 
 ACCELERATOR_LABEL = "ray.io/accelerator-type"   # Ray's node label naming a node's GPU type
 
+# Similarity units (JABAS section 6.1 splits the allocation into two identical groups).
+# Two GPUs of one node form a *pair*: one GPU in each group, both running the same
+# configuration. A GPU left without a partner (one-GPU nodes, an odd count) is a *solo* unit:
+# it runs both groups' decoupled workers itself, as two equal halves of its VSWs. Solvers see a
+# unit as a type name; a solo unit's name is its GPU type with this suffix.
+SOLO_SUFFIX = "/solo"
+
+
+def solo_unit(gpu_type: str) -> str:
+    """The unit name of a solo GPU of ``gpu_type``."""
+    return gpu_type + SOLO_SUFFIX
+
+
+def unit_gpu(unit: str) -> tuple[str, bool]:
+    """``(GPU type, solo?)`` of a unit name."""
+    if unit.endswith(SOLO_SUFFIX):
+        return unit[: -len(SOLO_SUFFIX)], True
+    return unit, False
+
+
+def units_num_gpus(units: list[str] | tuple[str, ...]) -> int:
+    """GPUs behind a list of units: 2 per pair, 1 per solo GPU."""
+    return sum(1 if unit_gpu(u)[1] else 2 for u in units)
+
+
+def node_units(gpu_type: str, num_gpus: int) -> list[str]:
+    """Units of ``num_gpus`` GPUs of one node: ``num_gpus // 2`` pairs, then one solo GPU when
+    the count is odd."""
+    return [gpu_type] * (num_gpus // 2) + [solo_unit(gpu_type)] * (num_gpus % 2)
+
 
 @dataclass(frozen=True)
 class NodeSpec(JsonMixin):
@@ -57,9 +87,9 @@ class NodeSpec(JsonMixin):
 class ClusterSpec(JsonMixin):
     """The GPUs a job may use, node by node.
 
-    The JABAS solver splits an allocation into two identical groups (one GPU of each pair), so
-    every node must hold an even number of GPUs; ``drop_odd_gpu=True`` ignores the odd one
-    (with a warning) instead of failing.
+    Any GPU count per node works: the two similarity groups are formed by pairs of GPUs and,
+    for a GPU without a partner, by the two halves of its VSWs (:func:`node_units`).
+    ``validated_pairs`` keeps only pairs (Crossbow SMA and burst modes, which need them).
     """
 
     nodes: list[NodeSpec] = field(default_factory=list)
@@ -87,7 +117,8 @@ class ClusterSpec(JsonMixin):
                 n = replace(n, num_gpus=n.num_gpus - 1)
             out.append(n)
         if not out:
-            raise ValueError("nodes: no node has a pair of GPUs left after dropping odd GPUs")
+            raise ValueError("nodes: this mode needs GPUs in identical pairs on one node, "
+                             "and no node has two GPUs")
         return ClusterSpec(nodes=out)
 
     @property
@@ -206,7 +237,9 @@ class ClusterSpec(JsonMixin):
 
 
 class WorkerConfig(NamedTuple):
-    """Configuration of one GPU in a plan: ``num_vsw`` VSWs, each with ``num_ga`` GA steps."""
+    """Configuration of one unit of group H in a plan: ``num_vsw`` VSWs, each with ``num_ga``
+    GA steps, per group (a pair's two GPUs run it each; a solo GPU runs it twice: ``2 num_vsw``
+    VSWs). ``gpu`` is the unit name (:func:`solo_unit`)."""
 
     gpu: str
     num_vsw: int
@@ -222,7 +255,8 @@ class WorkerConfig(NamedTuple):
 class Plan(JsonMixin):
     """A configuration chosen by the JABAS solver for ONE group H (the other group mirrors it).
 
-    ``workers[i]`` configures ``group_gpus[i]``; the global batch actually used is
+    ``workers[i]`` configures unit ``i`` of group H (a pair, or a solo GPU that runs both
+    groups' workers); the global batch actually used is
     ``global_batch_size = local_batch_size * 2 * sum(w.num_workers)`` (B_G* of Alg. 1, which
     may differ a little from the requested B_G because M is rounded).
     """

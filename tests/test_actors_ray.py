@@ -22,7 +22,8 @@ pytestmark = pytest.mark.ray
 def reference_phi(dataset, slots, layout, local_batch, seed, epoch=0):
     """Phi computed in one process: every rank's local gradient = sum over its micro-batches of
     the gradient of the micro-batch mean loss (same initial weights: model_fn under seed);
-    group g = sum over its ranks; Phi = cosine(group 0, group 1) in float64."""
+    group g = sum over its ranks (a solo rank: the first half of its micro-batches, i.e. of its
+    VSWs, in group 0, the second half in group 1); Phi = cosine(group 0, group 1) in float64."""
     torch.manual_seed(seed)
     model = model_fn()
     X, y = dataset.tensors
@@ -30,16 +31,16 @@ def reference_phi(dataset, slots, layout, local_batch, seed, epoch=0):
     losses = []
     for s in slots:
         it = iteration_indices(seed, epoch, 0, local_batch, layout, s.rank, len(dataset))
-        g_rank = None
-        for idx in it.micro_batches:
+        half = len(it.micro_batches) // 2
+        for i, idx in enumerate(it.micro_batches):
             model.zero_grad()
             t = torch.as_tensor(idx)
             loss = loss_fn(model(X[t]), y[t])
             loss.backward()
             losses.append(loss.item())
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
-            g_rank = flat if g_rank is None else g_rank + flat
-        groups[s.group] = g_rank if groups[s.group] is None else groups[s.group] + g_rank
+            g = (0 if i < half else 1) if s.solo else s.group
+            groups[g] = flat if groups[g] is None else groups[g] + flat
     a, b = groups
     return float(a @ b / (a.norm() * b.norm())), float(np.mean(losses))
 
@@ -51,7 +52,7 @@ def test_group_similarity_one_collective_matches_reference(ray_session):
 
     ds, _ = tiny_data(200)
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
-    slots = slots_for(cluster, {"n0": 2})
+    slots = slots_for(cluster, {"n0": 4})
     job = JobConfig(seed=3, initial_global_batch=32, min_global_batch=8, min_local_batch=4)
     remote = ray.remote(GPUActor)
     ref = ray.put(ds)
@@ -81,7 +82,7 @@ def test_group_similarity_one_collective_matches_reference(ray_session):
 
         # shrink to one pair: pair 0's actors are kept (same handles, no new process), pair 1's
         # are released; the kept ones re-join a new group and train again
-        small = slots_for(cluster, {"n0": 1})
+        small = slots_for(cluster, {"n0": 2})
         kept, new = place_actors(small, make, emulate=True, reuse=placement)
         assert new == [] and kept.actors == placement.actors[:2]
         with pytest.raises(ray.exceptions.RayActorError):
@@ -99,10 +100,48 @@ def test_group_similarity_one_collective_matches_reference(ray_session):
         release(placement)
 
 
-def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_solo_gpu_similarity_from_vsw_halves_matches_reference(ray_session, gpus):
+    """One GPU (world size 1), or a pair plus a solo GPU: the solo GPU runs 2 VSWs x 2 GA steps
+    and forms both groups from its VSW halves; Phi equals the float64 reference of the two
+    groups' gradient sums."""
+    import ray
+
+    ds, _ = tiny_data(200)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", gpus, speed=1.0)])
+    slots = slots_for(cluster, {"n0": gpus})
+    assert slots[-1].solo and sum(s.solo for s in slots) == 1
+    job = JobConfig(seed=5, initial_global_batch=32, min_global_batch=8, min_local_batch=4)
+    remote = ray.remote(GPUActor)
+    ref = ray.put(ds)
+
+    def make(slot, opts):
+        return remote.options(**opts).remote(slot, len(slots), job, model_fn, optimizer_fn, loss_fn,
+                                             ref, "cpu", False)
+
+    placement, _ = place_actors(slots, make, emulate=True, timeout_s=60)
+    try:
+        server = RendezvousServer(len(slots), "gloo", generation=1, timeout_s=60)
+        ray.get([a.setup.remote(server.info, s) for a, s in zip(placement.actors, slots)])
+        cfg = [(1, 1)] * (len(slots) - 1) + [(2, 1)]       # solo: 2 VSWs (one per group)
+        layout = [m * (ga + 1) for m, ga in cfg]
+        ray.get([a.configure.remote(m, ga, 4) for a, (m, ga) in zip(placement.actors, cfg)])
+        req = IntervalRequest(epoch=0, cursor=0, num_iterations=1, local_batch=4, layout=layout,
+                              iteration=0, base_lr=0.05, base_batch=32, lr_scaling="none",
+                              warmup_iterations=0)
+        replies = ray.get([a.run_interval.remote(req) for a in placement.actors])
+        phi_ref, loss_ref = reference_phi(ds, slots, layout, 4, seed=5)
+        assert replies[0].phi is not None and {r.phi for r in replies} == {replies[0].phi}
+        assert replies[0].phi == pytest.approx(phi_ref, abs=1e-5)
+        assert replies[0].loss == pytest.approx(loss_ref, rel=1e-5)
+    finally:
+        release(placement)
+
+
+def test_actor_death_restarts_epoch_without_that_gpu(ray_session, tmp_path):
     """The hook kills rank 3 (second pair) mid-epoch 1. The driver reloads the epoch-1
-    checkpoint, drops that pair, redoes epoch 1 on one pair and finishes; epoch 0 is kept as it
-    was. (The driver runs in this process: the driver actor replaces the callbacks with its own
+    checkpoint, drops that GPU only, redoes epoch 1 on the 3 GPUs left (a pair and a solo GPU)
+    and finishes; epoch 0 is kept as it was. (The driver runs in this process: the driver actor replaces the callbacks with its own
     progress sink, and its restart is tested in test_driver_actor.py.)"""
     ds, val = tiny_data(240)
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
@@ -113,8 +152,8 @@ def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
                       callbacks=[KillOnce(epoch=1, rank=3)])
     hist = drv.run()
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[0].allocation == {"n0": 2} and len(hist.epochs[0].gpu_types) == 4
-    assert hist.epochs[1].allocation == {"n0": 1} and len(hist.epochs[1].gpu_types) == 2
+    assert hist.epochs[0].allocation == {"n0": 4} and len(hist.epochs[0].gpu_types) == 4
+    assert hist.epochs[1].allocation == {"n0": 3} and len(hist.epochs[1].gpu_types) == 3
     fail = [m for m in hist.events if "failure" in m]
     assert len(fail) == 1 and "rank 3 (fast on n0)" in fail[0] and "restarting epoch 2" in fail[0]
     # the failed attempt's intervals are gone; epoch 1 was trained once, completely
@@ -122,7 +161,8 @@ def test_actor_death_restarts_epoch_without_that_pair(ray_session, tmp_path):
     assert sum(r.samples for r in ep1) == len(ds)
     assert [r.interval for r in ep1] == list(range(len(ep1)))
     cp = latest_checkpoint(tmp_path / "run")
-    assert cp.epochs_done == 2 and cp.load_driver_state().cluster.nodes[0].num_gpus == 2
+    assert cp.epochs_done == 2 and cp.load_driver_state().cluster.nodes[0].num_gpus == 3
+    assert all(r.phi is not None for r in ep1)    # the similarity still runs on 3 GPUs
     assert drv.gpu_actors() == []        # released at the end
 
 
@@ -135,3 +175,33 @@ def test_min_local_batch_beyond_every_gpu_is_a_one_line_error(ray_session, tmp_p
     with pytest.raises(ValueError, match=r"^min_local_batch must be <= .*32.*got 64$"):
         drv.run()
     assert drv.gpu_actors() == []
+
+
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_one_and_three_gpu_runs_adapt_the_global_batch(ray_session, tmp_path, gpus):
+    """One GPU (a solo unit: both similarity groups from its VSW halves) and three GPUs (a pair
+    plus a solo GPU) train end to end with adaptive batching: every interval measures Phi, the
+    requested B_G follows the adaptive rule replayed on those Phi values and moves, and every
+    epoch trains each sample once."""
+    from jabasray.adaptive import AdaptiveBatchController
+
+    ds, val = tiny_data(240)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", gpus, speed=1.0)])
+    job = JobConfig(epochs=2, initial_global_batch=16, min_global_batch=8, max_global_batch=64,
+                    min_local_batch=4, adapt_interval=2, alpha=0.5, gamma=0.95, autoscale=False, seed=2)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
+                      val_dataset=val, perf_model=perf_model())
+    hist = drv.run()
+    assert [e.allocation for e in hist.epochs] == [{"n0": gpus}] * 2
+    assert all(len(e.gpu_types) == gpus for e in hist.epochs)
+    assert all(r.phi is not None and -1.0 <= r.phi <= 1.0 for r in hist.intervals)
+    ctl = AdaptiveBatchController(job)
+    for r in hist.intervals:
+        assert r.requested_global_batch == ctl.global_batch
+        ctl.update(r.phi)
+    assert len({r.requested_global_batch for r in hist.intervals}) > 1     # B_G moved
+    for e in (0, 1):
+        assert sum(r.samples for r in hist.intervals if r.epoch == e) == len(ds)
+    solo = [r for r in hist.intervals if r.plan is not None]
+    assert all(r.plan.workers[-1].gpu == "fast/solo" for r in solo)
+    assert all(sum(r.layout) * r.local_batch == r.global_batch for r in hist.intervals)

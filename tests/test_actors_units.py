@@ -9,7 +9,7 @@ from jabasray.actors.checkpoint import (DriverState, latest_checkpoint, list_che
                                         save_checkpoint)
 from jabasray.actors.gpu_actor import emulation_sleep, gather
 from jabasray.actors.metrics import EpochRecord, IntervalRecord, MetricsHistory, plot_history
-from jabasray.actors.placement import (bundle_for, drop_pair, full_allocation, group_gpus,
+from jabasray.actors.placement import (SOLO_GROUP, bundle_for, drop_gpus, full_allocation, group_gpus,
                                        layout_for, normalize_allocation, slots_for)
 from jabasray.actors.rendezvous import Rendezvous, RendezvousServer
 from jabasray.types import ClusterSpec, NodeSpec, Plan, WorkerConfig
@@ -21,18 +21,24 @@ def cluster() -> ClusterSpec:
 
 
 def test_slots_pair_ranks_and_groups():
-    """Pair i -> ranks 2i (group 0) and 2i+1 (group 1); nodes in cluster order; pair k of a node
-    is its k-th pair."""
-    slots = slots_for(cluster(), {"a1": 1, "a0": 2})
+    """A pair -> two consecutive ranks (group 0, group 1); nodes in cluster order; unit k of a
+    node is its k-th; an odd GPU of a node is a solo unit (one rank, both groups)."""
+    slots = slots_for(cluster(), {"a1": 2, "a0": 4})
     assert [(s.rank, s.node, s.group, s.pair, s.local_pair) for s in slots] == [
         (0, "a0", 0, 0, 0), (1, "a0", 1, 0, 0), (2, "a0", 0, 1, 1), (3, "a0", 1, 1, 1),
         (4, "a1", 0, 2, 0), (5, "a1", 1, 2, 0)]
     assert group_gpus(slots) == ["fast", "fast", "fast"]
     assert all(s.speed == 0.5 for s in slots)
+    slots = slots_for(cluster(), {"a0": 3, "b0": 1, "a1": 1})
+    assert [(s.rank, s.node, s.group, s.pair, s.local_pair) for s in slots] == [
+        (0, "a0", 0, 0, 0), (1, "a0", 1, 0, 0), (2, "a0", SOLO_GROUP, 1, 1),
+        (3, "b0", SOLO_GROUP, 2, 0), (4, "a1", SOLO_GROUP, 3, 0)]
+    assert group_gpus(slots) == ["fast", "fast/solo", "slow/solo", "fast/solo"]
+    assert [s.solo for s in slots] == [False, False, True, True, True]
 
 
 def test_layout_follows_plan_workers_of_each_pair():
-    slots = slots_for(cluster(), {"a0": 1, "b0": 1})
+    slots = slots_for(cluster(), {"a0": 2, "b0": 2})
     plan = Plan(global_batch_size=8 * 2 * 5, local_batch_size=8,
                 workers=[WorkerConfig("fast", 2, 1), WorkerConfig("slow", 1, 0)], iteration_time=1.0)
     layout = layout_for(slots, plan.workers)
@@ -40,27 +46,34 @@ def test_layout_follows_plan_workers_of_each_pair():
     assert sum(layout) * plan.local_batch_size == plan.global_batch_size
     with pytest.raises(ValueError, match="plan.workers"):
         layout_for(slots, plan.workers[:1])
+    # a solo GPU runs its unit's workers for both groups
+    slots = slots_for(cluster(), {"a0": 3})
+    plan = Plan(global_batch_size=8 * 2 * 5, local_batch_size=8,
+                workers=[WorkerConfig("fast", 2, 1), WorkerConfig("fast/solo", 1, 0)], iteration_time=1.0)
+    layout = layout_for(slots, plan.workers)
+    assert layout == [4, 4, 2]
+    assert sum(layout) * plan.local_batch_size == plan.global_batch_size
 
 
 def test_allocation_validation_and_full_allocation():
     c = cluster()
-    assert full_allocation(c) == {"a0": 2, "b0": 1, "a1": 1}
+    assert full_allocation(c) == {"a0": 4, "b0": 2, "a1": 2}
     assert normalize_allocation(c, {"a0": 0, "b0": 1}) == {"b0": 1}
     with pytest.raises(ValueError, match=r"allocation\[a0\]"):
-        normalize_allocation(c, {"a0": 3})
+        normalize_allocation(c, {"a0": 5})
     with pytest.raises(ValueError, match="node must be one of"):
         normalize_allocation(c, {"zz": 1})
-    with pytest.raises(ValueError, match="at least one GPU pair"):
+    with pytest.raises(ValueError, match="at least one GPU"):
         normalize_allocation(c, {"a0": 0})
 
 
-def test_drop_pair_removes_one_pair_and_empty_nodes():
-    c = drop_pair(cluster(), "a0")
-    assert [(n.name, n.num_gpus) for n in c.nodes] == [("a0", 2), ("b0", 2), ("a1", 2)]
-    c = drop_pair(c, "b0")
+def test_drop_gpus_removes_one_gpu_and_empty_nodes():
+    c = drop_gpus(cluster(), "a0")
+    assert [(n.name, n.num_gpus) for n in c.nodes] == [("a0", 3), ("b0", 2), ("a1", 2)]
+    c = drop_gpus(drop_gpus(c, "b0"), "b0")
     assert [n.name for n in c.nodes] == ["a0", "a1"]
-    single = ClusterSpec(nodes=[NodeSpec("x", "fast", 2)])
-    assert drop_pair(single, "x") is None
+    single = ClusterSpec(nodes=[NodeSpec("x", "fast", 1)])
+    assert drop_gpus(single, "x") is None
 
 
 def test_bundles_emulated_and_real():
@@ -216,7 +229,7 @@ def test_plan_stays_near_requested_batch(bg, pairs):
     c = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2 * pairs)])
     model = perf_model(min_local_batch=8, max_local_batch=64)
     drv = JabasDriver(lambda: None, [0], None, None, job, c, "unused", perf_model=model)
-    slots = slots_for(c, {"n0": pairs})
+    slots = slots_for(c, {"n0": 2 * pairs})
     plan = drv._plan(slots, bg)
     per_bl = [p for bl in range(8, 65, 8)
               if (p := solve_configuration(bg, group_gpus(slots), _LocalBatchCap(model.for_allocation(2 * pairs, False), bl), bl))]
@@ -245,7 +258,7 @@ def test_autoscale_decision_maps_to_node_pairs():
     traj = [128.0, 140.4, 150.0]
     alloc = autoscale_allocation(c, model, traj, 1000, job)
     d = choose_allocation(c, model, [128, 140, 150], 1000, 5, 8)
-    assert alloc == {k: v for k, v in d.allocation.node_pairs.items() if v}
+    assert alloc == {k: v for k, v in d.allocation.node_gpus.items() if v}
     assert group_gpus(slots_for(c, alloc)) == d.group_gpus
 
 

@@ -25,30 +25,49 @@ def model() -> PerfModel:
 
 
 def test_paper_two_node_example():
-    """Section 6.3: N1 = 4 x g_A, N2 = 2 x g_B -> prod(m_i/2 + 1) - 1 = 3 * 2 - 1 = 5 allocations:
-    (gA, gA), (gB, gB), (gA, gA, gA, gA), (gA, gA, gB, gB), (gA, gA, gA, gA, gB, gB)."""
+    """Section 6.3: N1 = 4 x g_A, N2 = 2 x g_B. The paper allocates pairs only: prod(m_i/2 + 1) - 1
+    = 5 allocations, (gA, gA), (gB, gB), (gA x 4), (gA, gA, gB, gB), (gA x 4, gB, gB); we consider
+    every GPU count (5 * 3 - 1 = 14), whose even-count candidates are the paper's list in its order."""
     cl = two_node_cluster()
     allocs = enumerate_allocations(cl)
-    assert [tuple(a.gpus(cl)) for a in allocs] == [
+    assert len(allocs) == 14
+    paired = [a for a in allocs if all(g % 2 == 0 for g in a.node_gpus.values())]
+    assert [tuple(a.gpus(cl)) for a in paired] == [
         ("gA", "gA"), ("gB", "gB"), ("gA",) * 4, ("gA", "gA", "gB", "gB"),
         ("gA",) * 4 + ("gB", "gB")]
-    assert [a.group_gpus(cl) for a in allocs][3] == ["gA", "gB"]
-    assert [a.multi_node for a in allocs] == [False, False, False, True, True]
+    assert paired[3].group_gpus(cl) == ["gA", "gB"]
+    assert [a.multi_node for a in paired] == [False, False, False, True, True]
+    assert [tuple(a.gpus(cl)) for a in allocs[:2]] == [("gA",), ("gB",)]   # one GPU first
+    assert allocs[0].group_gpus(cl) == ["gA/solo"]
 
 
-@pytest.mark.parametrize("gpus_per_node", [[2], [4, 2], [2, 2, 6], [8, 4, 2, 2]])
-def test_candidate_count_formula(gpus_per_node):
+@pytest.mark.parametrize("gpus_per_node", [[1], [2], [3, 1], [4, 2], [1, 1, 1], [2, 3, 5]])
+def test_enumeration_equals_brute_force(gpus_per_node):
+    """Every GPU count of every node, each exactly once, sorted by GPU count (then earlier nodes
+    first), checked against nested loops; the units are pairs plus one solo GPU per odd count."""
     cl = ClusterSpec(nodes=[NodeSpec(f"n{i}", f"t{i % 2}", m) for i, m in enumerate(gpus_per_node)])
     allocs = enumerate_allocations(cl)
-    assert len(allocs) == math.prod(m // 2 + 1 for m in gpus_per_node) - 1
-    assert len({tuple(a.node_pairs.values()) for a in allocs}) == len(allocs)
+    combos = [()]
+    for m in gpus_per_node:
+        combos = [c + (g,) for c in combos for g in range(m + 1)]
+    expected = sorted((c for c in combos if sum(c)), key=lambda c: (sum(c), [-g for g in c]))
+    assert [tuple(a.node_gpus.values()) for a in allocs] == expected
+    assert len(allocs) == math.prod(m + 1 for m in gpus_per_node) - 1
+    for a in allocs:
+        units = a.group_gpus(cl)
+        for i, (name, g) in enumerate(a.node_gpus.items()):
+            t = cl.node(name).gpu_type
+            assert units.count(t) >= g // 2
+        assert sum(1 if u.endswith("/solo") else 2 for u in units) == a.num_gpus
+        assert sum(u.endswith("/solo") for u in units) == sum(g % 2 for g in a.node_gpus.values())
 
 
-def test_odd_gpu_count_needs_opt_in():
-    cl = ClusterSpec(nodes=[NodeSpec("N1", "gA", 3), NodeSpec("N2", "gB", 2)])
-    with pytest.raises(ValueError, match=r"nodes\[N1\].num_gpus must be even"):
-        enumerate_allocations(cl)
-    assert len(enumerate_allocations(cl, drop_odd_gpu=True)) == 3
+def test_odd_gpu_counts_are_units_with_a_solo_gpu():
+    cl = ClusterSpec(nodes=[NodeSpec("N1", "gA", 3), NodeSpec("N2", "gB", 1)])
+    assert Allocation({"N1": 3, "N2": 1}).group_gpus(cl) == ["gA", "gA/solo", "gB/solo"]
+    assert Allocation({"N1": 2, "N2": 0}).group_gpus(cl) == ["gA"]
+    d = choose_allocation(cl, model(), [64, 128], 2048, 4, 8)
+    assert d.epoch_time > 0
 
 
 def test_epoch_time_bookkeeping_and_memo(monkeypatch):
@@ -103,14 +122,16 @@ def brute_force(cl, m, traj, n, p, mbl):
             remaining -= k * plan.global_batch_size
             c += 1
         if ok:
-            price = sum(2 * pairs * cl.node(name).price_weight for name, pairs in a.node_pairs.items())
+            price = sum(g * cl.node(name).price_weight for name, g in a.node_gpus.items())
             out.append((a, t, t * price))
     return out
 
 
+@pytest.mark.parametrize("odd", [False, True])
 @pytest.mark.parametrize("traj", [[32], [64, 128, 256, 512], [512, 256]])
-def test_choice_is_best_of_all_candidates(traj):
-    cl = two_node_cluster()
+def test_choice_is_best_of_all_candidates(traj, odd):
+    cl = two_node_cluster() if not odd else ClusterSpec(
+        nodes=[NodeSpec("N1", "gA", 3, tflops=14.13), NodeSpec("N2", "gB", 1, tflops=9.52)])
     m = model()
     ref = brute_force(cl, m, traj, 4096, 4, 8)
     d = choose_allocation(cl, m, traj, 4096, 4, 8)
@@ -124,7 +145,7 @@ def test_choice_is_best_of_all_candidates(traj):
     # cost is Eq. 8: epoch time x sum of TFLOPS-proportional prices
     a = dc.allocation
     assert dc.cost == pytest.approx(dc.epoch_time * a.price_rate(cl))
-    assert len(d.candidates) == 5
+    assert len(d.candidates) == len(enumerate_allocations(cl))
 
 
 def test_time_under_budget():
@@ -172,10 +193,10 @@ def test_no_feasible_allocation_is_a_clear_error():
     cl = two_node_cluster()
     with pytest.raises(ValueError, match="no allocation can run it"):
         choose_allocation(cl, model(), [4], 100, 2, 8)
-    with pytest.raises(ValueError, match="node_pairs"):
+    with pytest.raises(ValueError, match="node_gpus"):
         Allocation({"N1": 0})
-    with pytest.raises(ValueError, match=r"node_pairs\[N2\] must be <= 1"):
-        Allocation({"N1": 1, "N2": 2}).group_gpus(cl)
+    with pytest.raises(ValueError, match=r"node_gpus\[N2\] must be <= 2"):
+        Allocation({"N1": 1, "N2": 3}).group_gpus(cl)
 
 
 def test_epoch_time_and_breakdown_json_round_trip():

@@ -51,7 +51,7 @@ def test_plan_table_and_json_agree_with_the_plan_policy(files, capsys):
     data = json.loads(out)
     assert Plan.from_dict(data["plan"]) == want
     assert data["group_gpus"] == ["fast", "fast", "slow"]
-    assert data["allocation"]["node_pairs"] == {"n1": 2, "n2": 1}
+    assert data["allocation"]["node_gpus"] == {"n1": 4, "n2": 2}
 
 
 def test_plan_auto_allocation_and_emulate(files, capsys):
@@ -60,21 +60,24 @@ def test_plan_auto_allocation_and_emulate(files, capsys):
                         "--dataset-size", "4096", "--adapt-interval", "10"], capsys)
     assert rc == 0, err
     data = json.loads(out)
-    assert len(data["autoscale"]["candidates"]) == 5
+    assert len(data["autoscale"]["candidates"]) == 14     # (4 + 1) * (2 + 1) - 1 GPU counts
     best = min(c["epoch_time"] for c in data["autoscale"]["candidates"] if c["epoch_time"] is not None)
     assert data["autoscale"]["epoch_time"] == pytest.approx(best)
     rc, out, err = run(["plan", "--cluster", str(files / "cluster.yaml"), "--profile", str(files / "profiles.json"),
-                        "--global-batch", "64", "--allocation", "n2=1"], capsys)
-    assert rc == 0 and "n2=1 pair(s)" in out and "slow" in out
+                        "--global-batch", "64", "--allocation", "n2=2"], capsys)
+    assert rc == 0 and "n2=2 GPU(s)" in out and "slow" in out
+    rc, out, err = run(["plan", "--cluster", str(files / "cluster.yaml"), "--profile", str(files / "profiles.json"),
+                        "--global-batch", "64", "--allocation", "n1=3"], capsys)
+    assert rc == 0 and "n1=3 GPU(s)" in out and "fast/solo" in out
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--global-batch", "0"], "global_batch must be an integer >= 1, got 0"),
-    (["--global-batch", "99999999999"], "global_batch: 99999999999 is too large for 3 GPU pair(s)"),
-    (["--global-batch", "100000000"], "global_batch: 100000000 is too large for 3 GPU pair(s)"),
+    (["--global-batch", "99999999999"], "global_batch: 99999999999 is too large for 3 GPU unit(s)"),
+    (["--global-batch", "100000000"], "global_batch: 100000000 is too large for 3 GPU unit(s)"),
     (["--global-batch", "512", "--tolerance", "-1"], "tolerance must be"),
     (["--global-batch", "512", "--allocation", "n9=1"], "allocation must be"),
-    (["--global-batch", "512", "--allocation", "n2=2"], r"node_pairs[n2] must be <= 1"),
+    (["--global-batch", "512", "--allocation", "n2=3"], r"node_gpus[n2] must be <= 2"),
     (["--global-batch", "512", "--min-local-batch", "0"], "min_local_batch must be"),
     (["--global-batch", "512", "--objective", "time_under_budget", "--allocation", "auto"], "cost_budget"),
 ])
@@ -95,7 +98,6 @@ def test_plan_bad_files_one_line(files, capsys):
     cases = [
         (["--cluster", str(files / "missing.yaml"), "--profile", str(files / "profiles.json")], "missing.yaml"),
         (["--cluster", str(bad_yaml), "--profile", str(files / "profiles.json")], "not valid YAML"),
-        (["--cluster", str(odd), "--profile", str(files / "profiles.json")], "nodes[a].num_gpus must be even"),
         (["--cluster", str(files / "cluster.yaml"), "--profile", str(files / "fast.json")],
          "no profile for GPU type(s) ['slow']"),
         (["--cluster", str(files / "cluster.yaml"), "--profile", str(bad_prof)], "not a valid Profile"),
@@ -104,10 +106,13 @@ def test_plan_bad_files_one_line(files, capsys):
     for argv, message in cases:
         rc, out, err = run(["plan", "--global-batch", "512"] + argv, capsys)
         assert rc == 2 and err.count("\n") == 1 and message in err, (argv, err)
-    # --drop-odd-gpu makes the odd cluster usable
-    rc, out, err = run(["plan", "--global-batch", "64", "--cluster", str(odd), "--drop-odd-gpu",
+    # an odd GPU count is planned as it is; --drop-odd-gpu is a deprecated no-op
+    rc, out, err = run(["plan", "--global-batch", "64", "--cluster", str(odd),
                         "--profile", str(files / "profiles.json")], capsys)
-    assert rc == 0 and "fast" in out
+    assert rc == 0 and "a=3 GPU(s)" in out and "fast/solo" in out and err == ""
+    rc2, out2, err = run(["plan", "--global-batch", "64", "--cluster", str(odd), "--drop-odd-gpu",
+                          "--profile", str(files / "profiles.json")], capsys)
+    assert rc2 == 0 and out2 == out and err.count("\n") == 1 and "deprecated" in err
 
 
 def test_errors_are_one_line_as_a_command(files):

@@ -57,6 +57,14 @@ def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jabasray train: error: name: run")
     assert err[0].endswith("pass --resume to continue it or choose another --name")
+    # --resume with a changed job (another LR) is refused naming the field; the same job
+    # asked again returns the finished run's result and says so
+    assert main(cmd[3:] + ["--resume", "--lr", "0.05", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds another job's checkpoints (job_config.lr: 0.1 -> 0.05; " \
+        "optimizer.lr: 0.1 -> 0.05)" in err[0] and "resume='force'" in err[0]
+    assert main(cmd[3:] + ["--resume", "--no-progress"]) == 0
+    assert f"run {run} already finished (1 epoch(s) of this job)" in capsys.readouterr().out
 
 
 def test_bad_job_value_in_subprocess_is_one_line_exit_2(tmp_path):

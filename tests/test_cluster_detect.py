@@ -62,7 +62,7 @@ def test_type_precedence_gpu_resource_then_label_then_accelerator_then_plain_gpu
 def test_records_without_node_id_are_not_pinned():
     cl = ClusterSpec.from_ray([{"Alive": True, "Resources": {"GPU": 2.0}}])
     assert cl.nodes[0].name == "node0-gpu" and cl.nodes[0].ray_node_id is None
-    assert all(s.ray_node_id is None for s in slots_for(cl, {"node0-gpu": 1}))
+    assert all(s.ray_node_id is None for s in slots_for(cl, {"node0-gpu": 2}))
 
 
 def test_cpu_only_cluster_is_a_one_line_error():
@@ -71,11 +71,11 @@ def test_cpu_only_cluster_is_a_one_line_error():
 
 
 def test_heterogeneous_job_one_gpu_per_actor_pinned_to_its_node():
-    """Allocation {a100 node: 1 pair, v100 node: 1 pair}: ranks 0-1 on the A100 node, 2-3 on
+    """Allocation {a100 node: 2 GPUs, v100 node: 2 GPUs}: ranks 0-1 on the A100 node, 2-3 on
     the V100 node; each pair's placement group asks for 1 GPU per bundle (num_gpus=1 per actor)
     and selects its node by Ray's node-id label."""
     cl = ClusterSpec.from_ray(two_type_cluster_nodes())
-    slots = slots_for(cl, {"aaaaaaaa-a100": 1, "bbbbbbbb-v100": 1})
+    slots = slots_for(cl, {"aaaaaaaa-a100": 2, "bbbbbbbb-v100": 2})
     assert [(s.rank, s.gpu_type, s.ray_node_id) for s in slots] == [
         (0, "a100", A100_NODE), (1, "a100", A100_NODE), (2, "v100", V100_NODE), (3, "v100", V100_NODE)]
     bundles, selector = pair_request(slots[2:], emulate=False, available={"GPU": 6.0, "CPU": 24.0})
@@ -88,7 +88,7 @@ def test_heterogeneous_job_one_gpu_per_actor_pinned_to_its_node():
 
 def test_unpinned_emulated_pairs_have_no_selector():
     cl = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)])
-    bundles, selector = pair_request(slots_for(cl, {"n0": 1}), emulate=True)
+    bundles, selector = pair_request(slots_for(cl, {"n0": 2}), emulate=True)
     assert bundles == [{"gpu_fast": 1.0}] * 2 and selector is None
 
 
@@ -107,5 +107,5 @@ def test_ray_node_id_survives_the_checkpoint_json_round_trip():
 
 def test_actor_names_say_run_generation_node_and_rank():
     cl = ClusterSpec.from_ray(two_type_cluster_nodes())
-    slot = slots_for(cl, {"bbbbbbbb-v100": 1})[1]
+    slot = slots_for(cl, {"bbbbbbbb-v100": 2})[1]
     assert actor_name("digits-1a2b3c", 2, slot) == "jabasray:digits-1a2b3c:g2:bbbbbbbb-v100:rank1"

@@ -121,7 +121,7 @@ def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(clust
     assert t_fail - hook.t_armed >= 8                      # not before its deadline
     assert "restarting epoch 2" in msg
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 1, "s": 1}
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 2, "s": 2}
     assert_each_sample_once_per_epoch(hist, 240)
     assert drv.gpu_actors() == []
 
@@ -195,7 +195,7 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
 
     remote = ray.remote(num_cpus=0)(Where)
     make = lambda slot, opts: remote.options(**opts).remote()   # noqa: E731
-    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 1})   # the head
+    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 2})   # the head
     free_before = ray.available_resources().get("CPU", 0)
     placement, _ = place_actors(slots, make, emulate=True, timeout_s=60, cpus=1)
     try:
@@ -210,7 +210,7 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
     finally:
         release(placement)
     with pytest.raises(PlacementTimeout) as info:
-        place_actors(slots_for(FOUR, {"f": 1, "s": 1}), make, emulate=True, timeout_s=3, cpus=2)
+        place_actors(slots_for(FOUR, {"f": 2, "s": 2}), make, emulate=True, timeout_s=3, cpus=2)
     msg = str(info.value)
     assert "\n" not in msg and "node f" in msg and "'CPU'" in msg and "missing" in msg
 

@@ -120,7 +120,7 @@ def test_resume_after_the_whole_cluster_restarted(clusters, tmp_path):
     assert_each_sample_once_per_epoch(hist, 240)
     spec_b = ray_cluster_spec(speeds=SPEEDS)
     by_type = {n.gpu_type: n.name for n in spec_b.nodes}
-    assert hist.epochs[1].allocation == {by_type["fast"]: 1, by_type["slow"]: 1}
+    assert hist.epochs[1].allocation == {by_type["fast"]: 2, by_type["slow"]: 2}
     assert sorted(hist.epochs[1].gpu_types) == ["fast", "fast", "slow", "slow"]
     assert sorted(where.nodes[1]) == sorted(n.ray_node_id for n in spec_b.nodes for _ in range(2))
     assert any(m.startswith("cluster reconciled with the live Ray nodes") for m in hist.events)

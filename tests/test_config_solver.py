@@ -3,6 +3,7 @@ enumeration on many random small instances, against the plain-Python reference, 
 paper's Figure 8 example."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -127,6 +128,60 @@ def test_solver_matches_exhaustive_on_random_instances(model_cls):
         assert plan.throughput == pytest.approx(want, rel=1e-12), case
         assert ref.throughput == pytest.approx(want, rel=1e-12), case
     assert solved >= 30 and unsolved >= 1  # both branches exercised
+
+
+def exhaustive_units(global_batch, units, model, min_bl):
+    """exhaustive() over similarity units written out directly: a pair "g" takes (n_vsw, n_GA)
+    per GPU; a solo "g/solo" GPU runs both groups, 2 n_vsw VSWs of n_GA each (time and n_max of
+    its GPU at 2 n_vsw), for n_vsw * (n_GA + 1) workers per group. Best throughput 2 B_L M / T."""
+    best = 0.0
+    gpus = [(u.split("/")[0], u.endswith("/solo")) for u in units]
+    max_bl = min(model.max_local_batch(g) for g, _ in gpus)
+    for bl in range(min_bl, max_bl + 1, min_bl):
+        m = num_workers_per_group(global_batch, bl)
+        if m < len(gpus):
+            break
+        opts = [[(nv * (ga + 1), model.iteration_time(g, bl, nv * (2 if solo else 1), ga))
+                 for nv in range(1, m + 1) if nv * (2 if solo else 1) <= model.max_num_vsw(g, bl)
+                 for ga in range(0, m // nv) if nv * (ga + 1) <= m] for g, solo in gpus]
+        best_t = math.inf
+        for combo in itertools.product(*opts):
+            if sum(k for k, _ in combo) == m:
+                best_t = min(best_t, max(t for _, t in combo))
+        if best_t < math.inf:
+            best = max(best, bl * m * 2 / best_t)
+    return best
+
+
+def test_solo_units_match_exhaustive_on_random_instances():
+    """A GPU without a partner (one GPU, odd counts) as a solo unit: the solver's plan is the
+    exhaustive optimum over its doubled-VSW configurations, and its workers run 2 n_vsw VSWs
+    that fit the GPU's n_max."""
+    rng = random.Random(7)
+    solved = 0
+    for case in range(50):
+        types = [f"g{i}" for i in range(rng.randint(1, 3))]
+        units = [rng.choice(types) + ("/solo" if rng.random() < 0.6 else "") for _ in range(rng.randint(1, 3))]
+        min_bl = rng.choice([1, 2, 4])
+        model = MonotoneModel(rng, types, min_bl)
+        for g in types:
+            model.p[g]["nmax"] = rng.randint(2, 6)
+        global_batch = rng.randint(2, 18) * min_bl
+        want = exhaustive_units(global_batch, units, model, min_bl)
+        plan = solve_configuration(global_batch, units, model, min_bl)
+        ref = solve_configuration_reference(global_batch, units, model, min_bl)
+        if want == 0.0:
+            assert plan is None and ref is None, case
+            continue
+        solved += 1
+        for p in (plan, ref):
+            assert p.throughput == pytest.approx(want, rel=1e-12), case
+            assert [w.gpu for w in p.workers] == units
+            assert p.global_batch_size == 2 * p.local_batch_size * p.num_workers_per_group
+            for w in p.workers:
+                g, solo = w.gpu.split("/")[0], w.gpu.endswith("/solo")
+                assert w.num_vsw * (2 if solo else 1) <= model.max_num_vsw(g, p.local_batch_size)
+    assert solved >= 25
 
 
 def test_min_max_assignment_matches_brute_force():

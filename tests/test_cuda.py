@@ -1,4 +1,4 @@
-"""The CUDA code paths on a real GPU (issue 19): every test is ``@pytest.mark.cuda`` and is
+"""The CUDA code paths on a real GPU: every test is ``@pytest.mark.cuda`` and is
 skipped (reported as skipped) where ``torch.cuda.is_available()`` is False. Tiny models, a few
 steps each, no Ray: the whole file runs in seconds on one GPU.
 

@@ -1,4 +1,4 @@
-"""The driver as a restartable, detached Ray actor (issue 21), on the session Ray instance.
+"""The driver as a restartable, detached Ray actor, on the session Ray instance.
 
 * Killing the driver actor's process mid-epoch: Ray restarts it, it resumes from the last
   checkpoint by itself and the run ends with every completed epoch and the same weights, B_G

@@ -6,6 +6,8 @@ test_forecast.py. Exact bookkeeping against hand-computed values and the
 functions they are built on."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from types import SimpleNamespace
 
 import pytest
@@ -112,11 +114,12 @@ def test_restart_restores_the_controller_and_rechooses_the_allocation(tmp_path):
     other = AdaptiveBatchController(job)
     cp, state, events = restart(tmp_path, ActorFailure([1], RuntimeError("x")), [slots[1]], other,
                                 choose, alive_nodes=set())
-    assert asked == [(ClusterSpec(nodes=[CLUSTER.nodes[1]]), [20.0, 22.0])]   # n0's only pair gone
+    left = ClusterSpec(nodes=[replace(CLUSTER.nodes[0], num_gpus=1), CLUSTER.nodes[1]])
+    assert asked == [(left, [20.0, 22.0])]   # n0 keeps its other GPU
     assert (state.cluster, state.allocation, state.epochs_done) == (asked[0][0], {"n1": 1}, 2)
     assert other.state_dict() == ctl.state_dict()
     assert events == [f"GPU actor failure: rank 1 (fast on n0) (RuntimeError); restarting epoch 3 "
-                      f"from {cp.path.name} without that pair, allocation {{'n1': 1}}"]
+                      f"from {cp.path.name} without that GPU, allocation {{'n1': 1}}"]
 
 
 def test_take_reprofile_counts_against_the_budget():

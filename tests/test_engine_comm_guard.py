@@ -1,5 +1,5 @@
 """IIDP's communication critical section (``comm_guard``) is never entered, and no collective is
-issued, from within a backward pass (issue 19: deadlock risk on CUDA, where the hook runs on the
+issued, from within a backward pass (deadlock risk on CUDA, where the hook runs on the
 device's single autograd thread, which a paused background job's ``backward()`` also needs)."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_guard_and_collectives_never_run_inside_backward(method, execution, monk
                          vsw_execution=execution)
     guard.worker = guarded
     plain = IIDPWorker(make_model(0), OPTIMIZERS["adam"], F.cross_entropy, weight_sync=method,
-                       bucket_cap_mb=CAP, process_group=_group())
+                       bucket_cap_mb=CAP, process_group=_group(), vsw_execution=execution)
     ref = make_model(0)
     ref_opt = OPTIMIZERS["adam"](list(ref.parameters()))
     for w in (guarded, plain):

@@ -93,6 +93,38 @@ def test_local_grad_is_sum_of_micro_batch_gradients_before_allreduce(flat):
 
 
 @pytest.mark.parametrize("flat", [False, True])
+def test_split_local_grad_is_each_vsw_halfs_gradient_sum(flat):
+    """One GPU forming both similarity groups: row h of local_grad is the sum of the mean-loss
+    gradients of the micro-batches of VSW half h (VSW v holds micro-batches v*G .. v*G+G-1),
+    and Phi of the two rows equals the float64 reference cosine of the two groups."""
+    from jabasray.adaptive import cosine_similarity, group_similarity
+
+    model = make_model(0)
+    ref = clone(model)
+    w = _worker(model, flat_grads=flat)
+    w.configure(4, 1, 3)                     # 4 VSWs x 2 GA micro-batches: 8 decoupled workers
+    X, y = make_data(11, 24)
+    mbs = split(X, y, [3] * 8)
+    per_mb = []
+    for xb, yb in mbs:
+        ref.zero_grad()
+        F.cross_entropy(ref(xb), yb).backward()
+        per_mb.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).double())
+    g0, g1 = sum(per_mb[:4]), sum(per_mb[4:])
+    st = w.train_step(mbs, keep_local_grad="split")
+    assert st.local_grad.shape == (2, g0.numel())
+    torch.testing.assert_close(st.local_grad[0], g0)
+    torch.testing.assert_close(st.local_grad[1], g1)
+    expected = float(g0.dot(g1) / (g0.norm() * g1.norm()))
+    assert cosine_similarity(st.local_grad[0], st.local_grad[1]) == pytest.approx(expected, rel=1e-12)
+    assert group_similarity([g.numpy() for g in per_mb[:4]], [g.numpy() for g in per_mb[4:]]) == \
+        pytest.approx(expected, rel=1e-12)
+    w.configure(3, 0, 3)
+    with pytest.raises(ValueError, match="even num_vsw"):
+        w.train_step(split(X[:9], y[:9], [3] * 3), keep_local_grad="split")
+
+
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("method", ["sws", "ows"])
 def test_ragged_step_equals_plain_step_on_union(method, flat):
     model = make_model(0)
@@ -134,8 +166,15 @@ def test_custom_bucket_plan_one_parameter_per_bucket():
 
 
 def test_allreduce_of_first_bucket_is_launched_during_backward(monkeypatch):
-    """Overlap: bucket 0 (last layers) is launched while the main VSW's backward still runs."""
-    w = _worker(make_model(0), method="ows")
+    """Overlap: bucket 0 (last layers) is launched while the main VSW's backward still runs
+    (flat gradient buckets, as with a process group; a single device with autograd's own
+    gradients has nothing to launch and runs without hooks, checked at the end)."""
+    plain = _worker(make_model(0), method="ows")
+    plain.configure(2, 0, 2)
+    X, y = make_data(0, 4)
+    plain.train_step(split(X, y, [2, 2]))
+    assert plain._vsws[0].handles == []
+    w = _worker(make_model(0), method="ows", flat_grads=True)
     w.configure(1, 0, 4)
     during_backward = []
     orig = w._launch
@@ -313,10 +352,11 @@ def test_bad_constructor_arguments():
 
 def test_vsws_run_on_persistent_threads_and_main_vsw_inline():
     """CPU twin of the streams: VSW 0 on the caller's thread, VSWs 1.. on pool threads that
-    persist across steps (no thread per step); a single VSW runs inline."""
+    persist across steps (no thread per step); a single VSW runs inline (per-VSW execution
+    forced: the default runs the VSWs batched)."""
     import threading
 
-    w = _worker(make_model(0))
+    w = _worker(make_model(0), vsw_execution="threads")
     w.configure(3, 1, 2)
     seen: list[dict[int, set[int]]] = []
 

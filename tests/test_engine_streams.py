@@ -1,4 +1,4 @@
-"""Stream priorities (DeepPool section 5, issue 19): the pure choice from CUDA's priority range.
+"""Stream priorities (DeepPool section 5): the pure choice from CUDA's priority range.
 The created streams' ``.priority`` is checked on a GPU in tests/test_cuda.py."""
 from __future__ import annotations
 

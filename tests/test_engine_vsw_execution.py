@@ -1,4 +1,4 @@
-"""The two VSW execution schemes of IIDPWorker (issue 19): ``"one_thread"`` (CUDA's default: the
+"""The two VSW execution schemes of IIDPWorker: ``"one_thread"`` (CUDA's default: the
 caller issues every VSW onto its stream, GA round by GA round) computes exactly what
 ``"threads"`` (CPU's default) computes, and both equal one plain step on the union. Run on CPU
 here (forced scheme); on a GPU tests/test_cuda.py repeats the equality on streams."""

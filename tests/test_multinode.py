@@ -103,7 +103,7 @@ def test_allocation_places_actors_on_its_nodes_and_a_change_moves_them(cluster):
     def make(slot, opts):
         return remote.options(**opts).remote()
 
-    first = slots_for(spec, {fast2: 1, slow: 1})
+    first = slots_for(spec, {fast2: 2, slow: 2})
     placement, new = place_actors(first, make, emulate=True, timeout_s=60)
     try:
         assert new == [0, 1, 2, 3]
@@ -111,7 +111,7 @@ def test_allocation_places_actors_on_its_nodes_and_a_change_moves_them(cluster):
         assert where == [s.ray_node_id for s in first]          # rank r runs on its slot's node
         assert sorted(where) == sorted([ids["fast2"]] * 2 + [ids["slow"]] * 2)
 
-        second = slots_for(spec, {head: 1, fast2: 1})
+        second = slots_for(spec, {head: 2, fast2: 2})
         placement2, new = place_actors(second, make, emulate=True, timeout_s=60, reuse=placement)
         kept = [a for a, s in zip(placement.actors, first) if s.node == fast2]
         fast2_ranks = [s.rank for s in second if s.node == fast2]
@@ -175,9 +175,9 @@ def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(cluster, tmp_pat
         [f"{fast2}:rank0", f"{fast2}:rank1", f"{slow}:rank2", f"{slow}:rank3"])
 
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[0].allocation == {fast2: 1, slow: 1}
+    assert hist.epochs[0].allocation == {fast2: 2, slow: 2}
     assert hist.epochs[0].gpu_types == ["fast", "fast", "slow", "slow"]
-    assert hist.epochs[1].allocation == {fast2: 1} and hist.epochs[1].gpu_types == ["fast", "fast"]
+    assert hist.epochs[1].allocation == {fast2: 2} and hist.epochs[1].gpu_types == ["fast", "fast"]
     fail = [m for m in hist.events if "failure" in m]
     assert len(fail) == 1 and f"on {slow}" in fail[0] and "restarting epoch 2" in fail[0]
     ep0 = [r for r in hist.intervals if r.epoch == 0]

@@ -1,4 +1,4 @@
-"""CUDA-graph capturability of a background job's optimizer (issue 19): the pure decision, checked
+"""CUDA-graph capturability of a background job's optimizer: the pure decision, checked
 on CPU against torch 2.13's rules. The capture itself (no extra training step, graphed ==
 eager) is checked on a GPU in tests/test_cuda.py."""
 from __future__ import annotations

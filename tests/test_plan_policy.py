@@ -115,7 +115,7 @@ def test_huge_batches_are_refused_before_any_work(bg):
     largest B_L is refused with an error naming global_batch, without one model evaluation; the
     solver alone skips every B_L in O(1) each and says the batch is too large."""
     m = Counting(model().for_allocation(4, False))
-    with pytest.raises(NoPlanError, match=r"^global_batch: \d+ is too large for 2 GPU pair\(s\): it must be <= "):
+    with pytest.raises(NoPlanError, match=r"^global_batch: \d+ is too large for 2 GPU unit\(s\): it must be <= "):
         solve_for_batch(bg, ["fast", "slow"], m, 8)
     res = solve_configuration_detailed(bg, ["fast", "slow"], m, 8)
     assert res.plan is None and "too large" in res.reason
@@ -146,20 +146,22 @@ def test_too_many_local_batch_candidates_names_min_local_batch():
 
 
 # ---------------------------------------------------------------------------- consistency
-def test_autoscaler_assumes_the_plans_the_driver_runs():
+@pytest.mark.parametrize("counts", [(4, 2), (3, 1)])
+def test_autoscaler_assumes_the_plans_the_driver_runs(counts):
     """For every B_G of a forecast trajectory (the GPR+ESM forecaster on growing trajectories),
     the plan in the auto-scaler's decision is the plan the driver's _plan gives on the chosen
     allocation's slots -- the same function, the same model retargeting, the same tolerance."""
     from actors_helpers import perf_model
     from jabasray.actors.driver import JabasDriver
     from jabasray.planners.job_planner import plan_tolerance
-    from jabasray.actors.placement import slots_for
+    from jabasray.actors.placement import group_gpus, slots_for
+    from jabasray.planners.autoscale import enumerate_allocations
     from jabasray.adaptive import GBSForecaster
     from jabasray.config import JobConfig
 
     job = JobConfig(min_local_batch=8, min_global_batch=16, initial_global_batch=64, alpha=0.1,
                     max_global_batch=1024, adapt_interval=5)
-    cluster = ClusterSpec(nodes=[NodeSpec("a0", "fast", 4), NodeSpec("b0", "slow", 2)])
+    cluster = ClusterSpec(nodes=[NodeSpec("a0", "fast", counts[0]), NodeSpec("b0", "slow", counts[1])])
     pm = perf_model(min_local_batch=8, max_local_batch=64)
     f = GBSForecaster("ensemble", min_batch=16, max_batch=1024, random_state=0)
     f.fit([[64, 70, 77, 85, 93, 100], [100, 110, 121, 133, 146, 160]])
@@ -169,7 +171,10 @@ def test_autoscaler_assumes_the_plans_the_driver_runs():
         d = choose_allocation(cluster, pm, forecast, 3000, job.adapt_interval, job.min_local_batch,
                               objective=objective, tolerance=plan_tolerance(job))
         drv = JabasDriver(lambda: None, [0] * 3000, None, None, job, cluster, "unused", perf_model=pm)
-        slots = slots_for(cluster, {k: v for k, v in d.allocation.node_pairs.items() if v})
+        slots = slots_for(cluster, {k: v for k, v in d.allocation.node_gpus.items() if v})
         for bg in forecast:
             assumed = d.plans[bg]
             assert drv._plan(slots, bg) == assumed, (objective, bg)
+        for alloc in enumerate_allocations(cluster):   # every allocation, solo GPUs included
+            slots = slots_for(cluster, {k: v for k, v in alloc.node_gpus.items() if v})
+            assert group_gpus(slots) == alloc.group_gpus(cluster)

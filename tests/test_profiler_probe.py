@@ -1,4 +1,4 @@
-"""n_max probing of the profiler (issue 19): up to the memory limit on CUDA, by doubling and
+"""n_max probing of the profiler: up to the memory limit on CUDA, by doubling and
 bisection, an out-of-memory step meaning "does not fit". Checked on CPU with an injected step
 that runs out of memory above a fake limit; tests/test_cuda.py probes a real GPU."""
 from __future__ import annotations

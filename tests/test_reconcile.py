@@ -63,7 +63,8 @@ def test_fewer_gpus_on_the_stand_in_shrink_the_node_and_the_allocation_is_rechos
     live = ClusterSpec(nodes=[node("bbbb0000", "fast", 2)])
     got, rename, _ = reconcile(old, live)
     assert [(n.name, n.num_gpus) for n in got.nodes] == [("bbbb0000-fast", 2)]
-    assert remap_allocation({"aaaa0000-fast": 2}, rename, got) is None
+    assert remap_allocation({"aaaa0000-fast": 4}, rename, got) is None      # allocations count GPUs
+    assert remap_allocation({"aaaa0000-fast": 2}, rename, got) == {"bbbb0000-fast": 2}
 
 
 @pytest.mark.parametrize("seed", range(40))

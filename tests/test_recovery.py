@@ -1,4 +1,4 @@
-"""Recovery from every failure point (issue 14), on the session Ray instance: a GPU actor lost
+"""Recovery from every failure point, on the session Ray instance: a GPU actor lost
 during start-up or the first epoch is recovered like a later loss (a checkpoint exists from the
 start); exhausted restarts end in one line naming the failure and the last checkpoint; a driver
 that dies mid-epoch resumes without losing a completed epoch; a corrupt newest checkpoint is
@@ -17,7 +17,7 @@ from jabasray.types import ClusterSpec, NodeSpec
 
 pytestmark = pytest.mark.ray
 
-CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])   # two pairs
+CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])   # four GPUs
 
 
 def _job(epochs: int = 2) -> JobConfig:
@@ -57,10 +57,37 @@ def test_actor_lost_before_any_epoch_is_recovered(ray_session, tmp_path, when):
     hist = drv.run()
     assert [e.epoch for e in hist.epochs] == [0, 1]
     fail = [m for m in hist.events if "failure" in m]
-    assert len(fail) == 1 and "restarting epoch 1 from epoch_0000 without that pair" in fail[0]
-    assert all(len(e.gpu_types) == 2 for e in hist.epochs)      # one pair left
+    assert len(fail) == 1 and "restarting epoch 1 from epoch_0000 without that GPU" in fail[0]
+    assert all(len(e.gpu_types) == 3 for e in hist.epochs)      # only the dead actor's GPU left out
     assert_each_sample_once_per_epoch(hist, 160)       # the redone epoch 0 once, whole
     assert latest_checkpoint(tmp_path / "run").epochs_done == 2
+
+
+class _KillMany(DriverCallback):
+    """At interval 1 of epoch 0, ``ray.kill`` several actors at once (as an NCCL abort does)."""
+
+    def __init__(self, ranks) -> None:
+        self.ranks, self.done = ranks, False
+
+    def on_interval(self, driver, record):
+        import ray
+        if not self.done and record.epoch == 0 and record.interval == 1:
+            self.done = True
+            for r in self.ranks:
+                ray.kill(driver.gpu_actors()[r], no_restart=True)
+
+
+def test_simultaneous_failures_retry_on_the_same_gpus(ray_session, tmp_path):
+    """2 of 4 actors killed at once (nodes alive): the run is not shrunk; epoch 0 is redone on
+    the same 4 GPUs from its checkpoint and every epoch trains each sample once."""
+    drv = _driver(tmp_path / "run", callbacks=[_KillMany([1, 2])])
+    hist = drv.run()
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    fail = [m for m in hist.events if "failure" in m]
+    assert len(fail) == 1 and "2 ranks failed at once" in fail[0] and "retrying on the same GPUs" in fail[0]
+    assert all(e.allocation == {"n0": 4} and len(e.gpu_types) == 4 for e in hist.epochs)
+    assert_each_sample_once_per_epoch(hist, 160)
+    assert latest_checkpoint(tmp_path / "run").load_driver_state().cluster == CLUSTER
 
 
 def test_exhausted_restarts_end_in_one_line_naming_failure_and_checkpoint(ray_session, tmp_path):

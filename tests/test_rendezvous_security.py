@@ -1,5 +1,5 @@
 """The rendezvous TCPStore listens only on the address the actors are given, and the process
-group's keys live under a per-job secret prefix (issue 14). One process, gloo, no Ray."""
+group's keys live under a per-job secret prefix. One process, gloo, no Ray."""
 from __future__ import annotations
 
 import datetime

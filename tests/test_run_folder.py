@@ -1,6 +1,6 @@
 """One run per run folder (lock with stale detection), the writability probe, and the CLI's
-one-line errors before any work: run names, file-system problems, batch bounds, scripts, odd GPUs
-(issue 14). No Ray is started here: every error comes before it."""
+one-line errors before any work: run names, file-system problems, batch bounds, scripts, odd GPUs.
+No Ray is started here: every error comes before it."""
 from __future__ import annotations
 
 import errno
@@ -231,12 +231,18 @@ def test_script_errors_name_file_and_line(body, line, text, tmp_path, capsys):
     assert got.startswith(f"jabasray train: error: script {script} line {line}") and text in got
 
 
-def test_odd_gpu_count_needs_drop_odd_gpu(tmp_path, capsys, _ray_calls):
+def test_one_gpu_sma_is_refused_and_drop_odd_gpu_is_deprecated(tmp_path, capsys, _ray_calls):
+    """Any GPU count trains with IIDP; Crossbow SMA needs GPU pairs and says so in one line
+    before Ray starts; --drop-odd-gpu only prints that it is deprecated."""
     cluster = tmp_path / "c.yaml"
-    cluster.write_text("nodes:\n  - {name: a0, gpu_type: fast, num_gpus: 3, speed: 1.0}\n")
-    assert main(["train", "--cluster", str(cluster), "--storage-path", str(tmp_path)]) == 2
+    cluster.write_text("nodes:\n  - {name: a0, gpu_type: fast, num_gpus: 1, speed: 1.0}\n")
+    assert main(["train", "--cluster", str(cluster), "--storage-path", str(tmp_path), "--sync", "sma"]) == 2
     line = _one_line(capsys)
-    assert "nodes[a0].num_gpus must be even" in line and "--drop-odd-gpu" in line
+    assert "sync='sma' (Crossbow) needs two GPUs" in line and "sync='iidp'" in line
+    assert main(["train", "--cluster", str(cluster), "--storage-path", str(tmp_path), "--sync", "sma",
+                 "--drop-odd-gpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--drop-odd-gpu is deprecated" in err[0] and "needs two GPUs" in err[1]
     assert _no_ray_started(_ray_calls)
 
 

@@ -86,7 +86,7 @@ def test_every_run_file_is_in_the_bucket(s3, reference):
             "runs/ref/.jabasray_storage.json",
             "runs/ref/checkpoint_000002/model.pt", "runs/ref/checkpoint_000002/optimizer.pt",
             "runs/ref/checkpoint_000002/metadata.json"}
-    want |= {f"runs/ref/checkpoints/epoch_000{e}/{f}" for e in (1, 2)   # keep_checkpoints=2
+    want |= {f"runs/ref/checkpoints/epoch_000{e}/{f}" for e in (1, 2)   # CheckpointConfig.num_to_keep=2
              for f in ("worker.pt", "driver.json", "manifest.json")}
     assert set(keys) == want
     assert r.run_checkpoint.epochs_done == 2 and str(r.run_checkpoint.path) == \

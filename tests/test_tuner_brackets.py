@@ -46,3 +46,33 @@ def test_tune_hyperband_fills_li_et_al_brackets_in_reverse():
     tune_sizes = [tune_sched._get_n0(s) for s in range(tune_sched._s_max_1)]
     ours = [b.num_configs for b in reversed(hyperband_schedule(81, 3))]
     assert ours == tune_sizes == [5, 8, 15, 34, 81]
+
+
+def _tune_rungs(max_t: int, eta: int) -> list[list[int]]:
+    """Rung sizes of every bracket as Tune's own ``_Bracket.successive_halving`` keeps them
+    (run on placeholder trials: the survivors of each halving are the next rung)."""
+    from ray.tune.schedulers.hyperband import HyperBandScheduler, _Bracket
+
+    sched = HyperBandScheduler(max_t=max_t, reduction_factor=eta)
+    out = []
+    for s in range(sched._s_max_1 - 1, -1, -1):
+        b = _Bracket("training_iteration", sched._get_n0(s), sched._get_r0(s), max_t, eta, s)
+        live = [object() for _ in range(sched._get_n0(s))]
+        sizes = [len(live)]
+        for _ in range(s):
+            b._live_trials = {t: {"m": i} for i, t in enumerate(live)}
+            live, _bad = b.successive_halving("m", 1.0)
+            sizes.append(len(live))
+        out.append(sizes)
+    return out
+
+
+def test_ceil_halving_is_tunes_and_floor_is_li_et_al():
+    """R = 81, s = 3: Tune 34 -> 12 -> 4 -> 2, Li et al. 34 -> 11 -> 3 -> 1."""
+    ceil = hyperband_schedule(81, 3, halving="ceil")
+    assert [r.n for r in ceil[1].rungs] == [34, 12, 4, 2]
+    assert [r.n for r in hyperband_schedule(81, 3)[1].rungs] == [34, 11, 3, 1]
+    for R, eta in ((81, 3), (27, 3), (16, 2), (64, 4), (9, 3)):
+        assert [[r.n for r in b.rungs] for b in hyperband_schedule(R, eta, halving="ceil")] == _tune_rungs(R, eta)
+    with pytest.raises(ValueError, match="halving"):
+        hyperband_schedule(81, 3, halving="round")

@@ -9,6 +9,7 @@ import asyncio
 import time
 
 import cloudpickle
+import torch
 import pytest
 
 from jabasray.tuner.coordinator import PackCoordinator
@@ -34,6 +35,7 @@ def _run(scenario, **kw):
             if c.watchdog is not None:
                 c.watchdog.cancel()
             c.pool.shutdown(wait=True)
+            c.loader.shutdown(wait=True)
     return asyncio.run(main())
 
 
@@ -168,3 +170,100 @@ def test_no_unit_runs_ahead_past_a_decision_point_learned_from_a_stopped_trial()
     assert units == [2, 1, 3, 2, 4]
     assert c1["pack_size"] == 2 and c2["steps"] == 4 and c2["pack_size"] == 2
     assert discarded == 1 and decisions == {1}      # only a's unit 2, before the point was learned
+
+
+def test_a_coordinator_holding_a_set_aside_member_whose_trial_never_frees_it_exits(monkeypatch):
+    """b is set aside (it does not claim unit 2) and its trial ends without a ``free``; a's
+    trial frees a. With a short idle timeout the coordinator drops b and exits (it once lived
+    forever: a detached actor keeping its memory, on a GPU its CUDA context)."""
+    import ray
+
+    exits = []
+    monkeypatch.setattr(ray.actor, "exit_actor", lambda: exits.append(time.monotonic()))
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)
+        await c.unit("a")                                               # b never claims unit 2
+        await _until(lambda: "b" in c.aside and not c.running)
+        await c.free("a")
+        freed = time.monotonic()
+        await _until(lambda: exits, timeout=10.0)
+        return exits[0] - freed, dict(c.aside), list(c.configs)
+
+    waited, aside, configs = _run(scenario, wait_s=0.2, idle_exit_s=0.5)
+    assert aside == {} and configs == []
+    assert waited < 0.5 + 0.5 + 1.0          # idle_exit_s after the last activity, one check period
+
+
+def test_a_set_aside_member_dropped_after_idle_exit_s_asks_to_load_again():
+    from jabasray.tuner.coordinator import NotLoaded
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await _until(lambda: c.units_run == 2 and not c.running)
+        await c.unit("a")
+        await _until(lambda: "b" in c.aside and not c.running)
+        await _until(lambda: "b" not in c.aside, timeout=10.0)         # dropped after idle_exit_s
+        with pytest.raises(NotLoaded, match="not loaded"):
+            await c.unit("b")
+        return True
+
+    assert _run(scenario, wait_s=0.2, idle_exit_s=0.5, max_units=50)
+
+
+def test_state_is_that_of_the_last_claimed_unit_while_a_unit_runs_ahead():
+    """Tune asks a trial's state (a pause, a checkpoint) after the result of unit n; the
+    coordinator may already have trained unit n + 1 (run ahead) or be training it. The state
+    returned is unit n's, equal to the reference trained n units; once n + 1 is claimed, the
+    state is unit n + 1's."""
+    ref = Alone(A, SPEC)
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))                  # unit 1 claimed
+        during = await c.state("a")                                     # unit 2 may be running
+        await _until(lambda: c.units_run == 2 and not c.running)
+        assert "a" in c.ready                                           # unit 2 ahead, unclaimed
+        ahead = await c.state("a")
+        await c.unit("a")                                               # claim unit 2
+        claimed = await c.state("a")
+        return [state_from_bytes(b) for b in (during, ahead, claimed)]
+
+    during, ahead, claimed = _run(scenario, checkpoint_every=0, max_units=5)
+    ref.unit(0)
+    for st in (during, ahead):
+        assert st["units"] == 1 and st["steps"] == 2
+        for n, t in ref.model.state_dict().items():
+            assert torch.allclose(st["model"][n], t, rtol=1e-5, atol=1e-6)
+    ref.unit(2)
+    assert claimed["units"] == 2
+    for n, t in ref.model.state_dict().items():
+        assert torch.allclose(claimed["model"][n], t, rtol=1e-5, atol=1e-6)
+
+
+def test_arriving_members_are_built_off_the_training_thread():
+    """A member's model, optimizer and state are built on the loader thread (a unit may train
+    meanwhile); only its registration and every unit run on the training thread."""
+    import threading
+
+    async def scenario(c):
+        seen = {"prepare": set(), "add": set(), "unit": set()}
+        for name in seen:
+            fn = getattr(c.runner, name)
+
+            def wrapped(*a, _fn=fn, _name=name, **k):
+                seen[_name].add(threading.get_ident())
+                return _fn(*a, **k)
+            setattr(c.runner, name, wrapped)
+        await c.load("a", A)
+        await c.unit("a")
+        await c.load("b", B)                                            # while a's unit 2 may train
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        return seen
+
+    seen = _run(scenario)
+    assert len(seen["prepare"]) == len(seen["unit"]) == 1
+    assert seen["add"] == seen["unit"] and seen["prepare"] != seen["unit"]

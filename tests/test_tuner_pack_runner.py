@@ -79,6 +79,56 @@ def test_checkpoint_bytes_resume_the_member_exactly():
     assert again["accuracy"] == pytest.approx(after["accuracy"], abs=1e-9)
 
 
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
+
+
+@pytest.mark.parametrize("kind", ["adam", "momentum", "sgd"])
+def test_member_checkpoint_holds_only_its_own_tensors(kind):
+    """A member's checkpoint is the same size in a pack of 4 as alone (it once saved the
+    pack's whole stacked storage: size growing with K), every saved tensor owns exactly its
+    own bytes, the state equals the member trained alone, and reading it restacks nothing."""
+    cfgs = [{**A, "optimizer": kind, "lr": lr} for lr in (1e-2, 2e-2, 3e-2, 4e-2)]
+    sizes, states = [], []
+    for k in (1, 4):
+        run = PackRunner(SPEC, STREAM)
+        for i in range(k):
+            run.load(f"m{i}", cfgs[i])
+        run.unit([f"m{i}" for i in range(k)])
+        run.unit([f"m{i}" for i in range(k)])
+        flat = run.pack._groups[0].flat
+        builds = []
+        build = run.pack._build
+        run.pack._build = lambda: (builds.append(1), build())[1]
+        blob = state_to_bytes(run.state("m0"))
+        st = state_from_bytes(blob)
+        for t in _tensors(st):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert builds == [] and run.pack._groups[0].flat is flat          # no restack
+        sizes.append(len(blob))
+        states.append(st)
+        run.unit([f"m{i}" for i in range(k)])                              # the pack goes on
+    assert abs(sizes[1] - sizes[0]) <= 0.01 * sizes[0]
+    ref = _Alone(cfgs[0], SPEC)
+    ref.unit(0)
+    ref.unit(SPEC.steps_per_unit)
+    for st in states:
+        for n, t in ref.model.state_dict().items():
+            torch.testing.assert_close(st["model"][n], t)
+        ref_opt = ref.opt.state_dict()
+        for i, pst in ref_opt["state"].items():
+            for key, v in pst.items():
+                torch.testing.assert_close(st["optimizer"]["state"][i][key], v)
+        assert st["optimizer"]["param_groups"] == ref_opt["param_groups"]
+
+
 class _Exploding(nn.Module):
     def __init__(self):
         super().__init__()
@@ -142,3 +192,32 @@ def test_unknown_or_duplicate_members_are_value_errors():
         run.load("a", A)
     with pytest.raises(ValueError, match=r"members \['zz'\] are not loaded"):
         run.unit(["zz"])
+
+
+def test_joins_and_leaves_of_a_unit_boundary_restack_once_and_stay_exact():
+    """Unit 1: a, b, c. Then a and b leave and d, e join: ONE restack at unit 2's boundary;
+    unit 3 with the same members: none. Every member equals its configuration trained alone."""
+    D = {**A, "lr": 3e-3}
+    E = {**B, "lr": 1e-2}
+    run = PackRunner(SPEC, STREAM)
+    refs = {k: _Alone(c, SPEC) for k, c in zip("abcde", (A, B, C, D, E))}
+    for k, c in zip("abc", (A, B, C)):
+        run.load(k, c)
+    pos = run.position
+    rows = run.unit(["a", "b", "c"])
+    for k in "abc":
+        _check(rows[k], *refs[k].unit(pos))
+    run.free("a")
+    run.free("b")
+    run.load("d", D)
+    run.load("e", E)
+    builds = []
+    build = run.pack._build
+    run.pack._build = lambda: (builds.append(1), build())[1]
+    for u in (2, 3):
+        pos = run.position
+        rows = run.unit(["c", "d", "e"])
+        assert len(builds) == 1                            # unit 2: one restack; unit 3: none
+        for k in "cde":
+            _check(rows[k], *refs[k].unit(pos))
+        assert rows["c"]["pack_size"] == 3

@@ -31,10 +31,14 @@ SPEC = digits_mlp_spec(steps_per_unit=2)
 class _Recorder(tune.Callback):
     def __init__(self):
         self.results = []           # (trial id, training_iteration, pack_size, units) per report
+        self.saves = []             # trial id per checkpoint Tune took
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self.results.append((trial.trial_id, result["training_iteration"], result.get("pack_size"),
                              result["units"]))
+
+    def on_trial_save(self, iteration, trials, trial, **info):
+        self.saves.append(trial.trial_id)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +61,11 @@ def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     rec = _Recorder()
     grid = _tuner(packed(SPEC, max_units=4, param_space=SPACE, members_per_device=3), tmp_path, "asha",
                   tune.TuneConfig(metric="accuracy", mode="max", num_samples=6, max_concurrent_trials=6,
+                                  reuse_actors=True,         # reset_config swaps the member
                                   scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
                                   search_alg=SimilaritySearch(group_size=3, batch_size=6, seed=1)),
                   callbacks=[rec], stop={"training_iteration": 3},
-                  checkpoint_config=tune.CheckpointConfig(num_to_keep=2)).fit()
+                  checkpoint_config=tune.CheckpointConfig(num_to_keep=2, checkpoint_at_end=True)).fit()
     assert len(grid) == 6 and grid.num_errors == 0
     df = grid.get_dataframe()
     assert (df["training_iteration"] == df["units"]).all()          # one report per unit
@@ -78,6 +83,8 @@ def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     trained = sum(s["member_units"] for s in stats.values())
     lost = sum(s["units_discarded"] + s["units_unclaimed"] for s in stats.values())
     assert trained - lost == len(rec.results)
+    # ASHA never pauses: the only checkpoints are the ends (checkpoint_at_end), one per trial
+    assert sorted(rec.saves) == sorted({tid for tid, _, _, _ in rec.results})
     for r in grid:                                                   # per-configuration progress.csv
         assert len(r.metrics_dataframe) == r.metrics["units"]
         assert os.path.exists(os.path.join(r.path, "progress.csv"))
@@ -138,7 +145,8 @@ def _bn_model(config):
 def test_unpackable_spec_falls_back_to_plain_trials(ray_session, tmp_path):
     spec = dataclasses.replace(SPEC, model_fn=_bn_model)
     grid = _tuner(packed(spec, max_units=2, param_space=SPACE, members_per_device=2), tmp_path, "plain",
-                  tune.TuneConfig(metric="accuracy", mode="max", num_samples=2)).fit()
+                  tune.TuneConfig(metric="accuracy", mode="max", num_samples=2),
+                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)).fit()
     assert grid.num_errors == 0
     for r in grid:
         assert r.metrics["units"] == 2 and "pack_size" not in r.metrics      # trained unpacked
@@ -157,8 +165,18 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
     rec = _Recorder()
     hb = PackedHyperband(R=3, eta=3, members_per_device=3, seed=2)
     assert hb.bracket_sizes == [2, 3] and hb.num_samples == 5
+    pauses = []
+    decide = hb.scheduler.on_trial_result
+
+    def counting(controller, trial, result):
+        action = decide(controller, trial, result)
+        if action == "PAUSE":
+            pauses.append(trial.trial_id)
+        return action
+    hb.scheduler.on_trial_result = counting
     grid = _tuner(packed(SPEC, max_units=3, param_space=SPACE, members_per_device=3), tmp_path, "hb",
-                  hb.tune_config("accuracy", "max"), callbacks=[rec]).fit()
+                  hb.tune_config("accuracy", "max"), callbacks=[rec],
+                  checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False)).fit()
     assert grid.num_errors == 0 and len(grid) == 5
     per_trial: dict[str, list[tuple[int, int]]] = {}
     for tid, it, _, units in rec.results:
@@ -170,3 +188,41 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
     # Li et al.'s brackets for R = 3, eta = 3: 3 trials start at 1 unit and one of them goes on
     # to 3; 2 trials start at 3 units. So 2 trials run 1 unit, 3 trials run 3 (one was paused).
     assert sorted(len(seq) for seq in per_trial.values()) == [1, 1, 3, 3, 3]
+    # a checkpoint only when Tune asks: one per pause (no checkpoint_frequency, at_end off;
+    # the ASHA test checks one per end with checkpoint_at_end)
+    assert pauses and sorted(rec.saves) == sorted(pauses)
+
+
+def test_coordinator_actor_with_a_set_aside_member_exits_when_idle(ray_session):
+    """The real exit path (``ray.actor.exit_actor`` of a detached named actor) with a short
+    idle timeout: b is set aside and its trial never frees it; after a's free the actor is
+    gone within a bounded time."""
+    import time
+
+    import ray
+
+    from jabasray.tuner.coordinator import PackCoordinator
+    from jabasray.tuner.packed_trials import COORDINATOR_NAMESPACE
+
+    name = "pack/test-idle-exit"
+    h = ray.remote(PackCoordinator).options(name=name, namespace=COORDINATOR_NAMESPACE, lifetime="detached",
+                                            num_cpus=0, max_concurrency=100).remote(
+        cloudpickle.dumps(SPEC), 40, 4, None, 1, None, 0.2, 0.5, 50, 1, True)
+    a = {"batch_size": 20, "optimizer": "adam", "lr": 1e-2, "activation": "relu"}
+    b = {"batch_size": 40, "optimizer": "sgd", "lr": 1e-2, "activation": "relu"}
+    ray.get([h.load.remote("a", a), h.load.remote("b", b)])
+    ray.get([h.unit.remote("a"), h.unit.remote("b")])
+    ray.get(h.unit.remote("a"))                                  # b never claims again
+    deadline = time.monotonic() + 30
+    while ray.get(h.stats.remote())["set_aside"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ray.get(h.free.remote("a"))
+    freed = time.monotonic()
+    while True:
+        try:
+            ray.get_actor(name, namespace=COORDINATOR_NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() - freed < 15, "the coordinator did not exit"
+        time.sleep(0.1)

@@ -109,3 +109,74 @@ def test_a_trial_whose_pause_completes_after_its_bracket_finished_is_stopped():
 def test_stock_hyperband_leaves_a_late_paused_trial_paused_forever():
     ctl, a, _, chosen = _finish_while_pausing(_stock())
     assert ctl.stopped == [] and a.status == Trial.PAUSED and chosen is None
+
+
+class _TuneController(_Controller):
+    """``stop_trial`` as Tune's controller does it: a PAUSED or PENDING trial is removed from
+    the scheduler (``on_trial_remove``), a RUNNING one completed (``on_trial_complete``), and
+    only then becomes TERMINATED."""
+
+    def __init__(self, scheduler):
+        super().__init__()
+        self.scheduler = scheduler
+
+    def stop_trial(self, trial):
+        if trial.status in (Trial.TERMINATED, Trial.ERROR):
+            return
+        if trial.status in (Trial.PENDING, Trial.PAUSED):
+            self.scheduler.on_trial_remove(self, trial)
+        else:
+            self.scheduler.on_trial_complete(self, trial, {})
+        self.stopped.append(trial)
+        trial.status = Trial.TERMINATED
+
+
+def _overstep(scheduler):
+    """max_t = 9, eta = 3: bracket s = 0 (3 trials, r = 9) is filled first, then bracket s = 1
+    (5 trials, r0 = 3, keeps ceil(5/3) = 2). Every trial of bracket 1 oversteps its first rung:
+    its first result already has time_total_s = 9 = max_t. A..D are paused at the rung, E's
+    result triggers the bracket's last halving, after which every live trial is at max_t."""
+    ctl = _TuneController(scheduler)
+    for name in ("X1", "X2", "X3"):
+        scheduler.on_trial_add(ctl, _Trial(name))
+    trials = [_Trial(n) for n in "ABCDE"]
+    for t in trials:
+        scheduler.on_trial_add(ctl, t)
+    actions = []
+    for acc, t in enumerate(trials):
+        a = scheduler.on_trial_result(ctl, t, {"time_total_s": 9.5, "acc": acc})
+        actions.append(a)
+        if a == "PAUSE":
+            t.status = Trial.PAUSED
+    return actions, sorted(t.trial_id for t in ctl.stopped), {t.trial_id: t.status for t in trials}
+
+
+def test_overstepping_max_t_before_the_last_halving_behaves_as_tune():
+    """Tune's stock scheduler stops the three bad trials and the paused good one and STOPs
+    the reporter; the subclass must do exactly that. (Its finished-bracket sweep used to run
+    inside Tune's halving, stopping trials Tune still iterated over: ``TuneError: Trial with
+    unexpected bad status encountered: ... is TERMINATED``.)"""
+    def make(cls):
+        return cls(time_attr="time_total_s", metric="acc", mode="max", max_t=9, reduction_factor=3)
+
+    stock = _overstep(make(schedulers.HyperBandScheduler))
+    ours = _overstep(hyperband_scheduler(9, 3, time_attr="time_total_s", metric="acc", mode="max"))
+    assert stock == ours
+    assert stock[0] == ["PAUSE"] * 4 + ["STOP"]
+    assert stock[1] == ["A", "B", "C", "D"]             # E (best, running) gets STOP itself
+
+
+def test_finished_bracket_sweep_with_tune_like_controller():
+    """The original hang, driven by a controller whose ``stop_trial`` calls back into the
+    scheduler as Tune's does: the paused trial is stopped when the other one ends."""
+    sched = hyperband_scheduler(3, 3, metric="acc", mode="max")
+    ctl = _TuneController(sched)
+    a, b = _Trial("A"), _Trial("B")
+    sched.on_trial_add(ctl, a)
+    sched.on_trial_add(ctl, b)
+    assert sched.on_trial_result(ctl, a, {"training_iteration": 3, "acc": 3}) == "PAUSE"
+    a.status = Trial.PAUSED
+    b.status = Trial.TERMINATED
+    sched.on_trial_complete(ctl, b, {"training_iteration": 3, "acc": 3})
+    assert ctl.stopped == [a] and a.status == Trial.TERMINATED
+    assert sched.choose_trial_to_run(ctl) is None

@@ -4,7 +4,9 @@ plans per B_G and the GPU actor's host of :class:`jabasray.engine.burst.BurstExe
 Driver side (:class:`BurstPlans`): the model's layer graph is profiled once per B_G in the
 driver's process (``profiler.layer_graph.build_layer_graph``, per-GPU batch B_G / g for the
 power-of-two counts up to G), planned with the job's ``amp_limit`` and cached per (B_G, G)
-(``planners.burst.BurstPlanCache``).  The network model is ``DEFAULT_NETWORK`` unless given.
+(``planners.burst.BurstPlanCache``).  The network model is ``DEFAULT_NETWORK`` unless given;
+the plans' predicted iteration times are calibrated from the measured intervals (one factor,
+:class:`BurstIntervals`), and every interval records both predictions (``burst_record``).
 :class:`BurstIntervals` runs one interval for the driver: the plan for the current B_G on all
 placed GPUs (sent with ``configure_burst`` only when B_G changed or the actors were re-placed),
 p iterations, and the interval's record (with :func:`burst_record`). :func:`check_burst_job`
@@ -77,22 +79,39 @@ class BurstPlans:
         return graph
 
 
-def burst_record(plan: BurstPlan, measured_iteration_s: float) -> dict:
+def burst_record(plan: BurstPlan, measured_iteration_s: float, factor: float = 1.0) -> dict:
     """What metrics.json records of an interval in burst mode: the plan's per-layer GPU counts,
-    its predicted iteration time and the measured one (and their relative error)."""
+    the planner's (uncalibrated) predicted iteration time, the calibration ``factor`` in force
+    before the interval and the calibrated prediction (``factor`` x the planner's), the measured
+    time, and the relative errors (measured / predicted - 1) of both predictions."""
     predicted = plan.iteration_time
+    calibrated = predicted * factor
     return {"gpu_counts": plan.gpu_counts, "amplification_limit": plan.amplification_limit,
             "parallel_blocks": [b.branch + "->" + b.join for b in plan.blocks if any(b.parallel)],
             "predicted_iteration_s": predicted, "measured_iteration_s": measured_iteration_s,
-            "error": measured_iteration_s / predicted - 1.0 if predicted > 0 else None}
+            "error": measured_iteration_s / predicted - 1.0 if predicted > 0 else None,
+            "calibration_factor": factor, "calibrated_iteration_s": calibrated,
+            "calibrated_error": measured_iteration_s / calibrated - 1.0 if calibrated > 0 else None}
+
+
+BURST_KEY = "burst"   # the one entry of the burst calibration (all GPUs of the plan share it)
 
 
 class BurstIntervals:
     """Driver side of a burst interval (module notes); ``placed()`` after every (re-)placement."""
 
-    def __init__(self, plans: BurstPlans) -> None:
+    def __init__(self, plans: BurstPlans, smoothing: float = 0.5) -> None:
+        from ..planners.correction import OnlineCorrection
+
         self.plans = plans
         self.applied: int | None = None        # B_G whose plan the placed actors run
+        # Calibration of the planner's model from measurements (as the IIDP model's online
+        # correction, planners.correction): one factor for the whole plan, the log-EWMA of
+        # measured / predicted per-iteration time over the intervals so far; an interval's
+        # predicted time is the planner's times the factor BEFORE the interval (so the error
+        # reported is out of sample). A uniform factor changes no plan (every layer's cost and
+        # the amplification limit scale alike), only what is predicted.
+        self.calibration = OnlineCorrection(smoothing=smoothing)
 
     @classmethod
     def for_job(cls, job: JobConfig, model_fn: Callable, dataset: Any, hooks: Any, device: str
@@ -118,15 +137,21 @@ class BurstIntervals:
         if self.applied != target:
             pool.call_all("configure_burst", plan.to_dict(), target)
             self.applied = target
+        factor = self.calibration.factor(BURST_KEY)
         t0 = time.perf_counter()
         req = IntervalRequest.for_job(job, epoch, iteration, cursor, dataset_size, target,
                                       local_batch=target, layout=[1], similarity=job.adaptive)
         replies, end = train(req)
         dt = time.perf_counter() - t0
-        measured = max(r.wall_time for r in replies) / max(1, replies[0].num_iterations)
+        iterations = replies[0].num_iterations
+        # measured per iteration as the epoch line counts it: the driver's interval time
+        measured = dt / max(1, iterations)
         rec = interval_record(replies, dt, epoch=epoch, interval=interval, iteration=iteration,
                               cursor=cursor, requested_global_batch=target, global_batch=target,
-                              local_batch=0, plan=None, burst=burst_record(plan, measured))
+                              local_batch=0, plan=None, burst=burst_record(plan, measured, factor),
+                              predicted_time_s=plan.iteration_time * factor * iterations)
+        if iterations > 0:
+            self.calibration.observe([BURST_KEY], plan.iteration_time * factor, measured)
         return rec, end
 
 

@@ -64,12 +64,24 @@ class DriverState(JsonMixin):
 
     epochs_done: int                          # completed epochs
     iteration: int                            # global iterations done (for LR warm-up)
-    cluster: ClusterSpec                      # GPUs still usable (failed pairs removed)
-    allocation: dict[str, int]                # allocation for the next epoch
+    cluster: ClusterSpec                      # GPUs still usable (failed GPUs removed)
+    allocation: dict[str, int]                # allocation for the next epoch: GPUs per node
     adaptive: dict = field(default_factory=dict)                  # AdaptiveBatchController state
     forecast: list[float] = field(default_factory=list)           # prediction for the next epoch
     metrics: MetricsHistory = field(default_factory=MetricsHistory)
     job_config: dict = field(default_factory=dict)                # JobConfig.to_dict() of the run
+    allocation_unit: str = "gpus"             # what ``allocation`` counts; checkpoints written
+                                              # before any GPU count ran counted pairs
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DriverState":
+        """Also reads checkpoints whose allocation counts GPU pairs (no ``allocation_unit``):
+        converted to GPUs."""
+        if isinstance(data, dict) and "allocation_unit" not in data and isinstance(data.get("allocation"), dict):
+            data = {**data, "allocation": {k: 2 * v if isinstance(v, int) else v
+                                           for k, v in data["allocation"].items()},
+                    "allocation_unit": "gpus"}
+        return super().from_dict(data)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 from ..adaptive import AdaptiveBatchController
 from ..adaptive.forecast import forecast_next_epoch
-from ..config import FailureConfig, JobConfig
+from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
 from ..planners.job_planner import JobPlanner, rank_configs
@@ -45,7 +45,8 @@ from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import Slot, autoscale_allocation, group_gpus, job_allocation, multi_node, ray_cpus, slots_for
+from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
+                        slots_for)
 from .pool import ActorPool
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import dead_slots, give_up, restart, restore_or_start
@@ -94,6 +95,10 @@ class JabasDriver:
         options: :class:`DriverOptions`.
         failure: :class:`jabasray.config.FailureConfig` (``RunConfig.failure_config``; None: the
             default) - how many GPU-actor failures the run survives.
+        checkpoint: :class:`jabasray.config.CheckpointConfig` (``RunConfig.checkpoint_config``):
+            every how many epochs a checkpoint is committed and how many are kept.
+        force_resume: resume a checkpoint written with another ``JobConfig``
+            (``RunConfig(resume="force")``); the checkpoint then records this job.
         callbacks: :class:`DriverCallback` objects.
         background: optional scheduler with ``rebalance(actor_handles)`` (multiplexing).
     """
@@ -103,20 +108,24 @@ class JabasDriver:
                  val_dataset: Any = None, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None, hooks: Any = None, dataset_size: int | None = None,
-                 profile_data: Any = None, failure: FailureConfig | None = None) -> None:
+                 profile_data: Any = None, failure: FailureConfig | None = None,
+                 force_resume: bool = False, checkpoint: CheckpointConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
         self.hooks = hooks
         self._profile_data = profile_data if profile_data is not None else dataset
         self.model_fn, self.dataset = model_fn, dataset
         self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
         self.job = job
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)
         self.record = RunRecord(self.run_dir.name, self.run_dir)
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
         self.failure = failure or FailureConfig()
+        self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
+        self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
+        self.checkpoint = checkpoint or CheckpointConfig()
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -217,15 +226,20 @@ class JabasDriver:
                               loss_fn=self.loss_fn, optimizer_fn=self.optimizer_fn,
                               device=opts.device, emulate=opts.emulate,
                               min_local_batch=self.job.min_local_batch,
+                              max_local_batch=self.job.max_local_batch,
                               weight_sync=self.job.weight_sync, bucket_cap_mb=opts.bucket_cap_mb,
                               cache_dir=cache_dir, refresh=refresh, torch_threads=opts.torch_threads,
-                              timeout_s=opts.placement_timeout_s + opts.call_timeout_s, notes=notes)
+                              timeout_s=opts.placement_timeout_s + opts.call_timeout_s, notes=notes,
+                              step_fn=getattr(self.hooks, "step_fn", None),
+                              collate_fn=getattr(self.hooks, "collate_fn", None))
         model = job_perf_model(
             self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
             cache_dir=cache_dir, host_cpus=ray_cpus() if opts.emulate else None,
-            perf_model=self._given_model, profiles=self._profiles, refresh=refresh, measure=measure)
+            perf_model=self._given_model, shared_host=opts.emulation != "wait",
+            profiles=self._profiles, refresh=refresh, measure=measure,
+            step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
         self._profile_notes = notes
         return model
 
@@ -235,7 +249,7 @@ class JabasDriver:
         finished run resumed with more epochs plans its next epoch first."""
         self.record.check_marker()
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
-                                             self._choose_allocation)
+                                             self._choose_allocation, force=self.force_resume)
         events = self._start_notes + events
         if cp is not None:
             state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])
@@ -275,7 +289,7 @@ class JabasDriver:
         if cluster is None:
             raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
                              f"is in the live Ray cluster ({'; '.join(notes)})")
-        self.cluster = cluster.validated_pairs(drop_odd_gpu=True)
+        self.cluster = job_cluster(cluster, self.job)
         self._start_notes = [f"cluster reconciled with the live Ray nodes: {n}" for n in notes]
 
     def _onto_live(self, state: DriverState, cluster: ClusterSpec, rename: dict[str, str],
@@ -307,7 +321,7 @@ class JabasDriver:
                 if cluster is None:
                     raise JobFailed(f"{gone}; no GPU node of the run is left in the live Ray "
                                     f"cluster") from None
-                state, note = self._onto_live(state, cluster.validated_pairs(drop_odd_gpu=True),
+                state, note = self._onto_live(state, job_cluster(cluster, self.job),
                                               rename, notes)
                 self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
                             f"cluster: {note}")
@@ -317,6 +331,7 @@ class JabasDriver:
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
+        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
                               fixed=not self.job.autoscale or self._burst is not None)
 
@@ -345,7 +360,7 @@ class JabasDriver:
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
-            self.hooks)
+            self.hooks, opts.emulation)
 
     def _ensure_placement(self, state: DriverState, worker_state: dict | None, epoch: int) -> bool:
         """Place actors for ``state.allocation`` unless they already run it. Returns True when
@@ -361,6 +376,14 @@ class JabasDriver:
         placed_before = self.pool.placement is not None
         if placed_before:
             self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
+        if self.options.emulate and self.options.emulation == "wait":
+            from .emulation import host_keeps_up
+            cpus = ray_cpus()
+            if cpus is not None and not host_keeps_up([s.speed for s in slots], cpus):
+                log.warning("the \"wait\" emulation is not fair on allocation %s: the placed "
+                            "speeds sum to %.2f > %s host CPUs (emulated GPUs will run slower "
+                            "than their speed)", state.allocation,
+                            sum(min(s.speed, 1.0) for s in slots), cpus)
         sma, learners = placement_learners(self.job, self.options, slots, worker_state)
         shared = worker_state if sma is None else None   # SMA: every rank its own state
         self.pool.place(slots, ray.put(shared) if shared is not None else None, fresh=force,
@@ -384,7 +407,7 @@ class JabasDriver:
         return self.pool.call_all("state_dict", ranks=None if self._burst else [0])[0]
 
     def _save(self, state: DriverState, worker_state: dict | None) -> None:
-        """Checkpoint ``state`` with ``worker_state`` (the newest ``keep_checkpoints`` are kept),
+        """Checkpoint ``state`` with ``worker_state`` (``checkpoint.num_to_keep`` newest are kept),
         unless the run's lease was taken over by another run meanwhile."""
         if getattr(self.lock, "lost", False):
             from .run_folder import RunLockedError
@@ -392,7 +415,7 @@ class JabasDriver:
                                  f"while this one did not renew it; stopping before checkpoint "
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
-                                               keep=self.options.keep_checkpoints)
+                                               keep=self.checkpoint.num_to_keep or 0)
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
@@ -482,7 +505,8 @@ class JabasDriver:
                         metrics=self.metrics)
         if state.epochs_done < self.job.epochs:
             state = self._decide_next_epoch(state, ctl)
-        self._save(state, worker_state)
+        if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
+            self._save(state, worker_state)
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)
@@ -516,12 +540,13 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
-        """Release the actors, restart from the last intact checkpoint without the dead GPUs'
-        pairs on a re-chosen allocation (:func:`.recovery.restart`)."""
+        """Release the actors, restart from the last intact checkpoint without the dead actors'
+        GPUs on a re-chosen allocation (:func:`.recovery.restart`)."""
         dropped = dead_slots(self.slots(), failure)
         self.shutdown()
         self.record.check_marker()
-        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation)
+        cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
+                                    policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
         return self._continue(cp, state, events)
 

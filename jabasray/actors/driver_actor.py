@@ -1,5 +1,5 @@
 """The JABAS driver as a restartable, detached Ray actor: the job outlives its client and the
-driver's own death (issue 21). The client side (start, follow, status, stop) is :mod:`.run_client`.
+driver's own death. The client side (start, follow, status, stop) is :mod:`.run_client`.
 
 Design notes:
 

@@ -18,8 +18,11 @@ class DriverOptions(JsonMixin):
 
     device: str = "cpu"                 # "cpu" (emulated GPU types) or "cuda"
     emulate: bool | None = None         # gpu_<type> resources + speed emulation; None: device == "cpu"
+    emulation: str = "compute"          # emulated step time: "compute" (wall compute / speed; the
+                                        # host's shared cores slow every emulated GPU) | "wait"
+                                        # (CPU time / speed: the same share for every emulated GPU
+                                        # while sum(speeds) <= host cores); actors.emulation
     force_replacement: bool = False     # re-place all actors at every epoch boundary (tests/advanced)
-    keep_checkpoints: int = 2           # newest epoch checkpoints kept on disk
     placement_timeout_s: float = 120.0  # wait for placement-group resources
     collective_timeout_s: float = 300.0 # process-group timeout
     failure_grace_s: float = 20.0       # after one actor fails, wait this long for the others
@@ -75,7 +78,8 @@ class DriverOptions(JsonMixin):
         check_choice("bucket_planner", self.bucket_planner, BUCKET_PLANNERS)
         if self.emulate is None:
             self.emulate = self.device == "cpu"
-        check_int("keep_checkpoints", self.keep_checkpoints, min_value=1)
+        from .emulation import check_emulation
+        check_emulation(self.emulation)
         check_int("torch_threads", self.torch_threads, min_value=1)
         check_float("sma_tuner_tau", self.sma_tuner_tau, min_value=0)
         check_int("sma_max_learners", self.sma_max_learners, min_value=1)

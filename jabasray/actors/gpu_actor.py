@@ -20,13 +20,15 @@ timings and the gradient similarity Phi of the two GPU groups (JABAS section 6.1
   collective: an all-reduce of a ``[2, P]`` tensor in which each actor fills only its group's row;
   Phi = cosine(row 0, row 1) is then the same on every actor.
 
-CPU emulation of a GPU type (``speed`` < 1): after each step the actor sleeps
-``compute_time * (1 / speed - 1)`` so that its compute takes ``compute_time / speed`` in total,
-the time the scaled profile (``Profile.scaled``) predicts. The sleep comes after the engine's
-step (which already contains the all-reduce), not between backward and all-reduce; since every
-step synchronises all actors, a slow actor delays the next step's all-reduce by the same amount,
-so the emulated iteration time is the same. Speeds >= 1 cannot be emulated (no sleep; a warning).
-While sleeping an actor leaves the CPU free, which is what lets 8 emulated GPUs share 2 cores.
+CPU emulation of a GPU type (``speed`` < 1, :mod:`jabasray.actors.emulation`): after each step
+the actor sleeps so that the step takes what the emulated device would take: ``"compute"``
+(``compute_time * (1 / speed - 1)``, the measured wall compute time scaled) or ``"wait"`` (the
+fair rule: until ``cpu_time / speed`` after the step began, so the host's shared cores do not
+slow an emulated GPU down; the excess is reported as ``emulation_overrun``). The sleep comes
+after the engine's step (which already contains the all-reduce), not between backward and
+all-reduce; since every step synchronises all actors, a slow actor delays the next step's
+all-reduce by the same amount, so the emulated iteration time is the same. While sleeping an
+actor leaves the CPU free, which is what lets 8 emulated GPUs share 2 cores.
 
 Background learners (DeepPool section 5, :mod:`jabasray.actors.background`): when this actor
 hosts background jobs (its BackgroundRunner exists), every foreground iteration - the engine
@@ -49,9 +51,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import JobConfig
+from ..engine.iidp import read_losses
 from ..engine.sampler import add_digests, sample_digest
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
+from .emulation import StepTimer, check_emulation, wait_overrun, wait_sleep
+from .emulation import compute_sleep as emulation_sleep
 from .placement import Slot
 from .rendezvous import Rendezvous, join_process_group, leave_process_group
 
@@ -108,6 +113,8 @@ class IntervalReply(JsonMixin):
     lrs: list[float] = field(default_factory=list)      # LR of each iteration's update
     served_digest: int | None = None   # engine.sampler.sample_digest of the indices served
     served: list[int] | None = None    # the indices served (only with record_samples)
+    emulation_overrun: float = 0.0     # "wait" emulation: seconds the steps took beyond cpu / speed
+    sma_restarts: list[int] = field(default_factory=list)  # SMA: iterations that restarted from z
 
 
 SHARE_DEVICES_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"   # Ray leaves the variable alone
@@ -143,13 +150,6 @@ def gather(dataset: Any, indices: Any) -> tuple:
     return tuple(gather_rows(dataset, np.asarray(list(indices), dtype=np.int64)))
 
 
-def emulation_sleep(compute_time: float, speed: float) -> float:
-    """Seconds to sleep after ``compute_time`` of real compute to emulate ``speed`` (< 1)."""
-    if speed >= 1.0 or compute_time <= 0:
-        return 0.0
-    return compute_time * (1.0 / speed - 1.0)
-
-
 class GPUActor(BackgroundHostMixin):
     """Host of one device's worker. Create it through Ray (``ray.remote(GPUActor)``, see
     :func:`jabasray.actors.placement.place_actors`); every public method is one Ray call.
@@ -163,6 +163,7 @@ class GPUActor(BackgroundHostMixin):
             Ray), or None when ``hooks.dataset_fn`` builds it here.
         device: "cpu" (emulation) or "cuda".
         emulate: sleep to emulate ``slot.speed`` on CPU.
+        emulation: the sleep's rule, "compute" or "wait" (:mod:`jabasray.actors.emulation`).
         torch_threads: intra-op threads of this process (1: many actors on few cores).
         hooks: :class:`~jabasray.actors.hooks.JobHooks` (dataset_fn, step_fn, eval_fn, LR
             scheduler, DataLoader options); None: the plain supervised job.
@@ -171,15 +172,16 @@ class GPUActor(BackgroundHostMixin):
     def __init__(self, slot: Slot, world_size: int, job: JobConfig, model_fn: Callable,
                  optimizer_fn: Callable, loss_fn: Callable, dataset: Any, device: str = "cpu",
                  emulate: bool = True, torch_threads: int = 1, bucket_cap_mb: float = 25.0,
-                 hooks: Any = None) -> None:
+                 hooks: Any = None, emulation: str = "compute") -> None:
         import torch
 
         from ..engine.loader import InMemoryBatches, LoaderBatches
         from ..engine.sampler import IIDPSampler
-        from .hooks import JobHooks
+        from .hooks import JobHooks, named, named_hooks
 
         torch.set_num_threads(torch_threads)
-        self.hooks = hooks if hooks is not None else JobHooks()
+        self.hooks = named_hooks(hooks if hooks is not None else JobHooks())   # errors name the hook
+        loss_fn = named("loss_fn", loss_fn)
         _configure_logging(self.hooks.log_level)
         self.slot = slot
         self.world_size = world_size
@@ -205,8 +207,11 @@ class GPUActor(BackgroundHostMixin):
         self._sampler = IIDPSampler(self.dataset_size, seed=job.seed)
         self.lr_scheduler: Any = None
         self._lr_holder: Any = None      # SMA: the user's optimizer, only as the LR's carrier
-        self._bg_factor: float | None = None
+        self._bg_factor: float | None = None      # SMA: the B_G factor of the previous iteration's LR
+        self._user_lr_prev: float | None = None   # SMA: the user's LR at the previous iteration
+        self._sma_restarts: list[int] = []        # SMA: iterations restarted in this interval
         self.emulate = emulate
+        self.emulation = check_emulation(emulation)
         self.bucket_cap_mb = bucket_cap_mb
         self.worker: Any = None
         self.group: Any = None
@@ -245,6 +250,8 @@ class GPUActor(BackgroundHostMixin):
         torch.manual_seed(self.job.seed)
         model = self.model_fn()
         job, h = self.job, self.hooks
+        # SMA: the user's previous LR (_user_lr_prev) is kept, so that a kept actor still sees
+        # a scheduler step at the epoch boundary of a re-placement
         self._bg_factor = None
         if job.parallelism == "burst":
             from .burst_host import BurstWorker     # DeepPool: per-layer GPU counts (burst_host)
@@ -276,7 +283,7 @@ class GPUActor(BackgroundHostMixin):
                                      process_group=self.group, weight_sync=job.weight_sync,
                                      bucket_cap_mb=self.bucket_cap_mb, step_fn=h.step_fn,
                                      precision=job.precision, grad_clip_norm=job.grad_clip_norm,
-                                     bucket_plan=bucket_plan)
+                                     bucket_plan=bucket_plan, per_sample_loss=job.per_sample_loss)
             optimizer = self.worker.optimizer
         self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank
@@ -401,14 +408,15 @@ class GPUActor(BackgroundHostMixin):
         t_start = time.perf_counter()
         global_batch = req.lr_batch if req.lr_batch is not None else req.local_batch * sum(req.layout)
         cursor = req.cursor
-        losses: list[float] = []
+        losses: list = []                      # floats or 0-d device tensors until the end
         lrs: list[float] = []
-        compute = comm = update = slept = 0.0
+        compute = comm = update = slept = overrun = 0.0
         samples = 0
         digest = 0
         served: list[int] | None = [] if req.record_samples else None
         phi = None
         lr = self._effective_lr()
+        self._sma_restarts = []
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
         if hasattr(self.worker, "comm_guard"):
             self.worker.comm_guard = self.bg_foreground_critical if hosting else None
@@ -418,15 +426,21 @@ class GPUActor(BackgroundHostMixin):
             lr = self._apply_lr(req, global_batch, req.iteration + k)
             lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
-            keep = bool(req.similarity and last and self.world_size > 1)
+            keep = bool(req.similarity and last and (self.world_size > 1 or self.slot.solo))
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
-                stats = self.worker.train_step(batches, keep_local_grad=keep, ragged=it.ragged)
+                with StepTimer() as timer:
+                    stats = self.worker.train_step(batches, ragged=it.ragged,
+                                                   keep_local_grad="split" if keep and self.slot.solo else keep)
                 if self.emulate:
-                    s = emulation_sleep(stats.compute_time, self.slot.speed)
+                    if self.emulation == "wait":
+                        s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
+                        overrun += wait_overrun(timer.cpu, stats.compute_time, self.slot.speed)
+                    else:
+                        s = emulation_sleep(stats.compute_time, self.slot.speed)
                     if s > 0:
                         time.sleep(s)
                         slept += s
-            losses.append(float(stats.loss))
+            losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
             read = np.concatenate(it.micro_batches)      # what this iteration trained on
             samples += len(read)
             digest = add_digests(digest, sample_digest(read))
@@ -439,12 +453,19 @@ class GPUActor(BackgroundHostMixin):
                 phi = self._group_similarity(stats.local_grad)
             cursor = it.next_cursor
             self._step_scheduler(epoch_end=it.epoch_end)
+        wall = time.perf_counter() - t_start
+        if overrun > 0.1 * wall:
+            log.warning("rank %d (%s, speed %.3g): the host's cores fell behind the \"wait\" "
+                        "emulation by %.2fs of %.2fs this interval (sum of the placed speeds > "
+                        "host cores?)", self.slot.rank, self.slot.gpu_type, self.slot.speed,
+                        overrun, wall)
+        losses = read_losses(losses)           # one device read per interval, not per step
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
-                             emulation_sleep=slept, wall_time=time.perf_counter() - t_start,
+                             emulation_sleep=slept, wall_time=wall, emulation_overrun=overrun,
                              end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
-                             served=served)
+                             served=served, sma_restarts=list(self._sma_restarts))
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:
@@ -466,17 +487,25 @@ class GPUActor(BackgroundHostMixin):
         if self._lr_holder is None:
             self.worker.lr_factor = f
             return self.worker.effective_lr()
-        # SMA: Crossbow 3.2 restarts from z when the LR schedule changes. A new B_G rescales
-        # the LR (restart); the warm-up's per-iteration ramp and the user's scheduler's moves
-        # are no such change (restarting every iteration of a cosine schedule would discard
-        # SMA's momentum at every step) - deviation documented in the report.
+        # SMA: when to restart from z is JobConfig.sma_restart (engine.sma.sma_restart_due,
+        # Crossbow section 3.2 restarts on step-wise LR schedule changes; sections 3.4/4.4
+        # change the learner count, hence the batch, without restarting).
+        from ..engine.sma import sma_restart_due
+
         bg = lr_factor(req.base_batch, global_batch, req.lr_scaling)
-        lr = self._user_lr() * f
-        if lr != self.worker.get_lr():
-            restart = self._bg_factor is not None and bg != self._bg_factor and \
-                iteration >= req.warmup_iterations
-            self.worker.set_lr(lr, restart=restart)
+        user = self._user_lr()
+        lr = user * f
+        restart = sma_restart_due(
+            self.job.sma_restart, user_lr_prev=self._user_lr_prev, user_lr=user,
+            stepwise_schedule=self.lr_scheduler is not None and self.hooks.lr_scheduler_interval == "epoch",
+            batch_factor_prev=self._bg_factor, batch_factor=bg,
+            warmup_done=iteration >= req.warmup_iterations)
+        self.worker.set_lr(lr, restart=False)
+        if restart:
+            self.worker.restart()
+            self._sma_restarts.append(iteration)
         self._bg_factor = bg
+        self._user_lr_prev = user
         return lr
 
     def _step_scheduler(self, epoch_end: bool) -> None:
@@ -488,18 +517,24 @@ class GPUActor(BackgroundHostMixin):
             self.lr_scheduler.step()
 
     def _group_similarity(self, local_grad: Any) -> float:
-        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group``; rows end up as the
-        two group sums; Phi = cosine(row 0, row 1) (identical on every rank)."""
+        """ONE all-reduce of a [2, P] buffer: this rank fills row ``group`` (a solo GPU, which
+        forms both groups by its two VSW halves, fills both rows from its ``[2, P]`` local
+        gradient); rows end up as the two group sums; Phi = cosine(row 0, row 1) (identical on
+        every rank)."""
         import torch
         import torch.distributed as dist
 
         from ..adaptive import cosine_similarity
 
-        flat = local_grad.detach().reshape(-1)
-        buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
-        buf[self.slot.group].copy_(flat)
-        with self.bg_foreground_critical("allreduce"):
-            dist.all_reduce(buf, group=self.group)
+        if local_grad.dim() == 2:
+            buf = local_grad.detach().clone()
+        else:
+            flat = local_grad.detach().reshape(-1)
+            buf = torch.zeros(2, flat.numel(), dtype=flat.dtype, device=flat.device)
+            buf[self.slot.group].copy_(flat)
+        if self.group is not None:
+            with self.bg_foreground_critical("allreduce"):
+                dist.all_reduce(buf, group=self.group)
         return float(cosine_similarity(buf[0], buf[1]))
 
 

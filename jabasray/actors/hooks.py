@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..errors import HookError
 from ..validation import check_choice, check_int
 
 LR_SCHEDULER_INTERVALS = ("iteration", "epoch")
@@ -57,6 +58,56 @@ class JobHooks:
         check_choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
+class HookCall:
+    """A user hook that, when it raises, raises :class:`jabasray.errors.HookError` naming the
+    hook (``name``) with the original error chained and its traceback kept as text. Errors that
+    already are HookErrors (a hook calling another) pass through unchanged."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn = name, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except HookError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the hook's name
+            raise HookError.from_exception(self.name, e) from e
+
+    def __getattr__(self, name: str) -> Any:   # e.g. a loss module's attributes
+        if name == "fn":
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+
+HOOK_NAMES = ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn", "collate_fn")
+
+
+def named(name: str, fn: Callable | None) -> Callable | None:
+    """``fn`` as a :class:`HookCall` named ``name`` (None stays None; idempotent)."""
+    if fn is None or isinstance(fn, HookCall):
+        return fn
+    return HookCall(name, fn)
+
+
+def named_hooks(hooks: "JobHooks") -> "JobHooks":
+    """``hooks`` with every callable a :class:`HookCall` of its field name."""
+    from dataclasses import replace
+    return replace(hooks, **{n: named(n, getattr(hooks, n)) for n in HOOK_NAMES})
+
+
+def refuse_module_classes(**fns: Any) -> None:
+    """A ``torch.nn.Module`` class passed where a callable is expected (``loss_fn=nn.CrossEntropyLoss``
+    instead of ``nn.CrossEntropyLoss()``) is a one-line ValueError naming the argument: called
+    with (outputs, targets) the class would build a module from them and fail obscurely."""
+    import torch
+
+    for name, fn in fns.items():
+        if isinstance(fn, type) and issubclass(fn, torch.nn.Module):
+            raise ValueError(f"{name} must be a callable such as a module instance, got the class "
+                             f"{fn.__module__}.{fn.__qualname__}; pass an instance: {name}={fn.__name__}()")
+
+
 @dataclass
 class ProbeReport:
     """What :func:`probe_job` found (plain data)."""
@@ -67,6 +118,9 @@ class ProbeReport:
     error: str | None = None      # one line; the driver raises ValueError(error)
     profile_rows: Any = None      # up to PROFILE_SAMPLES training rows (TensorDataset) or None
     fingerprint: dict | None = None  # dataset_fingerprint of the training set (dataset_fn only)
+    hook_error: HookError | None = None  # the hook's error (with its traceback text) behind ``error``
+    model: dict | None = None     # job_identity.model_signature of model_fn()'s module
+    optimizer: dict | None = None  # job_identity.optimizer_identity of the optimizer, as built
 
 
 def build_dataset(dataset_fn: Callable[[], Any], hook: str = "dataset_fn") -> Any:
@@ -187,6 +241,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
     from ..engine.step import autocast, check_loss, check_metrics, supervised_step
     from ..engine.evaluation import default_eval_fn
 
+    hooks, loss_fn = named_hooks(hooks), named("loss_fn", loss_fn)
     try:
         train, val = build_datasets(hooks, dataset, val_dataset)
         rows = gather_rows(train, list(range(min(2, len(train)))), hooks.collate_fn)
@@ -213,27 +268,34 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
                               "eval_fn" if hooks.eval_fn is not None else "the default eval_fn")
         profile_rows = None
         if want_profile_rows:
-            profile_rows = _profile_rows(train, hooks.collate_fn)
+            profile_rows = _profile_rows(train, hooks.collate_fn, hooks.step_fn)
+        from .job_identity import model_signature, optimizer_identity
         return ProbeReport(len(train), len(val) if val is not None else None, lr,
-                           profile_rows=profile_rows,
+                           profile_rows=profile_rows, model=model_signature(model),
+                           optimizer=optimizer_identity(opt),
                            fingerprint=dataset_fingerprint(train) if hooks.dataset_fn is not None else None)
     except Exception as e:  # noqa: BLE001 - reported as one line to the driver
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if not isinstance(e, ValueError):
             msg = f"{type(e).__name__}: {msg}"
-        return ProbeReport(0, None, 0.0, error=msg)
+        return ProbeReport(0, None, 0.0, error=msg, hook_error=e if isinstance(e, HookError) else None)
 
 
-def _profile_rows(train: Any, collate_fn: Callable | None) -> Any:
-    """Up to PROFILE_SAMPLES (inputs, targets) rows as a TensorDataset (the profiler cycles
-    them), or None when the batches are not (inputs, targets) tensor pairs."""
+def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None) -> Any:
+    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
+    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
+    list of samples (the profiler batches them with ``collate_fn`` and runs the step on them);
+    None when neither applies."""
     import torch
 
     from ..engine.loader import gather_rows
-    rows = gather_rows(train, list(range(min(PROFILE_SAMPLES, len(train)))), collate_fn)
+    k = min(PROFILE_SAMPLES, len(train))
+    rows = gather_rows(train, list(range(k)), collate_fn)
     if (isinstance(rows, (list, tuple)) and len(rows) == 2
             and all(isinstance(t, torch.Tensor) for t in rows)):
         return torch.utils.data.TensorDataset(*rows)
+    if step_fn is not None:
+        return [train[i] for i in range(k)]
     return None
 
 
@@ -242,7 +304,8 @@ def run_probe(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
               precision: str = "fp32", want_profile_rows: bool = False) -> ProbeReport:
     """:func:`probe_job` in a Ray task (no GPU, a small CPU share) when the job builds its data
     with ``dataset_fn``/``val_dataset_fn``; in this process otherwise (the in-memory datasets
-    are here anyway). Raises the probe's one-line ValueError."""
+    are here anyway). Raises the probe's one-line ValueError (a :class:`HookError`, with the
+    hook's original traceback as text, when a hook raised)."""
     if hooks.dataset_fn is not None or hooks.val_dataset_fn is not None:
         import ray
         task = ray.remote(num_cpus=0.01, max_retries=0)(probe_job)
@@ -251,6 +314,8 @@ def run_probe(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
     else:
         report = probe_job(model_fn, optimizer_fn, loss_fn, hooks, dataset, val_dataset,
                            precision, want_profile_rows)
+    if report.hook_error is not None:
+        raise report.hook_error
     if report.error:
         raise ValueError(report.error)
     return report

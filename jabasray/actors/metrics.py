@@ -60,7 +60,7 @@ class EpochRecord(JsonMixin):
     """One epoch: allocation, B_G trajectory (actual vs forecast), accuracy, time."""
 
     epoch: int
-    allocation: dict[str, int]                # node -> GPU pairs
+    allocation: dict[str, int]                # node -> GPUs
     gpu_types: list[str]                      # types of all allocated GPUs, rank order
     trajectory: list[int]                     # B_G the adaptive rule requested, per interval
     predicted_trajectory: list[float]         # forecast for this epoch (empty for epoch 0)

@@ -1,14 +1,17 @@
-"""From an allocation (GPU pairs per node) to placed GPU actors.
+"""From an allocation (GPUs per node) to placed GPU actors.
 
-Rank layout (the one source of truth for who is in which similarity group):
-nodes in cluster order, pairs in node order; pair ``i`` gets ranks ``2i`` (group 0) and ``2i+1``
-(group 1). Group H of the configuration solver (Alg. 1, line 5 of the JABAS paper) is group 0, so
-``plan.workers[i]`` configures both GPUs of pair ``i``.
+Rank layout (the one source of truth for who is in which similarity group): nodes in cluster
+order; the ``g`` GPUs allocated on a node form ``g // 2`` pairs and, when ``g`` is odd, one solo
+GPU (:func:`jabasray.types.node_units`). Units are numbered in that order; ranks follow them:
+a pair's two GPUs get consecutive ranks, group 0 then group 1; a solo GPU gets one rank and
+``group = SOLO_GROUP``: it runs both groups' decoupled workers, the first half of its VSWs in
+group 0 and the second half in group 1. Group H of the configuration solver (Alg. 1, line 5 of
+the JABAS paper) is group 0, so ``plan.workers[i]`` configures unit ``i``.
 
-Placement: one Ray placement group per GPU pair (``STRICT_PACK``, one bundle per GPU), so both
-GPUs of a pair land on one Ray node, and a pair can be kept, released or added on its own when
-the allocation changes (pair ``k`` of a node is the node's ``k``-th pair; an allocation of ``n``
-pairs on a node uses its pairs ``0..n-1``). GPU types are Ray
+Placement: one Ray placement group per unit (``STRICT_PACK``, one bundle per GPU), so both
+GPUs of a pair land on one Ray node, and a unit can be kept, released or added on its own when
+the allocation changes (unit ``k`` of a node is the node's ``k``-th; an allocation of ``g``
+GPUs on a node uses its units ``0..``). GPU types are Ray
 resources: an emulated GPU of type ``t`` is one unit of the custom resource ``gpu_<t>`` with no CPU
 (8 emulated GPUs fit on 2 cores); a real GPU is ``{"GPU": 1}`` plus ``gpu_<t>`` when the cluster
 advertises such a resource (how a heterogeneous cluster labels its nodes' GPU types).
@@ -23,10 +26,13 @@ from ..config import JobConfig
 from ..errors import NodesGone, PlacementTimeout
 from ..planners.job_planner import choose_for_job, initial_trajectory
 from ..serialization import JsonMixin
-from ..types import ClusterSpec, NodeSpec
+from ..types import ClusterSpec, NodeSpec, solo_unit
 from ..validation import check_int
 
 log = logging.getLogger(__name__)
+
+
+SOLO_GROUP = -1   # Slot.group of a GPU that forms both similarity groups (two VSW halves)
 
 
 def resource_name(gpu_type: str) -> str:
@@ -42,14 +48,19 @@ class Slot(JsonMixin):
     node: str          # ClusterSpec node name
     gpu_type: str      # GPU type
     speed: float       # emulation speed factor of the node
-    group: int         # similarity group: 0 (group H) or 1
-    pair: int          # pair index = index into plan.workers / group_gpus
-    local_pair: int = 0  # index of the pair on its node (identity of the pair's GPUs)
+    group: int         # similarity group: 0 (group H), 1, or SOLO_GROUP (both, by VSW halves)
+    pair: int          # unit index = index into plan.workers / group_gpus
+    local_pair: int = 0  # index of the unit on its node (identity of the unit's GPUs)
     ray_node_id: str | None = None  # Ray node the slot is pinned to (NodeSpec.ray_node_id)
 
     @property
     def pair_key(self) -> tuple[str, int]:
         return (self.node, self.local_pair)
+
+    @property
+    def solo(self) -> bool:
+        """True for a GPU that forms both similarity groups (no partner)."""
+        return self.group == SOLO_GROUP
 
 
 def ray_cluster_spec(speeds: dict[str, float] | None = None,
@@ -62,34 +73,50 @@ def ray_cluster_spec(speeds: dict[str, float] | None = None,
     return ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb)
 
 
+def job_cluster(cluster: ClusterSpec, job: JobConfig) -> ClusterSpec:
+    """The GPUs ``job`` may use: all of them for IIDP data parallelism (pairs and solo GPUs);
+    only identical pairs for Crossbow SMA (its learner tuner runs a pair's two GPUs alike) and
+    burst parallelism (DeepPool's plan over pair-built similarity groups), where an odd GPU of a
+    node is left out with a warning."""
+    if job.sync != "sma" and job.parallelism != "burst":
+        return cluster
+    try:
+        return cluster.validated_pairs(drop_odd_gpu=True)
+    except ValueError:
+        mode = "sync='sma' (Crossbow)" if job.sync == "sma" else "parallelism='burst'"
+        raise ValueError(f"cluster: {mode} needs two GPUs of one type on one node, got "
+                         f"{[(n.name, n.num_gpus) for n in cluster.nodes]}; use sync='iidp' "
+                         f"(any number of GPUs)") from None
+
+
 def normalize_allocation(cluster: ClusterSpec, allocation: dict[str, int]) -> dict[str, int]:
-    """Validate ``{node name: number of GPU pairs}`` against ``cluster``; drop zero entries."""
+    """Validate ``{node name: number of GPUs}`` against ``cluster``; drop zero entries."""
     out: dict[str, int] = {}
-    for name, pairs in allocation.items():
+    for name, gpus in allocation.items():
         node = cluster.node(name)
-        check_int(f"allocation[{name}]", pairs, min_value=0, max_value=node.num_pairs)
-        if pairs:
-            out[name] = int(pairs)
+        check_int(f"allocation[{name}]", gpus, min_value=0, max_value=node.num_gpus)
+        if gpus:
+            out[name] = int(gpus)
     if not out:
-        raise ValueError("allocation must use at least one GPU pair, got none")
+        raise ValueError("allocation must use at least one GPU, got none")
     return out
 
 
 def full_allocation(cluster: ClusterSpec) -> dict[str, int]:
-    """Every pair of every node."""
-    return {n.name: n.num_pairs for n in cluster.nodes if n.num_pairs}
+    """Every GPU of every node."""
+    return {n.name: n.num_gpus for n in cluster.nodes}
 
 
 def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[float],
                          dataset_size: int, job: JobConfig) -> dict[str, int]:
-    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: pairs}``."""
+    """:func:`jabasray.planners.job_planner.choose_for_job` -> ``{node: GPUs}``."""
     return normalize_allocation(cluster, choose_for_job(cluster, model, trajectory, dataset_size,
-                                                        job).allocation.node_pairs)
+                                                        job).allocation.node_gpus)
 
 
 def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
                    dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
-    """The allocation a job runs next on ``cluster``: every pair when ``fixed`` (no
+    """The allocation a job runs next on ``cluster``: every GPU when ``fixed`` (no
     ``job.autoscale``, or burst parallelism's fixed G), else the auto-scaler (JABAS 6.3) over all
     candidate allocations on the ``forecast`` B_G trajectory (None or empty: the initial phase,
     B_G^init for every interval of the epoch)."""
@@ -103,20 +130,23 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
     """Ranks for an allocation (see module docstring for the layout)."""
     allocation = normalize_allocation(cluster, allocation)
     slots: list[Slot] = []
-    pair = 0
+    unit = 0
     for node in cluster.nodes:
-        for k in range(allocation.get(node.name, 0)):
-            for g in (0, 1):
-                slots.append(Slot(rank=2 * pair + g, node=node.name, gpu_type=node.gpu_type,
-                                  speed=node.speed, group=g, pair=pair, local_pair=k,
+        gpus = allocation.get(node.name, 0)
+        for k in range(gpus // 2 + gpus % 2):
+            groups = (0, 1) if k < gpus // 2 else (SOLO_GROUP,)
+            for g in groups:
+                slots.append(Slot(rank=len(slots), node=node.name, gpu_type=node.gpu_type,
+                                  speed=node.speed, group=g, pair=unit, local_pair=k,
                                   ray_node_id=node.ray_node_id))
-            pair += 1
+            unit += 1
     return slots
 
 
 def group_gpus(slots: list[Slot]) -> list[str]:
-    """GPU types of group H (group 0), in pair order: the ``G``/``H`` input of the solver."""
-    return [s.gpu_type for s in slots if s.group == 0]
+    """Group H as unit names, in unit order: the ``G``/``H`` input of the solver (a pair's GPU
+    type, or :func:`jabasray.types.solo_unit` of a solo GPU)."""
+    return [solo_unit(s.gpu_type) if s.solo else s.gpu_type for s in slots if s.group in (0, SOLO_GROUP)]
 
 
 def multi_node(slots: list[Slot]) -> bool:
@@ -125,21 +155,22 @@ def multi_node(slots: list[Slot]) -> bool:
 
 
 def layout_for(slots: list[Slot], workers: list[Any]) -> list[int]:
-    """Decoupled workers per rank: pair ``i``'s ranks both run ``workers[i]`` (Plan.workers)."""
-    if len(workers) != len(slots) // 2:
-        raise ValueError(f"plan.workers must have one entry per GPU pair ({len(slots) // 2}), "
-                         f"got {len(workers)}")
-    return [int(workers[s.pair].num_workers) for s in slots]
+    """Decoupled workers per rank: unit ``i``'s ranks run ``workers[i]`` (Plan.workers), a solo
+    GPU twice (both groups)."""
+    units = len({s.pair for s in slots})
+    if len(workers) != units:
+        raise ValueError(f"plan.workers must have one entry per GPU unit ({units}), got {len(workers)}")
+    return [int(workers[s.pair].num_workers) * (2 if s.solo else 1) for s in slots]
 
 
-def drop_pair(cluster: ClusterSpec, node_name: str) -> ClusterSpec | None:
-    """The cluster without one GPU pair of ``node_name`` (a node left without a pair is removed).
+def drop_gpus(cluster: ClusterSpec, node_name: str, count: int = 1) -> ClusterSpec | None:
+    """The cluster without ``count`` GPUs of ``node_name`` (a node left without a GPU is removed).
     Returns None when nothing is left."""
     nodes: list[NodeSpec] = []
     for n in cluster.nodes:
         if n.name == node_name:
-            if n.num_gpus - 2 >= 2:
-                nodes.append(replace(n, num_gpus=n.num_gpus - 2))
+            if n.num_gpus - count >= 1:
+                nodes.append(replace(n, num_gpus=n.num_gpus - count))
         else:
             nodes.append(n)
     return ClusterSpec(nodes=nodes) if nodes else None
@@ -320,7 +351,7 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
         for pg, actors in created:
             _release_pair(pg, actors)
         raise
-    actors = [pairs[s.pair_key][1][s.group] for s in slots]
+    actors = [pairs[s.pair_key][1][max(s.group, 0)] for s in slots]
     return Placement(slots=list(slots), actors=actors, pairs=pairs), sorted(new_ranks)
 
 

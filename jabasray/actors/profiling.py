@@ -50,24 +50,28 @@ def ray_options(resources: dict[str, float]) -> dict[str, Any]:
 
 
 def cache_key(model_fn: Callable, gpu_type: str, *, device: str, min_local_batch: int,
-              weight_sync: str, bucket_cap_mb: float) -> str:
+              weight_sync: str, bucket_cap_mb: float, max_local_batch: int | None = None,
+              step_fn: Callable | None = None) -> str:
     """The cache file stem of ``gpu_type``'s profile measured in a task (model built on the
     driver's CPU for its signature)."""
     import torch
 
     from ..profiler.cluster import DRIVER_REPEATS, DRIVER_WARMUP, measures_contention
     from ..profiler.measure import measurement_settings, model_signature
-    settings = measurement_settings(torch.device(device).type, min_local_batch, None, 4, None,
-                                    bucket_cap_mb, weight_sync, DRIVER_WARMUP, DRIVER_REPEATS,
+    settings = measurement_settings(torch.device(device).type, min_local_batch, max_local_batch, 4,
+                                    None, bucket_cap_mb, weight_sync, DRIVER_WARMUP, DRIVER_REPEATS,
                                     "trimmed", contention=measures_contention(device))
     model = model_fn() if callable(model_fn) and not isinstance(model_fn, torch.nn.Module) else model_fn
-    return profile_cache_key(model_signature(model), gpu_type, dict(settings, where="task"))
+    step = getattr(step_fn, "__qualname__", type(step_fn).__qualname__) if step_fn is not None else None
+    return profile_cache_key(model_signature(model), gpu_type, dict(settings, where="task", step=step))
 
 
 def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, device: str,
                  emulate: bool, loss_fn: Callable, optimizer_fn: Callable | None,
                  min_local_batch: int, weight_sync: str, bucket_cap_mb: float,
-                 torch_threads: int) -> tuple[dict, dict, str]:
+                 torch_threads: int, max_local_batch: int | None = None,
+                 step_fn: Callable | None = None, collate_fn: Callable | None = None
+                 ) -> tuple[dict, dict, str]:
     """The body of a profiling task: ``gpu_type``'s profile (as a dict), the resources Ray
     assigned to the task, and its node id."""
     import ray
@@ -80,9 +84,11 @@ def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, 
     dev = "cuda:0" if str(device).startswith("cuda") else device   # Ray set CUDA_VISIBLE_DEVICES
     prof = profile_model(model_fn, rows, loss_fn=loss_fn, optimizer_fn=optimizer_fn, device=dev,
                          gpu_type=gpu_type, min_local_batch=min_local_batch,
-                         weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=None,
-                         warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
-                         contention=measures_contention(device))
+                         max_local_batch=max_local_batch, weight_sync=weight_sync,
+                         bucket_cap_mb=bucket_cap_mb, cache_dir=None, warmup=DRIVER_WARMUP,
+                         repeats=DRIVER_REPEATS, statistic="trimmed",
+                         contention=measures_contention(device), step_fn=step_fn,
+                         collate_fn=collate_fn)
     if emulate:   # as cluster_profiles: the CPU measured, scaled by the type's speed
         if prof.allreduce_inter is None:
             prof = replace(prof, allreduce_inter=prof.allreduce_intra)
@@ -95,7 +101,9 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
                      optimizer_fn: Callable | None, device: str, emulate: bool,
                      min_local_batch: int, weight_sync: str, bucket_cap_mb: float,
                      cache_dir: Any, refresh: bool = False, torch_threads: int = 1,
-                     timeout_s: float = 600.0, notes: list[str] | None = None) -> dict[str, Profile]:
+                     timeout_s: float = 600.0, notes: list[str] | None = None,
+                     max_local_batch: int | None = None, step_fn: Callable | None = None,
+                     collate_fn: Callable | None = None) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every type of ``cluster`` (module notes); ``notes`` gets one
     line per type: cached, or where and holding what it was measured. A type whose task does
     not finish within ``timeout_s`` (no free GPU of it) is a one-line
@@ -117,7 +125,8 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
     for t, speed in speeds.items():
         if folder is not None:
             paths[t] = folder / (cache_key(model_fn, t, device=device, min_local_batch=min_local_batch,
-                                           weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb)
+                                           weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb,
+                                           max_local_batch=max_local_batch, step_fn=step_fn)
                                  + f"-x{speed:g}.json")
             if not refresh and paths[t].exists():
                 try:
@@ -130,7 +139,8 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
         refs[t] = task.options(**ray_options(res), name=f"jabasray-profile-{t}").remote(
             model_fn, rows, t, speed, device=device, emulate=emulate, loss_fn=loss_fn,
             optimizer_fn=optimizer_fn, min_local_batch=min_local_batch, weight_sync=weight_sync,
-            bucket_cap_mb=bucket_cap_mb, torch_threads=torch_threads)
+            bucket_cap_mb=bucket_cap_mb, torch_threads=torch_threads,
+            max_local_batch=max_local_batch, step_fn=step_fn, collate_fn=collate_fn)
     if refs:
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         if pending:

@@ -94,12 +94,12 @@ def reconcile(remembered: ClusterSpec, live: ClusterSpec
 def remap_allocation(allocation: dict[str, int], rename: dict[str, str],
                      cluster: ClusterSpec) -> dict[str, int] | None:
     """``allocation`` under the node names of ``cluster`` (``rename``: old -> new name), or None
-    when an allocated node was not matched or has fewer pairs than allocated now."""
+    when an allocated node was not matched or has fewer GPUs than allocated now."""
     out: dict[str, int] = {}
-    pairs = {n.name: n.num_pairs for n in cluster.nodes}
+    gpus = {n.name: n.num_gpus for n in cluster.nodes}
     for name, k in allocation.items():
         new = rename.get(name)
-        if new is None or pairs.get(new, 0) < k:
+        if new is None or gpus.get(new, 0) < k:
             return None
         out[new] = k
     return out

@@ -16,11 +16,16 @@ actor and :func:`restart_point` gives it
 1. the newest checkpoint that verifies (corrupt newer ones are skipped, one line each; every
    epoch writes one, and a fresh start writes one before any actor starts, so the failed epoch's
    start is always there),
-2. its driver state on the cluster left: one pair dropped per dead pair (:func:`.placement.drop_pair`),
-   then every GPU of a Ray node that is gone (:func:`.placement.drop_dead_nodes`).
+2. its driver state on the cluster left (:func:`failed_gpus`, the failure policy of
+   :class:`jabasray.config.FailureConfig`): every GPU of a Ray node that is gone
+   (:func:`.placement.drop_dead_nodes`); a single dead actor on a live node costs its GPU
+   (:func:`.placement.drop_gpus`, one GPU: any GPU count runs, so its partner stays in use) once
+   that GPU has failed ``drop_gpu_after`` times; several actors dead at once on live nodes (a
+   collective abort such as an NCCL watchdog's, which kills many ranks for one fault) drop
+   nothing: the epoch is retried on the same GPUs.
 
 The driver re-chooses the allocation on that cluster (:func:`restart`) and redoes the epoch:
-no completed epoch is lost. When no checkpoint or no pair is left, :class:`JobFailed` says what happened in one line
+no completed epoch is lost. When no checkpoint or no GPU is left, :class:`JobFailed` says what happened in one line
 (:func:`describe_failure`) and how to continue (:func:`resume_hint`).
 """
 from __future__ import annotations
@@ -29,11 +34,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..config import FailureConfig
 from ..errors import JobFailed
 from ..types import ClusterSpec
 from .checkpoint import Checkpoint, DriverState, latest_checkpoint
 from .fanout import ActorFailure
-from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_pair
+from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_gpus
 
 
 def dead_slots(slots: Sequence[Slot], failure: ActorFailure) -> list[Slot]:
@@ -75,48 +81,89 @@ def latest_intact_checkpoint(run_dir: str | Path) -> tuple[Checkpoint | None, li
     return latest_checkpoint(run_dir, skipped), skipped
 
 
+def gpu_key(slot: Slot) -> str:
+    """A GPU's identity across placements: ``<node>/<index on the node>``."""
+    return f"{slot.node}/{2 * slot.local_pair + max(slot.group, 0)}"
+
+
+def failed_gpus(dead: Sequence[Slot], alive_nodes: set[str], strikes: dict[str, int],
+                policy: FailureConfig) -> tuple[list[Slot], str]:
+    """Which of the ``dead`` actors' GPUs the run leaves out (module notes, step 2), and why in
+    a few words. ``strikes`` (GPU key -> failures so far, updated in place) counts the single
+    failures of GPUs on live nodes. Actors on a node that left the cluster are not returned:
+    :func:`.placement.drop_dead_nodes` removes their whole node."""
+    if not dead:   # hung or unable to join (alive, no rank dead): nothing to drop
+        return [], "retrying on the same GPUs"
+    live = [s for s in dead if s.ray_node_id is None or s.ray_node_id in alive_nodes]
+    gone = len(dead) - len(live)
+    if len(live) > 1:
+        return [], (f"{len(live)} ranks failed at once on live nodes (a collective abort): "
+                    f"retrying on the same GPUs")
+    if not live:
+        return [], f"{gone} rank(s) on a node that left the cluster: dropping that node"
+    key = gpu_key(live[0])
+    strikes[key] = strikes.get(key, 0) + 1
+    if policy.drop_gpu_after != -1 and strikes[key] >= policy.drop_gpu_after:
+        return live, "without that GPU"
+    limit = "no limit" if policy.drop_gpu_after == -1 else f"dropped after {policy.drop_gpu_after}"
+    return [], f"GPU {key} kept (failure {strikes[key]}; {limit})"
+
+
 def restart_point(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot],
-                  alive_nodes: set[str] | None = None
+                  alive_nodes: set[str] | None = None, policy: FailureConfig | None = None,
+                  strikes: dict[str, int] | None = None
                   ) -> tuple[Checkpoint, DriverState, list[str]]:
     """(checkpoint, its driver state on the cluster left, skipped-checkpoint lines) after
     ``failure`` killed the actors of ``dropped`` (module notes). ``alive_nodes``: the live Ray
-    node ids (None: asked from Ray). Raises :class:`JobFailed` (one line) when no intact
-    checkpoint or no GPU pair is left."""
+    node ids (None: asked from Ray); ``policy``/``strikes``: see :func:`failed_gpus` (None: the
+    default policy, fresh counts). Raises :class:`JobFailed` (one line) when no intact
+    checkpoint or no GPU is left."""
     what = describe_failure(failure, dropped)
     cp, skipped = latest_intact_checkpoint(run_dir)
     if cp is None:
         raise JobFailed(f"{what}; no intact checkpoint in {run_dir} to restart from") from failure.cause
     state = cp.load_driver_state()
     cluster = state.cluster
-    for node in dict.fromkeys((s.node, s.pair) for s in dropped):   # one pair per dead pair
-        cluster = drop_pair(cluster, node[0])
+    alive_nodes = alive_ray_nodes() if alive_nodes is None else alive_nodes
+    lost, _ = failed_gpus(dropped, alive_nodes, {} if strikes is None else strikes,
+                          policy or FailureConfig())
+    for s in lost:   # one GPU per failed actor the policy drops
+        cluster = drop_gpus(cluster, s.node)
         if cluster is None:
-            raise JobFailed(f"{what}: no GPU pair left; {resume_hint(run_dir)}") from failure.cause
-    cluster = drop_dead_nodes(cluster, alive_ray_nodes() if alive_nodes is None else alive_nodes)
+            raise JobFailed(f"{what}: no GPU left; {resume_hint(run_dir)}") from failure.cause
+    cluster = drop_dead_nodes(cluster, alive_nodes)
     if cluster is None:   # a lost Ray node: all its GPUs
-        raise JobFailed(f"{what}: no GPU pair left on the live Ray nodes; "
+        raise JobFailed(f"{what}: no GPU left on the live Ray nodes; "
                         f"{resume_hint(run_dir)}") from failure.cause
     return cp, replace(state, cluster=cluster), skipped
 
 
 def restart(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot], ctl: Any,
             choose_allocation: Callable[[ClusterSpec, Sequence[float] | None], dict[str, int]],
-            alive_nodes: set[str] | None = None) -> tuple[Checkpoint, DriverState, list[str]]:
+            alive_nodes: set[str] | None = None, policy: FailureConfig | None = None,
+            strikes: dict[str, int] | None = None) -> tuple[Checkpoint, DriverState, list[str]]:
     """(checkpoint, driver state, events) the driver continues from after ``failure``:
     :func:`restart_point`, with ``ctl`` (the adaptive controller) restored from it and the
     allocation re-chosen on the cluster left (``choose_allocation(cluster, forecast or None)``);
     the events: the skipped-checkpoint lines, then what happened and where it restarts."""
-    cp, state, events = restart_point(run_dir, failure, dropped, alive_nodes)
+    alive_nodes = alive_ray_nodes() if alive_nodes is None else alive_nodes
+    strikes = {} if strikes is None else strikes
+    _, why = failed_gpus(dropped, alive_nodes, dict(strikes), policy or FailureConfig())
+    cp, state, events = restart_point(run_dir, failure, dropped, alive_nodes, policy, strikes)
     ctl.load_state_dict(state.adaptive)
-    state = replace(state, allocation=choose_allocation(state.cluster, state.forecast or None))
+    try:
+        allocation = choose_allocation(state.cluster, state.forecast or None)
+    except ValueError as e:   # e.g. SMA with no GPU pair left
+        raise JobFailed(f"{describe_failure(failure, dropped)}: {e}; {resume_hint(run_dir)}") from failure.cause
+    state = replace(state, allocation=allocation)
     events.append(f"{describe_failure(failure, dropped)}; restarting epoch {state.epochs_done + 1} "
-                  f"from {cp.path.name} without that pair, allocation {state.allocation}")
+                  f"from {cp.path.name} {why}, allocation {state.allocation}")
     return cp, state, events
 
 
 def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: Any,
-                     choose_allocation: Callable[[ClusterSpec, None], dict[str, int]]
-                     ) -> tuple[Checkpoint | None, DriverState, list[str]]:
+                     choose_allocation: Callable[[ClusterSpec, None], dict[str, int]],
+                     force: bool = False) -> tuple[Checkpoint | None, DriverState, list[str]]:
     """(checkpoint, driver state, events) a run starts from (module notes). Resume: the newest
     intact checkpoint and its state, checked against ``job`` (:func:`check_resumable`), with
     ``ctl`` (the adaptive controller) restored from it; the events: the skipped-checkpoint lines
@@ -130,6 +177,8 @@ def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: A
                             job_config=job.to_dict())
         return None, state, events
     state = cp.load_driver_state()
+    if force:   # RunConfig(resume="force"): the run continues as this job
+        state = replace(state, job_config=job.to_dict())
     check_resumable(state, job.to_dict())
     ctl.load_state_dict(state.adaptive)
     events.append(f"resumed from {cp.path} after {state.epochs_done} epoch(s)")
@@ -148,5 +197,5 @@ def check_resumable(state: DriverState, job_config: dict[str, Any]) -> None:
                          f"use another run name or the same configuration to resume")
 
 
-__all__ = ["dead_slots", "describe_failure", "resume_hint", "give_up", "latest_intact_checkpoint",
+__all__ = ["gpu_key", "failed_gpus", "dead_slots", "describe_failure", "resume_hint", "give_up", "latest_intact_checkpoint",
            "restart_point", "restart", "restore_or_start", "check_resumable"]

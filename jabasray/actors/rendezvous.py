@@ -5,7 +5,7 @@ port; every GPU actor connects to it as a client and calls ``init_process_group`
 (NCCL on CUDA devices, gloo on CPU). Each placement of actors gets a fresh store (a new
 *generation*), so actors of an old placement can never collide with the keys of a new one.
 
-Security (issue 14): the store's listening socket is bound by us to exactly the address the
+Security: the store's listening socket is bound by us to exactly the address the
 actors are given (``host``; ``127.0.0.1`` stays on the loopback device) and handed to the store
 (``master_listen_fd``), instead of the store's own bind to every interface. Every key lives under
 a per-job random prefix of 128 bits (``Rendezvous.secret``, sent to the actors through Ray's own

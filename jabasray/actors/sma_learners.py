@@ -17,7 +17,8 @@ B_G* = B_L * sum(layout); ``configure`` is called on ALL actors whenever any cou
 is collective: k, the total learner count, is summed). The LR rule (``JobConfig.lr_scaling``)
 follows the plan's B_G* (what adaptive batching chose), not the tuned learner count: Crossbow
 does not rescale the LR with the number of learners (each learner steps its own replica), and
-an LR change restarts SMA (section 3.2), which would happen at every probe otherwise.
+under ``JobConfig.sma_restart="batch"`` a change of the LR's batch factor restarts SMA, which
+would then happen at every probe.
 Intervals that reach the epoch end are not fed to the tuner (their last iteration is ragged and
 would look slower). The counts and the tuner's state are checkpointed with every rank's SMA
 state (:mod:`.sma_state`): a resume or a re-placement onto the same GPUs continues them; a

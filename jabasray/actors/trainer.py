@@ -25,12 +25,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..config import JobConfig, RunConfig
+from ..config import JobConfig, RunConfig, is_ray_run_config, run_config_from_ray
 from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
+from .callbacks import ConsoleReporter, console_reporter, tracker_callbacks
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
+from .job_identity import check_run, job_identity
 from .metrics import MetricsHistory, plot_history, save_metrics
 from .placement import resource_name
 from .run_folder import probe_run_folder, run_lock
@@ -64,6 +66,16 @@ class Result:
     plot_path: StoragePath | None  # trajectory.png
     run_checkpoint: Checkpoint | None = None   # jabasray's epoch checkpoint (resume)
     storage: StoragePath | None = None         # the run folder (filesystem + path)
+
+    def __repr__(self) -> str:
+        """Compact, as Ray Train's: the last epoch's metrics (4 significant digits), the run
+        folder and the checkpoint - not the history (``result.history``, ``metrics.json``)."""
+        def short(v: Any) -> str:
+            return f"{v:.4g}" if isinstance(v, float) else repr(v)
+        metrics = ", ".join(f"{k!r}: {short(v)}" for k, v in self.metrics.items() if v is not None)
+        cp = None if self.checkpoint is None else f"Checkpoint(path={self.checkpoint.path!r})"
+        return (f"Result(metrics={{{metrics}}}, path={self.path!r}, "
+                f"epochs={len(self.history.epochs)}, checkpoint={cp})")
 
     @property
     def filesystem(self) -> Any:
@@ -221,9 +233,9 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
 
 
 def detect_cluster() -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``); odd GPUs are left out."""
+    """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``), every GPU."""
     from .placement import ray_cluster_spec
-    return ray_cluster_spec().validated_pairs(drop_odd_gpu=True)
+    return ray_cluster_spec()
 
 
 class JabasTrainer:
@@ -263,7 +275,9 @@ class JabasTrainer:
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
         background: optional background scheduler (``rebalance(actor_handles)``).
-        verbose: actors log INFO lines to the console (else WARNING and above).
+        verbose: what ``fit()`` shows, as Ray's ``verbose``: 0 nothing; 1 (default) its
+            console lines (e.g. that a finished run's result is returned); 2 also the actors'
+            INFO log lines (else WARNING and above).
     """
 
     def __init__(self, model_fn: Callable, dataset: Any = None, optimizer_fn: Callable | None = None,
@@ -274,7 +288,7 @@ class JabasTrainer:
                  eval_fn: Callable | None = None, lr_scheduler_fn: Callable | None = None,
                  lr_scheduler_interval: str = "iteration", collate_fn: Callable | None = None,
                  num_data_workers: int = 0, prefetch_factor: int = 2, eval_batch_size: int = 256,
-                 verbose: bool = False, perf_model: Any = None, profiles: dict | None = None,
+                 verbose: int = 1, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
                  background: Any = None) -> None:
         if not callable(model_fn):
@@ -290,6 +304,9 @@ class JabasTrainer:
             raise ValueError("at most one of val_dataset and val_dataset_fn may be given")
         if optimizer_fn is not None and not callable(optimizer_fn):
             raise ValueError(f"optimizer_fn must be callable params -> Optimizer, got {optimizer_fn!r}")
+        from .hooks import refuse_module_classes
+        refuse_module_classes(loss_fn=loss_fn, step_fn=step_fn, eval_fn=eval_fn, collate_fn=collate_fn,
+                              dataset_fn=dataset_fn, val_dataset_fn=val_dataset_fn)
         self.model_fn = model_fn
         self.dataset = dataset
         if hasattr(dataset, "__len__"):   # bounds before any work (issue 14)
@@ -302,9 +319,24 @@ class JabasTrainer:
                               lr_scheduler_interval=lr_scheduler_interval, collate_fn=collate_fn,
                               num_data_workers=num_data_workers, prefetch_factor=prefetch_factor,
                               eval_batch_size=eval_batch_size,
-                              log_level="INFO" if verbose else "WARNING")
+                              log_level="INFO" if int(verbose) >= 2 else "WARNING")
         self.cluster = cluster
-        self.run_config = run_config or RunConfig()
+        if cluster is not None:
+            from .placement import job_cluster
+            job_cluster(cluster, self.job)   # SMA/burst need GPU pairs: one line, before Ray
+        if is_ray_run_config(run_config):   # Ray's own RunConfig: converted or refused here
+            run_config = run_config_from_ray(run_config)
+        if run_config is not None and not isinstance(run_config, RunConfig):
+            raise ValueError(f"run_config must be a jabasray.config.RunConfig, got "
+                             f"{type(run_config).__module__}.{type(run_config).__qualname__}")
+        # a run without a name gets a unique one (as in Ray Train): two jobs never share a folder
+        self.run_config = (run_config or RunConfig()).named(type(self).__name__)
+        from ..validation import check_int
+        self.verbose = check_int("verbose", int(verbose), min_value=0, max_value=2)
+        self._hook_fns = {"model_fn": model_fn, "optimizer_fn": optimizer_fn, "loss_fn": loss_fn,
+                          "step_fn": step_fn, "eval_fn": eval_fn, "lr_scheduler_fn": lr_scheduler_fn,
+                          "collate_fn": collate_fn, "dataset_fn": dataset_fn,
+                          "val_dataset_fn": val_dataset_fn}
         self.val_dataset = val_dataset
         self.perf_model, self.profiles = perf_model, profiles
         self.options = options or DriverOptions()
@@ -321,8 +353,6 @@ class JabasTrainer:
         opts = self.options
         if not wait and opts.driver != "actor":
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
-        if self.cluster is not None:
-            self.cluster.validated_pairs(drop_odd_gpu=True)
         run_dir = self.run_config.path     # resolved here: a bad URI is one line, before Ray
         cache = (as_storage_path(opts.profile_cache_dir) if opts.profile_cache_dir
                  else run_dir.parent / ".profiles")
@@ -347,6 +377,14 @@ class JabasTrainer:
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
         probe = self.probe()
+        # the run folder records the job that wrote it: resume only the same job (job_identity)
+        identity = job_identity(self.job, probe.model or {}, probe.optimizer or {},
+                                self._hook_fns, probe.dataset_size)
+        start = check_run(run_dir, identity, self.run_config.name, self.run_config.resume,
+                          self.job.epochs)
+        if start.kind == "finished":
+            self._say(start.message)
+            return Result.from_path(run_dir)
         hooks = self.hooks
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
@@ -356,24 +394,61 @@ class JabasTrainer:
         kwargs = dict(val_dataset=self.val_dataset, perf_model=self.perf_model, profiles=self.profiles,
                       options=opts, background=self.background, hooks=hooks,
                       dataset_size=probe.dataset_size, profile_data=probe.profile_rows,
-                      failure=self.run_config.failure_config)
-        self.driver = JabasDriver(*args, **kwargs, callbacks=self.callbacks)  # checks the input
+                      failure=self.run_config.failure_config,
+                      force_resume=self.run_config.resume == "force",
+                      checkpoint=self.run_config.checkpoint_config)
+        # the console and Ray's logger callbacks (RunConfig.callbacks), fed in this process
+        callbacks, adapters = tracker_callbacks(self.run_config.callbacks, run_dir,
+                                                self.run_config.name, self.job.to_dict())
+        callbacks = [*self.callbacks, *callbacks]
+        reporter = console_reporter(callbacks)
+        if reporter is None and self.verbose >= 1 and wait:
+            reporter = ConsoleReporter()
+            callbacks.append(reporter)
+        if not wait:
+            adapters, reporter = [], None
+        callbacks += adapters
+        self.driver = JabasDriver(*args, **kwargs, callbacks=callbacks)  # checks the input
         self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
-        if opts.driver == "actor":
-            from . import run_client
-            self.driver = None
-            run_client.check_name_free(self.run_config.name)
-            record.begin()                # the marker, and Ray's record of it (run_record)
-            run_client.start_run(self.run_config.name, args, kwargs, opts)
-            if not wait:
-                return self.run_config.name
-            return run_client.follow(self.run_config.name, self.callbacks)
-        record.begin()
-        history = self.driver.run()
-        result = finish_run(history, run_dir, self.driver.last_checkpoint or latest_checkpoint(run_dir))
-        record.forget()
+        done = start.checkpoint.epochs_done if start.checkpoint is not None else 0
+        try:
+            for a in adapters:
+                a.start()
+            if reporter is not None:
+                reporter.start(max(0, self.job.epochs - done) * probe.dataset_size)
+            if opts.driver == "actor":
+                from . import run_client
+                self.driver = None
+                run_client.check_name_free(self.run_config.name)
+                record.begin()                # the marker, and Ray's record of it (run_record)
+                run_client.start_run(self.run_config.name, args, kwargs, opts)
+                if not wait:
+                    return self.run_config.name
+                result = run_client.follow(self.run_config.name, callbacks)
+            else:
+                record.begin()
+                history = self.driver.run()
+                result = finish_run(history, run_dir,
+                                    self.driver.last_checkpoint or latest_checkpoint(run_dir))
+                record.forget()
+        except BaseException:
+            for a in adapters:
+                a.finish(failed=True)
+            raise
+        finally:
+            if reporter is not None:
+                reporter.close()
+        for a in adapters:
+            a.finish(failed=False)
         return result
+
+    def _say(self, message: str | None) -> None:
+        """One console line of ``fit()`` (``verbose`` >= 1), also logged."""
+        if message:
+            log.info(message)
+            if self.verbose >= 1:
+                print(message, flush=True)
 
     def probe(self) -> ProbeReport:
         """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and

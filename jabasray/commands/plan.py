@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ..config import WEIGHT_SYNC_METHODS
 from ..planners.autoscale import OBJECTIVES, Allocation, choose_allocation
+from ..planners.config_solver import unit_model
 from ..planners.plan_policy import DEFAULT_TOLERANCE, solve_for_batch
 from ..planners.perf_model import PerfModel, emulated_profiles
 from ..profiles import Profile, load_profiles
@@ -28,7 +30,8 @@ each node's `speed` (Profile.scaled) to stand for every GPU type of the cluster.
 
 Allocation: by default all GPUs of the cluster (pairs per node). `--allocation auto` runs the
 auto-scaler (section 6.3) for a constant trajectory (the global batch for the whole epoch of
---dataset-size samples) and reports the chosen allocation; `--allocation NODE=PAIRS,...` fixes one.
+--dataset-size samples) and reports the chosen allocation; `--allocation NODE=GPUS,...` fixes one
+(any GPU count: a node's GPUs form pairs, an odd one runs both similarity groups itself).
 """
 
 
@@ -42,7 +45,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--min-local-batch", type=int, default=None,
                    help="min B_L (default: the profiles' min_local_batch)")
     p.add_argument("--allocation", default="all",
-                   help="'all' (default), 'auto' (auto-scaler) or NODE=PAIRS[,NODE=PAIRS...]")
+                   help="'all' (default), 'auto' (auto-scaler) or NODE=GPUS[,NODE=GPUS...]")
     p.add_argument("--objective", default="time", choices=OBJECTIVES, help="auto-scaler objective")
     p.add_argument("--cost-budget", type=float, default=None, help="for --objective time_under_budget")
     p.add_argument("--dataset-size", type=int, default=50000, help="samples per epoch (auto-scaler)")
@@ -54,7 +57,8 @@ def register(subparsers: Any) -> None:
                         "the default job; the driver uses its job's alpha/2)")
     p.add_argument("--emulate", action="store_true",
                    help="scale the first profile by each node's speed for every GPU type")
-    p.add_argument("--drop-odd-gpu", action="store_true", help="leave out a node's odd GPU")
+    p.add_argument("--drop-odd-gpu", action="store_true",
+                   help="deprecated, no effect: every GPU count is planned")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -73,23 +77,23 @@ def _profiles_for(cluster: ClusterSpec, files: list[str], emulate: bool) -> dict
 
 
 def _parse_allocation(text: str, cluster: ClusterSpec) -> Allocation:
-    pairs = {n.name: 0 for n in cluster.nodes}
+    gpus = {n.name: 0 for n in cluster.nodes}
     for item in text.split(","):
         name, sep, num = item.partition("=")
-        if not sep or name.strip() not in pairs:
-            raise ValueError(f"allocation must be 'all', 'auto' or NODE=PAIRS,... with NODE in "
-                             f"{list(pairs)}, got {text!r}")
+        if not sep or name.strip() not in gpus:
+            raise ValueError(f"allocation must be 'all', 'auto' or NODE=GPUS,... with NODE in "
+                             f"{list(gpus)}, got {text!r}")
         try:
-            pairs[name.strip()] = int(num)
+            gpus[name.strip()] = int(num)
         except ValueError:
-            raise ValueError(f"allocation: pairs for node {name.strip()} must be an integer, got {num!r}") from None
-    alloc = Allocation(pairs)
-    alloc.group_gpus(cluster)  # validates pairs per node
+            raise ValueError(f"allocation: GPUs for node {name.strip()} must be an integer, got {num!r}") from None
+    alloc = Allocation(gpus)
+    alloc.group_gpus(cluster)  # validates GPUs per node
     return alloc
 
 
 def _table(plan: Plan, alloc: Allocation, model: PerfModel) -> str:
-    lines = [f"allocation: {', '.join(f'{n}={p} pair(s)' for n, p in alloc.node_pairs.items() if p)} "
+    lines = [f"allocation: {', '.join(f'{n}={g} GPU(s)' for n, g in alloc.node_gpus.items() if g)} "
              f"({alloc.num_gpus} GPUs, {'multi' if alloc.multi_node else 'single'}-node)",
              f"global batch: requested {plan.requested_global_batch_size}, used {plan.global_batch_size} "
              f"(B_L {plan.local_batch_size} x {plan.num_workers_per_group} workers x 2 groups)",
@@ -97,11 +101,13 @@ def _table(plan: Plan, alloc: Allocation, model: PerfModel) -> str:
              f"   weight sync: {plan.weight_sync}",
              "",
              f"{'node':<16} {'gpu':<10} {'n_vsw':>5} {'n_ga':>5} {'workers':>7} {'time(ms)':>9}"]
-    nodes = [n for n, p in alloc.node_pairs.items() for _ in range(p)]
+    units = unit_model(model)
+    nodes = [n for n, g in alloc.node_gpus.items() for _ in range(g // 2 + g % 2)]
     for node, w in zip(nodes, plan.workers):
-        t = model.iteration_time(w.gpu, plan.local_batch_size, w.num_vsw, w.num_ga)
+        t = units.iteration_time(w.gpu, plan.local_batch_size, w.num_vsw, w.num_ga)
         lines.append(f"{node:<16} {w.gpu:<10} {w.num_vsw:>5} {w.num_ga:>5} {w.num_workers:>7} {t * 1e3:>9.3f}")
-    lines.append("(each row is one GPU pair: both GPUs of the pair run this configuration)")
+    lines.append("(each row is one unit per group: both GPUs of a pair run this configuration; "
+                 "a <type>/solo GPU runs it twice, once per group)")
     return "\n".join(lines)
 
 
@@ -112,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
     check_float("tolerance", args.tolerance, min_value=0)
     if args.cost_budget is not None:
         check_float("cost_budget", args.cost_budget, min_value=0, min_exclusive=True)
-    cluster = ClusterSpec.from_file(args.cluster).validated_pairs(args.drop_odd_gpu)
+    if args.drop_odd_gpu:
+        print("jabasray plan: --drop-odd-gpu is deprecated and has no effect: every GPU count is planned",
+              file=sys.stderr)
+    cluster = ClusterSpec.from_file(args.cluster)
     profiles = _profiles_for(cluster, args.profile, args.emulate)
     if args.min_local_batch is None:
         mins = {p.min_local_batch for p in profiles.values()}
@@ -129,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                                      cost_budget=args.cost_budget, tolerance=args.tolerance)
         alloc = decision.allocation
     elif args.allocation == "all":
-        alloc = Allocation({n.name: n.num_pairs for n in cluster.nodes})   # every pair
+        alloc = Allocation({n.name: n.num_gpus for n in cluster.nodes})   # every GPU
     else:
         alloc = _parse_allocation(args.allocation, cluster)
     group = alloc.group_gpus(cluster)

@@ -1,4 +1,4 @@
-"""``jabasray status|attach|stop NAME``: find a run's driver actor by name (issue 21).
+"""``jabasray status|attach|stop NAME``: find a run's driver actor by name.
 
 A run started by ``jabasray train`` or ``JabasTrainer.fit()`` (also under ``ray job submit``)
 has a driver actor named after it on the Ray cluster (:mod:`jabasray.actors.driver_actor`).
@@ -74,13 +74,14 @@ def attach(args: argparse.Namespace) -> int:
     import logging
 
     from ..actors import run_client
-    from .train import _Progress
+    from ..actors.callbacks import ConsoleReporter
 
     run_client.connect(args.ray_address)
     st = run_client.status(args.name)
     print("\n".join(status_lines(st)), flush=True)
-    logging.getLogger("jabasray.actors").setLevel(logging.WARNING)   # events come through _Progress
-    progress = _Progress(total=(st["epochs"] or 0) * (st["dataset_size"] or 0), enabled=True)
+    logging.getLogger("jabasray.actors").setLevel(logging.WARNING)   # events come through the reporter
+    progress = ConsoleReporter(bar=True)
+    progress.start((st["epochs"] or 0) * (st["dataset_size"] or 0))
     try:
         result = run_client.follow(args.name, [progress])
     finally:

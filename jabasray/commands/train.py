@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import logging
 import math
 import runpy
@@ -37,7 +36,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from ..config import JobConfig, RunConfig
+from ..config import JobConfig, RunConfig, default_run_name
 from ..types import ClusterSpec
 
 if typing.TYPE_CHECKING:   # pragma: no cover
@@ -112,11 +111,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--storage-path", default="jabasray_runs",
                    help="parent folder of runs: a local or NFS path, or a URI (s3://bucket/runs, "
                         "gs://bucket/runs; credentials from the usual environment variables)")
-    p.add_argument("--name", help="run folder name (default: train-<timestamp>)")
-    p.add_argument("--resume", action="store_true", help="continue the run --name from its checkpoint")
+    p.add_argument("--name", help="run folder name (default: train_<date>_<time>_<6 hex>, unique)")
+    p.add_argument("--resume", nargs="?", const="auto", choices=["auto", "force"], default=None,
+                   help="continue the run --name from its checkpoint; only the job that wrote it "
+                   "(its job.json: model, JobConfig, optimizer, hooks) unless 'force'; a finished "
+                   "run returns its result")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulate GPU types on CPU; cuda: one real GPU per actor")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of a locally started Ray instance")
+    p.add_argument("--emulation", default="compute", choices=["compute", "wait"],
+                   help="CPU emulation of a GPU's step: 'compute' (wall compute time / speed: "
+                        "emulated GPUs share the host's cores) or 'wait' (CPU time / speed: every "
+                        "emulated GPU gets the same share while the speeds sum to <= the CPUs)")
     p.add_argument("--reprofile", action="store_true", help="measure the model's profile again (ignore the cache)")
     p.add_argument("--online-correction", action="store_true",
                    help="correct the iteration-time model from measured interval times (plans then "
@@ -129,7 +135,8 @@ def register(subparsers: Any) -> None:
                    help="Ray cluster to use (default: RAY_ADDRESS or a running `ray start` cluster, "
                    "else a new local instance); 'local' always starts a local instance")
     p.add_argument("--drop-odd-gpu", action="store_true",
-                   help="leave out a node's odd GPU (default: a node with an odd GPU count is an error)")
+                   help="deprecated, no effect: any number of GPUs trains (a GPU without a partner "
+                        "forms both similarity groups from its own VSWs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--driver", default="actor", choices=["actor", "local"],
                    help="actor: the driver runs as a restartable Ray actor named after the run, so the "
@@ -238,14 +245,18 @@ def call_script(path: str, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..actors.callbacks import ConsoleReporter
     from ..actors.driver import DriverOptions
     from ..actors.run_folder import probe_run_folder, run_lock
     from ..actors.trainer import JabasTrainer, ensure_ray
 
+    if args.drop_odd_gpu:
+        print("jabasray train: --drop-odd-gpu is deprecated and has no effect: any number of GPUs "
+              "trains", file=sys.stderr)
     job = job_config_from_args(args, embedded=args.script is None)
-    name = args.name if args.name is not None else datetime.datetime.now().strftime("train-%Y%m%d-%H%M%S")
-    run_config = RunConfig(storage_path=args.storage_path, name=name)
-    check_run_folder(run_config.path, args.resume)
+    name = args.name if args.name is not None else default_run_name("train")
+    run_config = RunConfig(storage_path=args.storage_path, name=name, resume=args.resume or "auto")
+    check_run_folder(run_config.path, args.resume is not None)
     if args.script:
         ns = load_script(args.script)
         hooks = script_hooks(ns)
@@ -263,20 +274,20 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster == "ray":
         cluster = None
     elif args.cluster:
-        cluster = ClusterSpec.from_file(args.cluster).validated_pairs(drop_odd_gpu=args.drop_odd_gpu)
+        cluster = ClusterSpec.from_file(args.cluster)
     else:
         cluster = default_cluster()
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
     if args.detach and (args.driver != "actor" or args.ray_address == "local"):
         raise ValueError("detach: needs --driver actor and a running Ray cluster (not --ray-address local)")
-    progress = _Progress(total=job.epochs * len(train) if train is not None else None,
-                         enabled=not args.no_progress)
+    # the console reporter fit() uses: epoch lines, events, the bar (fit() starts it)
+    progress = ConsoleReporter(bar=not args.no_progress)
     if not getattr(args, "verbose", False):
-        # the driver's events reach the user through _Progress.on_event; its INFO log lines
+        # the driver's events reach the user through ConsoleReporter.on_event; its INFO log lines
         # would print every event twice (-v shows them).
         logging.getLogger("jabasray.actors").setLevel(logging.WARNING)
-    options = DriverOptions(device=args.device, emulate=emulate,
+    options = DriverOptions(device=args.device, emulate=emulate, emulation=args.emulation,
                             force_replacement=args.force_replacement, reprofile=args.reprofile,
                             online_correction=args.online_correction,
                             driver=args.driver, driver_node=args.driver_node,
@@ -288,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            profiles=profiles_from(args.profiles),
-                           callbacks=[progress], verbose=bool(getattr(args, "verbose", False)),
+                           callbacks=[progress], verbose=2 if getattr(args, "verbose", False) else 1,
                            **hooks)
     started = False
     # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
@@ -314,7 +325,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"jabasray train: run {run_config.path} ({job.epochs} epochs, B_G "
               f"{job.initial_global_batch} in [{job.min_global_batch}, {job.max_global_batch}])",
               flush=True)
-        progress.start()
         result = trainer.fit()
     finally:
         if lock is not None:
@@ -358,45 +368,3 @@ def check_run_folder(run_dir: "StoragePath", resume: bool) -> None:
         return
     cp.load_driver_state()
     cp.load_worker_state()
-
-
-class _Progress:
-    """tqdm bar on stderr (samples) + one printed line per epoch."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.bar = None
-
-    def start(self) -> None:
-        """Show the bar (once the run has passed its checks)."""
-        if self.enabled and self.bar is None:
-            from tqdm import tqdm
-            self.bar = tqdm(total=self.total, unit="sample", file=sys.stderr, dynamic_ncols=True,
-                            leave=False)
-
-    # DriverCallback protocol (duck-typed to keep the import light)
-    def on_interval(self, driver: Any, record: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(record.samples if self.total is None
-                            else min(self.total - self.bar.n, record.samples))
-            self.bar.set_postfix(B_G=record.global_batch, B_L=record.local_batch,
-                                 phi=f"{record.phi:.2f}" if record.phi is not None else "-",
-                                 loss=f"{record.loss:.3f}")
-
-    def on_epoch(self, driver: Any, record: Any) -> None:
-        from ..actors.metrics import epoch_line
-        line = epoch_line(record)
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stdout)
-        else:
-            print(line, flush=True)
-
-    def on_event(self, driver: Any, message: str) -> None:
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -46,10 +46,26 @@ How one ``train_step`` executes
    optimizer. SWS: wait all buckets, full step, copy all buckets to the other VSWs. OWS: per
    bucket, wait its all-reduce, shard-step its parameters and copy that shard.
 
-VSW execution (issue 19)
-------------------------
-Two schemes issue the VSWs' forward/backward, with the same arithmetic (each VSW's
-micro-batches in order; bucket aggregation and launches from the hooks as above):
+VSW execution
+-------------
+**Batched (the default wherever it is exact).** After one-way weight sync every VSW holds the
+main VSW's weights, so GA round ``j`` of all ``n`` VSWs runs as ONE forward/backward of the
+main VSW's module over the ``n`` micro-batches interleaved (:mod:`~jabasray.engine.batched`:
+the loss, a per-sample mean, times ``n`` back-propagates the sum of the VSWs' mean-loss
+gradients; GA rounds accumulate in place), with every BatchNorm normalising per VSW over its
+``B_L`` samples and updating that VSW's own running statistics
+(:mod:`~jabasray.engine.vsw_norm`). Only the main VSW's hooks fire (one per parameter, not
+one per parameter per replica), there is no local aggregation, and the weight copy to the
+replicas is deferred until a replica is used (a per-VSW step) or looked at (``replicas()``).
+The step is the same arithmetic as per-VSW execution (tests: equal in float64).
+Per-VSW execution remains where batching is not exact, with one log line naming the reason
+(:func:`~jabasray.engine.batched.batch_fallback_reason`): a ragged step, a step whose loss is
+not a per-sample mean (``per_sample_loss=False``), modules that couple a batch's samples
+beyond BatchNorm (SyncBatchNorm, InstanceNorm with running statistics, ...), micro-batches
+that cannot be concatenated, or ``vsw_execution`` forcing a per-VSW scheme.
+
+**Per VSW.** Two schemes issue the VSWs' forward/backward, with the same arithmetic (each
+VSW's micro-batches in order; bucket aggregation and launches from the hooks as above):
 
 * ``"threads"`` (CPU default): one persistent dispatcher thread per VSW
   (:class:`~jabasray.engine.streams.VSWThreadPool`), VSW 0 on the caller's thread. On CPU the
@@ -70,8 +86,9 @@ micro-batches in order; bucket aggregation and launches from the hooks as above)
   Per-VSW CUDA graphs were rejected: the bucket hooks (aggregation, launching all-reduces)
   are host code inside backward and cannot be captured.
 
-``vsw_execution="auto"`` picks the device's default; either scheme can be forced (the CPU
-tests run ``"one_thread"`` too, proving it equals the plain step).
+``vsw_execution="auto"`` runs batched where exact and otherwise picks the device's per-VSW
+default; either per-VSW scheme can be forced (the CPU tests run both, proving they equal the
+plain step and the batched step).
 
 Parameters of every VSW are views into 64-byte-aligned flat parameter buffers (one per
 bucket), so the weight copy of step 5 is one ``copy_`` per bucket; do not move ``model`` to
@@ -79,7 +96,14 @@ another device after handing it to the worker (that would re-allocate the parame
 
 BatchNorm and other buffers: every VSW normalises over its own micro-batch and keeps its own
 running statistics (no buffer broadcast, unlike DDP's default); the main VSW's buffers are the
-model's, and :meth:`IIDPWorker.state_dict` holds them. New replicas start from a copy of the
+model's, and :meth:`IIDPWorker.state_dict` holds them. With ``n > 1`` VSWs each BatchNorm
+layer's statistics of all VSWs live in one ``[n, C]`` tensor, every VSW's buffers being views
+of its row (so do not re-assign BatchNorm buffers of ``model`` while it is in the worker).
+
+The step never reads the device (no ``.item()``): the loss is summed on the device and
+:class:`StepStats` hands it over as a 0-d tensor that becomes a float when read
+(:func:`read_losses` reads an interval's losses at once). A ragged step reads its
+all-reduced sample count (the fallback path). New replicas start from a copy of the
 main VSW (weights and buffers).
 """
 from __future__ import annotations
@@ -102,7 +126,9 @@ from .loader import batch_size, to_device
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, supervised_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
+from .batched import batch_fallback_reason, join_batches
 from .streams import DispatcherThread, Lanes, VSWThreadPool
+from .vsw_norm import coupling_modules, ghost_norms, pack_norm_stats
 from .weight_sync import ShardOptimizer, resolve_weight_sync
 
 log = logging.getLogger(__name__)
@@ -111,11 +137,46 @@ MicroBatch = Any   # (inputs, targets) for the default step; any batch for a ste
 VSW_EXECUTIONS = ("auto", "threads", "one_thread")
 
 
+class _DeviceScalar:
+    """Dataclass field descriptor: holds a float or a 0-d tensor; reading the attribute turns a
+    tensor into a float once (a device synchronisation on CUDA) and keeps the float. No
+    default (``__get__`` on the class raises AttributeError, the dataclass rule for that)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = "_" + name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> float:
+        if obj is None:
+            raise AttributeError("no default")
+        v = obj.__dict__[self._key]
+        if isinstance(v, torch.Tensor):
+            v = float(v)
+            obj.__dict__[self._key] = v
+        return v
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self._key] = value
+
+
+def read_losses(values: Sequence[Any]) -> list[float]:
+    """Floats of step losses (:attr:`StepStats.loss_raw`): device tensors are read with ONE
+    transfer (one synchronisation per interval instead of one per step)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    it = iter(torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors]).tolist())
+    return [next(it) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 @dataclass
 class StepStats:
-    """What one :meth:`IIDPWorker.train_step` reports."""
+    """What one :meth:`IIDPWorker.train_step` reports.
 
-    loss: float                      # mean loss over all decoupled workers of all devices
+    ``loss`` reads as a float; the IIDP engine stores it as a 0-d device tensor so that a step
+    never waits for the device: reading ``loss`` synchronises, :attr:`loss_raw` does not (read
+    many steps' losses at once with :func:`read_losses`)."""
+
+    loss: float = _DeviceScalar()    # mean loss over all decoupled workers of all devices
     num_workers: int                 # decoupled workers on this device: n_vsw * (n_GA + 1)
     global_num_workers: int          # decoupled workers on all devices
     num_samples: int                 # samples processed on this device
@@ -123,9 +184,16 @@ class StepStats:
     comm_time: float                 # s: waiting for all-reduces after compute (exposed comm)
     update_time: float               # s: optimizer + weight copy
     weight_sync: str                 # "sws" | "ows" as used
-    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order
+    local_grad: torch.Tensor | None = None  # keep_local_grad: 1-D, trainable-parameter order;
+                                            # keep_local_grad="split": [2, P], the two VSW halves
     optimizer_time: float = 0.0      # s: part of update_time spent in the optimizer (t_optim)
     copy_time: float = 0.0           # s: part of update_time spent copying weights (t_copy)
+    batched: bool = False            # the VSWs ran as one batched pass (else per VSW)
+
+    @property
+    def loss_raw(self) -> Any:
+        """``loss`` as stored: a float or a 0-d device tensor (no synchronisation)."""
+        return self.__dict__["_loss"]
 
 
 @dataclass
@@ -133,6 +201,16 @@ class _Timings:
     comm: float = 0.0
     optim: float = 0.0
     copy: float = 0.0
+
+
+def _clone_state(sd: dict) -> dict:
+    """A compact copy of a module's ``state_dict`` (BatchNorm statistics are views of packed
+    ``[n, C]`` tensors, which ``deepcopy`` would copy whole); keeps its version metadata."""
+    out = type(sd)((k, v.detach().clone()) for k, v in sd.items())
+    meta = getattr(sd, "_metadata", None)
+    if meta is not None:
+        out._metadata = copy.deepcopy(meta)
+    return out
 
 
 class _VSW:
@@ -148,6 +226,18 @@ class _VSW:
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)
         self.handles = []
+        self.set_hooks(True, owner)
+
+    def set_hooks(self, on: bool, owner: "IIDPWorker") -> None:
+        """Register (``on``) or remove the per-parameter gradient hooks. A batched step on one
+        device with autograd's own gradients needs none: nothing is copied into buckets or
+        launched during backward (:meth:`FlatBuffers.finish` completes the buckets after it),
+        and a Python call per parameter per step is host time a plain step does not pay."""
+        if on == bool(self.handles):
+            return
+        if not on:
+            self.remove_hooks()
+            return
         for b, plist in enumerate(self.buffers.modules_params):
             for k, p in enumerate(plist):
                 self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
@@ -200,8 +290,12 @@ class IIDPWorker:
             the plain large-batch step) to this L2 norm before the update (None: no clipping).
             The norm couples all parameters, so clipping (like fp16's inf check) runs the update
             after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
-        vsw_execution: ``"auto"`` (CUDA: ``"one_thread"``, CPU: ``"threads"``),
-            ``"threads"`` or ``"one_thread"`` (module notes, "VSW execution").
+        vsw_execution: ``"auto"``: batched execution wherever it is exact, per VSW otherwise
+            (CUDA: ``"one_thread"``, CPU: ``"threads"``); ``"threads"`` or ``"one_thread"``
+            force per-VSW execution with that scheme (module notes, "VSW execution").
+        per_sample_loss: the step's loss is the mean of per-sample losses (the default
+            ``loss_fn`` with ``reduction="mean"``), which batched execution needs; ``False``
+            (e.g. a sum, a class-weighted mean, a loss normalised by token counts) runs per VSW.
 
     The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
     group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
@@ -217,12 +311,14 @@ class IIDPWorker:
                  comm_guard: Callable[[str], ContextManager[Any]] | None = None,
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  precision: str = "fp32", grad_clip_norm: float | None = None,
-                 vsw_execution: str = "auto") -> None:
+                 vsw_execution: str = "auto", per_sample_loss: bool = True) -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
         check_choice("vsw_execution", vsw_execution, VSW_EXECUTIONS)
         check_choice("precision", precision, PRECISIONS)
         if grad_clip_norm is not None:
             check_float("grad_clip_norm", grad_clip_norm, min_value=0, min_exclusive=True)
+        if not isinstance(per_sample_loss, bool):
+            raise ValueError(f"per_sample_loss must be True or False, got {per_sample_loss!r}")
         if comm_guard is not None and not callable(comm_guard):
             raise ValueError(f"comm_guard must be None or a callable op_name -> context manager, "
                              f"got {comm_guard!r}")
@@ -279,9 +375,20 @@ class IIDPWorker:
         self._lanes = Lanes(self.device)
         self._execution = (("one_thread" if self._lanes.is_cuda else "threads")
                            if vsw_execution == "auto" else vsw_execution)
+        # batched execution (module notes): exact unless forced off, a ragged step, a loss that
+        # is not a per-sample mean, or modules that couple a batch's samples
+        self._forced = None if vsw_execution == "auto" else vsw_execution
+        self.per_sample_loss = per_sample_loss
+        self._coupling = coupling_modules(model)
+        self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
+        self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
+        self._copy_replicas = True          # this step's update copies weights to the replicas
+        self._prescaled = False             # this step's gradients are averaged already
+        self._logged: set[str] = set()      # fallback reasons already logged
         self._pool = VSWThreadPool(0)
         self._comm: DispatcherThread | None = None   # communication thread (process group only)
         self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
+        self._active: list[_VSW] = self._vsws[:1]   # VSWs that run backward in this step
         self._lanes.resize(1)
         params = [p for _, p in trainable_parameters(model)]
         self.optimizer = optimizer_fn(params)
@@ -298,7 +405,8 @@ class IIDPWorker:
         self._ready: list[bool] = []
         self._next_launch = 0
         self._works: list[Any] = []
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot: list[Any] | None = None
+        self._split = False                    # this step keeps the two VSW halves apart
         self.comm_guard = comm_guard
         self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
@@ -352,8 +460,25 @@ class IIDPWorker:
         return bucket_nbytes(self._specs)
 
     def replicas(self) -> list[nn.Module]:
-        """All VSW modules, main first (read-only use: tests, diagnostics)."""
+        """All VSW modules, main first (read-only use: tests, diagnostics); their weights are
+        brought up to date first (batched steps defer the weight copy to the replicas)."""
+        self._refresh_replicas()
         return [v.module for v in self._vsws]
+
+    def _refresh_replicas(self) -> None:
+        """The one-way weight copy that batched steps skipped (no replica runs in them): done
+        before a replica is used (a per-VSW step) or looked at."""
+        if self._stale:
+            main = self._vsws[0].buffers
+            with torch.no_grad():
+                for v in self._vsws[1:]:
+                    v.buffers.copy_params_from(main)
+            self._stale = False
+
+    def batch_fallback_reason(self, ragged: bool = False) -> str | None:
+        """Why a step (``ragged`` or not) would run per VSW now, or ``None``: it runs batched."""
+        return batch_fallback_reason(self._num_vsw, ragged, self.per_sample_loss, self._coupling,
+                                     self._forced)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, num_vsw: int, num_ga: int, local_batch_size: int) -> None:
@@ -377,6 +502,8 @@ class IIDPWorker:
         for v in self._vsws[num_vsw:]:
             v.remove_hooks()
         del self._vsws[num_vsw:]
+        # every VSW's BatchNorm statistics in one [n, C] tensor per layer (views per replica)
+        self._norms = pack_norm_stats([v.module for v in self._vsws])
         self._lanes.resize(num_vsw)
         self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
@@ -399,6 +526,7 @@ class IIDPWorker:
                 v.buffers.copy_params_from(main.buffers)
                 for (_, dst), (_, src) in zip(v.module.named_buffers(), main.module.named_buffers()):
                     dst.copy_(src)
+        self._stale = False
 
     # ------------------------------------------------------------------ LR
     def set_lr(self, lr: float) -> None:
@@ -451,17 +579,31 @@ class IIDPWorker:
             if not vsw.done[b]:
                 self._vsw_bucket_done(vsw, b)
 
+    def _half_sums(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bucket ``b`` summed over each half of the VSWs (first ``n/2`` / last ``n/2``), read
+        before the local aggregation adds every VSW into the main one."""
+        half = len(self._vsws) // 2
+        out = []
+        for vs in (self._vsws[:half], self._vsws[half:]):
+            flat = vs[0].buffers.bucket_flat_copy(b)
+            for v in vs[1:]:
+                flat.add_(v.buffers.bucket_flat_copy(b))
+            out.append(flat)
+        return out[0], out[1]
+
     def _launch(self, b: int) -> None:
         """Local aggregation of bucket ``b`` into the main VSW (autograd hook: queues kernels,
         never blocks), then the async global all-reduce is handed to the communication thread."""
         lanes = self._lanes
         main = self._vsws[0].buffers
         with lanes.context(lanes.comm):
-            for v in self._vsws:
+            for v in self._active:
                 lanes.wait(lanes.comm, v.events[b])
-            for v in self._vsws[1:]:
+            if self._snapshot is not None and self._split:
+                self._snapshot[b] = self._half_sums(b)
+            for v in self._active[1:]:
                 main.add_bucket_from(v.buffers, b)
-            if self._snapshot is not None:
+            if self._snapshot is not None and not self._split:
                 self._snapshot[b] = main.bucket_flat_copy(b)
         if self.process_group is not None:
             # never block here (autograd hook): the guard and the collective run on the
@@ -550,14 +692,18 @@ class IIDPWorker:
             sizes.append(n)
         return sizes
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool = False,
+    def train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str = False,
                    ragged: bool = False) -> StepStats:
         """One IIDP iteration over ``num_vsw*(num_ga+1)`` micro-batches (see the module notes).
 
         ``keep_local_grad``: also return ``local_grad``, the flattened SUM over this device's
         decoupled workers of their micro-batch mean-loss gradients, before the global
         all-reduce, in trainable-parameter registration order (``ragged``: each term weighted
-        by ``n_i / B_L``). ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
+        by ``n_i / B_L``). ``keep_local_grad="split"`` (a GPU that forms both similarity groups
+        on its own, JABAS section 6.1 with groups of decoupled workers): ``local_grad`` is a
+        ``[2, P]`` tensor, row 0 the sum over VSWs ``0 .. n_vsw/2 - 1``, row 1 over the other
+        half (``n_vsw`` must be even, so the two groups hold equally many decoupled workers).
+        ``ragged``: micro-batches may hold 0..B_L samples; each gradient is
         weighted by its sample count so the step equals one step on the union (collective:
         all ranks must pass the same ``ragged``).
         """
@@ -568,16 +714,42 @@ class IIDPWorker:
             self._exit_comm_guard(e)      # a failed step never leaves the guard entered
             raise
 
-    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool,
+    def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str,
                     ragged: bool) -> StepStats:
+        if keep_local_grad not in (False, True, "split"):
+            raise ValueError(f"keep_local_grad must be False, True or 'split', got {keep_local_grad!r}")
+        self._split = keep_local_grad == "split"
+        if self._split and self._num_vsw % 2:
+            raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
+                             f"got {self._num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
         lanes, B = self._lanes, self._local_batch_size
         nb = len(self._specs)
         G = self._num_ga + 1
         t0 = self._clock()
 
+        # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
+        # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
+        # only the last iteration of an adaptation interval)
+        reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
+        pg_set = self.process_group is not None
+        rounds = None
+        if reason is None:
+            try:
+                n = self._num_vsw
+                rounds = [join_batches([micro_batches[v * G + j] for v in range(n)]) for j in range(G)]
+            except ValueError as e:
+                reason = f"micro-batches cannot be joined: {e}"
+        if reason is not None:
+            if reason not in self._logged and self._num_vsw > 1:
+                self._logged.add(reason)
+                log.info("IIDP: per-VSW execution (%s)", reason)
+            self._refresh_replicas()
+        self._active = self._vsws[:1] if rounds is not None else self._vsws
+        self._vsws[0].set_hooks(rounds is None or pg_set or self._flat_grads, self)
+
         # --- per-step state
-        self._pending = [self._num_vsw] * nb
+        self._pending = [len(self._active)] * nb
         self._ready = [False] * nb
         self._next_launch = 0
         self._works = [None] * nb
@@ -593,8 +765,8 @@ class IIDPWorker:
         start_ev = lanes.record()
         training = self.model.training
 
-        def begin_vsw(vsw: _VSW) -> tuple[list[int], torch.Tensor]:
-            """(on the VSW's stream) its non-empty micro-batches and a loss accumulator"""
+        def begin_vsw(vsw: _VSW) -> tuple[list[int], list[torch.Tensor]]:
+            """(on the VSW's stream) its non-empty micro-batches and its (weighted) losses"""
             lanes.wait(lanes.vsw[vsw.index], start_ev)
             vsw.reset()
             vsw.buffers.begin_step()
@@ -602,11 +774,14 @@ class IIDPWorker:
                 vsw.module.train(training)
             base = vsw.index * G
             vsw.in_step = True
-            return ([base + j for j in range(G) if sizes[base + j] > 0],
-                    torch.zeros((), dtype=torch.float64, device=self.device))
+            return [base + j for j in range(G) if sizes[base + j] > 0], []
 
-        if self._execution == "threads":
-            def run_vsw(vsw: _VSW) -> torch.Tensor:
+        if rounds is not None:
+            # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
+            # leave backward averaged (no extra pass over them in the update)
+            losses = self._run_batched(begin_vsw, rounds, self._num_vsw / self._global_num_workers)
+        elif self._execution == "threads":
+            def run_vsw(vsw: _VSW) -> list[torch.Tensor]:
                 with lanes.context(lanes.vsw[vsw.index]):
                     try:
                         idx, loss_sum = begin_vsw(vsw)
@@ -628,12 +803,14 @@ class IIDPWorker:
 
         # --- loss statistic (all-reduced with the gradients; waited at the end)
         with lanes.context(lanes.update):
-            for v in self._vsws:
+            for v in self._active:
                 lanes.wait(lanes.update, lanes.record(lanes.vsw[v.index]))
-            loss_t = torch.stack(losses).sum().reshape(1).to(self._comm_device)
+            flat_losses = [x for vsw_losses in losses for x in vsw_losses]
+            loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device) if flat_losses
+                      else torch.zeros(1, device=self._comm_device))
             loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                          if pg is not None else None)
-            if ragged:
+            if ragged:   # (per-VSW fallback: reading the sample count synchronises)
                 if count_work is not None:
                     count_work.wait()
                 divisor = float(count_t.item())
@@ -641,6 +818,8 @@ class IIDPWorker:
                     raise ValueError("micro_batches hold no samples on any device (ragged step)")
             else:
                 divisor = float(self._global_num_workers)
+            self._copy_replicas = rounds is None
+            self._prescaled = rounds is not None        # batched: averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -649,21 +828,53 @@ class IIDPWorker:
                 comm_time += time.perf_counter() - tw
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
-        loss_value = float(loss_t.item()) / divisor   # CUDA: all of this step's comm is done
+        # on the device: read once per interval (batched: the losses are already averaged)
+        loss_value = loss_t.reshape(()) if rounds is not None else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
+        if rounds is not None and self._num_vsw > 1:
+            self._stale = True                         # replicas get the weights when used
 
         local_grad = None
         if keep_local_grad:
-            local_grad = self._vsws[0].buffers.grads_in_param_order(self._param_names, self._snapshot)
+            main = self._vsws[0].buffers
+            if self._split:
+                local_grad = torch.stack([
+                    main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
+                    for h in (0, 1)])
+            else:
+                local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
+                if rounds is not None and divisor != 1.0:
+                    local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,
                          global_num_workers=self._global_num_workers, num_samples=sum(sizes),
                          compute_time=t_compute, comm_time=comm_time, update_time=tm.optim + tm.copy,
                          weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
-                         copy_time=tm.copy)
+                         copy_time=tm.copy, batched=rounds is not None)
 
-    def _run_vsws_one_thread(self, begin_vsw: Callable[[_VSW], tuple[list[int], torch.Tensor]],
-                             micro_batches: Sequence[MicroBatch], weights: list[float]) -> list[torch.Tensor]:
+    def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
+                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
+        """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
+        ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
+        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
+        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
+        lanes, main, n = self._lanes, self._vsws[0], weight
+        try:
+            with lanes.context(lanes.vsw[0]):
+                _, losses = begin_vsw(main)
+                for j, batch in enumerate(rounds):
+                    with ghost_norms(self._norms):
+                        scaled = self._forward(main, batch, n, losses)
+                    self._backward(main, scaled, last=j == len(rounds) - 1)
+                self._finish_vsw(main)
+        finally:
+            main.in_step = main.counting = False
+        return [losses]
+
+    def _run_vsws_one_thread(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
+                             micro_batches: Sequence[MicroBatch], weights: list[float]
+                             ) -> list[list[torch.Tensor]]:
         """The ``"one_thread"`` scheme (CUDA default; module notes "VSW execution"): the
         calling thread issues every VSW onto its own stream, GA round by GA round: the
         forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
@@ -697,14 +908,15 @@ class IIDPWorker:
                 v.in_step = v.counting = False
 
     def _forward(self, vsw: _VSW, micro_batch: MicroBatch, weight: float,
-                 loss_sum: torch.Tensor) -> torch.Tensor:
-        """Forward of one micro-batch on ``vsw`` (current stream); adds ``loss * weight`` to
-        ``loss_sum``; returns the (weighted, fp16-scaled) loss to back-propagate."""
+                 losses: list[torch.Tensor]) -> torch.Tensor:
+        """Forward of one micro-batch on ``vsw`` (current stream); appends ``loss * weight``
+        (detached, on the device) to ``losses``; returns the (weighted, fp16-scaled) loss to
+        back-propagate."""
         batch = to_device(micro_batch, self.device)
         with autocast(self.device, self.precision):
             loss = check_loss(self.step_fn(vsw.module, batch))
-        loss_sum += loss.detach().double() * weight
         scaled = loss if weight == 1.0 else loss * weight
+        losses.append(scaled.detach())
         return self._scaler.scale(scaled) if self._scaler is not None else scaled
 
     @staticmethod
@@ -717,10 +929,11 @@ class IIDPWorker:
     def _update(self, divisor: float) -> "_Timings":
         """Wait for the all-reduces, average, update and copy (SWS or OWS); runs on the
         update stream (CUDA). Host timings; with ``sync_timing`` the device is synchronised
-        around each phase so that they are device times."""
+        around each phase so that they are device times. After a batched step no replica ran:
+        their copy is deferred (:meth:`_refresh_replicas`)."""
         main = self._vsws[0].buffers
-        others = [v.buffers for v in self._vsws[1:]]
-        scale = 1.0 / divisor
+        others = [v.buffers for v in self._vsws[1:]] if self._copy_replicas else []
+        scale = 1.0 if self._prescaled else 1.0 / divisor
         tm = _Timings()
         clock = self._clock
         buckets = range(len(self._specs))
@@ -800,7 +1013,7 @@ class IIDPWorker:
         buffers, e.g. BatchNorm running statistics), optimizer state and configuration."""
         self._lanes.synchronize()
         return {
-            "model": copy.deepcopy(self.model.state_dict()),
+            "model": _clone_state(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "config": {"num_vsw": self._num_vsw, "num_ga": self._num_ga,
                        "local_batch_size": self._local_batch_size},

@@ -83,6 +83,26 @@ current one restarts Alg. 1 from the latest ``z``: every replica is reset to ``z
 momentum history is dropped (``v = 0``). ``set_lr(lr, restart=False)`` only changes the rate
 (useful for per-iteration warm-up).
 
+When to restart under adaptive batching (:func:`sma_restart_due`, ``JobConfig.sma_restart``).
+Section 3.2 restarts SMA when the LR is *reduced step-wise* (its example: ResNet-50's two
+reductions at epochs 30 and 60), because the averaged model oscillates after such a step; it
+also says gamma "can be realised by updating gamma directly in each iteration", i.e. a
+changing LR by itself does not call for a restart. Crossbow has no adaptive batch size: the
+global batch is the learners' count times b, and section 3.4 / 4.4 add and remove learners
+(changing that batch) *without* restarting, new learners starting from z. Rules:
+
+* ``"schedule"`` (default): restart when the user's LR scheduler, stepped per epoch
+  (``JobHooks.lr_scheduler_interval == "epoch"``), changes the user's LR - the step-wise
+  schedule change of section 3.2. A change of B_G (adaptive batching) only rescales gamma by the
+  batch-size rule (replicas, reference models and the momentum history are kept), as a change of
+  the learner count does in section 4.4; warm-up ramps and per-iteration schedules update gamma
+  in each iteration without restarting.
+* ``"batch"``: also restart at every change of the batch-size factor of gamma after the warm-up
+  (each B_G change under ``lr_scaling`` "linear"/"sqrt"): treats adaptive batching's LR moves
+  as schedule changes. With the defaults (``adapt_interval=10``) that is a restart about every
+  10 iterations, which discards the momentum history each time.
+* ``"never"``: no restart (the "SMA (No restart)" variant of section 5.5).
+
 Auto-tuning (section 3.4, Alg. 2): ``set_num_learners(m)`` adds/removes learners without
 restarting; a new learner starts from the current ``z`` (section 4.4). ``autotune(tuner)`` feeds
 the tuner this device's measured throughput and applies the learner count it returns.
@@ -104,7 +124,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..config import SMA_SYNC_MODES
+from ..config import SMA_RESTART_RULES, SMA_SYNC_MODES
 from ..validation import check_choice, check_float, check_int
 from .iidp import StepStats
 
@@ -132,6 +152,31 @@ def sma_learner_update_(w: torch.Tensor, grad: torch.Tensor, z: torch.Tensor, lr
         w.mul_(1.0 - lr * weight_decay)
     w.add_(grad, alpha=-lr).sub_(c)
     return c
+
+
+def sma_restart_due(rule: str, *, user_lr_prev: float | None, user_lr: float,
+                    stepwise_schedule: bool, batch_factor_prev: float | None,
+                    batch_factor: float, warmup_done: bool) -> bool:
+    """Whether SMA restarts before this iteration (module notes, "When to restart").
+
+    ``user_lr_prev``/``user_lr``: the user's LR (their optimizer's, as their scheduler set it)
+    at the previous and this iteration (None: first iteration of this worker);
+    ``stepwise_schedule``: the user's scheduler is stepped per epoch; ``batch_factor_prev`` /
+    ``batch_factor``: the batch-size rule's factor of gamma (without warm-up) then and now;
+    ``warmup_done``: this iteration is past the warm-up.
+
+    * "schedule": ``stepwise_schedule and user_lr != user_lr_prev``;
+    * "batch": the "schedule" condition, or ``warmup_done and batch_factor != batch_factor_prev``;
+    * "never": False.
+    """
+    check_choice("sma_restart", rule, SMA_RESTART_RULES)
+    if rule == "never":
+        return False
+    schedule_step = stepwise_schedule and user_lr_prev is not None and user_lr != user_lr_prev
+    if rule == "schedule":
+        return schedule_step
+    batch_step = warmup_done and batch_factor_prev is not None and batch_factor != batch_factor_prev
+    return schedule_step or batch_step
 
 
 def sma_center_update_(z: torch.Tensor, velocity: torch.Tensor, correction_sum: torch.Tensor,

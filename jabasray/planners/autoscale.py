@@ -1,16 +1,18 @@
 """JABAS coarse-grained automatic scaling (paper section 6.3) and its cost model (Eq. 8).
 
-Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (text lines 284-290, continued
-at 318) and Eq. 8 (text lines 349-351).
+Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (coarse-grained
+automatic scaling) and the cost model of section 7.1 (Eq. 8).
 
 Implementation notes
 --------------------
-* Candidate allocations (``enumerate_allocations``): node i with m_i GPUs offers m_i / 2
-  identical pairs; an allocation takes 0..m_i/2 pairs from every node, not all zero, so there are
-  prod_i (m_i / 2 + 1) - 1 candidates. Group H of an allocation is one GPU of each pair, listed
-  in node order. Candidates are sorted by GPU count, then by preferring earlier nodes, which
-  reproduces the paper's list for N1 = 4 x g_A, N2 = 2 x g_B:
-  (g_A, g_A), (g_B, g_B), (g_A x 4), (g_A, g_A, g_B, g_B), (g_A x 4, g_B, g_B).
+* Candidate allocations (``enumerate_allocations``): an allocation takes 0..m_i GPUs from
+  node i (m_i GPUs), not all zero, so there are prod_i (m_i + 1) - 1 candidates. The paper
+  allocates identical pairs only (m_i / 2 + 1 choices per node); we consider every GPU count
+  (one GPU, odd counts, one-GPU nodes): g GPUs of a node form g // 2 pairs and, when g is odd,
+  one solo unit that runs both similarity groups itself (:mod:`.config_solver` notes). Group H
+  of an allocation is its list of units in node order. Candidates are sorted by GPU count, then
+  by preferring earlier nodes; restricted to even counts this is the paper's list for
+  N1 = 4 x g_A, N2 = 2 x g_B: (g_A, g_A), (g_B, g_B), (g_A x 4), (g_A, g_A, g_B, g_B), ...
 * Epoch time (``epoch_time``): the trajectory holds one global batch per p iterations. Walking
   through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
   exhausted), the plan policy's plan for it (``plan_policy.solve_for_batch``, the same plan
@@ -41,7 +43,7 @@ from typing import Any, Sequence
 
 from ..config import AUTOSCALE_OBJECTIVES
 from ..serialization import JsonMixin
-from ..types import ClusterSpec, Plan
+from ..types import ClusterSpec, Plan, node_units
 from ..validation import check_choice, check_float, check_int
 from .plan_policy import DEFAULT_TOLERANCE, NoPlanError, solve_for_batch
 
@@ -52,52 +54,50 @@ OBJECTIVES = AUTOSCALE_OBJECTIVES
 
 @dataclass(frozen=True)
 class Allocation(JsonMixin):
-    """GPU pairs taken from each node (node name -> pairs), in cluster node order."""
+    """GPUs taken from each node (node name -> GPUs), in cluster node order."""
 
-    node_pairs: dict[str, int]
+    node_gpus: dict[str, int]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.node_pairs, dict) or not self.node_pairs:
-            raise ValueError(f"node_pairs must be a non-empty mapping node -> pairs, got {self.node_pairs!r}")
-        for k, v in self.node_pairs.items():
-            check_int(f"node_pairs[{k}]", v, min_value=0)
-        if sum(self.node_pairs.values()) == 0:
-            raise ValueError("node_pairs must use at least one GPU pair, got all zeros")
-
-    @property
-    def num_pairs(self) -> int:
-        return sum(self.node_pairs.values())
+        if not isinstance(self.node_gpus, dict) or not self.node_gpus:
+            raise ValueError(f"node_gpus must be a non-empty mapping node -> GPUs, got {self.node_gpus!r}")
+        for k, v in self.node_gpus.items():
+            check_int(f"node_gpus[{k}]", v, min_value=0)
+        if sum(self.node_gpus.values()) == 0:
+            raise ValueError("node_gpus must use at least one GPU, got all zeros")
 
     @property
     def num_gpus(self) -> int:
-        return 2 * self.num_pairs
+        return sum(self.node_gpus.values())
 
     @property
     def nodes_used(self) -> list[str]:
-        return [n for n, p in self.node_pairs.items() if p > 0]
+        return [n for n, g in self.node_gpus.items() if g > 0]
 
     @property
     def multi_node(self) -> bool:
         return len(self.nodes_used) > 1
 
     def group_gpus(self, cluster: ClusterSpec) -> list[str]:
-        """Group H: one GPU type per pair, node order (the other group mirrors it)."""
+        """Group H as similarity units, node order: per node its pairs, then a solo GPU when the
+        node's count is odd (:func:`jabasray.types.node_units`)."""
         out: list[str] = []
-        for name, pairs in self.node_pairs.items():
+        for name, gpus in self.node_gpus.items():
             node = cluster.node(name)
-            if pairs > node.num_pairs:
-                raise ValueError(f"node_pairs[{name}] must be <= {node.num_pairs} (pairs on that node), "
-                                 f"got {pairs}")
-            out.extend([node.gpu_type] * pairs)
+            if gpus > node.num_gpus:
+                raise ValueError(f"node_gpus[{name}] must be <= {node.num_gpus} (GPUs on that node), "
+                                 f"got {gpus}")
+            out.extend(node_units(node.gpu_type, gpus))
         return out
 
     def gpus(self, cluster: ClusterSpec) -> list[str]:
-        """All allocated GPUs as type names (2 per pair), node order."""
-        return [g for g in self.group_gpus(cluster) for _ in range(2)]
+        """All allocated GPUs as type names, node order."""
+        self.group_gpus(cluster)   # validates the counts
+        return [cluster.node(n).gpu_type for n, g in self.node_gpus.items() for _ in range(g)]
 
     def price_rate(self, cluster: ClusterSpec) -> float:
         """Sum of Eq. 8 price weights of the allocated GPUs (per second)."""
-        return sum(2 * p * cluster.node(n).price_weight for n, p in self.node_pairs.items())
+        return sum(g * cluster.node(n).price_weight for n, g in self.node_gpus.items())
 
 
 @dataclass(frozen=True)
@@ -138,13 +138,12 @@ class AutoscaleDecision(JsonMixin):
 
 
 # ---------------------------------------------------------------------------- enumeration
-def enumerate_allocations(cluster: ClusterSpec, drop_odd_gpu: bool = False) -> list[Allocation]:
-    """All prod_i (m_i/2 + 1) - 1 allocations of GPU pairs (see module notes for the order)."""
+def enumerate_allocations(cluster: ClusterSpec) -> list[Allocation]:
+    """All prod_i (m_i + 1) - 1 allocations of GPUs (see module notes for the order)."""
     if not isinstance(cluster, ClusterSpec):
         raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
-    cl = cluster.validated_pairs(drop_odd_gpu)
-    names = [n.name for n in cl.nodes]
-    combos = itertools.product(*(range(n.num_pairs + 1) for n in cl.nodes))
+    names = [n.name for n in cluster.nodes]
+    combos = itertools.product(*(range(n.num_gpus + 1) for n in cluster.nodes))
     allocs = [c for c in combos if any(c)]
     allocs.sort(key=lambda c: (sum(c), tuple(-p for p in c)))
     return [Allocation(dict(zip(names, c))) for c in allocs]
@@ -210,7 +209,7 @@ def _plan_or_reason(bg: int, group_gpus: Sequence[str], model: Any, min_local_ba
     except NoPlanError as e:
         return e.reason
     if plan.requested_global_batch_size != bg:    # raised to the group's floor
-        return (f"global batch {bg} is too small for {len(group_gpus)} GPUs per group "
+        return (f"global batch {bg} is too small for {len(group_gpus)} GPU units per group "
                 f"(the smallest it runs is {plan.requested_global_batch_size})")
     return plan
 
@@ -218,7 +217,7 @@ def _plan_or_reason(bg: int, group_gpus: Sequence[str], model: Any, min_local_ba
 # ---------------------------------------------------------------------------- choice
 def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int], dataset_size: int,
                       adapt_interval: int, min_local_batch: int, objective: str = "time",
-                      cost_budget: float | None = None, drop_odd_gpu: bool = False,
+                      cost_budget: float | None = None,
                       allocations: Sequence[Allocation] | None = None,
                       tolerance: float = DEFAULT_TOLERANCE) -> AutoscaleDecision:
     """Evaluate every candidate allocation on the trajectory and pick one by ``objective``.
@@ -235,7 +234,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
     check_int("min_local_batch", min_local_batch, min_value=1)
-    cl = cluster.validated_pairs(drop_odd_gpu)
+    cl = cluster
     allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
     memo: dict[tuple, dict[int, Plan | str]] = {}
     plans_of: dict[tuple, dict[int, Plan]] = {}

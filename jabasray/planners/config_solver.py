@@ -1,7 +1,7 @@
 """JABAS configuration solver (paper section 5.2, Algorithm 1), exact and fast.
 
-Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 (text lines 198-228) and
-section 5.2 with Eq. 7 and the Figure 8 example (text lines 236-262).
+Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 ("line N" below is its line N)
+and section 5.2 with Eq. 7 and the Figure 8 example.
 
 Problem (Eq. 7). For one group H of GPUs (one GPU of every identical pair) and a requested
 global batch B_G, choose a local batch B_L (a multiple of min B_L, at most min_g max B_L^g)
@@ -37,6 +37,13 @@ Implementation notes (how this maps onto Algorithm 1)
   smaller B_L). A B_L whose optimistic throughput B_L * M * 2 / T_lower_bound cannot beat the
   incumbent is skipped without solving (exact pruning).
 
+Solo units (ours: any number of GPUs). Group H lists *units*: a GPU type stands for a pair of
+identical GPUs of one node (one in each similarity group); a solo name (``"<type>/solo"``,
+:func:`jabasray.types.solo_unit`) stands for a GPU without a partner, which runs both groups'
+decoupled workers itself as two equal halves of its VSWs. A solo unit with (n_vsw, n_GA) per
+group therefore runs 2 n_vsw VSWs: :class:`UnitModel` answers the solver's questions for it
+from the GPU's model at 2 n_vsw (and n_max / 2), so Alg. 1 runs unchanged over units.
+
 ``solve_configuration`` returns a :class:`Plan` or ``None``; ``solve_configuration_detailed``
 returns a :class:`SolverResult` whose ``reason`` says why there is no plan and whose
 ``outcomes`` list what happened at every B_L. ``solve_configuration_reference`` is the direct
@@ -53,7 +60,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from ..serialization import JsonMixin
-from ..types import Plan, WorkerConfig
+from ..types import Plan, WorkerConfig, unit_gpu
 from ..validation import check_float, check_int
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,64 @@ class SolverResult(JsonMixin):
     reason: str                          # "ok" or why no plan exists
     requested_global_batch_size: int
     outcomes: list[LocalBatchOutcome] = field(default_factory=list)
+
+
+class UnitModel:
+    """The iteration-time model over similarity units (module notes): a pair's unit name is its
+    GPU type and is answered by ``model`` as is; a solo unit with ``num_vsw`` VSWs per group is
+    its GPU running ``2 num_vsw`` VSWs, so it admits ``max_num_vsw // 2`` per group."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        if callable(getattr(model, "iteration_times", None)):
+            self.iteration_times = self._iteration_times
+        if callable(getattr(model, "weight_sync_method", None)):
+            self.weight_sync_method = self._weight_sync_method
+
+    def iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
+        g, solo = unit_gpu(gpu)
+        return self.model.iteration_time(g, local_batch, num_vsw * (2 if solo else 1), num_ga)
+
+    def _iteration_times(self, gpu: str, local_batch: int, num_vsw: int, num_ga: Any) -> Any:
+        g, solo = unit_gpu(gpu)
+        return self.model.iteration_times(g, local_batch, num_vsw * (2 if solo else 1), num_ga)
+
+    def _weight_sync_method(self, gpu: str, local_batch: int, num_vsw: int) -> str:
+        g, solo = unit_gpu(gpu)
+        return self.model.weight_sync_method(g, local_batch, num_vsw * (2 if solo else 1))
+
+    def max_local_batch(self, gpu: str) -> int:
+        return int(self.model.max_local_batch(unit_gpu(gpu)[0]))
+
+    def max_num_vsw(self, gpu: str, local_batch: int) -> int:
+        g, solo = unit_gpu(gpu)
+        n = int(self.model.max_num_vsw(g, local_batch))
+        return n // 2 if solo else n
+
+
+class LocalBatchBound:
+    """``model`` with its largest local batch capped at ``cap`` (a user bound on B_L, e.g.
+    ``JobConfig.max_local_batch``): Alg. 1 line 4 then searches B_L <= cap only."""
+
+    def __init__(self, model: Any, cap: int) -> None:
+        self.model, self.cap = model, int(check_int("max_local_batch", cap, min_value=1))
+
+    def max_local_batch(self, gpu: str) -> int:
+        return min(int(self.model.max_local_batch(gpu)), self.cap)
+
+    def for_allocation(self, num_gpus: int, multi_node: bool) -> "LocalBatchBound":
+        fa = getattr(self.model, "for_allocation", None)
+        return LocalBatchBound(fa(num_gpus, multi_node) if callable(fa) else self.model, self.cap)
+
+    def __getattr__(self, name: str) -> Any:   # everything else: the model's own
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def unit_model(model: Any) -> Any:
+    """``model`` answering for similarity units (:class:`UnitModel`; idempotent)."""
+    return model if isinstance(model, UnitModel) else UnitModel(model)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -293,6 +358,7 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
     at this B_L, or None with the reason in the outcome. ``incumbent``: a throughput to beat
     (exact pruning, line 24); None solves unconditionally."""
     gpus = list(gpus)
+    model = unit_model(model)
     n_h = len(gpus)
     types = list(dict.fromkeys(gpus))
     m = num_workers_per_group(global_batch_size, local_batch)                 # line 8
@@ -343,6 +409,7 @@ def solve_configuration_detailed(global_batch_size: int, group_gpus: Sequence[st
     (e.g. B_G 64, B_L 48 -> M = round(0.67) = 1 -> B_G* = 96); 0 demands B_G* = B_G exactly.
     """
     gpus = _validate(global_batch_size, group_gpus, model, min_local_batch)
+    model = unit_model(model)
     if max_deviation is not None:
         check_float("max_deviation", max_deviation, min_value=0)
     n_h = len(gpus)
@@ -392,7 +459,7 @@ def solve_configuration(global_batch_size: int, group_gpus: Sequence[str], model
     """The best :class:`Plan` for one group H (Eq. 7), or None (see
     :func:`solve_configuration_detailed` for the reason).
 
-    ``group_gpus``: GPU type names of group H, one GPU per identical pair; ``model``: any object
+    ``group_gpus``: unit names of group H, one per identical pair or solo GPU (module notes); ``model``: any object
     with ``iteration_time(gpu, local_batch, num_vsw, num_ga)``, ``max_local_batch(gpu)`` and
     ``max_num_vsw(gpu, local_batch)``. ``plan.workers[i]`` configures ``group_gpus[i]``.
     ``max_deviation``: see :func:`solve_configuration_detailed` (default: the paper's Alg. 1).
@@ -415,6 +482,7 @@ def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[s
     fastest configuration per worker count (line 20) and the min-max dynamic programme over the
     GPUs, O(M^2) per GPU, O(L M^2 N_H) in all. Slow; a baseline and an oracle."""
     gpus = _validate(global_batch_size, group_gpus, model, min_local_batch)
+    model = unit_model(model)
     n_h = len(gpus)
     max_bl = min(int(model.max_local_batch(g)) for g in gpus)
     best: Plan | None = None
@@ -482,4 +550,4 @@ __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_confi
            "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
            "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
            "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
-           "IterationTimeModel"]
+           "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]

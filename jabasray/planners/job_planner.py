@@ -30,9 +30,10 @@ import math
 from typing import Any, Sequence
 
 from ..config import JobConfig
-from ..types import ClusterSpec, Plan
+from ..types import ClusterSpec, Plan, unit_gpu, units_num_gpus
 from .autoscale import AutoscaleDecision, choose_allocation, epoch_time
 from .correction import CorrectedModel, OnlineCorrection
+from .config_solver import LocalBatchBound
 from .plan_policy import solve_for_batch
 
 
@@ -62,17 +63,18 @@ def choose_for_job(cluster: ClusterSpec, model: Any, trajectory: Sequence[float]
 
 def rank_configs(plan: Plan, pairs: Sequence[int], learners: Sequence[int] | None = None
                  ) -> list[tuple[int, int, int, str | None]]:
-    """(num_vsw, num_ga, B_L, weight sync) of every rank, rank r in GPU pair ``pairs[r]``: its
-    pair's WorkerConfig and the weight sync the plan's prediction assumed for it (None: the
-    engine's own rule). SMA (``learners``: the learner count of every rank): num_vsw is the
-    rank's learner count (tuner) instead of the plan's, and the weight sync is None."""
-    if len(plan.workers) != len(pairs) // 2:
-        raise ValueError(f"plan.workers must have one entry per GPU pair "
-                         f"({len(pairs) // 2}), got {len(plan.workers)}")
+    """(num_vsw, num_ga, B_L, weight sync) of every rank, rank r in GPU unit ``pairs[r]``: its
+    unit's WorkerConfig (a solo unit's GPU runs both groups: twice the VSWs) and the weight sync
+    the plan's prediction assumed for it (None: the engine's own rule). SMA (``learners``: the
+    learner count of every rank): num_vsw is the rank's learner count (tuner) instead of the
+    plan's, and the weight sync is None."""
+    units = len(set(pairs))
+    if len(plan.workers) != units:
+        raise ValueError(f"plan.workers must have one entry per GPU unit ({units}), got {len(plan.workers)}")
     out = []
     for rank, pair in enumerate(pairs):
         w = plan.workers[pair]
-        m = learners[rank] if learners is not None else w.num_vsw
+        m = learners[rank] if learners is not None else w.num_vsw * (2 if unit_gpu(w.gpu)[1] else 1)
         ws = plan.worker_weight_sync[pair] if plan.worker_weight_sync else "auto"
         ws = None if learners is not None or ws == "auto" else ws
         out.append((int(m), int(w.num_ga), int(plan.local_batch_size), ws))
@@ -102,7 +104,10 @@ class JobPlanner:
 
     def use_model(self, model: Any) -> None:
         """Plan with ``model`` from now on (profiled or re-profiled; None: no model, burst mode),
-        corrected online when there is a correction (its factors start again at 1)."""
+        corrected online when there is a correction (its factors start again at 1), its local
+        batch capped at ``job.max_local_batch`` when set."""
+        if model is not None and self.job.max_local_batch is not None:
+            model = LocalBatchBound(model, self.job.max_local_batch)
         if self.correction is not None and model is not None:
             self.correction.reset()
             model = CorrectedModel(model, self.correction)
@@ -120,11 +125,11 @@ class JobPlanner:
         return self._alloc_models[key]
 
     def plan(self, global_batch: int, gpus: Sequence[str], multi_node: bool) -> Plan:
-        """:func:`.plan_policy.solve_for_batch` for B_G on group H = ``gpus`` (one GPU type per
-        pair) of an allocation of 2 len(gpus) GPUs, cached per (B_G, group, multi-node)."""
+        """:func:`.plan_policy.solve_for_batch` for B_G on group H = ``gpus`` (one unit name per
+        pair or solo GPU), cached per (B_G, group, multi-node)."""
         key = (global_batch, tuple(gpus), multi_node)
         if key not in self._plans:
-            self._plans[key] = solve_for_batch(global_batch, list(gpus), self.alloc_model(2 * len(gpus), multi_node),
+            self._plans[key] = solve_for_batch(global_batch, list(gpus), self.alloc_model(units_num_gpus(list(gpus)), multi_node),
                                                self.job.min_local_batch, tolerance=plan_tolerance(self.job))
         return self._plans[key]
 
@@ -133,7 +138,7 @@ class JobPlanner:
         """The auto-scaler's predicted epoch time of group ``gpus`` on ``forecast`` (None or
         empty: the initial trajectory); None when the group has no plan for it."""
         traj = batch_trajectory(forecast or initial_trajectory(self.job, self.dataset_size))
-        return epoch_time(list(gpus), self.alloc_model(2 * len(gpus), multi_node), traj, self.dataset_size,
+        return epoch_time(list(gpus), self.alloc_model(units_num_gpus(list(gpus)), multi_node), traj, self.dataset_size,
                           self.job.adapt_interval, self.job.min_local_batch,
                           tolerance=plan_tolerance(self.job)).epoch_time
 

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from ..types import Plan
 from ..validation import check_float, check_int
 from .config_solver import (MAX_LOCAL_BATCH_CANDIDATES, MAX_WORKERS_PER_GPU, _validate, local_batch_candidates,
-                            max_global_batch, solve_local_batch)
+                            max_global_batch, solve_local_batch, unit_model)
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
 
     Args:
         global_batch: requested B_G (>= 1).
-        gpus: GPU type names of group H, one per identical pair; ``plan.workers[i]`` is ``gpus[i]``.
+        gpus: unit names of group H, one per identical pair or solo GPU
+            (:mod:`.config_solver` notes); ``plan.workers[i]`` is ``gpus[i]``.
         model: iteration-time model (``PerfModel`` or any object with the solver's protocol),
             already describing the allocation (``for_allocation``).
         min_local_batch: min B_L; every B_L is a multiple of it.
@@ -111,6 +112,7 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
         NoPlanError (a ValueError) when no configuration exists; ValueError on bad input.
     """
     gg = _validate(global_batch, gpus, model, min_local_batch)
+    model = unit_model(model)
     check_float("tolerance", tolerance, min_value=0)
     max_bl = min(int(model.max_local_batch(g)) for g in set(gg))
     if max_bl < min_local_batch:
@@ -122,14 +124,14 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
                           f"group (largest {max_bl})")
     limit = max_global_batch(len(gg), candidates[-1])
     if global_batch > limit:
-        raise NoPlanError(f"{global_batch} is too large for {len(gg)} GPU pair(s): it must be <= {limit} "
+        raise NoPlanError(f"{global_batch} is too large for {len(gg)} GPU unit(s): it must be <= {limit} "
                           f"(search bound: at most {MAX_WORKERS_PER_GPU} decoupled workers per GPU "
                           f"at B_L {candidates[-1]})")
     plan, notes = _solve(global_batch, gg, model, candidates, tolerance)
     if plan is None:
         floor = 2 * len(gg) * candidates[0]
         if global_batch < floor:
-            log.info("B_G %d is too small for %d GPU pairs; running B_G %d", global_batch, len(gg), floor)
+            log.info("B_G %d is too small for %d GPU units; running B_G %d", global_batch, len(gg), floor)
             plan, notes = _solve(floor, gg, model, candidates, tolerance)
     if plan is None:
         raise NoPlanError(f"no configuration for global batch {global_batch} on GPUs {gg} "

@@ -45,17 +45,22 @@ def measures_contention(device: str) -> bool:
 def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, loss_fn: Callable,
                      optimizer_fn: Callable | None, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, cache_dir: str | Path,
-                     refresh: bool = False) -> dict[str, Profile]:
+                     refresh: bool = False, max_local_batch: int | None = None,
+                     step_fn: Callable | None = None, collate_fn: Callable | None = None
+                     ) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes); ``refresh``
-    re-measures even when a cached profile exists."""
+    re-measures even when a cached profile exists; ``max_local_batch`` (the job's bound on B_L)
+    caps the local batches measured; ``step_fn``/``collate_fn``: the job's own step and batches
+    (any batch type) are what is measured."""
     from .measure import profile_model
 
     base = profile_model(model_fn, dataset, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
                          device=device, gpu_type="cpu" if emulate else None,
-                         min_local_batch=min_local_batch, weight_sync=weight_sync,
-                         bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
+                         min_local_batch=min_local_batch, max_local_batch=max_local_batch,
+                         weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
                          warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
-                         contention=measures_contention(device), refresh=refresh)
+                         contention=measures_contention(device), refresh=refresh,
+                         step_fn=step_fn, collate_fn=collate_fn)
     if emulate:
         if base.allreduce_inter is None:
             base = replace(base, allreduce_inter=base.allreduce_intra)
@@ -90,26 +95,32 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
                    torch_threads: int, bucket_cap_mb: float, cache_dir: str | Path,
                    host_cpus: float | None = None, perf_model: Any = None,
                    profiles: dict[str, Profile] | None = None, refresh: bool = False,
+                   shared_host: bool = True, step_fn: Callable | None = None,
+                   collate_fn: Callable | None = None,
                    measure: Callable[[], dict[str, Profile]] | None = None) -> Any:
     """The iteration-time model a job plans with: ``perf_model`` as given, else a PerfModel from
     the given ``profiles``, else from profiling ``model_fn`` on ``rows`` ((inputs, targets)
-    pairs) with :func:`cluster_profiles` (cached in ``cache_dir``; ``refresh`` re-measures), or
-    with ``measure()`` when given (e.g. every GPU type in a Ray task holding one GPU of it,
+    pairs, or any samples batched by ``collate_fn`` and trained by the job's ``step_fn``) with
+    :func:`cluster_profiles` (cached in ``cache_dir``; ``refresh`` re-measures), or with
+    ``measure()`` when given (e.g. every GPU type in a Ray task holding one GPU of it,
     :func:`jabasray.actors.profiling.profile_in_tasks`).
     Emulation: the host runs :func:`emulation_host_devices` ``(torch_threads, host_cpus)``
-    emulated GPUs at once. ValueError (one line) when nothing can be profiled, or when the job's
+    emulated GPUs at once (``shared_host`` False: the "wait" emulation, whose emulated GPUs do
+    not share the host's cores, :mod:`jabasray.actors.emulation`). ValueError (one line) when nothing can be profiled, or when the job's
     min B_L fits on no GPU type (no plan could ever exist)."""
     from ..planners.plan_policy import check_min_local_batch
 
     if perf_model is None and profiles is None and rows is None:
         raise ValueError("profiles or perf_model must be given when the batches are not "
-                         "(inputs, targets) tensor pairs (the profiler runs loss_fn on them)")
-    host = emulation_host_devices(torch_threads, host_cpus) if emulate else None
+                         "(inputs, targets) tensor pairs and no step_fn trains them (the profiler "
+                         "runs the job's step on them)")
+    host = emulation_host_devices(torch_threads, host_cpus) if emulate and shared_host else None
     model = perf_model or cluster_perf_model(cluster, job.weight_sync, profiles, measure or partial(
         cluster_profiles, model_fn, rows, cluster, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
         device=device, emulate=emulate, min_local_batch=job.min_local_batch,
-        weight_sync=job.weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
-        refresh=refresh), host_devices=host)
+        max_local_batch=job.max_local_batch, weight_sync=job.weight_sync,
+        bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir, refresh=refresh, step_fn=step_fn,
+        collate_fn=collate_fn), host_devices=host)
     check_min_local_batch(model, cluster.gpu_types, job.min_local_batch)
     return model
 

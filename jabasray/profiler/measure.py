@@ -13,7 +13,11 @@ What is measured (JABAS section 5.1):
   cap ``max_num_vsw`` (default ``CPU_NUM_VSW_CAP``), or the largest n within
   ``memory_budget_gb`` by the estimate) and the
   engine's ``compute_time`` (forward + backward of all VSWs) at n_vsw = 1 and n_vsw = n_max:
-  the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps);
+  the two points of Eq. 1 (median of ``repeats`` steps after ``warmup`` steps). The engine
+  runs the n VSWs as it does in training - batched (one pass over n adjacent micro-batches,
+  per-VSW BatchNorm) unless ``vsw_execution`` forces per-VSW execution - so Eq. 1's
+  throughput-vs-n_vsw line is that of the batched step (section 5.1 profiles the VSWs the
+  paper runs concurrently; what we run instead is what we measure);
 * zeta, the forward share of forward + backward, timed directly on a copy of the model;
 * t_optim: the engine's ``update_time`` at n_vsw = 1 (no weight copies); t_copy: one copy of all
   weights into another replica (a flat buffer of W bytes, as the engine's flat buffers do);
@@ -83,20 +87,25 @@ def _param_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def _batch_fn(data: Any) -> Callable[[int], tuple[Any, Any]]:
-    """``data``: a callable n -> (inputs, targets), or an indexable dataset of (x, y) /
-    TensorDataset; batches cycle through it."""
+def _batch_fn(data: Any, collate_fn: Callable | None = None) -> Callable[[int], Any]:
+    """``data``: a callable n -> batch, or an indexable dataset of (x, y) / TensorDataset;
+    batches cycle through it. With ``collate_fn`` (the job's own, e.g. dict batches for a
+    ``step_fn``) a batch is ``collate_fn`` of n samples of any type."""
     if callable(data) and not hasattr(data, "__getitem__"):
         return data
     tensors = getattr(data, "tensors", None)
-    if tensors is not None and len(tensors) == 2:
-        X, Y = tensors
-
-        def take(n: int) -> tuple[Any, Any]:
-            idx = torch.arange(n) % len(X)
-            return X[idx], Y[idx]
+    if tensors is not None and (len(tensors) == 2 or collate_fn is not None):
+        # a TensorDataset is indexed directly, as training's loader does (no collate_fn)
+        def take(n: int) -> tuple[Any, ...]:
+            idx = torch.arange(n) % len(tensors[0])
+            return tuple(t[idx] for t in tensors)
         return take
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        if collate_fn is not None:
+            def collate_items(n: int) -> Any:
+                return collate_fn([data[i % len(data)] for i in range(n)])
+            return collate_items
+
         def take_items(n: int) -> tuple[Any, Any]:
             items = [data[i % len(data)] for i in range(n)]
             return torch.stack([x for x, _ in items]), torch.as_tensor([y for _, y in items])
@@ -267,7 +276,7 @@ def lower_median(samples: Sequence[float]) -> float:
 STATISTICS = {"median": statistics.median, "min": min, "trimmed": lower_median}
 MONOTONE_TOLERANCE = 0.10   # t(B_L) may fall below t(previous B_L) by this fraction before re-measuring
 MONOTONE_RETRIES = 2        # re-measurements of a non-monotone point (then it is clipped, with a warning)
-PROFILER_REVISION = 2       # bump when the measurement procedure changes (part of the cache key)
+PROFILER_REVISION = 3       # 3: the engine runs n VSWs batched (one pass); bump when the measurement procedure changes (part of the cache key)
 CUDA_NUM_VSW_BOUND = 32     # default upper bound of the CUDA n_max probe (probing stops at OOM)
 CPU_NUM_VSW_CAP = 4         # default n_max on CPU: no device memory limit to probe there
 
@@ -325,10 +334,13 @@ def oom_probe(step: Callable[[], Any], recover: Callable[[], None]) -> bool:
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
                          max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
                          weight_sync: str, warmup: int, repeats: int, statistic: str,
-                         contention: bool = False) -> dict:
+                         contention: bool = False, vsw_execution: str = "auto") -> dict:
     """What a profile depends on besides the model and the device type: the cache key's settings
-    (``contention`` enters the key only when set, so keys of profiles without it are unchanged)."""
+    (``contention`` and a forced per-VSW ``vsw_execution`` enter the key only when set, so keys
+    of profiles without them are unchanged)."""
     extra = {"contention": True} if contention else {}
+    if vsw_execution != "auto":
+        extra["vsw_execution"] = vsw_execution
     return {**extra, "device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
             "min_local_batch": int(min_local_batch),
             "max_local_batch": None if max_local_batch is None else int(max_local_batch),
@@ -365,17 +377,23 @@ def _step_stats(worker: Any, micro: list, warmup: int, repeats: int,
     return stat(comp), stat(upd), stat(over)
 
 
-def _forward_share(model: nn.Module, batch: tuple[Any, Any], loss_fn: Callable, device: torch.device,
-                   repeats: int, stat: Callable = statistics.median) -> float:
-    """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy."""
+def _forward_share(model: nn.Module, batch: Any, loss_fn: Callable, device: torch.device,
+                   repeats: int, stat: Callable = statistics.median,
+                   step_fn: Callable | None = None) -> float:
+    """zeta = t_forward / t_(forward+backward), ``stat`` over ``repeats`` on a model copy; the
+    forward is the job's step (``step_fn(model, batch)``, else ``loss_fn(model(x), y)``)."""
+    from ..engine.loader import to_device
+    from ..engine.step import supervised_step
+
     m = copy.deepcopy(model).to(device)
-    x, y = (t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
+    b = to_device(batch, device)
+    step = step_fn or supervised_step(loss_fn)
     fwd, full = [], []
     for _ in range(repeats + 1):
         m.zero_grad(set_to_none=True)
         _sync(device)
         t0 = time.perf_counter()
-        loss = loss_fn(m(x), y)
+        loss = step(m, b)
         _sync(device)
         t1 = time.perf_counter()
         loss.backward()
@@ -474,11 +492,15 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   weight_sync: str = "auto", bucket_cap_mb: float = 25.0,
                   allreduce: bool = True, allreduce_sizes: Sequence[int] = DEFAULT_ALLREDUCE_SIZES,
                   allreduce_fit: AllReduceFit | None = None, inter_node_fit: AllReduceFit | None = None,
-                  contention: bool = False,
-                  cache_dir: str | Path | None = None, refresh: bool = False) -> Profile:
+                  contention: bool = False, vsw_execution: str = "auto",
+                  cache_dir: str | Path | None = None, refresh: bool = False,
+                  step_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  collate_fn: Callable[[list], Any] | None = None) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
-    ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``.
+    ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``; with the job's
+    ``step_fn`` (``(model, batch) -> loss``) and ``collate_fn`` any samples and batch type (e.g.
+    dict batches): what is profiled is the job's own step on its own batches.
     ``max_local_batch`` caps max B_L^g (default 8 x min B_L on CPU, 32 x on CUDA);
     ``memory_budget_gb`` bounds memory on CPU (see :func:`estimate_memory`; default: no bound
     other than the cap). ``max_num_vsw``: upper bound of n_max (default: probe up to
@@ -489,6 +511,10 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     :func:`_make_monotone`). The cache key holds the model signature, the device type and every
     measurement setting incl. the torch version (:func:`measurement_settings`); ``refresh``
     re-measures regardless.
+    ``vsw_execution``: the engine's (``"auto"``: the n VSWs run batched, as in training;
+    ``"threads"``/``"one_thread"``: per VSW, for a job whose step cannot be batched, e.g.
+    ``JobConfig.per_sample_loss=False``). What runs is what is profiled: each timed step feeds
+    ``n`` adjacent micro-batches split from one batch of ``n * B_L`` samples, as the loader does.
     ``allreduce=False`` skips the gloo measurement and uses ``allreduce_fit`` (or a nominal
     fit: alpha 1, beta 0, flagged in the log). ``contention=True`` adds the host's gloo
     compute/communication contention (:func:`jabasray.profiler.contention.cached_contention`,
@@ -496,6 +522,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     interference are fitted to (CPU/gloo only; it says nothing about NCCL).
     """
     from ..engine import IIDPWorker
+    from ..engine.loader import split_batch, to_device
 
     check_int("min_local_batch", min_local_batch, min_value=1)
     if max_num_vsw is not None:
@@ -519,13 +546,13 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if not isinstance(base, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module or a factory of one, got {type(base).__name__}")
     optimizer_fn = optimizer_fn or (lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
-    sample = _batch_fn(data)
+    sample = _batch_fn(data, collate_fn)
     gpu_type = gpu_type or _default_gpu_type(dev)
     sig = model_signature(base)
 
     settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
                                     memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
-                                    contention)
+                                    contention, vsw_execution)
     key = profile_cache_key(sig, gpu_type, settings)
     cache_path = as_storage_path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
@@ -539,13 +566,15 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if max_local_batch is None:   # keep profiling time bounded (CUDA probing stops at OOM)
         max_local_batch = (8 if dev.type == "cpu" else 32) * min_local_batch
     budget = memory_budget_gb * 2 ** 30 if memory_budget_gb is not None else None
-    mem = estimate_memory(base, sample, optimizer_fn, loss_fn) if (budget and dev.type == "cpu") else None
+    mem = estimate_memory(base, sample, optimizer_fn, loss_fn) \
+        if (budget and dev.type == "cpu" and step_fn is None) else None
 
     def fits_estimate(bl: int, n: int) -> bool:
         return mem is None or mem(bl, n) <= budget
 
     worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
-                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb)
+                        weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution,
+                        step_fn=step_fn)
     if dev.type == "cuda" and hasattr(worker, "sync_timing"):
         worker.sync_timing = True   # the engine synchronises the device around its timed phases
 
@@ -554,16 +583,18 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         it does not fit (``reps=0``: one untimed probe step)."""
         if not fits_estimate(bl, n):
             return None
-        x, y = sample(bl)
+        # n distinct micro-batches, adjacent views of one batch (what the loader hands over)
+        batch = sample(bl * n)
+        micro = split_batch(to_device(tuple(batch) if isinstance(batch, list) else batch, dev), [bl] * n)
         out: list = []
 
         def step() -> None:
             worker.configure(n, 0, bl)
             if reps == 0:
-                worker.train_step([(x, y)] * n)
+                worker.train_step(micro)
                 out.append((0.0, 0.0, 0.0))
             else:
-                out.append(_step_stats(worker, [(x, y)] * n, warmup, reps, stat))
+                out.append(_step_stats(worker, micro, warmup, reps, stat))
 
         if dev.type != "cuda":
             step()
@@ -598,7 +629,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     update_times: list[float] = []
     overheads: list[float] = []
     for bl, n_max, one, at_max in points:
-        zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat)
+        zeta = _forward_share(worker.model, sample(bl), loss_fn, dev, repeats, stat, step_fn)
         batches.append(BatchProfile(local_batch=bl, max_num_vsw=n_max, compute_time_1=one[0],
                                     compute_time_max=at_max[0], zeta=zeta))
         update_times.append(one[1])

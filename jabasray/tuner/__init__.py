@@ -1,13 +1,15 @@
 """Ray Tune integration: packed training inside Tune's own API (Pack paper, sections 3 and 5).
 
-* :func:`packed`: a Tune trainable from a :class:`TrainingSpec`; every configuration is its own
-  Tune trial reporting every unit, and the trials of one device train as ONE packed model
-  (a per-device packing coordinator actor, :mod:`jabasray.tuner.coordinator`).
+* :func:`packed`: a Tune class Trainable from a :class:`TrainingSpec`; every configuration is
+  its own Tune trial whose ``step()`` is one unit, checkpointing only when Tune asks, and the
+  trials of one device train as ONE packed model (a per-device packing coordinator actor,
+  :mod:`jabasray.tuner.coordinator`).
 * :func:`SimilaritySearch`: a Tune searcher that emits similar configurations together
   (normalised kNN order; any Tune domain).
 * :class:`PackedHyperband`: packed Hyperband on Tune's ``HyperBandScheduler``.
 * :func:`coordinator_stats`: what the packing coordinators did (units, packs, time).
-* :func:`hyperband_brackets` / :func:`hyperband_schedule`: Li et al.'s bracket arithmetic.
+* :func:`hyperband_brackets` / :func:`hyperband_schedule`: Hyperband bracket arithmetic, Li et
+  al.'s (``floor`` halving) or Tune's (``halving="ceil"``).
 * :func:`make_trainable`: the same spec as an ordinary unpacked function trainable.
 
 Ray is imported lazily: the bracket arithmetic and the spec work without it.

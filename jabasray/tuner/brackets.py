@@ -18,6 +18,12 @@ Worked example, R = 81, eta = 3 (Li et al., Table 1): s_max = 4, B = 405.
     s = 1: n = ceil(5 * 3 / 2)  = 8,  r = 27  -> (8, 27) (2, 81)
     s = 0: n = ceil(5 * 1 / 1)  = 5,  r = 81  -> (5, 81)
 
+Tune's ``HyperBandScheduler`` uses the same ``s_max``, ``n`` and ``r`` (for R a power of eta)
+but keeps ``ceil(n_i / eta)`` configurations per halving where Li et al. keep
+``floor(n_i / eta)`` (Tune's ``_Bracket.successive_halving``): for R = 81, eta = 3, s = 3 Tune
+trains 34 -> 12 -> 4 -> 2 configurations, Li et al. 34 -> 11 -> 3 -> 1. ``halving="ceil"``
+gives Tune's rungs, the default ``"floor"`` Li et al.'s.
+
 All arithmetic is exact (integers and fractions): ``s_max`` is the largest s with
 ``eta^s <= R`` (no floating-point log), and r_i is an int whenever it is integral.
 """
@@ -27,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from jabasray.serialization import JsonMixin
-from jabasray.validation import check_int
+from jabasray.validation import check_choice, check_int
 
 __all__ = ["Rung", "Bracket", "hyperband_brackets", "hyperband_schedule"]
 
@@ -65,10 +71,12 @@ def _number(x: Fraction) -> float:
     return int(x) if x.denominator == 1 else float(x)
 
 
-def hyperband_schedule(R: int, eta: int = 3) -> list[Bracket]:
-    """All brackets of one Hyperband run, largest ``s`` first (see the module docstring)."""
+def hyperband_schedule(R: int, eta: int = 3, halving: str = "floor") -> list[Bracket]:
+    """All brackets of one Hyperband run, largest ``s`` first (see the module docstring).
+    ``halving``: ``"floor"`` (Li et al., Algorithm 1) or ``"ceil"`` (Tune's HyperBandScheduler)."""
     check_int("R", R, min_value=1)
     check_int("eta", eta, min_value=2)
+    check_choice("halving", halving, ("floor", "ceil"))
     s_max = _s_max(R, eta)
     B = (s_max + 1) * R
     out = []
@@ -77,15 +85,19 @@ def hyperband_schedule(R: int, eta: int = 3) -> list[Bracket]:
         num, den = (B // R) * eta ** s, s + 1
         n = -(-num // den)
         r = Fraction(R, eta ** s)
-        rungs = [Rung(n // eta ** i, _number(r * eta ** i)) for i in range(s + 1)]
+        sizes = [n]
+        for _ in range(s):
+            sizes.append(sizes[-1] // eta if halving == "floor" else -(-sizes[-1] // eta))
+        # floor(floor(n / eta) / eta) == floor(n / eta^2): Li et al.'s n * eta^-i, floored
+        rungs = [Rung(sizes[i], _number(r * eta ** i)) for i in range(s + 1)]
         out.append(Bracket(s, rungs))
     return out
 
 
-def hyperband_brackets(R: int = 81, eta: int = 3) -> list[list[tuple[int, float]]]:
+def hyperband_brackets(R: int = 81, eta: int = 3, halving: str = "floor") -> list[list[tuple[int, float]]]:
     """Brackets as plain lists of ``(n_i, r_i)`` rungs, largest ``s`` first.
 
     >>> hyperband_brackets(81, 3)[-1]
     [(5, 81)]
     """
-    return [[(rung.n, rung.r) for rung in b.rungs] for b in hyperband_schedule(R, eta)]
+    return [[(rung.n, rung.r) for rung in b.rungs] for b in hyperband_schedule(R, eta, halving)]

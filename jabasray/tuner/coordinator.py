@@ -2,7 +2,7 @@
 
 Implementation notes
 --------------------
-Every configuration stays its own Tune trial (a function trainable, see
+Every configuration stays its own Tune trial (a class Trainable, see
 :mod:`jabasray.tuner.packed_trials`). The trials of one device register with the device's
 :class:`PackCoordinator` (a detached named actor, created by the first trial that needs it)
 and hand it their config; the coordinator holds a :class:`~jabasray.tuner.pack_runner.PackRunner`
@@ -18,8 +18,11 @@ One unit of training is a barrier over the registered members, run ONE UNIT AHEA
    result ready, or waits only for the rest of the compute. At most one result per member is
    ever unclaimed, so at most one unit per member is speculative: when Tune stops or pauses
    the trial after unit ``n`` (its checkpoint is that of unit ``n``), :meth:`free` discards the
-   speculative unit ``n + 1`` and nothing of it is ever reported. The units after which a
-   checkpoint is due (``checkpoint_every``, the last one) carry the member's state bytes;
+   speculative unit ``n + 1`` and nothing of it is ever reported. When Tune asks for the
+   trial's state after unit ``n`` (:meth:`state`: a pause, a checkpoint) while ``n + 1`` runs
+   or waits unclaimed, it gets unit ``n``'s: each member's state before its latest unit is
+   kept (a copy of its rows per unit, no restack). The last unit (``max_units``) carries the
+   member's state bytes;
    *Decision points*: schedulers stop or pause trials only at certain unit counts (ASHA's and
    HyperBand's rungs: 1, 3, 9, ... for grace 1 and eta 3), so a speculative unit after such a
    count is mostly wasted (two of every three trials stop at an ASHA rung). The coordinator
@@ -30,17 +33,18 @@ One unit of training is a barrier over the registered members, run ONE UNIT AHEA
    stops costs no speculative compute;
 3. a member that has not claimed its result ``wait_s`` after the others were ready is *set
    aside*: its state (and unclaimed result) is kept here and its slot freed, and it re-joins
-   from that state if it ever asks. This matters because Tune does not always end a trial's
-   thread when it stops or pauses it: with ``reuse_actors=True`` the actor is cached with the
-   thread still blocked in ``tune.report`` (Tune's ``_maybe_cache_trial_actor``), so such a
-   member would otherwise hold its slot and stall every unit;
-4. each call returns its member's metrics (and its checkpoint bytes when due); the trial
-   calls ``tune.report`` -- the scheduler sees an ordinary trial reporting every unit.
+   from that state if it ever asks (for ``idle_exit_s`` at most: then it is dropped and its
+   trial, should it come back, loads again from its last checkpoint). This matters because
+   Tune does not always end a trial at once: with ``reuse_actors=True`` a paused trial's
+   actor may be cached until Tune reuses it (``reset_config``) or stops it, so such a member
+   would otherwise hold its slot and stall every unit;
+4. each call returns its member's metrics; the trial's ``step()`` returns them -- the
+   scheduler sees an ordinary trial reporting every unit.
 
 Arrivals (:meth:`load`) join at the next unit; a trial the scheduler stops or pauses leaves
-through :meth:`free` (from the trial's ``finally``, which runs when Tune ends the trial's
-thread). A coordinator with no member for ``idle_exit_s`` seconds exits, so detached
-coordinators do not outlive their sweep. Coordinators are named after the sweep's
+through :meth:`free` (from the trial actor's ``cleanup``, or ``reset_config`` when Tune
+reuses the actor). A coordinator with no member for ``idle_exit_s`` seconds exits, so
+detached coordinators do not outlive their sweep. Coordinators are named after the sweep's
 :class:`~jabasray.tuner.packed_trials.PackedJob` token; ``packed()`` starts the local node's
 coordinators at once when Ray is already running, so importing torch and loading the data
 overlap Tune's own start-up instead of delaying the first unit.
@@ -55,7 +59,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackCoordinator"]
+__all__ = ["PackCoordinator", "NotLoaded"]
+
+
+class NotLoaded(ValueError):
+    """The trial is not a member here (never loaded, or set aside and dropped after
+    ``idle_exit_s``): it loads again from its last checkpoint."""
 
 
 class PackCoordinator:
@@ -94,6 +103,7 @@ class PackCoordinator:
         self.threads, self.wait_s, self.idle_exit_s = threads, wait_s, idle_exit_s
         self.max_units, self.checkpoint_every, self.run_ahead = max_units, checkpoint_every, run_ahead
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
+        self.loader = ThreadPoolExecutor(1)        # builds arriving members off the training thread
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
         self.units: dict[str, int] = {}            # units each registered member has trained
@@ -105,6 +115,11 @@ class PackCoordinator:
         self.decisions: set[int] = set()           # unit counts after which trials were stopped or paused
         self.failed: dict[str, BaseException] = {}  # a member's unit failed: raised when it asks
         self.aside: dict[str, tuple[dict, bytes, tuple | None]] = {}   # config, state, unclaimed
+        self.aside_since: dict[str, float] = {}    # when each was set aside (dropped after idle_exit_s)
+        self.aside_before: dict[str, bytes] = {}   # state at the last CLAIMED unit of one set aside unclaimed
+        self.before: dict[str, dict] = {}          # each member's state before the latest unit it trained
+        self.training: set[str] = set()            # members of the unit now running
+        self.run_task: asyncio.Task | None = None
         self.first_ready = 0.0                     # when the next unit could first have started
         self.running = False
         self.timer: asyncio.TimerHandle | None = None
@@ -138,13 +153,28 @@ class PackCoordinator:
             self.watchdog = asyncio.get_running_loop().create_task(self._idle_exit())
 
     async def _idle_exit(self) -> None:
+        """Exit after ``idle_exit_s`` without a member. A set-aside member counts only for
+        ``idle_exit_s`` after it was set aside: its trial may have ended without a ``free``
+        (Tune does not always end a trial's thread), and a detached actor must not hold its
+        memory -- on a GPU its CUDA context -- forever. A trial that comes back later re-joins
+        from its last checkpoint (:mod:`jabasray.tuner.packed_trials`)."""
+        while True:
+            await asyncio.sleep(min(5.0, self.idle_exit_s / 2))
+            now = time.monotonic()
+            for k in [k for k, t in self.aside_since.items() if now - t > self.idle_exit_s]:
+                log.info("dropping set-aside member %s: its trial did not ask for %.0f s", k, self.idle_exit_s)
+                self.aside.pop(k, None)
+                self.aside_since.pop(k, None)
+                self.aside_before.pop(k, None)
+            if not self.configs and not self.aside and now - self.last_active > self.idle_exit_s:
+                log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
+                self._exit()
+                return
+
+    def _exit(self) -> None:
         import ray
 
-        while True:
-            await asyncio.sleep(min(5.0, self.idle_exit_s))
-            if not self.configs and not self.aside and time.monotonic() - self.last_active > self.idle_exit_s:
-                log.info("packing coordinator idle for %.0f s: exiting", self.idle_exit_s)
-                ray.actor.exit_actor()
+        ray.actor.exit_actor()
 
     def _done(self, key: str) -> bool:
         """The member has trained ``max_units`` (its trial ends; it trains no more)."""
@@ -172,6 +202,7 @@ class PackCoordinator:
         self.configs.pop(key, None)
         self.units.pop(key, None)
         self.token.pop(key, None)
+        self.before.pop(key, None)
         self.loading.discard(key)
         if self.ready.pop(key, None) is not None:
             self.units_discarded += 1
@@ -184,13 +215,15 @@ class PackCoordinator:
         its units. Raises if it was freed meanwhile (then nothing of it is left)."""
         token = self.token[key]
 
-        def work() -> int:
+        def build():
             from jabasray.tuner.pack_runner import state_from_bytes
 
-            return self.runner.load(key, config, state_from_bytes(state) if state else None)
+            return self.runner.prepare(key, config, state_from_bytes(state) if state else None)
 
         try:
-            units = await self._in_thread(work)
+            # built on the loader thread while a unit may train; registered on the training thread
+            member = await asyncio.get_running_loop().run_in_executor(self.loader, build)
+            units = await self._in_thread(self.runner.add, member)
         except BaseException:
             if self.token.get(key) == token:
                 self._forget(key)
@@ -221,6 +254,8 @@ class PackCoordinator:
 
         self._touch()
         self.aside.pop(key, None)
+        self.aside_since.pop(key, None)
+        self.aside_before.pop(key, None)
         self.failed.pop(key, None)
         if key in self.configs:
             self._forget(key)
@@ -240,6 +275,8 @@ class PackCoordinator:
         it did not claim is discarded)."""
         self._touch()
         self.aside.pop(key, None)
+        self.aside_since.pop(key, None)
+        self.aside_before.pop(key, None)
         self.failed.pop(key, None)
         if key not in self.configs:
             return
@@ -259,12 +296,14 @@ class PackCoordinator:
             raise self.failed.pop(key)
         if key not in self.configs and key in self.aside:       # set aside earlier: re-join
             config, state, unclaimed = self.aside.pop(key)
+            self.aside_since.pop(key, None)
+            self.aside_before.pop(key, None)
             self._register(key, config)
             await self._load_state(key, config, state)
             if unclaimed is not None:
                 self.ready[key] = unclaimed
         if key not in self.configs:
-            raise ValueError(f"trial {key!r} is not loaded")
+            raise NotLoaded(f"trial {key!r} is not loaded")
         if key in self.ready:                                    # trained ahead: claim it
             result = self.ready.pop(key)
             self._kick()
@@ -275,6 +314,24 @@ class PackCoordinator:
         self.waiting[key] = fut
         self._kick()
         return await fut
+
+    async def state(self, key: str) -> bytes:
+        """The member's checkpoint bytes at the last unit its trial CLAIMED (what Tune saves
+        when it asks: a pause, ``checkpoint_frequency``, the end). A unit trained ahead and not
+        yet claimed is not in it: the state from before that unit is kept for this."""
+        from jabasray.tuner.pack_runner import state_to_bytes
+
+        self._touch()
+        if key in self.training and self.run_task is not None:
+            await asyncio.shield(self.run_task)                # its pre-unit state is then kept
+        if key in self.configs:
+            if key in self.ready:
+                before = self.before[key]
+                return await self._in_thread(state_to_bytes, before)
+            return await self._in_thread(lambda: state_to_bytes(self.runner.states([key])[key]))
+        if key in self.aside:
+            return self.aside_before.get(key) or self.aside[key][1]
+        raise NotLoaded(f"trial {key!r} is not loaded")
 
     def stats(self) -> dict:
         """Where the coordinator's time went: units run and members trained in them (summed),
@@ -340,7 +397,12 @@ class PackCoordinator:
                 states = self.runner.states(list(aside))
                 for k, (config, unclaimed) in aside.items():
                     self.aside[k] = (config, state_to_bytes(states[k]), unclaimed)
+                    self.aside_since[k] = time.monotonic()
+                    if unclaimed is not None and k in self.before:
+                        self.aside_before[k] = state_to_bytes(self.before.pop(k))
                     self.runner.free(k)
+            if self.run_ahead:          # a unit ahead of Tune: keep the state Tune may ask for
+                self.before.update(self.runner.states(keys))
             results = self.runner.unit(keys)
             want = [k for k, r in results.items() if not isinstance(r, Exception)
                     and checkpoint_due(r["units"], self.max_units, self.checkpoint_every)]
@@ -349,10 +411,14 @@ class PackCoordinator:
                     for k, r in results.items()}
 
         t0 = time.monotonic()
+        self.training = set(keys)
+        self.run_task = asyncio.current_task()
         try:
             results = await self._in_thread(work)
         except Exception as e:                      # noqa: BLE001 -- hand it to every member
             results = {k: e for k in keys}
+        finally:
+            self.training = set()
         self.busy_s += time.monotonic() - t0
         self.units_run += 1
         self.member_units += len(keys)

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from jabasray.data import accuracy, load_digits_split
 from jabasray.models import MLP
@@ -45,8 +46,19 @@ def digits_data():
 
 
 def val_accuracy(model: nn.Module, val) -> float:
-    """Validation accuracy on the model's own device (``spec.device`` may be a GPU)."""
-    return accuracy(model, val, device=next(model.parameters()).device)
+    """Validation accuracy on the model's own device (``spec.device`` may be a GPU); ``val``
+    is a TensorDataset or any map-style dataset of ``(inputs, label)`` samples."""
+    device = next(model.parameters()).device
+    if isinstance(val, TensorDataset):
+        return accuracy(model, val, device=device)
+    was_training = model.training
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for x, y in DataLoader(val, batch_size=512):
+            correct += int((model(x.to(device)).argmax(1).cpu() == y).sum())
+    model.train(was_training)
+    return correct / max(1, len(val))
 
 
 def digits_mlp_spec(steps_per_unit: int = 2, seed: int = 0, device: str = "cpu") -> TrainingSpec:

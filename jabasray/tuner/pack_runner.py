@@ -89,6 +89,7 @@ class PackRunner:
         self.position = 0                          # next chunk of the shared stream
         self.pack: PackedModel | None = None
         self.members: dict[str, _Member] = {}
+        self._leaving: list[int] = []              # pack ids of freed members, dropped at the next unit
 
     def __len__(self) -> int:
         return len(self.members)
@@ -97,33 +98,51 @@ class PackRunner:
     def load(self, key: str, config: Mapping[str, Any], state: Mapping[str, Any] | None = None) -> int:
         """Add a member; returns the units it has trained (from ``state``, else 0). Raises
         :class:`Unpackable` when its model cannot be stacked."""
-        if key in self.members:
-            raise ValueError(f"member {key!r} is already loaded")
+        return self.add(self.prepare(key, config, state))
+
+    def prepare(self, key: str, config: Mapping[str, Any], state: Mapping[str, Any] | None = None) -> _Member:
+        """Build a member (model, optimizer, its state loaded) WITHOUT touching the runner: safe
+        on another thread while a unit trains (the coordinator's loads run off the training
+        thread); :meth:`add` then seats it at the next unit."""
         model, opt = build_member(self.spec, config)
         reason = unpackable_reason(model)
         if reason is not None:
             raise Unpackable(reason)
         steps = load_member_state(model, opt, state) if state else 0
         units = int(state.get("units", steps // self.spec.steps_per_unit)) if state else 0
-        self.members[key] = _Member(key, dict(config), model, opt, self.spec.batch_size_of(config), steps, units)
-        return units
+        return _Member(key, dict(config), model, opt, self.spec.batch_size_of(config), steps, units)
+
+    def add(self, member: _Member) -> int:
+        """Register a :meth:`prepare`d member (on the training thread); returns its units."""
+        if member.key in self.members:
+            raise ValueError(f"member {member.key!r} is already loaded")
+        self.members[member.key] = member
+        return member.units
 
     def free(self, key: str) -> None:
-        """Drop a member (its trial was stopped, paused or finished)."""
+        """Drop a member (its trial was stopped, paused or finished). Its rows leave the
+        packed model at the next unit, together with the other leaves and joins (one restack)."""
         m = self.members.pop(key, None)
         if m is not None and m.pid is not None:
-            self.pack.free(m.pid)
+            self._leaving.append(m.pid)
 
     def state(self, key: str) -> dict:
         """The member's checkpoint: its own model and optimizer ``state_dict``s, steps, units."""
         return self.states([key])[key]
 
     def states(self, keys: list[str]) -> dict[str, dict]:
-        """:meth:`state` of several members with ONE write-back of the stacked state."""
-        if self.pack is not None and any(self.members[k].pid is not None for k in keys):
-            self.pack.sync()
-        return {k: {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
-                for k in keys for m in [self.members[k]]}
+        """:meth:`state` of several members, read from their rows of the packed model (no
+        restack); every tensor owns its storage, so a member's checkpoint holds its own
+        tensors only, whatever the pack's size."""
+        out = {}
+        for k in keys:
+            m = self.members[k]
+            if m.pid is not None:
+                model_sd, opt_sd = self.pack.member_state(m.pid)
+                out[k] = {"model": model_sd, "optimizer": opt_sd, "steps": int(m.steps), "units": m.units}
+            else:
+                out[k] = {**member_state(m.model, m.optimizer, m.steps), "units": m.units}
+        return out
 
     # -- one resource unit -------------------------------------------------------------------
     def unit(self, keys: list[str]) -> dict[str, dict | Exception]:
@@ -141,23 +160,25 @@ class PackRunner:
         return {k: self._report(self.members[k], losses[k]) for k in keys}
 
     def _seat(self, keys: list[str]) -> None:
-        """Make the packed model hold exactly ``keys`` (Pack's load/free)."""
+        """Make the packed model hold exactly ``keys`` (Pack's load/free): every leave and join
+        of this unit boundary is applied with ONE restack; none when the members stay."""
         want = set(keys)
-        for m in self.members.values():
-            if m.pid is not None and m.key not in want:
-                self.pack.free(m.pid)
-                m.pid = None
+        leaving = [m for m in self.members.values() if m.pid is not None and m.key not in want]
         new = [self.members[k] for k in keys if self.members[k].pid is None]
-        if not new:
+        gone = self._leaving + [m.pid for m in leaving]
+        self._leaving = []
+        for m in leaving:
+            m.pid = None
+        if not new and not gone:
             return
-        if self.pack is None or len(self.pack) == 0:
+        if self.pack is None:
             self.pack = pack([m.model for m in new], [m.optimizer for m in new],
                              [m.batch_size for m in new], loss_fn=self.spec.loss_fn)
-            for m, pid in zip(new, self.pack.member_ids):
-                m.pid = pid
+            ids = self.pack.member_ids
         else:
-            for m in new:
-                m.pid = self.pack.load(m.model, m.optimizer, m.batch_size)
+            ids = self.pack.update(gone, [(m.model, m.optimizer, m.batch_size) for m in new])
+        for m, pid in zip(new, ids):
+            m.pid = pid
 
     def _steps(self, members: list[_Member], packed: PackedModel) -> dict[str, float]:
         pos = {pid: i for i, pid in enumerate(packed.member_ids)}
@@ -189,6 +210,7 @@ class PackRunner:
                 m.pid = None
             self.pack.free_all()
             self.pack = None
+        self._leaving = []
         start = self.position
         for k in keys:
             m = self.members[k]

@@ -1,7 +1,7 @@
 """Packed training inside Ray Tune's own API (Pack paper, sections 2.2, 3 and 5).
 
     tuner = tune.Tuner(
-        jabasray.tuner.packed(spec, max_units=27, param_space=space),
+        jabasray.tuner.packed(spec, max_units=27, param_space=space),    # a class Trainable
         param_space=space,
         tune_config=tune.TuneConfig(scheduler=ASHAScheduler(max_t=27), num_samples=64,
                                     metric="accuracy", mode="max",
@@ -11,17 +11,20 @@
 
 Implementation notes
 --------------------
-* :func:`packed` returns an ordinary function trainable (with its resources): every
-  configuration is its own Tune trial that reports every resource unit (``training_iteration``
-  = units trained), checkpoints the user's own ``state_dict``s and resumes from
-  ``tune.get_checkpoint()``. Schedulers, ``stop``, callbacks, ``CheckpointConfig``,
-  ``FailureConfig``, ``Tuner.restore``, progress.csv and the ``ResultGrid`` therefore work as
-  with any function trainable.
+* :func:`packed` returns a class ``Trainable`` (with its resources): every configuration is
+  its own Tune trial; ``step()`` is one resource unit (``training_iteration`` = units
+  trained), ``save_checkpoint`` writes the member's own ``state_dict``s (``member.pt``) and
+  runs only when Tune asks -- a pause, ``CheckpointConfig(checkpoint_frequency=...)``,
+  ``checkpoint_at_end`` --, ``load_checkpoint`` resumes from it. Schedulers, ``stop``,
+  callbacks, ``CheckpointConfig``, ``FailureConfig``, ``Tuner.restore``, progress.csv and the
+  ``ResultGrid`` therefore work as with any class trainable.
 * The training itself happens in the device's packing coordinator
-  (:mod:`jabasray.tuner.coordinator`): the trial registers its config (Pack's ``load``), asks
-  for one unit at a time, reports what comes back, and leaves (Pack's ``free``) when Tune ends
-  it -- Tune ends a function trainable's thread by raising ``SystemExit`` inside
-  ``tune.report``, so the trial's ``finally`` runs on stop, pause and completion alike.
+  (:mod:`jabasray.tuner.coordinator`): the trial registers its config at its first step
+  (Pack's ``load``), asks for one unit per ``step()``, and leaves (Pack's ``free``) in
+  ``cleanup`` -- Tune stops the trial's actor when it stops, pauses or finishes it -- or in
+  ``reset_config`` when Tune reuses the actor for another trial (``reuse_actors=True``).
+  The coordinator trains a unit ahead of Tune; the state Tune asks for is that of the last
+  unit the trial reported (the coordinator keeps it while a unit runs ahead).
 * A trial reserves ``1 / members_per_device`` of a device (CPU or GPU): Tune's resource
   accounting then admits ``members_per_device`` trials per device, the coordinator trains them
   as one packed model, and the trial processes themselves only wait (they never import torch).
@@ -40,7 +43,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -67,7 +69,7 @@ class PackedJob:
     stream_batch: int                   # shared-stream chunk: the largest batch size of the space
     max_units: int                      # units after which a trial ends on its own
     members_per_device: int             # trials packed into one model per device
-    checkpoint_every: int               # report a checkpoint every this many units (0: never)
+    checkpoint_every: int               # a unit carries the state every this many units (0: only the last)
     cpus_per_device: float              # CPUs of one CPU "device" (a coordinator's threads)
     gpu: bool                           # spec.device is CUDA: one coordinator per GPU
     space: NormalisedSpace | None       # distances for the choice of a device
@@ -85,7 +87,7 @@ def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
 
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int = 8,
-           checkpoint_every: int = 1, cpus_per_device: float = 1.0, wait_s: float = 2.0,
+           cpus_per_device: float = 1.0, wait_s: float = 2.0,
            idle_exit_s: float = 60.0, run_ahead: bool = True):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
@@ -97,8 +99,6 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         stream_batch: the chunk, if ``param_space`` does not bound the batch size.
         members_per_device: trials trained as one packed model per device; each trial
             reserves ``1 / members_per_device`` of a device.
-        checkpoint_every: units between checkpoints (the member's own ``state_dict``s in
-            ``member.pt``; needed by pausing schedulers and ``FailureConfig``); 0: none.
         cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
         wait_s: the longest a unit waits for a registered trial that has not claimed its
             previous unit (the trial is then set aside with its state and re-joins when it
@@ -118,7 +118,6 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         raise ValueError(f"spec must be a jabasray.tuner.TrainingSpec, got {type(spec).__name__}")
     check_int("max_units", max_units, min_value=1)
     check_int("members_per_device", members_per_device, min_value=1)
-    check_int("checkpoint_every", checkpoint_every, min_value=0)
     check_float("cpus_per_device", cpus_per_device, min_value=0.0, min_exclusive=True)
     check_float("wait_s", wait_s, min_value=0.0)
     check_float("idle_exit_s", idle_exit_s, min_value=0.0, min_exclusive=True)
@@ -129,8 +128,10 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         stream_batch = largest_value(param_space, spec.batch_size)
     check_int("stream_batch", stream_batch, min_value=1)
     gpu = str(spec.device).startswith("cuda")
+    # checkpoint_every=0: a unit carries the member's state only at max_units; every other
+    # checkpoint is fetched when Tune asks (save_checkpoint)
     job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
-                    checkpoint_every, float(cpus_per_device), gpu,
+                    0, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
                     float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead))
     import ray
@@ -139,14 +140,11 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         for d in _devices(job):
             _coordinator(job, *d)
 
-    def packed_trial(config: dict) -> None:
-        _run_trial(config, job)
-
     share = 1.0 / members_per_device
     resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
     if gpu:
         resources["gpu"] = share
-    return tune.with_resources(packed_trial, resources)
+    return tune.with_resources(_trainable_class(job), resources)
 
 
 # ----------------------------------------------------------------------------- the trial
@@ -209,51 +207,119 @@ def _register(job: PackedJob, key: str, config: dict, state: bytes | None):
         time.sleep(0.05)
 
 
-def _run_trial(config: dict, job: PackedJob) -> None:
+def _read_checkpoint(checkpoint) -> bytes:
+    """The member bytes of a checkpoint Tune hands a class Trainable (a folder path)."""
+    path = checkpoint if isinstance(checkpoint, str) else checkpoint.path
+    with open(os.path.join(path, CHECKPOINT_FILE), "rb") as f:
+        return f.read()
+
+
+def _trainable_class(job: PackedJob):
+    """The class Trainable of :func:`packed` for ``job`` (see the module docstring)."""
     import ray
     from ray import tune
 
-    ctx = tune.get_context()
-    key = ctx.get_trial_id()
-    state = None
-    ckpt = tune.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            with open(os.path.join(d, CHECKPOINT_FILE), "rb") as f:
-                state = f.read()
-    handle, reply = _register(job, key, config, state)
-    if "unpackable" in reply:
-        log.warning("trial %s trains unpacked: %s", key, reply["unpackable"])
-        _run_plain(config, job)
-        return
-    units = int(reply["units"])
-    try:
-        while units < job.max_units:
-            # usually trained ahead while Tune processed the previous report (coordinator.py);
-            # the state comes with the units the coordinator's checkpoint_every rule names
-            metrics, blob = ray.get(handle.unit.remote(key))
-            units = int(metrics["units"])
+    from jabasray.tuner.coordinator import NotLoaded
+
+    class PackedTrial(tune.Trainable):
+        """One configuration: ``step()`` is one unit trained with the device's other members
+        through its packing coordinator; ``save_checkpoint`` fetches the member's state only
+        when Tune asks; ``reset_config`` swaps the member (``reuse_actors=True``);
+        ``cleanup`` frees it (Tune stopped, paused or finished the trial)."""
+
+        def setup(self, config: dict) -> None:
+            self._key: str | None = None
+            self._handle = None
+            self._plain = None                     # PlainMember: an unpackable model
+            self._state: bytes | None = None       # to load from (a restored checkpoint)
+            self._final: bytes | None = None       # the state after max_units (came with the unit)
+            self._units = 0
+
+        # -- membership ----------------------------------------------------------------------
+        def _join(self) -> None:
+            """Pack's ``load`` (lazily: Tune restores a checkpoint after ``setup``)."""
+            self._key = self.trial_id
+            handle, reply = _register(job, self._key, self.config, self._state)
+            if "unpackable" in reply:
+                import cloudpickle
+                import torch
+
+                from jabasray.tuner.pack_runner import state_from_bytes
+                from jabasray.tuner.trainable import PlainMember
+
+                log.warning("trial %s trains unpacked: %s", self._key, reply["unpackable"])
+                torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
+                self._plain = PlainMember(cloudpickle.loads(job.spec_blob), self.config, job.stream_batch,
+                                          state_from_bytes(self._state) if self._state else None)
+                self._units = self._plain.units
+                return
+            self._handle, self._units = handle, int(reply["units"])
+
+        def _leave(self) -> None:
+            """Pack's ``free`` (fire and forget: the coordinator drops the member)."""
+            if self._handle is not None:
+                self._handle.free.remote(self._key)
+            self._handle = self._plain = None
+
+        # -- Tune's Trainable API --------------------------------------------------------------
+        def step(self) -> dict:
+            if self._handle is None and self._plain is None:
+                self._join()
+            if self._plain is not None:
+                metrics = self._plain.unit()
+            else:
+                try:
+                    # usually trained ahead while Tune processed the previous result
+                    metrics, blob = ray.get(self._handle.unit.remote(self._key))
+                except (NotLoaded, ray.exceptions.RayActorError) as e:
+                    # set aside and dropped, or the coordinator exited while this trial was
+                    # away: load again from the last checkpoint Tune has of it
+                    log.info("trial %s re-joins a pack from its last checkpoint (%s)", self._key, type(e).__name__)
+                    self._handle = None
+                    self._join()
+                    metrics, blob = ray.get(self._handle.unit.remote(self._key))
+                if blob is not None:
+                    self._final = blob
+            self._units = int(metrics["units"])
+            out = dict(metrics)
+            if self._units >= job.max_units:
+                out[tune.result.DONE] = True
+            return out
+
+        def save_checkpoint(self, checkpoint_dir: str):
+            if self._plain is not None:
+                from jabasray.tuner.pack_runner import state_to_bytes
+                blob = state_to_bytes(self._plain.state())
+            elif self._handle is None:
+                blob = self._state                 # restored and not trained since
+            elif self._final is not None and self._units >= job.max_units:
+                blob = self._final                 # the last unit brought it
+            else:
+                blob = ray.get(self._handle.state.remote(self._key))
             if blob is None:
-                tune.report(metrics)
-                continue
-            with tempfile.TemporaryDirectory() as d:
-                with open(os.path.join(d, CHECKPOINT_FILE), "wb") as f:
-                    f.write(blob)
-                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
-    finally:
-        handle.free.remote(key)                     # stop, pause, error or done: Pack's free
+                raise ValueError(f"trial {self.trial_id} has no state to save before its first unit")
+            with open(os.path.join(checkpoint_dir, CHECKPOINT_FILE), "wb") as f:
+                f.write(blob)
+            return None
 
+        def load_checkpoint(self, checkpoint) -> None:
+            self._state = _read_checkpoint(checkpoint)
+            if self._handle is not None or self._plain is not None:   # re-load the member from it
+                self._leave()
+                self._join()
 
-def _run_plain(config: dict, job: PackedJob) -> None:
-    import cloudpickle
-    import torch
+        def reset_config(self, new_config: dict) -> bool:
+            self._leave()
+            self.config = dict(new_config)
+            self._state = self._final = None
+            self._units = 0
+            return True
 
-    from jabasray.tuner.trainable import train_plain
+        def cleanup(self) -> None:
+            self._leave()
 
-    torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
-    every = job.checkpoint_every
-    ckpt_at = {u for u in range(1, job.max_units + 1) if checkpoint_due(u, job.max_units, every)}
-    train_plain(cloudpickle.loads(job.spec_blob), config, job.stream_batch, job.max_units, ckpt_at=ckpt_at)
+    PackedTrial.__name__ = PackedTrial.__qualname__ = "packed_trial"
+    return PackedTrial
 
 
 def coordinator_stats(release: bool = False) -> dict[str, dict]:
@@ -390,10 +456,16 @@ def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
 class PackedHyperband:
     """Packed Hyperband for ``tune.Tuner`` (Pack paper, 5.2): Tune's ``HyperBandScheduler``
     (with the finished-bracket fix of :mod:`jabasray.tuner.schedulers`) with ``max_t=R`` and
-    ``reduction_factor=eta`` (whose brackets are Li et al.'s, see
-    :mod:`jabasray.tuner.brackets`) and a :func:`SimilaritySearch` that samples each bracket's
+    ``reduction_factor=eta`` and a :func:`SimilaritySearch` that samples each bracket's
     ``n`` configurations at once and emits them in kNN groups of ``members_per_device`` --
     ``pack_opt(T)`` of the bracket -- so each bracket's configurations arrive pack by pack.
+
+    The brackets are TUNE's: the same ``s_max``, bracket sizes and rung lengths as Li et al.
+    (Algorithm 1) for R a power of eta, but Tune keeps ``ceil(n_i / eta)`` configurations per
+    halving where Li et al. keep ``floor`` (R = 81, s = 3: 34 -> 12 -> 4 -> 2 instead of
+    34 -> 11 -> 3 -> 1; :func:`~jabasray.tuner.brackets.hyperband_schedule` with
+    ``halving="ceil"`` lists them). We keep Tune's scheduler, so a packed sweep and an
+    unpacked one under Tune's own ``HyperBandScheduler`` make the same decisions.
 
     Pass ``scheduler``, ``search_alg``, ``num_samples`` (one Hyperband iteration) and
     ``max_concurrent_trials`` to ``tune.TuneConfig`` (or call :meth:`tune_config`).
@@ -403,10 +475,11 @@ class PackedHyperband:
                  points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
         from jabasray.tuner.schedulers import hyperband_scheduler
 
-        brackets = hyperband_schedule(R, eta)
+        brackets = hyperband_schedule(R, eta, halving="ceil")
         if R != eta ** (len(brackets) - 1):
-            raise ValueError(f"R must be a power of eta for Tune's HyperBandScheduler brackets to be "
-                             f"Li et al.'s, got R={R}, eta={eta}")
+            raise ValueError(f"R must be a power of eta (Tune's HyperBandScheduler rounds log_eta R, "
+                             f"so its brackets are the ones listed only then), got R={R}, eta={eta}")
+        self.brackets = brackets
         # Tune fills brackets from s = 0 (fewest configurations, most units) upwards
         self.bracket_sizes = [b.num_configs for b in reversed(brackets)]
         self.num_samples = sum(self.bracket_sizes)

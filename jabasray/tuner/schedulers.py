@@ -19,6 +19,18 @@ or reports in that window -- is not PAUSED yet when ``cleanup_full`` looks, and 
 again (seen with packed trials at R = 81: one trial left PAUSED at ``max_t`` in a finished
 bracket). So the subclass also sweeps every finished bracket for PAUSED trials whenever the
 controller asks it for a trial to run (:meth:`choose_trial_to_run`, every controller step).
+
+Neither sweep may run INSIDE Tune's own bracket processing: ``_process_bracket`` stops the bad
+trials of a halving one by one (``stop_trial`` -> ``on_trial_remove``) and then walks the good
+ones. When the halving it performs is the bracket's last and every trial left has already
+reached ``max_t`` (a trial whose time attribute oversteps the rung, e.g. ``time_total_s`` or a
+trainable that reports past a rung), the bracket is ``finished()`` as soon as the first bad
+trial is removed; sweeping then would stop trials Tune is still iterating over, and Tune
+raises ``TuneError: Trial with unexpected bad status encountered: ... is TERMINATED``. So the
+subclass marks its own ``_process_bracket`` calls and sweeps only outside them; every decision
+is otherwise Tune's (same brackets -- Tune keeps ``ceil(n / eta)`` trials per halving, see
+:mod:`jabasray.tuner.brackets` --, same halving, same handling of errored, early-ended and
+late-added trials).
 Ray is imported lazily, like the rest of :mod:`jabasray.tuner`.
 """
 from __future__ import annotations
@@ -36,18 +48,35 @@ def _make_class():
     class FinishingHyperBand(HyperBandScheduler):
         """``HyperBandScheduler`` whose finished brackets never keep paused trials."""
 
+        _sweeping_off = 0          # > 0 while Tune's own bracket processing (or a sweep) runs
+
+        def _process_bracket(self, tune_controller, bracket):
+            self._sweeping_off += 1
+            try:
+                return super()._process_bracket(tune_controller, bracket)
+            finally:
+                self._sweeping_off -= 1
+
         def on_trial_remove(self, tune_controller, trial) -> None:
             bracket, _ = self._trial_info[trial]
             super().on_trial_remove(tune_controller, trial)
-            if bracket.finished():
-                _stop_paused(tune_controller, bracket, f"when trial {trial} ended")
+            if bracket.finished() and not self._sweeping_off:
+                self._sweep(tune_controller, bracket, f"when trial {trial} ended")
 
         def choose_trial_to_run(self, tune_controller):
-            for band in self._hyperbands:
-                for bracket in band:
-                    if bracket is not None and bracket.finished():
-                        _stop_paused(tune_controller, bracket, "after its last pause completed")
+            if not self._sweeping_off:
+                for band in self._hyperbands:
+                    for bracket in band:
+                        if bracket is not None and bracket.finished():
+                            self._sweep(tune_controller, bracket, "after its last pause completed")
             return super().choose_trial_to_run(tune_controller)
+
+        def _sweep(self, tune_controller, bracket, when: str) -> None:
+            self._sweeping_off += 1
+            try:
+                _stop_paused(tune_controller, bracket, when)
+            finally:
+                self._sweeping_off -= 1
 
     def _stop_paused(tune_controller, bracket, when: str) -> None:
         """``cleanup_full`` (stops the bracket's PAUSED trials), logged when it stops any."""

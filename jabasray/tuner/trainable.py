@@ -18,7 +18,7 @@ from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, c
                                      load_member_state, member_state)
 from jabasray.validation import check_int
 
-__all__ = ["make_trainable", "train_plain"]
+__all__ = ["make_trainable", "train_plain", "PlainMember"]
 
 
 def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
@@ -91,3 +91,38 @@ def train_plain(spec: TrainingSpec, config: dict[str, Any], stream_batch: int, m
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
         else:
             tune.report(metrics)
+
+
+class PlainMember:
+    """ONE configuration trained unit by unit in the calling process (the fallback of a packed
+    trial whose model cannot be stacked): the same shared-stream batches and initial weights
+    as a packed member, the same metrics row and checkpoint contents."""
+
+    def __init__(self, spec: TrainingSpec, config: dict[str, Any], stream_batch: int,
+                 state: dict | None = None) -> None:
+        self.spec = spec
+        train, self.val = cached_data(spec)
+        self.stream = SharedStream(train, stream_batch, spec.seed, spec.device)
+        self.model, self.opt = build_member(spec, config)
+        self.b = spec.batch_size_of(config)
+        self.step = load_member_state(self.model, self.opt, state) if state else 0
+
+    @property
+    def units(self) -> int:
+        return self.step // self.spec.steps_per_unit
+
+    def unit(self) -> dict:
+        total = 0.0
+        for _ in range(self.spec.steps_per_unit):
+            x, y = self.stream.batch(self.step, self.b)
+            self.opt.zero_grad()
+            loss = self.spec.loss_fn(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            total += loss.detach().double()
+            self.step += 1
+        return {self.spec.metric: float(self.spec.metric_fn(self.model, self.val)),
+                "train_loss": float(total) / self.spec.steps_per_unit, "steps": self.step, "units": self.units}
+
+    def state(self) -> dict:
+        return {**member_state(self.model, self.opt, self.step), "units": self.units}

@@ -16,6 +16,13 @@ is "sliced and ignored". A configuration therefore sees exactly the same batches
 trains alone or in any pack, which is what makes packed and unpacked search agree. (For
 ``b < stream_batch`` an "epoch" visits only ``b / stream_batch`` of the data; that is the
 paper's slicing semantics.)
+
+Data: ``data_fn()`` returns ``(train, validation)``, each any map-style ``Dataset`` (``len``
+and integer indexing) whose samples are ``(inputs, target)`` pairs. A ``TensorDataset`` is
+indexed on the device in one gather per chunk (the fast path); any other dataset is read
+sample by sample (``dataset[i]`` for the chunk's indices) and collated with torch's
+``default_collate``, so a chunk is the same batch whichever form holds the data.
+``validation`` is handed to ``metric_fn`` as it is.
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+from torch.utils.data import default_collate
 
 from jabasray.validation import check_choice, check_int
 
@@ -46,8 +54,8 @@ class TrainingSpec:
     """
     model_fn: Callable[[Config], nn.Module]                          # config -> fresh model
     optimizer_fn: Callable[[Config, nn.Module], torch.optim.Optimizer]   # config, model -> optimizer
-    data_fn: Callable[[], tuple[TensorDataset, TensorDataset]]       # () -> (train, validation)
-    metric_fn: Callable[[nn.Module, TensorDataset], float]           # model, validation -> metric
+    data_fn: Callable[[], tuple[Dataset, Dataset]]                   # () -> (train, validation), map-style
+    metric_fn: Callable[[nn.Module, Dataset], float]                 # model, validation -> metric
     batch_size: str | Callable[[Config], int] = "batch_size"          # config key or function
     metric: str = "accuracy"                                          # name of metric_fn's value
     mode: str = "max"                                                 # "max" or "min"
@@ -90,7 +98,7 @@ def build_member(spec: TrainingSpec, config: Config) -> tuple[nn.Module, torch.o
 _DATA_CACHE: dict[tuple, Any] = {}
 
 
-def cached_data(spec: TrainingSpec) -> tuple[TensorDataset, TensorDataset]:
+def cached_data(spec: TrainingSpec) -> tuple[Dataset, Dataset]:
     """``spec.data_fn()`` once per process (the driver, or a trial worker given no data);
     only the latest spec's data is kept."""
     fn = spec.data_fn
@@ -111,14 +119,30 @@ def load_member_state(model: nn.Module, optimizer: torch.optim.Optimizer, state:
     return int(state["steps"])
 
 
+def check_map_style(name: str, dataset: Any) -> None:
+    """One-line ValueError unless ``dataset`` is a map-style dataset (``len`` and indexing)."""
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"{name} must be a map-style Dataset (len() and dataset[i] -> (inputs, target)), "
+                         f"got {type(dataset).__name__}")
+
+
 class SharedStream:
-    """Deterministic stream of ``stream_batch``-sample chunks over a TensorDataset (see the
+    """Deterministic stream of ``stream_batch``-sample chunks over a map-style dataset (see the
     module docstring). ``batch(j)`` is chunk ``j``; it is a pure function of (seed, j)."""
 
-    def __init__(self, dataset: TensorDataset, stream_batch: int, seed: int = 0,
+    def __init__(self, dataset: Dataset, stream_batch: int, seed: int = 0,
                  device: str | torch.device = "cpu") -> None:
-        self.x, self.y = (t.to(device) for t in dataset.tensors[:2])
-        n = len(self.y)
+        check_map_style("the training dataset (data_fn()[0])", dataset)
+        self.device = torch.device(device)
+        if isinstance(dataset, TensorDataset):
+            self.x, self.y = (t.to(device) for t in dataset.tensors[:2])
+            self.dataset = None
+            n = len(self.y)
+        else:
+            self.x = self.y = None
+            self.dataset = dataset
+            n = len(dataset)
+        self.n = n
         self.stream_batch = check_int("stream_batch", stream_batch, min_value=1, max_value=n)
         self.steps_per_epoch = n // stream_batch
         self.seed = seed
@@ -128,7 +152,8 @@ class SharedStream:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._perm = torch.from_numpy(rng.permutation(len(self.y))).to(self.x.device)
+            perm = torch.from_numpy(rng.permutation(self.n))
+            self._perm = perm.to(self.x.device) if self.dataset is None else perm
             self._perm_epoch = epoch
         return self._perm
 
@@ -137,4 +162,12 @@ class SharedStream:
         epoch, k = divmod(step, self.steps_per_epoch)
         lo = k * self.stream_batch
         idx = self._permutation(epoch)[lo:lo + (self.stream_batch if size is None else size)]
-        return self.x[idx], self.y[idx]
+        if self.dataset is None:
+            return self.x[idx], self.y[idx]
+        sample = default_collate([self.dataset[i] for i in idx.tolist()])
+        if not isinstance(sample, (list, tuple)) or len(sample) < 2:
+            raise ValueError(f"samples of the training dataset must be (inputs, target) pairs, got "
+                             f"{type(self.dataset[0]).__name__}")
+        x, y = sample[0], sample[1]
+        non_blocking = self.device.type == "cuda"
+        return x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking)

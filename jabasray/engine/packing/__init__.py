@@ -33,7 +33,9 @@ member reads it):
   :func:`.fused.sgd_step`, :func:`.fused.adam_step`, :func:`.fused.adagrad_step`) runs once on the stacked
   tensors with per-member hyperparameters broadcast as ``[G, 1, ...]`` tensors. The
   hyperparameters are read from each member's ``optimizer.param_groups`` at every step, so LR
-  schedulers attached to a member's optimizer keep working. Any other optimizer (or an
+  schedulers attached to a member's optimizer keep working; their device columns are cached
+  and rebuilt only when a value changes, and Adam's/Adagrad's step-dependent factors are
+  computed on the device, so a steady-state step makes no host sync. Any other optimizer (or an
   unsupported flag such as ``amsgrad``/``maximize``) is stepped by the member's own
   ``optimizer.step()`` on gradient views: exact by construction, just not fused.
 * Members with buffers (BatchNorm running stats) or dropout are not vmapped: they run

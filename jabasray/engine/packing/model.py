@@ -10,11 +10,11 @@ from torch import nn
 from torch.func import functional_call
 
 from jabasray.engine.packing.folded import NotFoldable, build_folded, foldable
-from jabasray.engine.packing.fused import adagrad_step, adam_step, col, sgd_step
+from jabasray.engine.packing.fused import adagrad_step, adam_step, sgd_step
 from jabasray.engine.packing.keys import (activation_signature, architecture_key, batchable,
                                           optimizer_kind, structure_key)
-from jabasray.engine.packing.state import (_Group, _Member, _Run, flush_run, grouped_cross_entropy,
-                                           read_state)
+from jabasray.engine.packing.state import (STEP_COUNTED, _Group, _Member, _Run, flush_run,
+                                           grouped_cross_entropy, read_state, write_member)
 from jabasray.validation import check_choice, check_int
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class PackedModel:
         self._groups: list[_Group] = []
         self._relax = True          # batch members differing only in activations (folded path)
         self._next_id = 0
+        self._order: torch.Tensor | None = None    # losses -> member-id order, per (re)build
         self.device: torch.device | None = None
 
     # -- public API --------------------------------------------------------------------------
@@ -121,6 +122,24 @@ class PackedModel:
         self._build()
         return m.model, m.optimizer
 
+    def update(self, free: Sequence[int] = (),
+               load: Sequence[tuple[nn.Module, torch.optim.Optimizer, int]] = ()) -> list[int]:
+        """Free the members ``free`` and load the ``(model, optimizer, batch_size)`` members
+        ``load`` with ONE write-back and ONE restack (joins and leaves of a unit boundary
+        applied together); returns the new members' ids. The freed members' modules and
+        optimizers hold their trained state, as after :meth:`free`."""
+        for mid in free:
+            self._get(mid)
+        for k, (model, optimizer, b) in enumerate(load):
+            check_int(f"load[{k}] batch_size", b, min_value=1)
+            self._check_member(model, optimizer)
+        self._flush()
+        for mid in free:
+            del self._members[mid]
+        ids = [self._add(model, optimizer, int(b)) for model, optimizer, b in load]
+        self._build()
+        return ids
+
     def _flush(self) -> None:
         """Write stacked weights/state back into every member (params get their own storage)."""
         with torch.no_grad():
@@ -135,6 +154,20 @@ class PackedModel:
         and optimizer (their ``state_dict``s are then current); the pack goes on."""
         self._flush()
         self._build()
+
+    def member_state(self, member: int) -> tuple[dict, dict]:
+        """``(model.state_dict(), optimizer.state_dict())`` of one member, read from its rows
+        of the stacked storage WITHOUT a restack (the pack goes on untouched). Every tensor is
+        a copy owning its storage: a saved state holds this member's tensors only, whatever
+        the pack's size (a view into the stacked ``[G, P]`` storage would save all of it)."""
+        m = self._get(member)
+        with torch.no_grad():
+            for g in self._groups:
+                if g.batched and m in g.members:
+                    k = g.members.index(m)
+                    run = next(r for r in g.runs if r.lo <= k < r.hi)
+                    write_member(g, run, k - run.lo, weights=False)
+            return _owned(m.model.state_dict()), _owned(m.optimizer.state_dict())
 
     def free_all(self) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
         """Free every member (in :attr:`member_ids` order)."""
@@ -199,7 +232,9 @@ class PackedModel:
         losses = flat.detach()
         if ids != self.member_ids:                 # report in member-id order
             pos = {mid: i for i, mid in enumerate(ids)}
-            losses = losses[torch.tensor([pos[i] for i in self.member_ids], device=losses.device)]
+            if self._order is None or self._order.device != losses.device:   # once per (re)build
+                self._order = torch.tensor([pos[i] for i in self.member_ids], device=losses.device)
+            losses = losses[self._order]
         return losses
 
     # -- internals ---------------------------------------------------------------------------
@@ -261,6 +296,7 @@ class PackedModel:
             members = sorted(members, key=lambda m: (m.kind, m.acts, m.id))
             groups.append(self._stack(members))
         self._groups = groups
+        self._order = None
         log.debug("pack regrouped: %s", self.groups())
 
     def _stack(self, members: list[_Member]) -> _Group:
@@ -313,6 +349,11 @@ class PackedModel:
             self._step_run(g, run)
 
     def _step_run(self, g: _Group, run: _Run) -> None:
+        """One fused update of the run's rows. Hyper-parameters come from each member's
+        ``param_groups`` (LR schedulers keep working) but live on the device as cached
+        ``[G, 1]`` columns (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are
+        computed on the device from a device step counter -- as torch's ``capturable``
+        optimizers do --, so a steady-state step copies nothing from the host (no host sync)."""
         members = g.members[run.lo:run.hi]
         hp = [m.optimizer.param_groups[0] for m in members]
         p, grad = g.flat.data[run.lo:run.hi], g.gflat[run.lo:run.hi]
@@ -323,8 +364,8 @@ class PackedModel:
                     named[n].grad = g.param_view(k, n, g.gflat)
                 m.optimizer.step()
             return
-        use_wd = any(h["weight_decay"] != 0 for h in hp)
-        wd = col([h["weight_decay"] for h in hp], p) if use_wd else None
+        c = self._columns(run, hp, p)
+        wd = c.get("wd")
         if run.kind.startswith("sgd"):
             moms = [h["momentum"] for h in hp]
             has_state = "buf" in run.state
@@ -332,48 +373,99 @@ class PackedModel:
                 run.state["buf"] = torch.zeros_like(p)
             if any(moms) and (not all(moms) or len({bool(h["nesterov"]) for h in hp}) != 1
                               or not has_state):
-                self._sgd_mixed(run, p, grad, hp)
+                self._sgd_mixed(run, p, grad, hp, c)
             elif any(moms):
-                sgd_step(p, grad, run.state["buf"], run.has_buf, col([h["lr"] for h in hp], p),
-                          col(moms, p), col([1 - h["dampening"] for h in hp], p), wd,
-                          bool(hp[0]["nesterov"]))
+                sgd_step(p, grad, run.state["buf"], run.has_buf, c["lr"], c["momentum"],
+                          c["one_minus_dampening"], wd, bool(hp[0]["nesterov"]))
                 run.has_buf = True
             else:
-                sgd_step(p, grad, None, False, col([h["lr"] for h in hp], p), None, None, wd, False)
+                sgd_step(p, grad, None, False, c["lr"], None, None, wd, False)
         elif run.kind == "adam":
-            run.steps = [s + 1 for s in run.steps]
-            b1 = [h["betas"][0] for h in hp]
-            b2 = [h["betas"][1] for h in hp]
-            # Python-double scalar arithmetic exactly as torch's _single_tensor_adam
-            step_size = [h["lr"] / (1 - bb1 ** t) for h, bb1, t in zip(hp, b1, run.steps)]
-            bc2_sqrt = [(1 - bb2 ** t) ** 0.5 for bb2, t in zip(b2, run.steps)]
-            adam_step(p, grad, run.state["m"], run.state["v"], col([1 - b for b in b1], p),
-                       col(b2, p), col([1 - b for b in b2], p), col(step_size, p),
-                       col(bc2_sqrt, p), col([h["eps"] for h in hp], p), wd)
+            run.steps = [s + 1 for s in run.steps]           # host copy (checkpoints): no sync
+            run.t.add_(1)
+            # torch's _single_tensor_adam computes these in Python doubles; here in float64 on
+            # the device, rounded to the parameters' dtype as a Python scalar argument would be
+            step_size = (c["lr64"] / (1 - torch.pow(c["b1_64"], run.t))).to(p.dtype)
+            bc2_sqrt = (1 - torch.pow(c["b2_64"], run.t)).sqrt_().to(p.dtype)
+            adam_step(p, grad, run.state["m"], run.state["v"], c["one_minus_b1"], c["b2"],
+                       c["one_minus_b2"], step_size, bc2_sqrt, c["eps"], wd)
         elif run.kind == "adagrad":
             run.steps = [s + 1 for s in run.steps]
-            clr = [h["lr"] / (1 + (t - 1) * h["lr_decay"]) for h, t in zip(hp, run.steps)]
-            adagrad_step(p, grad, run.state["sum"], col(clr, p), col([h["eps"] for h in hp], p), wd)
+            run.t.add_(1)
+            clr = (c["lr64"] / (1 + (run.t - 1) * c["lr_decay64"])).to(p.dtype)
+            adagrad_step(p, grad, run.state["sum"], clr, c["eps"], wd)
 
     @staticmethod
-    def _sgd_mixed(run: _Run, p: torch.Tensor, grad: torch.Tensor, hp: list[dict]) -> None:
-        """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time."""
+    def _columns(run: _Run, hp: list[dict], p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The run's hyper-parameters as device columns, built when they change (one
+        host -> device copy then, none in steady state). Reading ``param_groups`` is Python
+        only (see :func:`_plain` for tensor hyper-parameters)."""
+        names = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps", "lr_decay")
+        key = tuple(tuple(_plain(h.get(n)) for n in names) for h in hp)
+        if key == run.hp_key and (run.t is not None or run.kind not in STEP_COUNTED):
+            return run.cols
+        dt, dev = p.dtype, p.device
+
+        def col(vals, dtype=dt):
+            return torch.tensor(list(vals), dtype=dtype, device=dev).view(-1, 1)
+
+        lr = [_plain(h["lr"]) for h in hp]
+        c: dict[str, torch.Tensor] = {"lr": col(lr)}
+        if any(h["weight_decay"] != 0 for h in hp):
+            c["wd"] = col(_plain(h["weight_decay"]) for h in hp)
+        if run.kind.startswith("sgd"):
+            c["momentum"] = col(h["momentum"] for h in hp)
+            c["one_minus_dampening"] = col(1 - h["dampening"] for h in hp)
+        elif run.kind == "adam":
+            b1, b2 = [h["betas"][0] for h in hp], [h["betas"][1] for h in hp]
+            c.update(lr64=col(lr, torch.float64), b1_64=col(b1, torch.float64), b2_64=col(b2, torch.float64),
+                     one_minus_b1=col(1 - b for b in b1), b2=col(b2), one_minus_b2=col(1 - b for b in b2),
+                     eps=col(h["eps"] for h in hp))
+        elif run.kind == "adagrad":
+            c.update(lr64=col(lr, torch.float64), lr_decay64=col((h["lr_decay"] for h in hp), torch.float64),
+                     eps=col(h["eps"] for h in hp))
+        if run.kind in STEP_COUNTED and run.t is None:
+            run.t = col(run.steps, torch.float64)
+        run.hp_key, run.cols = key, c
+        return c
+
+    @staticmethod
+    def _sgd_mixed(run: _Run, p: torch.Tensor, grad: torch.Tensor, hp: list[dict],
+                   c: dict[str, torch.Tensor]) -> None:
+        """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time (the
+        rows' hyper-parameters are views of the cached device columns)."""
         buf = run.state["buf"]
         flags = run.row_has_buf = run.row_flags()
-
-        def one(v: float) -> torch.Tensor:
-            return torch.tensor(v, dtype=p.dtype, device=p.device)
-
         for r, h in enumerate(hp):
-            wd = one(h["weight_decay"]) if h["weight_decay"] != 0 else None
+            wd = c["wd"][r] if h["weight_decay"] != 0 else None
             if h["momentum"] != 0:
-                sgd_step(p[r], grad[r], buf[r], flags[r], one(h["lr"]), one(h["momentum"]),
-                          one(1 - h["dampening"]), wd, bool(h["nesterov"]))
+                sgd_step(p[r], grad[r], buf[r], flags[r], c["lr"][r], c["momentum"][r],
+                          c["one_minus_dampening"][r], wd, bool(h["nesterov"]))
                 flags[r] = True
             else:
-                sgd_step(p[r], grad[r], None, False, one(h["lr"]), None, None, wd, False)
+                sgd_step(p[r], grad[r], None, False, c["lr"][r], None, None, wd, False)
         run.has_buf = all(flags)
 
+
+def _plain(v):
+    """A hyper-parameter as a hashable Python value. A tensor hyper-parameter is read every
+    step (a host sync on a GPU): give Python numbers for a sync-free packed step."""
+    if isinstance(v, torch.Tensor):
+        return float(v)
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v
+
+
+def _owned(tree):
+    """A copy of a (nested) state dict whose tensors own their storage (detached clones)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return type(tree)((k, _owned(v)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_owned(v) for v in tree)
+    return tree
 
 
 class _Regroup(Exception):

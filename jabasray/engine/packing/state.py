@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["SLOT_KEYS", "STEP_COUNTED", "read_state", "flush_run", "grouped_cross_entropy"]
+__all__ = ["SLOT_KEYS", "STEP_COUNTED", "read_state", "flush_run", "write_member", "grouped_cross_entropy"]
 
 #: Fused optimizer kind -> {stacked slot name: ``torch.optim`` state key}. Plain ``"sgd"``
 #: gets a ``"buf"`` slot only when a member switches momentum on mid-pack.
@@ -50,6 +50,11 @@ class _Run:
     steps: list[int] = field(default_factory=list)        # per member (adam/adagrad)
     has_buf: bool = False                                 # sgd momentum buffers exist
     row_has_buf: list[bool] | None = None                 # per member, once a run mixes sgd flavours
+    # hyper-parameter columns on the device, rebuilt only when a member's param_groups change
+    # (the packed step then copies nothing host -> device: no host sync in steady state)
+    hp_key: tuple | None = None
+    cols: dict[str, torch.Tensor] = field(default_factory=dict)
+    t: torch.Tensor | None = None                         # [hi-lo, 1] float64 step counts (adam/adagrad)
 
     def row_flags(self) -> list[bool]:
         """Per-member "momentum buffer exists" flags (``has_buf`` for every row until a
@@ -141,29 +146,44 @@ def read_state(g: _Group, run: _Run, named: list[dict[str, nn.Parameter]]) -> No
         run.state[slot] = _gather(g, run, named, key)
 
 
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives ``state["step"]`` (``torch.optim.optimizer._get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 def flush_run(g: _Group, run: _Run) -> None:
     """Write the run's stacked weights, gradients and optimizer slots back into every member
     (parameters get their own storage again; state keys from :data:`SLOT_KEYS`)."""
+    for r in range(run.hi - run.lo):
+        write_member(g, run, r, weights=True)
+
+
+def write_member(g: _Group, run: _Run, r: int, weights: bool) -> None:
+    """Write row ``r`` of the run (member ``run.lo + r`` of the group) back into that member:
+    its optimizer slots (cloned: the member's state owns its storage) and, with ``weights``,
+    its parameters and gradients (then they no longer alias the stacked storage). Without
+    ``weights`` the pack goes on unchanged: the member's module keeps aliasing its rows."""
     flags = run.row_flags()
     slots = {s: k for s, k in SLOT_KEYS.get(run.kind, {}).items() if s in run.state}
-    for r, k in enumerate(range(run.lo, run.hi)):
-        m = g.members[k]
-        named = dict(m.model.named_parameters())
-        opt = m.optimizer
-        if run.kind.startswith("sgd"):       # a buffer only where the member has taken one
-            has_state = flags[r] and opt.param_groups[0].get("momentum", 0) != 0
-        elif run.kind == "adam":
-            has_state = run.steps[r] > 0
-        else:
-            has_state = run.kind == "adagrad"
-        for n in g.names:
-            p = named[n]
+    k = run.lo + r
+    m = g.members[k]
+    named = dict(m.model.named_parameters())
+    opt = m.optimizer
+    if run.kind.startswith("sgd"):       # a buffer only where the member has taken one
+        has_state = flags[r] and opt.param_groups[0].get("momentum", 0) != 0
+    elif run.kind == "adam":
+        has_state = run.steps[r] > 0
+    else:
+        has_state = run.kind == "adagrad"
+    for n in g.names:
+        p = named[n]
+        if weights:
             p.data = g.param_view(k, n).clone()
             p.grad = g.param_view(k, n, g.gflat).clone()
-            if not has_state:
-                continue
-            st = opt.state[p]
-            if run.kind in STEP_COUNTED:
-                st["step"] = torch.tensor(float(run.steps[r]), dtype=torch.float32)
-            for slot, key in slots.items():
-                st[key] = g.param_view(r, n, run.state[slot]).clone()
+        if not has_state:
+            continue
+        st = opt.state[p]
+        if run.kind in STEP_COUNTED:
+            st["step"] = torch.tensor(float(run.steps[r]), dtype=_scalar_dtype())
+        for slot, key in slots.items():
+            st[key] = g.param_view(r, n, run.state[slot]).clone()

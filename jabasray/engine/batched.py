@@ -1,0 +1,72 @@
+"""Batched VSW execution: when it is exact, and how the VSWs' micro-batches become one batch.
+
+After one-way weight sync (JABAS/IIDP section 4) all ``n`` VSWs of a device hold the same
+weights, so GA round ``j`` of the ``n`` VSWs (VSW ``v`` takes micro-batch ``v*(n_GA+1) + j``)
+is ONE forward/backward over the ``n`` micro-batches side by side. With a step whose loss is
+a per-sample mean over equal local batches of ``B_L`` samples,
+
+    L_joint = 1/(n B_L) sum_v sum_{i in v} l_i = (1/n) sum_v L_v,
+
+so ``n * L_joint`` back-propagates exactly ``sum_v grad L_v``, IIDP's local sum of the
+decoupled workers' gradients (the update then divides by the global number of decoupled
+workers, as per-VSW execution does). BatchNorm stays per VSW (:mod:`.vsw_norm`). GA rounds
+accumulate in place (activation memory as for ``n`` concurrent VSWs, not ``n*(n_GA+1)``).
+
+:func:`batch_fallback_reason` says why a step cannot run batched (then it runs per VSW);
+:func:`join_batches` INTERLEAVES the round's micro-batches (row ``b*n + v`` = sample ``b`` of
+VSW ``v``): one copy of the inputs, which lets every BatchNorm view its activations as
+``[B_L, n*C, ...]`` without a copy (:mod:`.vsw_norm`); every other layer is per sample and
+indifferent to the order of rows, and so is a per-sample-mean loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .loader import _is_per_sample
+
+
+def batch_fallback_reason(num_vsw: int, ragged: bool, per_sample_loss: bool,
+                          coupling: Sequence[str], forced: str | None) -> str | None:
+    """Why this step runs per VSW, or ``None`` when batched execution is exact.
+
+    ``forced``: the per-VSW scheme the user forced (``vsw_execution``), ``None`` for "auto".
+    """
+    if forced is not None:
+        return f"vsw_execution={forced!r} forces per-VSW execution"
+    if ragged:                           # (each micro-batch weighted by its size)
+        return "ragged step (micro-batches of unequal size)"
+    if num_vsw == 1:
+        return None                      # one VSW: batched and per-VSW are the same pass
+    if not per_sample_loss:
+        return "per_sample_loss=False (the step's loss is not a per-sample mean)"
+    if coupling:
+        return "batch-coupled modules " + ", ".join(coupling[:3]) + (" ..." if len(coupling) > 3 else "")
+    return None
+
+
+def join_batches(parts: Sequence[Any]) -> Any:
+    """Interleave ``n`` equal-size micro-batches along the sample dimension (structure kept):
+    row ``b*n + v`` of the result is row ``b`` of ``parts[v]``. Tensors by ``torch.stack`` on
+    dim 1 (one copy; a single part is returned as it is), lists/tuples/dicts element-wise,
+    collated lists of plain values likewise. ``ValueError`` for anything else."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise ValueError("a 0-d tensor in a micro-batch cannot be joined")
+        if len(parts) == 1:
+            return first
+        rows = {int(p.shape[0]) for p in parts}
+        if len(rows) != 1:
+            raise ValueError(f"micro-batches of unequal size {sorted(rows)} cannot be interleaved")
+        return torch.stack(list(parts), dim=1).reshape(len(parts) * rows.pop(), *first.shape[1:])
+    if isinstance(first, Mapping):
+        return {k: join_batches([p[k] for p in parts]) for k in first}
+    if isinstance(first, (list, tuple)):
+        if _is_per_sample(first):
+            if len({len(p) for p in parts}) != 1:
+                raise ValueError("micro-batches of unequal size cannot be interleaved")
+            return type(first)(v for row in zip(*parts) for v in row)
+        return type(first)(join_batches([p[i] for p in parts]) for i in range(len(first)))
+    raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be joined")

@@ -1,0 +1,107 @@
+"""Ray Train habits of JabasTrainer.fit(): RunConfig's checkpoint_config / failure_config /
+callbacks, Ray's own RunConfig converted or refused, Ray's TBXLoggerCallback writing TensorBoard
+files read back by TensorBoard's own reader, one console line per epoch, a compact Result repr."""
+from __future__ import annotations
+
+import pytest
+
+from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from jabasray.actors.checkpoint import list_checkpoints
+from jabasray.actors.driver import DriverOptions
+from jabasray.actors.trainer import JabasTrainer
+from jabasray.config import CheckpointConfig, FailureConfig, JobConfig, RunConfig, run_config_from_ray
+from jabasray.types import ClusterSpec, NodeSpec
+
+CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
+JOB = JobConfig(epochs=3, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
+                min_local_batch=4, adapt_interval=2, autoscale=False, lr=0.05, seed=3)
+
+
+# ------------------------------------------------------------------ pure
+def test_checkpoint_config_schedule_and_values():
+    c = CheckpointConfig(checkpoint_frequency=2)
+    assert [e for e in range(1, 6) if c.due(e, 5)] == [2, 4, 5]      # every 2, and the final
+    assert [e for e in range(1, 4) if CheckpointConfig(checkpoint_frequency=0).due(e, 3)] == [3]
+    with pytest.raises(ValueError, match="num_to_keep must be"):
+        CheckpointConfig(num_to_keep=0)
+    with pytest.raises(ValueError, match="checkpoint_frequency must be"):
+        CheckpointConfig(checkpoint_frequency=-1)
+    with pytest.raises(ValueError, match="callbacks: int is not a callback"):
+        RunConfig(callbacks=[3])
+
+
+def test_ray_run_configs_are_converted_or_refused_in_one_line():
+    from ray import train, tune
+    from ray.tune.logger import TBXLoggerCallback
+
+    tbx = TBXLoggerCallback()
+    rc = run_config_from_ray(train.RunConfig(
+        name="x", storage_path="/tmp/somewhere",
+        checkpoint_config=train.CheckpointConfig(num_to_keep=3),
+        failure_config=train.FailureConfig(max_failures=2)))
+    assert rc == RunConfig(storage_path="/tmp/somewhere", name="x",
+                           checkpoint_config=CheckpointConfig(num_to_keep=3),
+                           failure_config=FailureConfig(max_failures=2))
+    # Ray's defaults mean Ray's defaults (keep all, no retries); its ~/ray_results is not ours;
+    # Tune's RunConfig carries the logger callbacks (Ray Train v2's takes only UserCallbacks)
+    rc = run_config_from_ray(tune.RunConfig(callbacks=[tbx], checkpoint_config=tune.CheckpointConfig(
+        checkpoint_frequency=2)))
+    assert (rc.storage_path, rc.name, rc.checkpoint_config, rc.failure_config, rc.callbacks) == (
+        "jabasray_runs", None, CheckpointConfig(num_to_keep=None, checkpoint_frequency=2),
+        FailureConfig(max_failures=0), (tbx,))
+    ds, _ = tiny_data(64)
+    for bad, named in ((tune.RunConfig(stop={"epoch": 2}), "stop"),
+                       (train.RunConfig(checkpoint_config=train.CheckpointConfig(
+                           checkpoint_score_attribute="acc")), "checkpoint_score_attribute")):
+        with pytest.raises(ValueError) as e:        # at construction, before any work
+            JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JOB, cluster=CLUSTER, run_config=bad)
+        assert "\n" not in str(e.value) and named in str(e.value)
+        assert str(e.value).startswith(f"run_config: {type(bad).__module__}.RunConfig sets ")
+    tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JOB, cluster=CLUSTER,
+                      run_config=train.RunConfig(storage_path="/tmp/x"))
+    assert tr.run_config.name.startswith("ray_train_run-")    # Ray Train v2 names its runs
+    assert tr.run_config.storage_path == "/tmp/x"
+
+
+# ------------------------------------------------------------------ fit() on Ray
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
+    """Three epochs, a checkpoint every 2 epochs (and the final), all kept; Ray's
+    TBXLoggerCallback from RunConfig.callbacks; fit() prints one line per epoch."""
+    from ray.tune.logger import TBXLoggerCallback
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ds, val = tiny_data(120)
+    rc = RunConfig(str(tmp_path), "habits", callbacks=[TBXLoggerCallback()],
+                   checkpoint_config=CheckpointConfig(num_to_keep=None, checkpoint_frequency=2))
+    capsys.readouterr()
+    result = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JOB, cluster=CLUSTER,
+                          run_config=rc, val_dataset=val, perf_model=perf_model(),
+                          options=DriverOptions(driver="local")).fit()
+    out = capsys.readouterr().out.splitlines()
+    epochs = result.history.epochs
+    # console: exactly one line per epoch, in order (no bar: stderr is not a terminal)
+    assert [ln.split(":")[0] for ln in out if ln.startswith("epoch ")] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert len(out) == 3
+    # checkpoints: the start (epoch 0), every 2nd epoch and the final one; nothing pruned
+    assert [c.epochs_done for c in list_checkpoints(result.storage)] == [0, 2, 3]
+    # a compact repr: the last metrics, the path, the checkpoint - not the history
+    text = repr(result)
+    assert len(text) < 700 and text.startswith("Result(metrics={'epoch': 2, ")
+    assert f"path={result.path!r}" in text and "checkpoint_000003" in text and "intervals" not in text
+    # TensorBoard files in the run folder, read back with TensorBoard's own reader
+    acc = EventAccumulator(str(result.storage.local_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"ray/tune/epoch/train_loss", "ray/tune/epoch/val_accuracy", "ray/tune/interval/loss",
+            "ray/tune/interval/global_batch"} <= tags
+    got = [e.value for e in acc.Scalars("ray/tune/epoch/train_loss")]
+    assert got == pytest.approx([e.train_loss for e in epochs], rel=1e-6)
+    got = [e.value for e in acc.Scalars("ray/tune/epoch/val_accuracy")]
+    assert got == pytest.approx([e.val_accuracy for e in epochs], rel=1e-6)
+    ivs = result.history.intervals
+    loss = acc.Scalars("ray/tune/interval/loss")
+    assert [e.value for e in loss] == pytest.approx([r.loss for r in ivs], rel=1e-6)
+    assert [e.step for e in loss] == [r.iteration + r.num_iterations for r in ivs]   # global iteration
+    assert [e.value for e in acc.Scalars("ray/tune/interval/global_batch")] == [r.global_batch for r in ivs]
