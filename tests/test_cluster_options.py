@@ -123,3 +123,20 @@ def test_shared_node_devices_pick_the_gpu_ray_assigned():
     assert DriverOptions(device="cuda", share_node_devices=True).share_node_devices is True
     with pytest.raises(ValueError, match="share_node_devices"):
         DriverOptions(share_node_devices="yes")
+
+
+def test_an_unfittable_contention_measurement_plans_like_none():
+    """A profile whose contention measurement shows no bandwidth (noise on a loaded host) plans
+    as the same profile without one, instead of failing every plan."""
+    from dataclasses import replace
+
+    from jabasray.planners.perf_model import PerfModel
+    from jabasray.profiles import ContentionMeasurement, synthetic_profile
+    base = synthetic_profile("g")
+    flat = ContentionMeasurement(num_workers=2, sizes=[262144.0, 1048576.0, 4194304.0],
+                                 comm_alone=[0.1, 0.1, 0.1], comm_overlapped=[0.1, 0.1, 0.1],
+                                 compute_alone=0.02, compute_overlapped=0.02, threads=1)
+    noisy = PerfModel({"g": replace(base, contention=flat)})
+    clean = PerfModel({"g": base})
+    assert noisy.overlap_slowdowns("g") is None
+    assert noisy.breakdown("g", base.local_batches[0], 1, 0) == clean.breakdown("g", base.local_batches[0], 1, 0)
