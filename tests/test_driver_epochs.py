@@ -56,7 +56,7 @@ class ScriptedPool:
     def configure(self, configs) -> None:
         pass
 
-    def train(self, req):
+    def train(self, req, deadline_s=None):
         run_batch = req.local_batch * sum(req.layout)
         end = min(N, req.cursor + req.num_iterations * run_batch)
         self.trained_on.append((req.epoch, tuple(sorted({s.node for s in self._slots}))))

@@ -267,3 +267,37 @@ def test_arriving_members_are_built_off_the_training_thread():
     seen = _run(scenario)
     assert len(seen["prepare"]) == len(seen["unit"]) == 1
     assert seen["add"] == seen["unit"] and seen["prepare"] != seen["unit"]
+
+
+def test_more_trials_than_slots_wait_for_a_seat_and_train_exactly():
+    """capacity 2, three trials: c's load waits (FIFO) until a leaves, then c is seated at the
+    next unit and trains as alone; at most 2 members ever share a unit."""
+    refs = {"b": Alone(B, SPEC), "c": Alone(A | {"lr": 3e-3}, SPEC)}
+
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        waiting = asyncio.ensure_future(c.load("c", A | {"lr": 3e-3}))
+        await asyncio.gather(c.unit("a"), c.unit("b"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and len(c.seat_waiters) == 1        # admitted, not seated
+        await c.free("a")
+        assert await waiting == {"units": 0}
+        await _until(lambda: c.units_run == 2 and not c.running)       # b's unit 2, ahead, alone
+        b2, _ = await c.unit("b")
+        rows = await asyncio.gather(c.unit("b"), c.unit("c"))         # b's 3rd with c's 1st
+        return b2, rows, c.stats()
+
+    b2, ((b3, _), (c1, _)), stats = _run(scenario, capacity=2, queue_s=30.0, max_units=5)
+    refs["b"].unit(0)
+    _check(b2, refs["b"].unit(2))
+    _check(b3, refs["b"].unit(4))
+    _check(c1, refs["c"].unit(4))                                       # joined at stream position 4
+    assert b3["pack_size"] == c1["pack_size"] == 2
+
+
+def test_without_a_queue_a_full_coordinator_answers_at_once():
+    async def scenario(c):
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        return await c.load("c", A | {"lr": 3e-3})
+
+    assert _run(scenario, capacity=2) == {"full": True}

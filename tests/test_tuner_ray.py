@@ -171,7 +171,7 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
     def counting(controller, trial, result):
         action = decide(controller, trial, result)
         if action == "PAUSE":
-            pauses.append(trial.trial_id)
+            pauses.append((trial.trial_id, result["units"]))
         return action
     hb.scheduler.on_trial_result = counting
     grid = _tuner(packed(SPEC, max_units=3, param_space=SPACE, members_per_device=3), tmp_path, "hb",
@@ -188,9 +188,13 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
     # Li et al.'s brackets for R = 3, eta = 3: 3 trials start at 1 unit and one of them goes on
     # to 3; 2 trials start at 3 units. So 2 trials run 1 unit, 3 trials run 3 (one was paused).
     assert sorted(len(seq) for seq in per_trial.values()) == [1, 1, 3, 3, 3]
-    # a checkpoint only when Tune asks: one per pause (no checkpoint_frequency, at_end off;
-    # the ASHA test checks one per end with checkpoint_at_end)
-    assert pauses and sorted(rec.saves) == sorted(pauses)
+    # a checkpoint only when Tune asks: at a pause (no checkpoint_frequency, at_end off; the
+    # ASHA test checks one per end with checkpoint_at_end). Tune may drop a pause's save when
+    # the bracket stops the trial while it saves; every trial that resumed was saved.
+    paused = [tid for tid, _ in pauses]
+    assert pauses and set(rec.saves) <= set(paused) and len(rec.saves) <= len(paused)
+    resumed = [tid for tid, u in pauses if len(per_trial[tid]) > u]
+    assert resumed and all(tid in rec.saves for tid in resumed)
 
 
 def test_coordinator_actor_with_a_set_aside_member_exits_when_idle(ray_session):

@@ -86,12 +86,15 @@ class PackCoordinator:
         run_ahead: train a unit as soon as every member claimed its previous one (True), or
             only once every member's trial has asked for it (False: the barrier waits for
             Tune's round trip of every trial, nothing is speculative).
+        queue_s: a :meth:`load` finding every slot taken waits up to this long for one (FIFO;
+            more trials admitted than slots: the next one is seated as soon as a member
+            leaves); 0: it answers ``{"full": True}`` at once.
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
                  threads: int = 1, device: str | None = None, wait_s: float = 2.0,
                  idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1,
-                 run_ahead: bool = True) -> None:
+                 run_ahead: bool = True, queue_s: float = 0.0) -> None:
         import dataclasses
 
         import cloudpickle
@@ -104,6 +107,8 @@ class PackCoordinator:
         self.max_units, self.checkpoint_every, self.run_ahead = max_units, checkpoint_every, run_ahead
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
         self.loader = ThreadPoolExecutor(1)        # builds arriving members off the training thread
+        self.queue_s = queue_s
+        self.seat_waiters: list[asyncio.Future] = []   # loads waiting for a free slot (FIFO)
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
         self.units: dict[str, int] = {}            # units each registered member has trained
@@ -197,8 +202,17 @@ class PackCoordinator:
         self.configs[key], self.units[key], self.token[key] = dict(config), 0, self.loads
         self.loading.add(key)
 
+    def _wake_seat(self) -> None:
+        """A slot was freed: the first load waiting for one tries again."""
+        while self.seat_waiters:
+            fut = self.seat_waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                return
+
     def _forget(self, key: str) -> None:
         """Drop the member's bookkeeping here (the runner is freed by the caller)."""
+        self._wake_seat()
         self.configs.pop(key, None)
         self.units.pop(key, None)
         self.token.pop(key, None)
@@ -260,8 +274,21 @@ class PackCoordinator:
         if key in self.configs:
             self._forget(key)
             await self._in_thread(self.runner.free, key)
-        if len(self.configs) >= self.capacity:
-            return {"full": True}
+        deadline = time.monotonic() + self.queue_s
+        while len(self.configs) >= self.capacity:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"full": True}
+            fut = asyncio.get_running_loop().create_future()
+            self.seat_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return {"full": True}
+            finally:
+                if fut in self.seat_waiters:
+                    self.seat_waiters.remove(fut)
+            self._touch()
         self._register(key, config)                 # reserve the slot before yielding
         try:
             units = await self._load_state(key, config, state)
@@ -380,6 +407,7 @@ class PackCoordinator:
             self.configs.pop(k)
             self.units.pop(k)
             self.token.pop(k)
+            self._wake_seat()
         self.first_ready = 0.0
         self.idle_s[self.idle_reason] = self.idle_s.get(self.idle_reason, 0.0) + now - self.last_end
         self.running = True

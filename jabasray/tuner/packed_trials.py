@@ -77,6 +77,7 @@ class PackedJob:
     idle_exit_s: float                  # a coordinator with no member exits after this
     token: str                          # names this sweep's coordinators
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
+    trials_per_device: int = 0          # trials admitted per device (0: members_per_device)
 
 
 def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
@@ -88,7 +89,7 @@ def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int = 8,
            cpus_per_device: float = 1.0, wait_s: float = 2.0,
-           idle_exit_s: float = 60.0, run_ahead: bool = True):
+           idle_exit_s: float = 60.0, run_ahead: bool = True, trials_per_device: int | None = None):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
     Args:
@@ -108,6 +109,11 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             report (default) -- except past the unit counts at which the scheduler has been
             seen to stop or pause trials, so a stopped trial rarely costs a discarded unit;
             False: a unit waits until every member's trial asked for it.
+        trials_per_device: trials Tune runs per device (each reserves ``1 / trials_per_device``
+            of it; default ``members_per_device``). More than ``members_per_device`` admits
+            more trials than slots: the extra ones start (actor, data) and wait in the
+            coordinator's queue, and are seated -- built off the training thread -- as soon as
+            a member leaves, instead of Tune starting them only then.
     """
     import cloudpickle
     from ray import tune
@@ -121,6 +127,9 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     check_float("cpus_per_device", cpus_per_device, min_value=0.0, min_exclusive=True)
     check_float("wait_s", wait_s, min_value=0.0)
     check_float("idle_exit_s", idle_exit_s, min_value=0.0, min_exclusive=True)
+    if trials_per_device is None:
+        trials_per_device = members_per_device
+    check_int("trials_per_device", trials_per_device, min_value=members_per_device)
     if stream_batch is None:
         if param_space is None or not isinstance(spec.batch_size, str):
             raise ValueError("stream_batch must be given when param_space does not hold the "
@@ -133,14 +142,15 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
                     0, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
-                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead))
+                    float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead),
+                    int(trials_per_device))
     import ray
 
     if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
         for d in _devices(job):
             _coordinator(job, *d)
 
-    share = 1.0 / members_per_device
+    share = 1.0 / trials_per_device
     resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
     if gpu:
         resources["gpu"] = share
@@ -163,7 +173,8 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         opts["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
     return ray.remote(PackCoordinator).options(**opts).remote(
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
-        job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead)
+        job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead,
+        600.0 if job.trials_per_device > job.members_per_device else 0.0)
 
 
 def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
@@ -193,8 +204,9 @@ def _register(job: PackedJob, key: str, config: dict, state: bytes | None):
         handles = [_coordinator(job, *d) for d in devices]
         try:
             aff = ray.get([h.affinity.remote(config) for h in handles])
-            order = sorted((i for i in range(len(handles)) if aff[i][0] > 0),
-                           key=lambda i: (aff[i][1], -aff[i][0], i))
+            queued = job.trials_per_device > job.members_per_device     # a full one queues the load
+            order = sorted((i for i in range(len(handles)) if aff[i][0] > 0 or queued),
+                           key=lambda i: (aff[i][0] <= 0, aff[i][1], -aff[i][0], i))
             for i in order:
                 reply = ray.get(handles[i].load.remote(key, config, state))
                 if not reply.get("full"):
