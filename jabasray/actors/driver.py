@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +43,7 @@ from .checkpoint import Checkpoint, DriverState, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
-from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
+from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
 from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
                         slots_for)
@@ -141,6 +142,7 @@ class JabasDriver:
                               bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
+        self._profile_notes: list[str] = []  # where the last profiling measured each GPU type
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
             if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None   # Ray objects of the training and validation sets (run())
@@ -182,6 +184,7 @@ class JabasDriver:
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
+        self._start_notes += self._profile_notes
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
         restarts = 0
@@ -214,15 +217,31 @@ class JabasDriver:
         """The iteration-time model (:func:`jabasray.profiler.cluster.job_perf_model`): given,
         from given profiles, or profiled (cached; ``refresh`` re-measures)."""
         opts = self.options
-        return job_perf_model(
+        cache_dir = opts.profile_cache_dir or (self.run_dir.parent / ".profiles")
+        measure, notes = None, []
+        if opts.profile_in_tasks and self._given_model is None and not self._profiles:
+            from .profiling import profile_in_tasks
+            self.pool.shutdown()   # re-profiling: the actors hold the GPUs a task needs
+            measure = partial(profile_in_tasks, self.model_fn, self._profile_data, self.cluster,
+                              loss_fn=self.loss_fn, optimizer_fn=self.optimizer_fn,
+                              device=opts.device, emulate=opts.emulate,
+                              min_local_batch=self.job.min_local_batch,
+                              max_local_batch=self.job.max_local_batch,
+                              weight_sync=self.job.weight_sync, bucket_cap_mb=opts.bucket_cap_mb,
+                              cache_dir=cache_dir, refresh=refresh, torch_threads=opts.torch_threads,
+                              timeout_s=opts.placement_timeout_s + opts.call_timeout_s, notes=notes,
+                              step_fn=getattr(self.hooks, "step_fn", None),
+                              collate_fn=getattr(self.hooks, "collate_fn", None))
+        model = job_perf_model(
             self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
-            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
-            host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
-            shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh,
+            cache_dir=cache_dir, host_cpus=ray_cpus() if opts.emulate else None,
+            perf_model=self._given_model, shared_host=opts.emulation != "wait",
+            profiles=self._profiles, refresh=refresh, measure=measure,
             step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
+        self._profile_notes = notes
+        return model
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
@@ -333,8 +352,11 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
-        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
-            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
+        env = dict(opts.actor_env or {})   # NCCL/gloo interface, debug level ...
+        if opts.share_node_devices and opts.device == "cuda":
+            env[SHARE_DEVICES_ENV] = "1"      # gpu_actor.cuda_device picks Ray's GPU among all
+        if env:   # Ray merges them into the job's runtime_env
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": env})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
@@ -513,6 +535,8 @@ class JabasDriver:
         if note is not None:
             self._event(note)
             self.planner.use_model(self._build_model(refresh=True))
+            for line in self._profile_notes:
+                self._event(line)
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:
