@@ -22,6 +22,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import replace
@@ -39,7 +40,7 @@ from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
-from .checkpoint import Checkpoint, DriverState, save_checkpoint
+from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, mid_epoch_checkpoint, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
@@ -126,6 +127,7 @@ class JabasDriver:
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
         self.checkpoint = checkpoint or CheckpointConfig()
+        self._last_save = time.monotonic()   # the last checkpoint (mid-epoch checkpoints' clock)
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -256,6 +258,15 @@ class JabasDriver:
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
+        mid = mid_epoch_checkpoint(self.run_dir, state.epochs_done) if cp is not None else None
+        if mid is not None:    # a checkpoint within the next epoch (CheckpointConfig.interval_minutes)
+            mid_state = mid.load_driver_state()
+            state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
+                            metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
+            ctl.load_state_dict(state.adaptive)
+            events.append(f"resumed within epoch {state.epochs_done + 1} at sample "
+                          f"{state.mid_epoch['cursor']} from {mid.path}")
+            cp = mid
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
@@ -416,6 +427,7 @@ class JabasDriver:
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.checkpoint.num_to_keep or 0)
+        self._last_save = time.monotonic()
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
@@ -430,10 +442,32 @@ class JabasDriver:
         predicted = None if self._burst else \
             self.planner.epoch_time(group_gpus(slots), multi_node(slots), state.forecast)
         tally, cursor, interval = EpochTally(), 0, 0
+        if state.mid_epoch:           # resumed from a mid-epoch checkpoint: continue its epoch
+            mid = state.mid_epoch
+            tally, cursor, interval = EpochTally(**mid["tally"]), int(mid["cursor"]), int(mid["interval"])
+            state = replace(state, mid_epoch={})
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
+            if cursor < self.dataset_size and self._mid_epoch_due():
+                self._save_mid_epoch(state, ctl, tally, cursor, interval)
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+
+    def _mid_epoch_due(self) -> bool:
+        minutes = self.checkpoint.interval_minutes
+        return minutes is not None and time.monotonic() - self._last_save >= 60.0 * minutes
+
+    def _save_mid_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
+                        interval: int) -> None:
+        """The mid-epoch checkpoint (``CheckpointConfig.interval_minutes``) at an interval
+        boundary: the epoch's cursor, interval index and tally, the adaptive controller and the
+        metrics so far, and the actors' state; one slot, replaced each time (manifest-last)."""
+        if getattr(self.lock, "lost", False):
+            return                    # the next epoch-boundary save reports the lost lease
+        mid = {"cursor": cursor, "interval": interval, "tally": dataclasses.asdict(tally)}
+        save_checkpoint(self.run_dir, replace(state, adaptive=ctl.state_dict(), metrics=self.metrics,
+                                              mid_epoch=mid), self._worker_state(), folder=MID_EPOCH)
+        self._last_save = time.monotonic()
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
                       tally: EpochTally) -> int:
@@ -507,6 +541,7 @@ class JabasDriver:
             state = self._decide_next_epoch(state, ctl)
         if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
             self._save(state, worker_state)
+        drop_mid_epoch(self.run_dir)      # an epoch boundary supersedes a mid-epoch checkpoint
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)
