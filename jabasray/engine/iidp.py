@@ -737,7 +737,12 @@ class IIDPWorker:
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
         # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
         # only the last iteration of an adaptation interval)
-        reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
+        # ... but scaled as the batched step would be (the average folded into the loss), so
+        # that its gradient contributions agree with its peers' batched ones
+        reason = self.batch_fallback_reason(ragged)
+        fold = self._split and reason is None
+        if self._split:
+            reason = "the similarity groups split the VSWs"
         pg_set = self.process_group is not None
         rounds = None
         if reason is None:
@@ -762,6 +767,8 @@ class IIDPWorker:
         self._snapshot = [None] * nb if keep_local_grad else None
         self._metric_sums, self._metric_counts = {}, {}
         weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
+        if fold:
+            weights = [w / self._global_num_workers for w in weights]
         pg = self.process_group
         count_work = None
         count_t = None
@@ -826,7 +833,7 @@ class IIDPWorker:
             else:
                 divisor = float(self._global_num_workers)
             self._copy_replicas = rounds is None
-            self._prescaled = rounds is not None        # batched: averaged in the loss already
+            self._prescaled = rounds is not None or fold   # averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -836,7 +843,7 @@ class IIDPWorker:
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
         # on the device: read once per interval (batched: the losses are already averaged)
-        loss_value = loss_t.reshape(()) if rounds is not None else (loss_t / divisor).reshape(())
+        loss_value = loss_t.reshape(()) if rounds is not None or fold else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
@@ -848,6 +855,8 @@ class IIDPWorker:
                 local_grad = torch.stack([
                     main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
                     for h in (0, 1)])
+                if fold and divisor != 1.0:
+                    local_grad = local_grad * divisor        # the sums, before the folded average
             else:
                 local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
                 if rounds is not None and divisor != 1.0:
