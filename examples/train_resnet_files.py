@@ -70,7 +70,7 @@ def main() -> None:
         lr_scheduler_interval="iteration",
         eval_fn=default_eval_fn(torch.nn.functional.cross_entropy, topk=(1, 5)),
         num_data_workers=args.workers, job_config=job, cluster=cluster,
-        run_config=RunConfig(args.storage_path, args.name), verbose=args.verbose,
+        run_config=RunConfig(args.storage_path, args.name), verbose=2 if args.verbose else 1,
         options=DriverOptions(device=args.device, emulate=emulate))
     result = trainer.fit()
     print(result.metrics_dataframe[["epoch", "train_loss", "val_loss", "val_accuracy", "val_top5",

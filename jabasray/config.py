@@ -204,11 +204,17 @@ class CheckpointConfig(JsonMixin):
 
     num_to_keep: int | None = 2         # newest checkpoints kept (None: all)
     checkpoint_frequency: int = 1       # epochs between checkpoints (0: only after the final epoch)
+    interval_minutes: float | None = None  # within an epoch: a checkpoint at the first interval
+                                        # boundary this many minutes after the last checkpoint
+                                        # (0: every interval; None: none), so a fault loses at most
+                                        # about that much; one slot, replaced, dropped at epoch end
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
             check_int("num_to_keep", self.num_to_keep, min_value=1)
         check_int("checkpoint_frequency", self.checkpoint_frequency, min_value=0)
+        if self.interval_minutes is not None:
+            check_float("interval_minutes", self.interval_minutes, min_value=0)
 
     def due(self, epochs_done: int, epochs: int) -> bool:
         """Whether the epoch boundary after ``epochs_done`` of ``epochs`` epochs is checkpointed."""

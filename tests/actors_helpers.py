@@ -59,6 +59,23 @@ class KillOnce(DriverCallback):
             ray.kill(driver.gpu_actors()[self.rank], no_restart=True)
 
 
+def start_cluster(cluster_cls, head: dict, nodes: list[dict], tries: int = 3):
+    """A ``Cluster`` with ``head`` and ``nodes``; a raylet that does not register within Ray's
+    30 s (an overloaded machine) shuts the attempt down and starts again, up to ``tries``."""
+    for attempt in range(tries):
+        c = cluster_cls(initialize_head=False)
+        try:
+            c.add_node(**head)
+            for n in nodes:
+                c.add_node(**n)
+            return c
+        except Exception:  # noqa: BLE001 - Ray's startup timeout is a bare Exception
+            c.shutdown()
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 # Ray workers cannot import this test helper module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -1,5 +1,6 @@
-"""Faults that must neither hang nor stop a run, on a ``ray.cluster_utils.Cluster`` of two
-raylets (a head with 2 CPUs and 2 emulated "fast" GPUs, a node with 1 CPU and 2 more).
+"""Faults that must neither hang nor stop a run, and profiling on the GPUs, on a
+``ray.cluster_utils.Cluster`` of two raylets (a head with 2 CPUs and 2 emulated "fast" GPUs, a
+node with 1 CPU and 2 emulated "slow" ones).
 
 Proves: a GPU actor that blocks forever inside the user's step becomes an actor failure naming
 the hung ranks within the call's deadline (not after the collective timeout), every actor is
@@ -9,7 +10,9 @@ and gloo (an interface that does not exist makes every rendezvous fail), and a f
 is an actor failure counted against ``max_failures``, ending in one line; the rendezvous store
 listens on the first free port of ``rendezvous_ports``; placement bundles reserve the data
 loaders' CPUs, and a placement that cannot be met ends with PlacementTimeout naming what is
-missing.
+missing; each GPU type is profiled in a Ray task holding one GPU of that type (asserted from
+the task's assigned resources), cached per type in the run's profile folder, and a driver with
+``profile_in_tasks`` plans with those profiles.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import pytest
 from ray import cloudpickle
 
 from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
-                            perf_model, tiny_data)
+                            perf_model, start_cluster, tiny_data)
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.hooks import JobHooks
 from jabasray.actors.placement import place_actors, release, slots_for
@@ -38,9 +41,8 @@ def cluster(without_session_ray):
     ray = without_session_ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}))
-    c.add_node(num_cpus=1, resources={"gpu_fast": 2})
+    c = start_cluster(Cluster, dict(num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}),
+                      [dict(num_cpus=1, resources={"gpu_slow": 2})])
     try:
         ray.init(address=c.address, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
@@ -51,7 +53,8 @@ def cluster(without_session_ray):
         c.shutdown()
 
 
-FOUR = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4)])   # 4 GPUs (2 pairs), placed on either raylet
+FOUR = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0), NodeSpec("s", "slow", 2, speed=0.5)])
+SPEEDS = {"fast": 1.0, "slow": 0.5}
 
 
 def job(epochs: int = 2) -> JobConfig:
@@ -104,7 +107,7 @@ def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(clust
     ds, val = tiny_data(240)
     hook = Arm(str(tmp_path / "armed"), epoch=1)
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), FOUR, tmp_path / "hang",
-                      val_dataset=val, perf_model=perf_model(),
+                      val_dataset=val, perf_model=perf_model(SPEEDS),
                       hooks=JobHooks(step_fn=HangOnce(str(tmp_path / "armed"), str(tmp_path / "taken"))),
                       callbacks=[hook],
                       options=DriverOptions(failure_grace_s=5, call_timeout_s=8,
@@ -118,7 +121,7 @@ def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(clust
     assert t_fail - hook.t_armed >= 8                      # not before its deadline
     assert "restarting epoch 2" in msg
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"n0": 4}
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 2, "s": 2}
     assert_each_sample_once_per_epoch(hist, 240)
     assert drv.gpu_actors() == []
 
@@ -153,7 +156,7 @@ def test_actor_env_reaches_the_actors_and_the_store_listens_in_the_port_range(cl
     ports = free_port_range()
     seen = Env(list(env) + ["OMP_NUM_THREADS"])
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "env",
-                      val_dataset=val, perf_model=perf_model(), callbacks=[seen],
+                      val_dataset=val, perf_model=perf_model(SPEEDS), callbacks=[seen],
                       options=DriverOptions(actor_env=env, rendezvous_ports=ports))
     hist = drv.run()
     assert len(hist.epochs) == 1
@@ -168,7 +171,7 @@ def test_a_rendezvous_that_fails_is_an_actor_failure_and_ends_in_one_line(cluste
     a one-line JobFailed that says what happened."""
     ds, _ = tiny_data(240)
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "rdv",
-                      perf_model=perf_model(), failure=FailureConfig(max_failures=1),
+                      perf_model=perf_model(SPEEDS), failure=FailureConfig(max_failures=1),
                       options=DriverOptions(actor_env={"GLOO_SOCKET_IFNAME": "nosuchif0"},
                                             collective_timeout_s=20, call_timeout_s=30))
     with pytest.raises(JobFailed) as info:
@@ -192,7 +195,7 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
 
     remote = ray.remote(num_cpus=0)(Where)
     make = lambda slot, opts: remote.options(**opts).remote()   # noqa: E731
-    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 2})   # one pair
+    slots = slots_for(ClusterSpec(nodes=[NodeSpec("n0", "fast", 2)]), {"n0": 2})   # the head: two GPUs
     free_before = ray.available_resources().get("CPU", 0)
     placement, _ = place_actors(slots, make, emulate=True, timeout_s=60, cpus=1)
     try:
@@ -207,9 +210,46 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
     finally:
         release(placement)
     with pytest.raises(PlacementTimeout) as info:
-        place_actors(slots_for(FOUR, {"n0": 4}), make, emulate=True, timeout_s=3, cpus=2)
+        place_actors(slots_for(FOUR, {"f": 2, "s": 2}), make, emulate=True, timeout_s=3, cpus=2)
     msg = str(info.value)
-    assert "\n" not in msg and "node n0" in msg and "'CPU'" in msg and "missing" in msg
+    assert "\n" not in msg and "node f" in msg and "'CPU'" in msg and "missing" in msg
+
+
+def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_path):
+    """profile_in_tasks: one task per type, each holding exactly one unit of its type's resource
+    (and nothing else), on the node that has it; profiles for both types, the slow one slower;
+    a second call reads both from the per-type cache without a task. A driver with
+    profile_in_tasks then plans with the cached profiles and trains."""
+    import ray
+
+    from jabasray.actors.profiling import profile_in_tasks
+
+    ds, val = tiny_data(240)
+    rows = ds
+    kw = dict(loss_fn=loss_fn, optimizer_fn=optimizer_fn, device="cpu", emulate=True,
+              min_local_batch=4, weight_sync=job(1).weight_sync, bucket_cap_mb=25.0, cache_dir=tmp_path / "prof")
+    notes: list[str] = []
+    profiles = profile_in_tasks(model_fn, rows, FOUR, notes=notes, **kw)
+    assert sorted(profiles) == ["fast", "slow"]
+    assert all(p.gpu_type == t for t, p in profiles.items())
+    slow_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "gpu_slow" in n["Resources"])
+    fast_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "gpu_fast" in n["Resources"])
+    assert sorted(notes) == sorted([
+        f"profile of fast: measured in a Ray task holding {{'gpu_fast': 1.0}} on node {fast_node[:8]}",
+        f"profile of slow: measured in a Ray task holding {{'gpu_slow': 1.0}} on node {slow_node[:8]}"])
+    assert (profiles["fast"].speed, profiles["slow"].speed) == (1.0, 0.5)   # emulation scaling
+    again: list[str] = []
+    assert profile_in_tasks(model_fn, rows, FOUR, notes=again, **kw) == profiles
+    assert sorted(n.split(":")[0] for n in again) == ["profile of fast", "profile of slow"]
+    assert all(": cached (" in n for n in again)
+
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "run",
+                      val_dataset=val, options=DriverOptions(profile_in_tasks=True,
+                                                             profile_cache_dir=str(tmp_path / "prof")))
+    hist = drv.run()
+    assert len(hist.epochs) == 1
+    assert sum("profile of" in m and "cached" in m for m in hist.events) == 2
+    assert drv.planner.model.profiles == profiles
 
 
 # Ray workers cannot import this test module: ship its classes by value.

@@ -83,3 +83,60 @@ def test_a_rendezvous_nobody_answers_is_rendezvous_failed():
         join_process_group(rdv, 1)
     msg = str(info.value)
     assert "\n" not in msg and f"127.0.0.1:{port}" in msg and msg.startswith("rank 1:")
+
+
+def test_profile_type_names_match_ray_detection():
+    """``jabasray profile`` names a CUDA device's type as ClusterSpec.from_ray names a node of
+    that GPU (Ray's accelerator type, lower-cased)."""
+    from jabasray.profiler.measure import gpu_type_name
+    from jabasray.types import ClusterSpec
+    for device_name, accel in [("NVIDIA A100-SXM4-80GB", "A100"), ("Tesla V100-SXM2-16GB", "V100"),
+                               ("NVIDIA H100 80GB HBM3", "H100")]:
+        node = {"NodeID": "ab" * 14, "Alive": True,
+                "Resources": {"GPU": 2.0, f"accelerator_type:{accel}": 1.0}}
+        assert gpu_type_name(device_name) == ClusterSpec.from_ray([node]).nodes[0].gpu_type
+
+
+def test_train_profiles_flag_reads_a_folder_of_profiles(tmp_path):
+    from jabasray.commands.train import profiles_from
+    from jabasray.profiles import save_profiles, synthetic_profile
+    save_profiles([synthetic_profile("a100")], tmp_path / "a.json")
+    synthetic_profile("v100").save(tmp_path / "v.json")
+    got = profiles_from(str(tmp_path))
+    assert sorted(got) == ["a100", "v100"] and got["v100"].gpu_type == "v100"
+    assert sorted(profiles_from(str(tmp_path / "a.json"))) == ["a100"]
+    assert profiles_from(None) is None
+    with pytest.raises(ValueError, match="profiles"):
+        profiles_from(str(tmp_path / "none"))
+
+
+def test_shared_node_devices_pick_the_gpu_ray_assigned():
+    """With the node's GPUs shared (Ray leaves CUDA_VISIBLE_DEVICES alone) the actor's device is
+    the index of its Ray-assigned GPU among those visible; Ray's default (its own GPU only) is
+    cuda:0."""
+    from jabasray.actors.gpu_actor import SHARE_DEVICES_ENV, cuda_device, visible_index
+    assert visible_index("3", None) == 3 and visible_index("3", "") == 3
+    assert visible_index("3", "2,3,5") == 1 and visible_index("5", " 2, 3 ,5") == 2
+    with pytest.raises(ValueError, match="not in CUDA_VISIBLE_DEVICES"):
+        visible_index("4", "2,3")
+    assert cuda_device({}) == "cuda:0" and cuda_device({SHARE_DEVICES_ENV: "0"}) == "cuda:0"
+    assert DriverOptions(device="cuda", share_node_devices=True).share_node_devices is True
+    with pytest.raises(ValueError, match="share_node_devices"):
+        DriverOptions(share_node_devices="yes")
+
+
+def test_an_unfittable_contention_measurement_plans_like_none():
+    """A profile whose contention measurement shows no bandwidth (noise on a loaded host) plans
+    as the same profile without one, instead of failing every plan."""
+    from dataclasses import replace
+
+    from jabasray.planners.perf_model import PerfModel
+    from jabasray.profiles import ContentionMeasurement, synthetic_profile
+    base = synthetic_profile("g")
+    flat = ContentionMeasurement(num_workers=2, sizes=[262144.0, 1048576.0, 4194304.0],
+                                 comm_alone=[0.1, 0.1, 0.1], comm_overlapped=[0.1, 0.1, 0.1],
+                                 compute_alone=0.02, compute_overlapped=0.02, threads=1)
+    noisy = PerfModel({"g": replace(base, contention=flat)})
+    clean = PerfModel({"g": base})
+    assert noisy.overlap_slowdowns("g") is None
+    assert noisy.breakdown("g", base.local_batches[0], 1, 0) == clean.breakdown("g", base.local_batches[0], 1, 0)

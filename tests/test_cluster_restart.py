@@ -17,7 +17,7 @@ import pytest
 from ray import cloudpickle
 
 from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
-                            perf_model, tiny_data)
+                            perf_model, start_cluster, tiny_data)
 from jabasray.actors.checkpoint import latest_checkpoint
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.placement import ray_cluster_spec
@@ -46,12 +46,12 @@ def clusters(without_session_ray):
 
     def start(extra_fast_node: bool = False):
         stop()
-        c = Cluster(initialize_head=True, head_node_args=dict(
-            num_cpus=1, include_dashboard=False, resources={"gpu_fast": 2}))
-        live.append(c)
-        c.add_node(num_cpus=1, resources={"gpu_slow": 2})
+        nodes = [dict(num_cpus=1, resources={"gpu_slow": 2})]
         if extra_fast_node:
-            c.add_node(num_cpus=0, resources={"gpu_fast": 2})
+            nodes.append(dict(num_cpus=0, resources={"gpu_fast": 2}))
+        c = start_cluster(Cluster, dict(num_cpus=1, include_dashboard=False,
+                                        resources={"gpu_fast": 2}), nodes)
+        live.append(c)
         ray.init(address=c.address, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         c.wait_for_nodes()

@@ -309,3 +309,35 @@ def test_cuda_batched_equals_per_vsw_on_streams(n, ga):
         assert max_rel_diff(ra, rb) < 1e-10
         for (k, ba), (_, bb) in zip(ra.named_buffers(), rb.named_buffers()):
             torch.testing.assert_close(ba, bb, msg=k)
+
+
+def test_batched_rank_all_reduces_sums_like_a_per_vsw_rank(monkeypatch, tmp_path):
+    """With a process group another rank may run per VSW in the same step (e.g. a solo GPU
+    forming both similarity groups), so every rank must all-reduce the SUM of its decoupled
+    workers' gradients and losses (the average comes after): a batched rank's buckets at the
+    all-reduce hold exactly its local gradient sum, and the step equals the per-VSW one."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        seen = []
+        real = dist.all_reduce
+
+        def spy(t, *a, **kw):
+            seen.append(t.detach().clone())
+            return real(t, *a, **kw)
+        ws = {ex: _worker("bn2d", "adam", ex, process_group=dist.group.WORLD) for ex in ("auto", "threads")}
+        for w in ws.values():
+            w.configure(2, 1, 3)
+        X, y = make_data(0, 12)
+        monkeypatch.setattr(dist, "all_reduce", spy)
+        a = ws["auto"].train_step(split(X, y, [3] * 4), keep_local_grad=True)
+        monkeypatch.setattr(dist, "all_reduce", real)
+        b = ws["threads"].train_step(split(X, y, [3] * 4), keep_local_grad=True)
+        assert a.batched and not b.batched
+        buckets = torch.cat(seen[:len(ws["auto"].bucket_plan)])
+        assert buckets.sum() == pytest.approx(float(a.local_grad.sum()), rel=1e-10)
+        torch.testing.assert_close(a.local_grad, b.local_grad)
+        assert a.loss == pytest.approx(b.loss, rel=1e-10)
+        assert max_rel_diff(ws["auto"].model, ws["threads"].model) < 1e-10
+    finally:
+        dist.destroy_process_group()

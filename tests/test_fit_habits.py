@@ -26,6 +26,8 @@ def test_checkpoint_config_schedule_and_values():
         CheckpointConfig(num_to_keep=0)
     with pytest.raises(ValueError, match="checkpoint_frequency must be"):
         CheckpointConfig(checkpoint_frequency=-1)
+    with pytest.raises(ValueError, match="interval_minutes must be"):
+        CheckpointConfig(interval_minutes=-1.0)
     with pytest.raises(ValueError, match="callbacks: int is not a callback"):
         RunConfig(callbacks=[3])
 
@@ -105,3 +107,61 @@ def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
     assert [e.value for e in loss] == pytest.approx([r.loss for r in ivs], rel=1e-6)
     assert [e.step for e in loss] == [r.iteration + r.num_iterations for r in ivs]   # global iteration
     assert [e.value for e in acc.Scalars("ray/tune/interval/global_batch")] == [r.global_batch for r in ivs]
+
+
+class _StopAt:
+    """Raise in on_interval at (epoch, interval): an interrupted run."""
+
+    def __init__(self, epoch: int, interval: int) -> None:
+        self.at = (epoch, interval)
+
+    def on_interval(self, driver, record):
+        if (record.epoch, record.interval) == self.at:
+            raise KeyboardInterrupt("stopped mid-epoch by the test")
+
+    def on_epoch(self, driver, record):
+        pass
+
+    def on_event(self, driver, message):
+        pass
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+def test_mid_epoch_checkpoint_resume_equals_uninterrupted(tmp_path):
+    """CheckpointConfig(interval_minutes=0): a checkpoint at every interval boundary; a run
+    stopped within epoch 2 and fit() again resumes at the interval after the last mid-epoch
+    checkpoint and ends with the weights, optimizer state, B_G trajectory and LRs of the
+    uninterrupted run, each sample served once per epoch (the restored tally included)."""
+    import torch
+
+    from actors_helpers import assert_each_sample_once_per_epoch
+
+    ds, val = tiny_data(160)
+    job = JobConfig(epochs=2, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
+                    min_local_batch=4, adapt_interval=1, alpha=0.25, gamma=0.9, autoscale=False,
+                    lr=0.05, warmup_iterations=3, seed=4)
+
+    def fit(name, callbacks=(), minutes=None):
+        rc = RunConfig(str(tmp_path), name, checkpoint_config=CheckpointConfig(interval_minutes=minutes))
+        return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job, cluster=CLUSTER, run_config=rc,
+                            val_dataset=val, perf_model=perf_model(), callbacks=list(callbacks),
+                            options=DriverOptions(driver="local", record_samples=True)).fit()
+
+    ref = fit("ref")
+    with pytest.raises(KeyboardInterrupt):
+        fit("cut", [_StopAt(epoch=1, interval=3)], minutes=0)
+    resumed = fit("cut", minutes=0)
+    assert any("resumed within epoch 2 at sample" in m for m in resumed.history.events)
+    assert not (resumed.storage / "checkpoints" / "mid_epoch").exists()     # dropped at epoch end
+    wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, resumed))
+    for k in wa["model"]:
+        assert torch.equal(wa["model"][k], wb["model"][k]), k
+    for sa, sb in zip(wa["optimizer"]["state"].values(), wb["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert [e.trajectory for e in resumed.history.epochs] == [e.trajectory for e in ref.history.epochs]
+    assert [r.lr for r in resumed.history.intervals] == [r.lr for r in ref.history.intervals]
+    assert [(r.epoch, r.interval, r.cursor) for r in resumed.history.intervals] == \
+        [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]
+    assert_each_sample_once_per_epoch(resumed.history, len(ds))
+    assert [e.served_exactly_once for e in resumed.history.epochs] == [True, True]

@@ -146,3 +146,25 @@ def test_default_names_never_share_and_changed_job_is_refused(tmp_path, capsys):
         with pytest.raises(ValueError, match="holds another job's checkpoints") as e:
             changed.fit()
         assert field in str(e.value)
+
+
+def test_forced_resume_passes_the_drivers_job_check(tmp_path):
+    """resume='force' reaches the driver: a checkpoint of another JobConfig is resumed as this
+    job (its state records the new JobConfig); without force the driver refuses it."""
+    from jabasray.actors.recovery import restore_or_start
+    from jabasray.adaptive import AdaptiveBatchController
+
+    old, new = job(alpha=0.1), job(alpha=0.5)
+    state = DriverState(1, 9, CLUSTER, {"fast": 2}, adaptive=AdaptiveBatchController(old).state_dict(),
+                        job_config=old.to_dict())
+    save_checkpoint(tmp_path, state, {"w": torch.zeros(2)})
+
+    def choose(cluster, forecast):
+        return {"fast": 2}
+
+    with pytest.raises(ValueError, match=r"job_config differs from the checkpointed run in \['alpha'\]"):
+        restore_or_start(tmp_path, new, CLUSTER, AdaptiveBatchController(new), choose)
+    cp, resumed, events = restore_or_start(tmp_path, new, CLUSTER, AdaptiveBatchController(new),
+                                           choose, force=True)
+    assert (cp.epochs_done, resumed.iteration, resumed.job_config) == (1, 9, new.to_dict())
+    assert events == [f"resumed from {cp.path} after 1 epoch(s)"]

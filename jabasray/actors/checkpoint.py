@@ -70,6 +70,8 @@ class DriverState(JsonMixin):
     forecast: list[float] = field(default_factory=list)           # prediction for the next epoch
     metrics: MetricsHistory = field(default_factory=MetricsHistory)
     job_config: dict = field(default_factory=dict)                # JobConfig.to_dict() of the run
+    mid_epoch: dict = field(default_factory=dict)                 # within an epoch (interval
+                                        # checkpoints): {"cursor", "interval", "tally"}; {} at a boundary
     allocation_unit: str = "gpus"             # what ``allocation`` counts; checkpoints written
                                               # before any GPU count ran counted pairs
 
@@ -96,7 +98,8 @@ class Checkpoint:
 
     @property
     def epochs_done(self) -> int:
-        return int(_NAME.match(self.path.name).group(1))
+        m = _NAME.match(self.path.name)
+        return int(m.group(1)) if m else int(self.manifest()["epochs_done"])   # mid-epoch: manifest
 
     def manifest(self) -> dict:
         return _read_manifest(self.path / MANIFEST)
@@ -260,15 +263,16 @@ def checkpoint_dir(run_dir: str | Path | StoragePath) -> StoragePath:
 
 
 def save_checkpoint(run_dir: str | Path | StoragePath, state: DriverState, worker_state: Any,
-                    keep: int = 2) -> Checkpoint:
+                    keep: int = 2, folder: str | None = None) -> Checkpoint:
     """Commit ``epoch_<state.epochs_done>`` manifest-last and verified (module docstring); keep
-    only the newest ``keep`` ones. A full disk raises ``OSError`` (ENOSPC) naming the run and
-    leaves the previous checkpoints untouched."""
+    only the newest ``keep`` ones (0: all). A full disk raises ``OSError`` (ENOSPC) naming the
+    run and leaves the previous checkpoints untouched. ``folder``: commit into that folder of
+    ``checkpoints/`` instead (the mid-epoch slot :data:`MID_EPOCH`; nothing is pruned)."""
     import torch
 
     check_plain_data(worker_state)
     root = checkpoint_dir(run_dir)
-    final = root / f"epoch_{state.epochs_done:04d}"
+    final = root / (folder or f"epoch_{state.epochs_done:04d}")
     if final.exists():   # a redone epoch: it stops being a checkpoint before anything changes
         (final / MANIFEST).unlink()
         final.rmtree()
@@ -303,7 +307,8 @@ def save_checkpoint(run_dir: str | Path | StoragePath, state: DriverState, worke
             raise OSError(errno.ENOSPC, f"no space left on the device of {root} while writing "
                           f"checkpoint {final.name}; the previous checkpoints are intact") from None
         raise
-    _prune(root, keep, state.epochs_done)
+    if folder is None:
+        _prune(root, keep, state.epochs_done)
     log.debug("checkpoint %s written", final)
     return Checkpoint(final)
 
@@ -343,6 +348,33 @@ def _prune(root: StoragePath, keep: int, newest: int) -> None:
     for p in root.iterdir():    # temporary folders of older versions (rename-based commits)
         if p.name.startswith((".tmp_", ".old_")):
             p.rmtree()
+
+
+MID_EPOCH = "mid_epoch"   # the one mid-epoch checkpoint slot (never an epoch_NNNN folder)
+
+
+def mid_epoch_checkpoint(run_dir: str | Path | StoragePath, epochs_done: int) -> Checkpoint | None:
+    """The mid-epoch checkpoint taken within the epoch after ``epochs_done`` completed epochs,
+    if it is committed and intact (else None; a corrupt or stale one is reported in one line)."""
+    cp = Checkpoint(checkpoint_dir(run_dir) / MID_EPOCH)
+    if not (cp.path / MANIFEST).exists():
+        return None
+    try:
+        cp.verify()
+    except CheckpointError as e:
+        log.warning("mid-epoch checkpoint %s is unusable (%s); resuming from the epoch boundary",
+                    cp.path, e)
+        return None
+    return cp if cp.epochs_done == epochs_done else None
+
+
+def drop_mid_epoch(run_dir: str | Path | StoragePath) -> None:
+    """Remove the mid-epoch checkpoint (manifest first), once an epoch boundary supersedes it."""
+    folder = checkpoint_dir(run_dir) / MID_EPOCH
+    if (folder / MANIFEST).exists():
+        (folder / MANIFEST).unlink()
+    if folder.exists():
+        folder.rmtree()
 
 
 def list_checkpoints(run_dir: str | Path | StoragePath) -> list[Checkpoint]:

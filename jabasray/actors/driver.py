@@ -22,9 +22,11 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -38,11 +40,11 @@ from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
-from .checkpoint import Checkpoint, DriverState, save_checkpoint
+from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, mid_epoch_checkpoint, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone
-from .gpu_actor import GPUActor, IntervalReply, IntervalRequest
+from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
 from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
                         slots_for)
@@ -125,6 +127,7 @@ class JabasDriver:
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
         self.checkpoint = checkpoint or CheckpointConfig()
+        self._last_save = time.monotonic()   # the last checkpoint (mid-epoch checkpoints' clock)
         self.callbacks = list(callbacks)
         self.background = background
         self._given_model, self._profiles = perf_model, profiles
@@ -141,6 +144,7 @@ class JabasDriver:
                               bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
+        self._profile_notes: list[str] = []  # where the last profiling measured each GPU type
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
             if opts.bucket_planner == "libra" and job.sync != "sma" else None   # None: size-capped
         self._data_ref: Any = None   # Ray objects of the training and validation sets (run())
@@ -182,6 +186,7 @@ class JabasDriver:
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
+        self._start_notes += self._profile_notes
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
         restarts = 0
@@ -214,15 +219,31 @@ class JabasDriver:
         """The iteration-time model (:func:`jabasray.profiler.cluster.job_perf_model`): given,
         from given profiles, or profiled (cached; ``refresh`` re-measures)."""
         opts = self.options
-        return job_perf_model(
+        cache_dir = opts.profile_cache_dir or (self.run_dir.parent / ".profiles")
+        measure, notes = None, []
+        if opts.profile_in_tasks and self._given_model is None and not self._profiles:
+            from .profiling import profile_in_tasks
+            self.pool.shutdown()   # re-profiling: the actors hold the GPUs a task needs
+            measure = partial(profile_in_tasks, self.model_fn, self._profile_data, self.cluster,
+                              loss_fn=self.loss_fn, optimizer_fn=self.optimizer_fn,
+                              device=opts.device, emulate=opts.emulate,
+                              min_local_batch=self.job.min_local_batch,
+                              max_local_batch=self.job.max_local_batch,
+                              weight_sync=self.job.weight_sync, bucket_cap_mb=opts.bucket_cap_mb,
+                              cache_dir=cache_dir, refresh=refresh, torch_threads=opts.torch_threads,
+                              timeout_s=opts.placement_timeout_s + opts.call_timeout_s, notes=notes,
+                              step_fn=getattr(self.hooks, "step_fn", None),
+                              collate_fn=getattr(self.hooks, "collate_fn", None))
+        model = job_perf_model(
             self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,
             torch_threads=opts.torch_threads, bucket_cap_mb=opts.bucket_cap_mb,
-            cache_dir=opts.profile_cache_dir or (self.run_dir.parent / ".profiles"),
-            host_cpus=ray_cpus() if opts.emulate else None, perf_model=self._given_model,
-            shared_host=opts.emulation != "wait",
-            profiles=self._profiles, refresh=refresh,
+            cache_dir=cache_dir, host_cpus=ray_cpus() if opts.emulate else None,
+            perf_model=self._given_model, shared_host=opts.emulation != "wait",
+            profiles=self._profiles, refresh=refresh, measure=measure,
             step_fn=getattr(self.hooks, "step_fn", None), collate_fn=getattr(self.hooks, "collate_fn", None))
+        self._profile_notes = notes
+        return model
 
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
@@ -237,6 +258,15 @@ class JabasDriver:
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
+        mid = mid_epoch_checkpoint(self.run_dir, state.epochs_done) if cp is not None else None
+        if mid is not None:    # a checkpoint within the next epoch (CheckpointConfig.interval_minutes)
+            mid_state = mid.load_driver_state()
+            state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
+                            metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
+            ctl.load_state_dict(state.adaptive)
+            events.append(f"resumed within epoch {state.epochs_done + 1} at sample "
+                          f"{state.mid_epoch['cursor']} from {mid.path}")
+            cp = mid
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
@@ -333,8 +363,11 @@ class JabasDriver:
         import ray
 
         job, opts = self.job, self.options
-        if opts.actor_env:   # NCCL/gloo interface, debug level ...: Ray merges them into the job's
-            ray_opts = dict(ray_opts, runtime_env={"env_vars": dict(opts.actor_env)})
+        env = dict(opts.actor_env or {})   # NCCL/gloo interface, debug level ...
+        if opts.share_node_devices and opts.device == "cuda":
+            env[SHARE_DEVICES_ENV] = "1"      # gpu_actor.cuda_device picks Ray's GPU among all
+        if env:   # Ray merges them into the job's runtime_env
+            ray_opts = dict(ray_opts, runtime_env={"env_vars": env})
         return ray.remote(GPUActor).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
@@ -394,6 +427,7 @@ class JabasDriver:
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.checkpoint.num_to_keep or 0)
+        self._last_save = time.monotonic()
         self.record.committed(state.epochs_done)
 
     # ------------------------------------------------------------------ epochs
@@ -408,10 +442,32 @@ class JabasDriver:
         predicted = None if self._burst else \
             self.planner.epoch_time(group_gpus(slots), multi_node(slots), state.forecast)
         tally, cursor, interval = EpochTally(), 0, 0
+        if state.mid_epoch:           # resumed from a mid-epoch checkpoint: continue its epoch
+            mid = state.mid_epoch
+            tally, cursor, interval = EpochTally(**mid["tally"]), int(mid["cursor"]), int(mid["interval"])
+            state = replace(state, mid_epoch={})
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
+            if cursor < self.dataset_size and self._mid_epoch_due():
+                self._save_mid_epoch(state, ctl, tally, cursor, interval)
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+
+    def _mid_epoch_due(self) -> bool:
+        minutes = self.checkpoint.interval_minutes
+        return minutes is not None and time.monotonic() - self._last_save >= 60.0 * minutes
+
+    def _save_mid_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
+                        interval: int) -> None:
+        """The mid-epoch checkpoint (``CheckpointConfig.interval_minutes``) at an interval
+        boundary: the epoch's cursor, interval index and tally, the adaptive controller and the
+        metrics so far, and the actors' state; one slot, replaced each time (manifest-last)."""
+        if getattr(self.lock, "lost", False):
+            return                    # the next epoch-boundary save reports the lost lease
+        mid = {"cursor": cursor, "interval": interval, "tally": dataclasses.asdict(tally)}
+        save_checkpoint(self.run_dir, replace(state, adaptive=ctl.state_dict(), metrics=self.metrics,
+                                              mid_epoch=mid), self._worker_state(), folder=MID_EPOCH)
+        self._last_save = time.monotonic()
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
                       tally: EpochTally) -> int:
@@ -485,6 +541,7 @@ class JabasDriver:
             state = self._decide_next_epoch(state, ctl)
         if self.checkpoint.due(state.epochs_done, self.job.epochs):   # RunConfig.checkpoint_config
             self._save(state, worker_state)
+        drop_mid_epoch(self.run_dir)      # an epoch boundary supersedes a mid-epoch checkpoint
         save_metrics(self.metrics, self.run_dir / "metrics.json")
         if self.background is not None and hasattr(self.background, "checkpoint"):
             # background jobs' states to the driver and the run's storage (actors.background)
@@ -513,6 +570,8 @@ class JabasDriver:
         if note is not None:
             self._event(note)
             self.planner.use_model(self._build_model(refresh=True))
+            for line in self._profile_notes:
+                self._event(line)
 
     # ------------------------------------------------------------------ faults
     def _recover(self, failure: ActorFailure, ctl: Any) -> tuple[DriverState, dict]:

@@ -35,6 +35,9 @@ class DriverOptions(JsonMixin):
     rendezvous_ports: tuple[int, int] | None = None  # (first, last) port the driver's rendezvous
                                         # store may listen on, tried in order (a cluster that opens
                                         # only some ports); None: any free port
+    share_node_devices: bool = False   # CUDA: every GPU actor sees all GPUs of its node (as Ray
+                                        # Train's shared CUDA_VISIBLE_DEVICES; NCCL can use NVLink/
+                                        # peer paths) and uses the one Ray assigned it
     actor_env: dict[str, str] | None = None  # environment variables of the GPU actors (Ray
                                         # runtime_env), e.g. {"NCCL_SOCKET_IFNAME": "eth0",
                                         # "GLOO_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
@@ -44,6 +47,9 @@ class DriverOptions(JsonMixin):
     evaluate: bool = True               # validation accuracy at every epoch end
     profile_cache_dir: str | None = None  # where profiles are cached (default: <storage>/.profiles)
     reprofile: bool = False             # measure the profile again even if the cache has it
+    profile_in_tasks: bool | None = None  # measure each GPU type in a Ray task holding one GPU of
+                                        # it (actors.profiling); None: on CUDA (the driver holds no
+                                        # GPU), not for CPU emulation (measured once, scaled)
     sma_autotune: bool = True           # sync="sma": tune learners per rank (Crossbow Alg. 2)
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
@@ -91,7 +97,10 @@ class DriverOptions(JsonMixin):
         check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
                     min_exclusive=True)
         check_float("reprofile_threshold", self.reprofile_threshold, min_value=1, min_exclusive=True)
-        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples"):
+        if self.profile_in_tasks is None:
+            self.profile_in_tasks = self.device == "cuda"
+        for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples",
+                  "profile_in_tasks", "share_node_devices"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",

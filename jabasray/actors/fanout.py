@@ -129,7 +129,10 @@ def call_all(actors: Sequence[Any], method: str, *args: Any, per_rank: Sequence[
         failed = sorted(i for i, e in errors.items() if isinstance(e, failure_errors))
         if failed:
             return_late = sorted(index[r] for r in pending)   # waiting in the same rendezvous
-            raise ActorFailure([], errors[failed[0]], failed_ranks=sorted(failed + return_late))
+            first = errors[failed[0]]
+            cause = getattr(first, "cause", None)   # Ray's RayTaskError: the actor's own error
+            raise ActorFailure([], cause if isinstance(cause, failure_errors) else first,
+                               failed_ranks=sorted(failed + return_late))
         raise next(iter(errors.values()))
     return [results[i] for i in ranks]
 

@@ -120,6 +120,33 @@ class IntervalReply(JsonMixin):
     metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
 
 
+SHARE_DEVICES_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"   # Ray leaves the variable alone
+
+
+def visible_index(gpu_id: str, visible: str | None) -> int:
+    """The CUDA device index of the GPU Ray assigned (``gpu_id``, from ``ray.get_gpu_ids()``) in a
+    process that sees ``visible`` (its ``CUDA_VISIBLE_DEVICES``; None or empty: every GPU of the
+    node, index = id). ValueError (one line) when ``visible`` does not list it."""
+    if not visible:
+        return int(gpu_id)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if str(gpu_id) not in ids:
+        raise ValueError(f"GPU {gpu_id} assigned by Ray is not in CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids.index(str(gpu_id))
+
+
+def cuda_device(environ: Any) -> str:
+    """This actor's CUDA device. Ray's default sets ``CUDA_VISIBLE_DEVICES`` to the actor's own
+    GPU: ``cuda:0``. With the node's devices shared (``DriverOptions.share_node_devices``, Ray
+    Train's ``share_cuda_visible_devices``: the actor sees every GPU of its node, so NCCL can
+    use NVLink/peer paths between the node's ranks), the device of the GPU Ray assigned it
+    (:func:`visible_index`)."""
+    if environ.get(SHARE_DEVICES_ENV) != "1":
+        return "cuda:0"
+    import ray
+    return f"cuda:{visible_index(str(ray.get_gpu_ids()[0]), environ.get('CUDA_VISIBLE_DEVICES'))}"
+
+
 def gather(dataset: Any, indices: Any) -> tuple:
     """Rows ``indices`` of an in-memory dataset as a tuple batch (:func:`engine.loader.gather_rows`)."""
     from ..engine.loader import gather_rows
@@ -164,7 +191,7 @@ class GPUActor(BackgroundHostMixin):
         self.job = job
         self.model_fn, self.optimizer_fn, self.loss_fn = model_fn, optimizer_fn, loss_fn
         if device == "cuda":
-            device = f"cuda:{torch.cuda.current_device()}"  # Ray sets CUDA_VISIBLE_DEVICES
+            device = cuda_device(os.environ)
         self.device = device
         h = self.hooks
         self._dataset_error: str | None = None   # raised by setup (a one-line DatasetMismatch)
@@ -221,7 +248,8 @@ class GPUActor(BackgroundHostMixin):
         leave_process_group()
         self.group = None
         if rdv.world_size > 1:
-            self.group = join_process_group(rdv, self.slot.rank)
+            self.group = join_process_group(rdv, self.slot.rank,
+                                            self.device if self.device.startswith("cuda") else None)
         torch.manual_seed(self.job.seed)
         model = self.model_fn()
         job, h = self.job, self.hooks

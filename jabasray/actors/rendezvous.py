@@ -118,13 +118,16 @@ def listen_socket(host: str, ports: tuple[int, int] | None = None) -> socket.soc
                        f"{last.strerror if last else 'no port'}")
 
 
-def join_process_group(rdv: Rendezvous, rank: int):
+def join_process_group(rdv: Rendezvous, rank: int, device: str | None = None):
     """Actor side: connect to the driver's store and initialise the default process group.
 
-    Returns the default group (``torch.distributed.group.WORLD``). Any previous default group of
+    ``device`` (a CUDA device): passed to NCCL as the group's ``device_id`` (it then binds the
+    communicator to that GPU at once, also when the process sees several). Returns the default
+    group (``torch.distributed.group.WORLD``). Any previous default group of
     this process is destroyed first (actors are normally fresh processes, so this only matters
     when the same process joins twice, e.g. in-process tests).
     """
+    import torch
     import torch.distributed as dist
 
     check_int("rank", rank, min_value=0, max_value=rdv.world_size - 1)
@@ -134,8 +137,9 @@ def join_process_group(rdv: Rendezvous, rank: int):
     try:
         store = dist.TCPStore(rdv.host, rdv.port, world_size=None, is_master=False, timeout=timeout)
         store = dist.PrefixStore(rdv.prefix, store)
+        extra = {"device_id": torch.device(device)} if device and rdv.backend == "nccl" else {}
         dist.init_process_group(rdv.backend, store=store, rank=rank, world_size=rdv.world_size,
-                                timeout=timeout)
+                                timeout=timeout, **extra)
     except (RuntimeError, OSError) as e:   # DistStoreError/DistNetworkError are RuntimeErrors
         from ..errors import RendezvousFailed
         msg = " ".join(str(e).split())[:300]

@@ -53,6 +53,19 @@ DEFAULT_CLUSTER = {"fast": (1, 4, 0.5), "slow": (1, 4, 0.25)}
 
 
 
+def profiles_from(path: str | None) -> dict | None:
+    """``--profiles``: ``{gpu_type: Profile}`` from a folder of profile JSON files (every
+    ``*.json`` in it) or one file; None stays None. One-line ValueError when there is none."""
+    if path is None:
+        return None
+    from ..profiles import load_profiles
+    p = Path(path)
+    files = sorted(p.glob("*.json")) if p.is_dir() else [p]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"profiles: {path} is neither a profile JSON file nor a folder holding some")
+    return load_profiles(files)
+
+
 def parse_actor_env(items: list[str]) -> dict[str, str]:
     """``--actor-env NAME=VALUE`` flags -> ``{NAME: VALUE}`` (ValueError, one line, on a flag
     without ``=``; names and values are checked by ``DriverOptions``)."""
@@ -138,6 +151,10 @@ def register(subparsers: Any) -> None:
                         "NCCL_SOCKET_IFNAME=eth0, GLOO_SOCKET_IFNAME=eth0, NCCL_DEBUG=WARN)")
     p.add_argument("--rendezvous-ports", default=None, metavar="FIRST-LAST",
                    help="ports the driver's rendezvous store may listen on (default: any free port)")
+    p.add_argument("--profiles", default=None, metavar="DIR",
+                   help="profiles to plan with instead of measuring: a folder of JSON files written "
+                        "by `jabasray profile` (one per GPU type, type names as Ray detects them) "
+                        "or one such file")
     p.add_argument("--call-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a call to the GPU actors may take before they count as hung "
                         "(an actor failure: killed, the epoch redone)")
@@ -281,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
     # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
+                           profiles=profiles_from(args.profiles),
                            callbacks=[progress], verbose=2 if getattr(args, "verbose", False) else 1,
                            **hooks)
     started = False

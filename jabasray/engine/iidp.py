@@ -737,10 +737,8 @@ class IIDPWorker:
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
         # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
         # only the last iteration of an adaptation interval)
-        # ... but scaled as the batched step would be (the average folded into the loss), so
-        # that its gradient contributions agree with its peers' batched ones
+        # (with a process group every rank all-reduces sums, batched or not)
         reason = self.batch_fallback_reason(ragged)
-        fold = self._split and reason is None
         if self._split:
             reason = "the similarity groups split the VSWs"
         pg_set = self.process_group is not None
@@ -767,8 +765,6 @@ class IIDPWorker:
         self._snapshot = [None] * nb if keep_local_grad else None
         self._metric_sums, self._metric_counts = {}, {}
         weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
-        if fold:
-            weights = [w / self._global_num_workers for w in weights]
         pg = self.process_group
         count_work = None
         count_t = None
@@ -792,8 +788,12 @@ class IIDPWorker:
 
         if rounds is not None:
             # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
-            # leave backward averaged (no extra pass over them in the update)
-            losses = self._run_batched(begin_vsw, rounds, self._num_vsw / self._global_num_workers)
+            # leave backward averaged (no extra pass over them in the update). Single device
+            # only: with a process group another rank may run per VSW this step (e.g. forming
+            # both similarity groups), and every rank must all-reduce SUMS
+            fold = pg is None
+            losses = self._run_batched(begin_vsw, rounds,
+                                       self._num_vsw / (self._global_num_workers if fold else 1))
         elif self._execution == "threads":
             def run_vsw(vsw: _VSW) -> list[torch.Tensor]:
                 with lanes.context(lanes.vsw[vsw.index]):
@@ -833,7 +833,7 @@ class IIDPWorker:
             else:
                 divisor = float(self._global_num_workers)
             self._copy_replicas = rounds is None
-            self._prescaled = rounds is not None or fold   # averaged in the loss already
+            self._prescaled = rounds is not None and pg is None   # averaged in the loss already
             tm = self._update(divisor)
             comm_time = tm.comm
             if loss_work is not None:
@@ -843,7 +843,7 @@ class IIDPWorker:
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
         # on the device: read once per interval (batched: the losses are already averaged)
-        loss_value = loss_t.reshape(()) if rounds is not None or fold else (loss_t / divisor).reshape(())
+        loss_value = loss_t.reshape(()) if self._prescaled else (loss_t / divisor).reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
@@ -855,11 +855,9 @@ class IIDPWorker:
                 local_grad = torch.stack([
                     main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
                     for h in (0, 1)])
-                if fold and divisor != 1.0:
-                    local_grad = local_grad * divisor        # the sums, before the folded average
             else:
                 local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
-                if rounds is not None and divisor != 1.0:
+                if self._prescaled and divisor != 1.0:
                     local_grad = local_grad * divisor        # the sum, before the folded average
         self._snapshot = None
         return StepStats(loss=loss_value, num_workers=self.num_workers,

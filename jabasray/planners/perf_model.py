@@ -270,7 +270,12 @@ class PerfModel:
         measurement (module notes), None when it has none."""
         if gpu not in self._slow:
             meas = self.profile(gpu).contention
-            self._slow[gpu] = None if meas is None else measured_slowdowns(meas)
+            try:
+                self._slow[gpu] = None if meas is None else measured_slowdowns(meas)
+            except ValueError as e:   # too noisy to fit (e.g. measured on a loaded host)
+                log.warning("GPU type %s: its contention measurement cannot be fitted (%s); "
+                            "planning without it", gpu, e)
+                self._slow[gpu] = None
         return self._slow[gpu]
 
     def tau(self, gpu: str, method: str | None = None) -> float:

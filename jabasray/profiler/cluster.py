@@ -2,9 +2,11 @@
 
 Emulated cluster (CPU): the model is profiled once on the CPU (cached on disk) and every GPU type
 is that profile scaled by its node's ``speed`` (``Profile.scaled``); the emulated "nodes" share
-this machine, so the inter-node all-reduce is the intra-node one. Real GPUs: the local device's
-profile stands for every type (a real heterogeneous cluster should pass per-type profiles
-measured on each type, e.g. with ``jabasray profile``).
+this machine, so the inter-node all-reduce is the intra-node one. Real GPUs: the driver holds
+none, so each type is measured in a Ray task holding one GPU of it
+(:func:`jabasray.actors.profiling.profile_in_tasks`, passed as ``job_perf_model(measure=...)``);
+:func:`cluster_profiles` on a CUDA device (the local device's profile standing for every type)
+is what a process that owns a GPU may still call.
 """
 from __future__ import annotations
 
@@ -94,11 +96,14 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
                    host_cpus: float | None = None, perf_model: Any = None,
                    profiles: dict[str, Profile] | None = None, refresh: bool = False,
                    shared_host: bool = True, step_fn: Callable | None = None,
-                   collate_fn: Callable | None = None) -> Any:
+                   collate_fn: Callable | None = None,
+                   measure: Callable[[], dict[str, Profile]] | None = None) -> Any:
     """The iteration-time model a job plans with: ``perf_model`` as given, else a PerfModel from
     the given ``profiles``, else from profiling ``model_fn`` on ``rows`` ((inputs, targets)
     pairs, or any samples batched by ``collate_fn`` and trained by the job's ``step_fn``) with
-    :func:`cluster_profiles` (cached in ``cache_dir``; ``refresh`` re-measures).
+    :func:`cluster_profiles` (cached in ``cache_dir``; ``refresh`` re-measures), or with
+    ``measure()`` when given (e.g. every GPU type in a Ray task holding one GPU of it,
+    :func:`jabasray.actors.profiling.profile_in_tasks`).
     Emulation: the host runs :func:`emulation_host_devices` ``(torch_threads, host_cpus)``
     emulated GPUs at once (``shared_host`` False: the "wait" emulation, whose emulated GPUs do
     not share the host's cores, :mod:`jabasray.actors.emulation`). ValueError (one line) when nothing can be profiled, or when the job's
@@ -110,7 +115,7 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
                          "(inputs, targets) tensor pairs and no step_fn trains them (the profiler "
                          "runs the job's step on them)")
     host = emulation_host_devices(torch_threads, host_cpus) if emulate and shared_host else None
-    model = perf_model or cluster_perf_model(cluster, job.weight_sync, profiles, partial(
+    model = perf_model or cluster_perf_model(cluster, job.weight_sync, profiles, measure or partial(
         cluster_profiles, model_fn, rows, cluster, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
         device=device, emulate=emulate, min_local_batch=job.min_local_batch,
         max_local_batch=job.max_local_batch, weight_sync=job.weight_sync,

@@ -426,10 +426,25 @@ def _is_oom(exc: BaseException) -> bool:
     return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
 
 
+def gpu_type_name(device_name: str) -> str:
+    """The GPU type ``ClusterSpec.from_ray`` gives a GPU called ``device_name``: Ray's
+    accelerator type for it (its ``accelerator_type:<TYPE>`` resource and
+    ``ray.io/accelerator-type`` label; ``NVIDIA A100-SXM4-80GB`` -> ``A100``), lower-cased, so
+    that a profile written by ``jabasray profile`` on that GPU matches the detected type. A name
+    Ray's rule gives nothing for: its letters and digits, ``_`` for the rest."""
+    try:
+        from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
+        accel = NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(device_name)
+    except Exception:  # noqa: BLE001 - Ray missing or its private helper moved: the fallback
+        accel = None
+    if accel:
+        return str(accel).lower()
+    return "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")
+
+
 def _default_gpu_type(device: torch.device) -> str:
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+        return gpu_type_name(torch.cuda.get_device_name(device))
     return "cpu"
 
 
