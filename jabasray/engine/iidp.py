@@ -737,7 +737,10 @@ class IIDPWorker:
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
         # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
         # only the last iteration of an adaptation interval)
-        reason = "the similarity groups split the VSWs" if self._split else self.batch_fallback_reason(ragged)
+        # (with a process group every rank all-reduces sums, batched or not)
+        reason = self.batch_fallback_reason(ragged)
+        if self._split:
+            reason = "the similarity groups split the VSWs"
         pg_set = self.process_group is not None
         rounds = None
         if reason is None:
