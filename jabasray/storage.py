@@ -32,7 +32,6 @@ import os
 import posixpath
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -301,19 +300,9 @@ def sha256_of(location: "StoragePath | str | os.PathLike") -> tuple[int, str]:
 
 
 def _atomic_local_write(path: Path, data: bytes) -> None:
-    from .serialization import _UMASK
+    from .serialization import atomic_write_bytes
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, data)
 
 
 def write_probe(folder: StoragePath) -> None:
