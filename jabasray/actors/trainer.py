@@ -309,7 +309,7 @@ class JabasTrainer:
                               dataset_fn=dataset_fn, val_dataset_fn=val_dataset_fn)
         self.model_fn = model_fn
         self.dataset = dataset
-        if hasattr(dataset, "__len__"):   # bounds before any work (issue 14)
+        if hasattr(dataset, "__len__"):   # bounds before any work
             self.job.check_dataset_size(len(dataset))
         self.optimizer_fn = optimizer_fn or default_optimizer_fn(
             self.job.lr if self.job.lr is not None else DEFAULT_LR)

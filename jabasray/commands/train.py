@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
                             actor_env=parse_actor_env(args.actor_env) or None,
                             rendezvous_ports=parse_port_range(args.rendezvous_ports),
                             call_timeout_s=args.call_timeout)
-    # built before Ray starts: it checks the batch bounds against the dataset (issue 14)
+    # built before Ray starts: it checks the batch bounds against the dataset
     trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
                            run_config=run_config, val_dataset=val, options=options,
                            profiles=profiles_from(args.profiles),

@@ -2,7 +2,7 @@
 
 Implementation notes
 --------------------
-Paper: DeepPool (``papers/deeppool-burst-parallel.txt``), sections 3-4.  The planner
+Paper: DeepPool, sections 3-4.  The planner
 (``planners/burst``) gives every layer a GPU count ``g_i`` and, per branch/join block, which
 lanes run on their own GPUs; ``BurstPlan.placement()`` turns that into rank ranges.  This
 module runs one training iteration of such a plan on the G ranks of a process group:

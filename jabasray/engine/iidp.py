@@ -76,7 +76,7 @@ VSW's micro-batches in order; bucket aggregation and launches from the hooks as 
   micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy no
   concurrency. Every ``backward()`` of a CUDA graph is executed by the device's ONE autograd
   worker thread, whichever thread calls it, so the VSW threads' backward launches were
-  serialised there anyway (issue 19), and their Python forwards contend for the GIL. What
+  serialised there anyway, and their Python forwards contend for the GIL. What
   makes VSWs overlap on a GPU is that each VSW's kernels are queued on its own stream ahead
   of the device: launches are asynchronous, so while the device still executes VSW k's
   forward/backward kernels, the host is already issuing VSW k+1's onto another stream, and

@@ -2,7 +2,7 @@
 
 Implementation notes
 --------------------
-Paper: DeepPool (``papers/deeppool-burst-parallel.txt``), section 5 and Fig. 11 / section 7.2.
+Paper: DeepPool, section 5 and Fig. 11 / section 7.2.
 A low-priority *background* training job uses the spare capacity of a device while the
 *foreground* job keeps nearly its isolated quality of service. The mechanisms, each a knob of
 :class:`MultiplexPolicy` so a benchmark can add them one at a time (Fig. 11):

@@ -2,7 +2,7 @@
 
 Implementation notes
 --------------------
-Paper: Crossbow (``papers/crossbow-sma-learners.txt``), section 3.2 Algorithm 1, section 3.3
+Paper: Crossbow (Crossbow: Scaling Deep Learning with Small Batch Sizes on Multi-GPU Servers), section 3.2 Algorithm 1, section 3.3
 (hierarchical synchronisation), section 3.2 last paragraphs (restart on a learning-rate change),
 section 3.4 / 4.4 (auto-tuning the number of learners).
 

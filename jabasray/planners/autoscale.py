@@ -1,6 +1,6 @@
 """JABAS coarse-grained automatic scaling (paper section 6.3) and its cost model (Eq. 8).
 
-Source: papers/jabas-iidp-adaptive-batching.txt, section 6.3 (coarse-grained
+Source: JABAS (the JABAS/IIDP paper), section 6.3 (coarse-grained
 automatic scaling) and the cost model of section 7.1 (Eq. 8).
 
 Implementation notes

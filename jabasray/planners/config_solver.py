@@ -1,6 +1,6 @@
 """JABAS configuration solver (paper section 5.2, Algorithm 1), exact and fast.
 
-Source: papers/jabas-iidp-adaptive-batching.txt, Algorithm 1 ("line N" below is its line N)
+Source: JABAS (the JABAS/IIDP paper), Algorithm 1 ("line N" below is its line N)
 and section 5.2 with Eq. 7 and the Figure 8 example.
 
 Problem (Eq. 7). For one group H of GPUs (one GPU of every identical pair) and a requested

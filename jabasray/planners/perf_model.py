@@ -1,6 +1,6 @@
 """JABAS iteration-time model (paper section 5.1, Eq. 1-6) over profiled data.
 
-Source: papers/jabas-iidp-adaptive-batching.txt, section 5.1 (Eq. 1-6).
+Source: JABAS (the JABAS/IIDP paper), section 5.1 (Eq. 1-6).
 
 For GPU type g, local batch B_L, ``n_vsw`` VSWs and ``n_GA`` gradient-accumulation steps:
 

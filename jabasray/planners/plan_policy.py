@@ -4,7 +4,7 @@ Used by the driver (every interval), by the auto-scaler's epoch-time estimate
 (:func:`jabasray.planners.autoscale.epoch_time`) and by ``jabasray plan``, so the plan an
 allocation is chosen on is the plan that runs (DESIGN: "a plan computed is a plan executed").
 
-Policy (:func:`solve_for_batch`), built on Alg. 1 of JABAS (papers/jabas-iidp-adaptive-batching.txt,
+Policy (:func:`solve_for_batch`), built on Alg. 1 of JABAS (the JABAS/IIDP paper,
 section 5.2; :mod:`.config_solver`):
 
 1. For every candidate B_L (``local_batches``, default min B_L, 2 min B_L, ... up to the

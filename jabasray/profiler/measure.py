@@ -33,7 +33,7 @@ Profiles are cached as JSON in ``cache_dir`` under ``<model signature>-<gpu type
 (:func:`measurement_settings`: device, torch version, profiler revision and every measurement
 setting), so a change of any of them re-measures.
 
-Robust and fast (issue 15): only n_vsw = 1 and n_max are timed (intermediate n are probed with
+Robust and fast: only n_vsw = 1 and n_max are timed (intermediate n are probed with
 one untimed step where memory must be probed, skipped on CPU without a memory budget); each
 point is the "trimmed" statistic (median of the faster half) of ``repeats`` steps; compute times
 that fall as B_L grows are re-measured and, if still non-monotone, clipped.

@@ -1,6 +1,6 @@
 """DeepPool burst-parallel planner: a GPU count for every layer under a GPU-sec amplification limit.
 
-Implements §4 of DeepPool (``papers/deeppool-burst-parallel.txt``): Algorithm 1 ("Search
+Implements §4 of DeepPool: Algorithm 1 ("Search
 Linear") for a chain of layers, and the branch/join graph reduction of §4.2 for graphs whose
 chains fork and join (Inception, residual blocks).  Pure Python + numpy, no torch, no ray.
 ``engine/burst.py`` executes the plans.
