@@ -32,6 +32,39 @@ def test_checkpoint_config_schedule_and_values():
         RunConfig(callbacks=[3])
 
 
+def test_console_reporter_bar_counts_samples_and_prints_epoch_lines(capsys):
+    """A terminal gets a tqdm bar of the epoch's samples (capped at the total; B_G, loss in its
+    postfix) and the epoch line on stdout above it; elsewhere (stderr not a terminal) no bar,
+    the same line printed; events go to stderr."""
+    from types import SimpleNamespace
+
+    from jabasray.actors.callbacks import ConsoleReporter
+    from jabasray.actors.metrics import EpochRecord, epoch_line
+
+    epoch = EpochRecord(epoch=0, allocation={"n0": 2}, gpu_types=["fast"] * 2, trajectory=[8, 16],
+                        predicted_trajectory=[], train_loss=1.5, val_accuracy=0.5, time_s=2.0,
+                        gpu_seconds=4.0, samples=10, throughput=5.0)
+    interval = SimpleNamespace(samples=6, global_batch=8, local_batch=4, phi=0.5, loss=1.25)
+    bar = ConsoleReporter(bar=True)
+    bar.start(total=10)
+    bar.on_interval(None, interval)
+    assert bar.bar.n == 6 and "B_G=8" in str(bar.bar)
+    bar.on_interval(None, interval)
+    assert bar.bar.n == 10                                    # capped at the total
+    bar.on_epoch(None, epoch)
+    bar.on_event(None, "re-placing")
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [epoch_line(epoch)] and "re-placing" in err and "sample" in err
+    plain = ConsoleReporter()                                 # capsys: stderr is not a terminal
+    plain.start(total=10)
+    plain.on_interval(None, interval)
+    plain.on_epoch(None, epoch)
+    assert plain.bar is None and plain.lines == [epoch_line(epoch)]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [epoch_line(epoch)] and err == ""
+
+
 def test_ray_run_configs_are_converted_or_refused_in_one_line():
     from ray import train, tune
     from ray.tune.logger import TBXLoggerCallback
