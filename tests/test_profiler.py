@@ -174,6 +174,11 @@ def test_callable_fingerprint_follows_code_closure_and_partial():
     assert callable_fingerprint(scaled(1.0)) == callable_fingerprint(scaled(1.0))
     assert callable_fingerprint(scaled(1.0)) != callable_fingerprint(scaled(3.0))   # closure value
     assert callable_fingerprint(functools.partial(a, 1)) != callable_fingerprint(functools.partial(a, 2))
+    from jabasray.profiler.cluster import driver_cache_key
+    keys = {driver_cache_key("sig", device="cpu", emulate=True, min_local_batch=8, weight_sync="auto",
+                             bucket_cap_mb=25.0, **kw)
+            for kw in ({}, {"step_fn": a}, {"step_fn": a2}, {"step_fn": b}, {"collate_fn": a})}
+    assert len(keys) == 4                                  # a and a2 share one, the rest differ
 
 
 def test_profile_cache_key_holds_step_fn_and_collate_fn(digits, tmp_path, monkeypatch):
