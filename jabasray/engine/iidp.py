@@ -127,7 +127,9 @@ from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .batched import batch_fallback_reason, join_batches
-from .streams import DispatcherThread, Lanes, VSWThreadPool
+from .graphs import (CUDA_GRAPH_MODES, CapturedStep, GraphCache, StaticRounds, batch_signature, capture_step,
+                     graph_key, make_capturable, round_parts, step_graph_blocker, worker_graph_blocker)
+from .streams import DispatcherThread, Lanes, VSWThreadPool, new_stream
 from .vsw_norm import coupling_modules, ghost_norms, pack_norm_stats
 from .weight_sync import ShardOptimizer, resolve_weight_sync
 
@@ -193,6 +195,7 @@ class StepStats:
                                      # 0-d tensors on the device)
     metric_counts: dict = field(default_factory=dict)  # samples behind each metric sum
     batched: bool = False            # the VSWs ran as one batched pass (else per VSW)
+    graphed: bool = False            # the step was one replay of a captured CUDA graph
 
     @property
     def loss_raw(self) -> Any:
@@ -300,6 +303,9 @@ class IIDPWorker:
         per_sample_loss: the step's loss is the mean of per-sample losses (the default
             ``loss_fn`` with ``reduction="mean"``), which batched execution needs; ``False``
             (e.g. a sum, a class-weighted mean, a loss normalised by token counts) runs per VSW.
+        cuda_graphs: ``"auto"``: batched steps on one CUDA device are captured as CUDA graphs
+            and replayed where possible (:mod:`~jabasray.engine.graphs`; otherwise eager, with
+            one log line naming the reason); ``"off"``: always eager.
 
     The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
     group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
@@ -315,8 +321,10 @@ class IIDPWorker:
                  comm_guard: Callable[[str], ContextManager[Any]] | None = None,
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  precision: str = "fp32", grad_clip_norm: float | None = None,
-                 vsw_execution: str = "auto", per_sample_loss: bool = True) -> None:
+                 vsw_execution: str = "auto", per_sample_loss: bool = True,
+                 cuda_graphs: str = "auto") -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)
         check_choice("vsw_execution", vsw_execution, VSW_EXECUTIONS)
         check_choice("precision", precision, PRECISIONS)
         if grad_clip_norm is not None:
@@ -385,6 +393,7 @@ class IIDPWorker:
         self.per_sample_loss = per_sample_loss
         self._coupling = coupling_modules(model)
         self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
+        self._packed = False                # _norms packed for the current VSWs
         self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
         self._copy_replicas = True          # this step's update copies weights to the replicas
         self._prescaled = False             # this step's gradients are averaged already
@@ -418,6 +427,13 @@ class IIDPWorker:
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
         # synchronous anyway
         self.sync_timing = False
+        # whole-step CUDA graphs (graphs module): captured steps by key, the capture stream
+        self._graph_mode = cuda_graphs
+        self._graphs = GraphCache(on_drop=self._lanes.synchronize)
+        self._capture_stream: Any = None
+        self._made_capturable = False
+        self._graph_grads: CapturedStep | None = None   # the graph whose gradients p.grad shows
+        self._autocast_cache = True                      # False while a forward is captured
 
     # ------------------------------------------------------------------ properties
     @property
@@ -481,6 +497,19 @@ class IIDPWorker:
                     v.buffers.copy_params_from(main)
             self._stale = False
 
+    @property
+    def cuda_graphs(self) -> str:
+        """``"auto"`` or ``"off"`` (constructor argument)."""
+        return self._graph_mode
+
+    def graph_fallback_reason(self, ragged: bool = False, keep_local_grad: bool | str = False) -> str | None:
+        """Why a step (``ragged``, keeping its local gradient or not) would run eagerly rather
+        than as a CUDA graph, or ``None`` (it is captured after its warm-up, then replayed)."""
+        return (worker_graph_blocker(self._graph_mode, self.device, self.precision, self.process_group,
+                                     self._flat_grads, self.sync_timing, self.optimizer)
+                or step_graph_blocker(self.batch_fallback_reason(ragged), ragged, keep_local_grad)
+                or self._graphs.disabled)
+
     def batch_fallback_reason(self, ragged: bool = False) -> str | None:
         """Why a step (``ragged`` or not) would run per VSW now, or ``None``: it runs batched."""
         return batch_fallback_reason(self._num_vsw, ragged, self.per_sample_loss, self._coupling,
@@ -503,13 +532,18 @@ class IIDPWorker:
         else:
             self._global_num_workers = workers
         self._lanes.synchronize()
+        repack = num_vsw != len(self._vsws) or not self._packed
         while len(self._vsws) < num_vsw:
             self._vsws.append(self._new_replica(len(self._vsws)))
         for v in self._vsws[num_vsw:]:
             v.remove_hooks()
         del self._vsws[num_vsw:]
-        # every VSW's BatchNorm statistics in one [n, C] tensor per layer (views per replica)
-        self._norms = pack_norm_stats([v.module for v in self._vsws])
+        if repack:
+            # every VSW's BatchNorm statistics in one [n, C] tensor per layer (views per
+            # replica); captured steps read the old tensors: forget them
+            self._norms = pack_norm_stats([v.module for v in self._vsws])
+            self._packed = True
+            self._graphs.clear()
         self._lanes.resize(num_vsw)
         self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
         self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
@@ -742,6 +776,11 @@ class IIDPWorker:
         if self._split:
             reason = "the similarity groups split the VSWs"
         pg_set = self.process_group is not None
+        if self._graph_mode != "off":
+            graphed = self._graph_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
+            if graphed is not None:
+                return graphed
+        self._graph_grads = None          # an eager step allocates its own gradients
         rounds = None
         if reason is None:
             try:
@@ -867,6 +906,122 @@ class IIDPWorker:
                          copy_time=tm.copy, batched=rounds is not None,
                          metric_sums=self._metric_sums, metric_counts=self._metric_counts)
 
+    # ------------------------------------------------------------------ CUDA graphs
+    def _log_once(self, message: str, reason: str) -> None:
+        line = message % reason
+        if line not in self._logged:
+            self._logged.add(line)
+            log.info(line)
+
+    def _lr_values(self) -> list[float]:
+        """The LR of every param group in the next update: ``lr * lr_factor``."""
+        return [g["lr"] * self.lr_factor for g in self.optimizer.param_groups]
+
+    def _graph_step(self, micro_batches: Sequence[MicroBatch], sizes: list[int], reason: str | None,
+                    ragged: bool, keep_local_grad: bool | str, t0: float) -> StepStats | None:
+        """The step as a replay of a captured CUDA graph (capturing it first once its key's
+        warm-up is done), or ``None``: run it eagerly (warm-up, or a reason logged once)."""
+        why = worker_graph_blocker(self._graph_mode, self.device, self.precision, self.process_group,
+                                   self._flat_grads, self.sync_timing, self.optimizer)
+        if why is None and not self._made_capturable:
+            make_capturable(self.optimizer)      # the warm-up steps already run this form
+            self._made_capturable = True
+        why = why or step_graph_blocker(reason, ragged, keep_local_grad) or self._graphs.disabled
+        if why is None:
+            sigs = {batch_signature(mb) for mb in micro_batches}
+            if None in sigs:
+                why = "micro-batches hold values that are not tensors"
+            elif len(sigs) > 1:
+                why = "micro-batches of different shapes"
+        if why is not None:
+            self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
+            return None
+        key = graph_key(self._num_vsw, self._num_ga, self._local_batch_size, sigs.pop(),
+                        self.model.training, self.optimizer, self.grad_clip_norm)
+        action = self._graphs.decide(key)
+        if self._graphs.disabled is not None:
+            self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
+            return None
+        if action == "eager":
+            return None
+        parts = round_parts(micro_batches, self._num_vsw, self._num_ga)
+        if action == "capture":
+            try:
+                self._graphs.add(key, self._capture(parts))
+            except Exception as e:  # noqa: BLE001 - the step runs eagerly instead
+                self._graphs.disable(f"capture failed ({type(e).__name__}: {e})")
+                self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
+                return None
+            log.info("IIDP: step captured as a CUDA graph (n_vsw=%d, n_GA=%d, B_L=%d)",
+                     self._num_vsw, self._num_ga, self._local_batch_size)
+        return self._replay(self._graphs.get(key), parts, sizes, t0)
+
+    def _capture(self, parts: list[list[MicroBatch]]) -> CapturedStep:
+        """Capture one batched step (graphs module, item 2): the GA rounds' forward/backward
+        over the static inputs (per-VSW BatchNorm, loss weight ``n / global workers`` as in
+        :meth:`_run_batched`), the zero gradient of unused parameters, clipping and the
+        optimizer step. The weight copy to the replicas stays deferred (batched steps use none)."""
+        main = self._vsws[0]
+        main.set_hooks(False, self)
+        lanes = self._lanes
+        ready = lanes.record()                # the caller's stream produced the micro-batches
+        with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
+            lanes.wait(lanes.vsw[0], ready)
+            inputs = StaticRounds([[to_device(p, self.device) for p in r] for r in parts], self.device)
+        if self._capture_stream is None:
+            self._capture_stream = new_stream(self.device)
+        weight = self._num_vsw / self._global_num_workers
+        params = [p for plist in main.buffers.modules_params for p in plist]
+
+        def body(buffers: list[Any]) -> tuple[torch.Tensor, dict, dict]:
+            losses: list[torch.Tensor] = []
+            self._metric_sums, self._metric_counts = {}, {}
+            for batch in buffers:
+                with ghost_norms(self._norms):
+                    scaled = self._forward(main, batch, weight, losses)
+                scaled.backward()
+            main.buffers.finish()                     # zero gradient for unused parameters
+            if self.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+            self._shard.step()                        # LR read from the device tensors
+            return torch.stack(losses).sum(), dict(self._metric_sums), dict(self._metric_counts)
+
+        main.buffers.begin_step()
+        self._autocast_cache = False
+        try:
+            return capture_step(body, inputs, self.optimizer, self._lr_values(), self._capture_stream,
+                                params)
+        finally:
+            self._autocast_cache = True
+            self._metric_sums, self._metric_counts = {}, {}
+
+    def _replay(self, cap: CapturedStep, parts: list[list[MicroBatch]], sizes: list[int],
+                t0: float) -> StepStats:
+        """One replay on the main VSW's stream (after the caller's stream, which then waits for
+        it); the loss and metric sums are copied on the device (nothing is read)."""
+        lanes = self._lanes
+        start_ev = lanes.record()
+        with lanes.context(lanes.vsw[0]):
+            lanes.wait(lanes.vsw[0], start_ev)
+            cap.replay(parts, self._lr_values())
+            loss_s, sums_s, counts = cap.outputs
+            loss = loss_s.detach().clone()
+            sums = {k: v.clone() for k, v in sums_s.items()}
+            end_ev = lanes.record(lanes.vsw[0])
+        lanes.wait(lanes.current(), end_ev)
+        if self._graph_grads is not cap:          # p.grad shows this step's gradient
+            main = self._vsws[0].buffers
+            for p, g in zip((p for plist in main.modules_params for p in plist), cap.grads):
+                p.grad = g
+            self._graph_grads = cap
+        if self._num_vsw > 1:
+            self._stale = True                    # replicas get the weights when used
+        t = self._clock() - t0
+        return StepStats(loss=loss, num_workers=self.num_workers, global_num_workers=self._global_num_workers,
+                         num_samples=sum(sizes), compute_time=t, comm_time=0.0, update_time=0.0,
+                         weight_sync=self._method, batched=True, graphed=True,
+                         metric_sums=sums, metric_counts=dict(counts))
+
     def _run_batched(self, begin_vsw: Callable[[_VSW], tuple[list[int], list[torch.Tensor]]],
                      rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
         """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
@@ -928,7 +1083,7 @@ class IIDPWorker:
         (detached, on the device) to ``losses``; returns the (weighted, fp16-scaled) loss to
         back-propagate."""
         batch = to_device(micro_batch, self.device)
-        with autocast(self.device, self.precision):
+        with autocast(self.device, self.precision, self._autocast_cache):
             loss, metrics = split_step_output(self.step_fn(vsw.module, batch))
             loss = check_loss(loss)
         if metrics:
@@ -1057,6 +1212,8 @@ class IIDPWorker:
                              f"(from IIDPWorker.state_dict()), got {type(state).__name__}")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._graphs.clear()             # the optimizer's state tensors are new
+        self._made_capturable = False
         if self._scaler is not None and state.get("grad_scaler"):
             self._scaler.load_state_dict(state["grad_scaler"])
         cfg = state["config"]
@@ -1065,7 +1222,8 @@ class IIDPWorker:
         self.sync_replicas()
 
     def close(self) -> None:
-        """Stop the VSW threads and remove the hooks from the main model."""
+        """Stop the VSW threads, drop captured graphs and remove the hooks from the main model."""
+        self._graphs.clear()
         self._pool.close()
         if self._comm is not None:
             self._comm.stop()
