@@ -281,14 +281,14 @@ class _FakeGraph:
 
 
 def _fake_cuda(monkeypatch, worker):
-    from jabasray.engine import graphs, iidp
+    from jabasray.engine import graphs
 
     def capture(fn, stream):
         out = fn()
         return _FakeGraph(fn, worker.optimizer, out), out
     monkeypatch.setattr(graphs, "cuda_capture", capture)
-    monkeypatch.setattr(iidp, "worker_graph_blocker", lambda *a: None)
-    monkeypatch.setattr(iidp, "new_stream", lambda device: None)
+    monkeypatch.setattr(graphs, "worker_graph_blocker", lambda *a: None)
+    monkeypatch.setattr(graphs, "new_stream", lambda device: None)
 
 
 def _metric_step(model, batch):

@@ -38,6 +38,13 @@ What invalidates a graph: a different key (:func:`graph_key`: configuration, inp
 train/eval mode, the optimizer's hyper-parameters other than the LR, clipping), a
 reconfiguration to another ``n_vsw`` (the BatchNorm statistics are re-packed) and a loaded
 optimizer state (new state tensors): the worker clears the cache then.
+
+:class:`GraphedSteps` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) takes a step down
+this path; it uses the worker's configuration (``_num_vsw``, ``_num_ga``, ``_local_batch_size``,
+``_global_num_workers``), ``_vsws``, ``_lanes``, ``_norms``, ``optimizer``/``_shard``,
+``grad_clip_norm``, ``lr_factor``, ``_forward``, ``_log_once`` and its graph state
+(``_graph_mode``, ``_graphs``, ``_capture_stream``, ``_made_capturable``, ``_graph_grads``,
+``_autocast_cache``).
 """
 from __future__ import annotations
 
@@ -50,7 +57,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from ..config import CUDA_GRAPH_MODES  # noqa: F401  ("auto" | "off"; torch-free, shared with JobConfig)
-from .loader import _is_per_sample
+from .loader import _is_per_sample, to_device
+from .stats import StepStats
+from .streams import new_stream
+from .vsw_norm import ghost_norms
 
 log = logging.getLogger(__name__)
 
@@ -377,3 +387,116 @@ class GraphCache:
         self._drop()
         self.graphs.clear()
         self.eager_steps.clear()
+
+
+class GraphedSteps:
+    """A batched step as the replay of a captured CUDA graph (module notes)."""
+
+    def _lr_values(self) -> list[float]:
+        """The LR of every param group in the next update: ``lr * lr_factor``."""
+        return [g["lr"] * self.lr_factor for g in self.optimizer.param_groups]
+
+    def _graph_step(self, micro_batches: Sequence[Any], sizes: list[int], reason: str | None,
+                    ragged: bool, keep_local_grad: bool | str, t0: float) -> StepStats | None:
+        """The step as a replay of a captured CUDA graph (capturing it first once its key's
+        warm-up is done), or ``None``: run it eagerly (warm-up, or a reason logged once)."""
+        why = worker_graph_blocker(self._graph_mode, self.device, self.precision, self.process_group,
+                                   self._flat_grads, self.sync_timing, self.optimizer)
+        if why is None and not self._made_capturable:
+            make_capturable(self.optimizer)      # the warm-up steps already run this form
+            self._made_capturable = True
+        why = why or step_graph_blocker(reason, ragged, keep_local_grad) or self._graphs.disabled
+        if why is None:
+            sigs = {batch_signature(mb) for mb in micro_batches}
+            if None in sigs:
+                why = "micro-batches hold values that are not tensors"
+            elif len(sigs) > 1:
+                why = "micro-batches of different shapes"
+        if why is not None:
+            self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
+            return None
+        key = graph_key(self._num_vsw, self._num_ga, self._local_batch_size, sigs.pop(),
+                        self.model.training, self.optimizer, self.grad_clip_norm)
+        action = self._graphs.decide(key)
+        if self._graphs.disabled is not None:
+            self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
+            return None
+        if action == "eager":
+            return None
+        parts = round_parts(micro_batches, self._num_vsw, self._num_ga)
+        if action == "capture":
+            try:
+                self._graphs.add(key, self._capture(parts))
+            except Exception as e:  # noqa: BLE001 - the step runs eagerly instead
+                self._graphs.disable(f"capture failed ({type(e).__name__}: {e})")
+                self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
+                return None
+            log.info("IIDP: step captured as a CUDA graph (n_vsw=%d, n_GA=%d, B_L=%d)",
+                     self._num_vsw, self._num_ga, self._local_batch_size)
+        return self._replay(self._graphs.get(key), parts, sizes, t0)
+
+    def _capture(self, parts: list[list[Any]]) -> CapturedStep:
+        """Capture one batched step (graphs module, item 2): the GA rounds' forward/backward
+        over the static inputs (per-VSW BatchNorm, loss weight ``n / global workers`` as in
+        :meth:`_run_batched`), the zero gradient of unused parameters, clipping and the
+        optimizer step. The weight copy to the replicas stays deferred (batched steps use none)."""
+        main = self._vsws[0]
+        main.set_hooks(False, self)
+        lanes = self._lanes
+        ready = lanes.record()                # the caller's stream produced the micro-batches
+        with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
+            lanes.wait(lanes.vsw[0], ready)
+            inputs = StaticRounds([[to_device(p, self.device) for p in r] for r in parts], self.device)
+        if self._capture_stream is None:
+            self._capture_stream = new_stream(self.device)
+        weight = self._num_vsw / self._global_num_workers
+        params = [p for plist in main.buffers.modules_params for p in plist]
+
+        def body(buffers: list[Any]) -> tuple[torch.Tensor, dict, dict]:
+            losses: list[torch.Tensor] = []
+            self._metric_sums, self._metric_counts = {}, {}
+            for batch in buffers:
+                with ghost_norms(self._norms):
+                    scaled = self._forward(main, batch, weight, losses)
+                scaled.backward()
+            main.buffers.finish()                     # zero gradient for unused parameters
+            if self.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
+            self._shard.step()                        # LR read from the device tensors
+            return torch.stack(losses).sum(), dict(self._metric_sums), dict(self._metric_counts)
+
+        main.buffers.begin_step()
+        self._autocast_cache = False
+        try:
+            return capture_step(body, inputs, self.optimizer, self._lr_values(), self._capture_stream,
+                                params)
+        finally:
+            self._autocast_cache = True
+            self._metric_sums, self._metric_counts = {}, {}
+
+    def _replay(self, cap: CapturedStep, parts: list[list[Any]], sizes: list[int],
+                t0: float) -> StepStats:
+        """One replay on the main VSW's stream (after the caller's stream, which then waits for
+        it); the loss and metric sums are copied on the device (nothing is read)."""
+        lanes = self._lanes
+        start_ev = lanes.record()
+        with lanes.context(lanes.vsw[0]):
+            lanes.wait(lanes.vsw[0], start_ev)
+            cap.replay(parts, self._lr_values())
+            loss_s, sums_s, counts = cap.outputs
+            loss = loss_s.detach().clone()
+            sums = {k: v.clone() for k, v in sums_s.items()}
+            end_ev = lanes.record(lanes.vsw[0])
+        lanes.wait(lanes.current(), end_ev)
+        if self._graph_grads is not cap:          # p.grad shows this step's gradient
+            main = self._vsws[0].buffers
+            for p, g in zip((p for plist in main.modules_params for p in plist), cap.grads):
+                p.grad = g
+            self._graph_grads = cap
+        if self._num_vsw > 1:
+            self._stale = True                    # replicas get the weights when used
+        t = self._clock() - t0
+        return StepStats(loss=loss, num_workers=self.num_workers, global_num_workers=self._global_num_workers,
+                         num_samples=sum(sizes), compute_time=t, comm_time=0.0, update_time=0.0,
+                         weight_sync=self._method, batched=True, graphed=True,
+                         metric_sums=sums, metric_counts=dict(counts))
