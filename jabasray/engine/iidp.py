@@ -597,7 +597,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
                          copy_time=tm.copy, batched=rounds is not None,
                          metric_sums=self._metric_sums, metric_counts=self._metric_counts)
 
-    # ------------------------------------------------------------------ CUDA graphs
+    # ------------------------------------------------------------------ shared by every execution
     def _log_once(self, message: str, reason: str) -> None:
         line = message % reason
         if line not in self._logged:

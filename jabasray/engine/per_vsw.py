@@ -7,13 +7,15 @@ VSW's micro-batches in order; bucket aggregation and launches from the hooks as 
 * ``"threads"`` (CPU default): one persistent dispatcher thread per VSW
   (:class:`~jabasray.engine.streams.VSWThreadPool`), VSW 0 on the caller's thread. On CPU the
   kernels run on the issuing thread and release the GIL, so the VSWs really compute in
-  parallel.
+  parallel. Each VSW's backward runs on its own thread
+  (``torch.autograd.set_multithreading_enabled(False)``): on CUDA autograd would otherwise
+  execute every VSW's backward on the device's one worker thread, one after another.
 * ``"one_thread"`` (CUDA default): the caller's thread issues all VSWs, each onto its own
   (foreground-priority) stream, GA round by GA round - the forwards of every VSW's k-th
-  micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy no
-  concurrency. Every ``backward()`` of a CUDA graph is executed by the device's ONE autograd
-  worker thread, whichever thread calls it, so the VSW threads' backward launches were
-  serialised there anyway, and their Python forwards contend for the GIL. What
+  micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy little
+  concurrency: their Python forwards and backwards contend for the GIL (and by default
+  autograd runs every CUDA ``backward()`` on the device's ONE worker thread, whichever
+  thread calls it; the ``"threads"`` scheme turns that off per VSW thread). What
   makes VSWs overlap on a GPU is that each VSW's kernels are queued on its own stream ahead
   of the device: launches are asynchronous, so while the device still executes VSW k's
   forward/backward kernels, the host is already issuing VSW k+1's onto another stream, and
@@ -46,11 +48,14 @@ class PerVSWExecution:
                           micro_batches: Sequence[MicroBatch], weights: list[float]
                           ) -> list[list[torch.Tensor]]:
         """The ``"threads"`` scheme (CPU default): VSW 0 on the calling thread, VSW ``v`` on
-        its own dispatcher thread, each running its micro-batches in order on its lane."""
+        its own dispatcher thread, each running its micro-batches in order on its lane, its
+        backward on that thread too (``torch.autograd.set_multithreading_enabled(False)``)."""
         lanes = self._lanes
 
         def run_vsw(vsw: "_VSW") -> list[torch.Tensor]:
-            with lanes.context(lanes.vsw[vsw.index]):
+            # each VSW thread runs its own backward (CUDA: not queued behind the other VSWs on
+            # the device's single autograd thread; thread-local; CPU: already the case)
+            with lanes.context(lanes.vsw[vsw.index]), torch.autograd.set_multithreading_enabled(False):
                 try:
                     idx, loss_sum = begin_vsw(vsw)
                     for k, i in enumerate(idx):
