@@ -195,6 +195,26 @@ def test_graph_key_tracks_what_a_capture_depends_on():
     hash(k2)
 
 
+def test_memory_headroom():
+    """Pool (W) + a later eager step (W) fit iff free + W >= 2W, with a 10 % margin."""
+    from jabasray.engine.graphs import memory_headroom_blocker
+    G = 2 ** 30
+    assert memory_headroom_blocker(free=10 * G, reserved=5 * G, allocated=1 * G) is None
+    assert memory_headroom_blocker(free=int(4.5 * G), reserved=5 * G, allocated=1 * G) is None
+    assert "not enough free device memory" in memory_headroom_blocker(free=4 * G, reserved=5 * G,
+                                                                      allocated=1 * G)
+    assert memory_headroom_blocker(free=0, reserved=G, allocated=G) is None     # nothing cached
+
+
+def test_refused_key_runs_eagerly_until_cleared():
+    c = GraphCache(warmup=1)
+    assert [c.decide("a"), c.decide("a")] == ["eager", "capture"]
+    c.refuse("a")
+    assert c.decide("a") == "eager" and c.decide("a") == "eager" and c.disabled is None
+    c.clear()
+    assert [c.decide("a"), c.decide("a")] == ["eager", "capture"]
+
+
 def test_graph_cache_warmup_lru_and_dynamic_shapes():
     dropped = []
     c = GraphCache(warmup=2, max_graphs=2, max_signatures=4, on_drop=lambda: dropped.append(1))
@@ -289,6 +309,8 @@ def _fake_cuda(monkeypatch, worker):
     monkeypatch.setattr(graphs, "cuda_capture", capture)
     monkeypatch.setattr(graphs, "worker_graph_blocker", lambda *a: None)
     monkeypatch.setattr(graphs, "new_stream", lambda device: None)
+    monkeypatch.setattr(graphs, "device_memory_blocker", lambda device: None)
+    monkeypatch.setattr(graphs, "release_cached_memory", lambda device: None)
 
 
 def _metric_step(model, batch):

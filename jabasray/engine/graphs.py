@@ -65,7 +65,10 @@ from .vsw_norm import ghost_norms
 log = logging.getLogger(__name__)
 
 GRAPH_WARMUP_STEPS = 3               # eager steps of a key before its capture (PyTorch's recipe: a few)
-MAX_GRAPHS = 3                       # captured steps kept (LRU): each holds a private memory pool
+MAX_GRAPHS = 1                       # captured steps kept (LRU): each holds a private memory pool
+                                     # of about one step's working memory, on top of what eager
+                                     # steps (warm-up, ragged, similarity) still need
+MEMORY_MARGIN = 1.1                  # capture only if free device memory >= this x a step's working set
 MAX_SIGNATURES = 8                   # distinct keys before the worker stops capturing (dynamic shapes)
 
 # optimizers whose step is captured with the LR as a device tensor (see graph_optimizer_blocker)
@@ -140,6 +143,38 @@ def worker_graph_blocker(mode: str, device: torch.device, precision: str, proces
     if optimizer is not None:
         return graph_optimizer_blocker(optimizer)
     return None
+
+
+def memory_headroom_blocker(free: int, reserved: int, allocated: int,
+                            margin: float = MEMORY_MARGIN) -> str | None:
+    """Why capturing now could run a later eager step out of memory, or ``None``.
+
+    A captured step keeps its working memory (activations, gradients) in the graph's private
+    pool for good; an eager step of the same worker (warm-up of another key, a ragged or
+    similarity step) then needs about as much again from the device. The last warm-up step
+    runs on an emptied cache (:func:`release_cached_memory`), so afterwards the caching
+    allocator's ``reserved - allocated`` bytes are that eager step's working set ``W`` (the
+    capture returns them to the device first: ``torch.cuda.graph`` empties the cache).
+    With ``free`` bytes free on the device, pool + a later eager step fit iff
+    ``free + W >= 2 W``, i.e. ``free >= W`` (times ``margin`` for fragmentation)."""
+    working = max(0, reserved - allocated)
+    if free < margin * working:
+        return "not enough free device memory to keep a captured step beside eager steps"
+    return None
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the caching allocator's free blocks to the device (before the last warm-up step
+    of a key; synchronises, once per capture)."""
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+
+
+def device_memory_blocker(device: torch.device) -> str | None:
+    """:func:`memory_headroom_blocker` with ``device``'s current figures (no synchronisation)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return memory_headroom_blocker(free, torch.cuda.memory_reserved(device),
+                                   torch.cuda.memory_allocated(device))
 
 
 def step_graph_blocker(batched_reason: str | None, ragged: bool, keep_local_grad: Any) -> str | None:
@@ -343,6 +378,7 @@ class GraphCache:
         self.graphs: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.eager_steps: dict[tuple, int] = {}
         self.disabled: str | None = None
+        self.refused: set[tuple] = set()         # keys that run eagerly (e.g. not enough memory)
         self.captures = 0
 
     def decide(self, key: tuple) -> str:
@@ -351,6 +387,8 @@ class GraphCache:
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return "replay"
+        if key in self.refused:
+            return "eager"
         if key not in self.eager_steps and len(self.eager_steps) >= self.max_signatures:
             self.disable(f"dynamic shapes (more than {self.max_signatures} step signatures)")
             return "eager"
@@ -359,6 +397,10 @@ class GraphCache:
             return "capture"
         self.eager_steps[key] = seen + 1
         return "eager"
+
+    def refuse(self, key: tuple) -> None:
+        """Run ``key`` eagerly from now on (until :meth:`clear`)."""
+        self.refused.add(key)
 
     def get(self, key: tuple) -> CapturedStep:
         return self.graphs[key]
@@ -387,6 +429,7 @@ class GraphCache:
         self._drop()
         self.graphs.clear()
         self.eager_steps.clear()
+        self.refused.clear()
 
 
 class GraphedSteps:
@@ -422,13 +465,21 @@ class GraphedSteps:
             self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
             return None
         if action == "eager":
+            if self._graphs.eager_steps.get(key) == self._graphs.warmup:
+                release_cached_memory(self.device)   # this step's working set shows alone
             return None
         parts = round_parts(micro_batches, self._num_vsw, self._num_ga)
         if action == "capture":
+            why = device_memory_blocker(self.device)
+            if why is not None:
+                self._graphs.refuse(key)
+                self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
+                return None
             try:
                 self._graphs.add(key, self._capture(parts))
             except Exception as e:  # noqa: BLE001 - the step runs eagerly instead
-                self._graphs.disable(f"capture failed ({type(e).__name__}: {e})")
+                first = (str(e).strip().splitlines() or [""])[0]
+                self._graphs.disable(f"capture failed ({type(e).__name__}: {first})")
                 self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
                 return None
             log.info("IIDP: step captured as a CUDA graph (n_vsw=%d, n_GA=%d, B_L=%d)",
