@@ -215,9 +215,9 @@ def test_refused_key_runs_eagerly_until_cleared():
     assert [c.decide("a"), c.decide("a")] == ["eager", "capture"]
 
 
-def test_graph_cache_warmup_lru_and_dynamic_shapes():
+def test_graph_cache_warmup_lru_and_thrash():
     dropped = []
-    c = GraphCache(warmup=2, max_graphs=2, max_signatures=4, on_drop=lambda: dropped.append(1))
+    c = GraphCache(warmup=2, max_graphs=2, max_signatures=3, on_drop=lambda: dropped.append(1))
     assert [c.decide("a") for _ in range(3)] == ["eager", "eager", "capture"]
     c.add("a", "graph-a")
     assert c.decide("a") == "replay" and c.get("a") == "graph-a"
@@ -226,16 +226,30 @@ def test_graph_cache_warmup_lru_and_dynamic_shapes():
         assert c.decide(k) == "capture"
         c.add(k, f"graph-{k}")
     assert list(c.graphs) == ["b", "c"] and dropped == [1]     # LRU: "a" went, after a wait
-    assert c.decide("b") == "replay"
-    assert c.decide("d") == "eager"                            # 4th signature: still fine
-    assert c.decide("e") == "eager" and c.disabled.startswith("dynamic shapes")
+    assert c.captures == 3 and c.replays == 1
+    # a 4th capture due with 1 replay for 3 captures (< 4 per capture): keys change too often
+    c.decide("d"), c.decide("d")
+    assert c.decide("d") == "eager" and c.disabled.startswith("the step's shapes or optimizer")
     assert not c.graphs and c.decide("b") == "eager"
     c.clear()
     assert c.disabled is not None                              # stays disabled
-    c2 = GraphCache(warmup=1)
+    # enough replays per capture: a new key is captured
+    c2 = GraphCache(warmup=1, max_graphs=1, max_signatures=1)
     c2.decide("a")
-    c2.clear()
-    assert c2.decide("a") == "eager"                           # warm-up counted afresh
+    assert c2.decide("a") == "capture"
+    c2.add("a", "g")
+    for _ in range(4):
+        assert c2.decide("a") == "replay"
+    c2.decide("b")
+    assert c2.decide("b") == "capture" and c2.disabled is None
+    # keys that never repeat: never captured, bookkeeping bounded
+    c3 = GraphCache(warmup=3, max_signatures=2)
+    assert all(c3.decide(("shape", i)) == "eager" for i in range(100))
+    assert len(c3.eager_steps) == 8 and c3.captures == 0 and c3.disabled is None
+    c4 = GraphCache(warmup=1)
+    c4.decide("a")
+    c4.clear()
+    assert c4.decide("a") == "eager"                           # warm-up counted afresh
 
 
 # ------------------------------------------------------------------------------ worker (CPU)

@@ -69,7 +69,9 @@ MAX_GRAPHS = 1                       # captured steps kept (LRU): each holds a p
                                      # of about one step's working memory, on top of what eager
                                      # steps (warm-up, ragged, similarity) still need
 MEMORY_MARGIN = 1.1                  # capture only if free device memory >= this x a step's working set
-MAX_SIGNATURES = 8                   # distinct keys before the worker stops capturing (dynamic shapes)
+MAX_SIGNATURES = 8                   # captures before the thrash check below applies
+REPLAYS_PER_CAPTURE = 4              # fewer replays per capture than this (after MAX_SIGNATURES
+                                     # captures): keys change too often, stop capturing
 
 # optimizers whose step is captured with the LR as a device tensor (see graph_optimizer_blocker)
 _GRAPH_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -367,8 +369,11 @@ class GraphCache:
 
     ``decide(key)`` says what a step of ``key`` does: ``"replay"`` (a captured step exists),
     ``"capture"`` (its warm-up is done), ``"eager"`` (warm-up; counted) - or ``"eager"`` for
-    good once :attr:`disabled` is set (more than :data:`MAX_SIGNATURES` keys: dynamic shapes;
-    or a failed capture)."""
+    good once :attr:`disabled` is set: a failed capture, or keys that change too often
+    (dynamic shapes, optimizer constants moved by a scheduler): after ``max_signatures``
+    captures, a capture due while fewer than :data:`REPLAYS_PER_CAPTURE` replays per capture
+    happened. A key whose shapes never repeat three times is never captured at all (the
+    warm-up counts of the ``4 * max_signatures`` most recent keys are kept)."""
 
     def __init__(self, warmup: int = GRAPH_WARMUP_STEPS, max_graphs: int = MAX_GRAPHS,
                  max_signatures: int = MAX_SIGNATURES, on_drop: Callable[[], None] | None = None) -> None:
@@ -376,26 +381,32 @@ class GraphCache:
         self.on_drop = on_drop           # called before captured steps are dropped (e.g. wait
                                          # for pending replays: their memory is released)
         self.graphs: OrderedDict[tuple, CapturedStep] = OrderedDict()
-        self.eager_steps: dict[tuple, int] = {}
+        self.eager_steps: OrderedDict[tuple, int] = OrderedDict()
         self.disabled: str | None = None
         self.refused: set[tuple] = set()         # keys that run eagerly (e.g. not enough memory)
         self.captures = 0
+        self.replays = 0
 
     def decide(self, key: tuple) -> str:
         if self.disabled is not None:
             return "eager"
         if key in self.graphs:
             self.graphs.move_to_end(key)
+            self.replays += 1
             return "replay"
         if key in self.refused:
             return "eager"
-        if key not in self.eager_steps and len(self.eager_steps) >= self.max_signatures:
-            self.disable(f"dynamic shapes (more than {self.max_signatures} step signatures)")
-            return "eager"
         seen = self.eager_steps.get(key, 0)
         if seen >= self.warmup:
+            if self.captures >= self.max_signatures and self.replays < REPLAYS_PER_CAPTURE * self.captures:
+                self.disable(f"the step's shapes or optimizer constants change too often "
+                             f"({self.captures} captures, {self.replays} replays)")
+                return "eager"
             return "capture"
         self.eager_steps[key] = seen + 1
+        self.eager_steps.move_to_end(key)
+        while len(self.eager_steps) > 4 * self.max_signatures:
+            self.eager_steps.popitem(last=False)
         return "eager"
 
     def refuse(self, key: tuple) -> None:
