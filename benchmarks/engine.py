@@ -535,7 +535,7 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
                 graphed = workers["batched_graph"].train_step(micro).graphed
                 if not graphed:
                     print(f"[batched vs plain] {model_name} B_L={bl} n={n}: the engine's step is NOT "
-                          f"graphed ({workers['batched_graph'].graph_fallback_reason()}); its "
+                          f"graphed ({workers['batched_graph'].graph_fallback_reason() or 'see the log'}); its "
                           f"'batched_graph' figures are eager")
             times = _rotated_rounds(variants, rounds, window, device)
             row = {"model": model_name, "local_batch": bl, "num_vsw": n, "total_batch": total,
