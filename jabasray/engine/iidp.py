@@ -127,7 +127,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
         vsw_execution: ``"auto"``: batched execution wherever it is exact, per VSW otherwise
             (CUDA: ``"one_thread"``, CPU: ``"threads"``); ``"threads"`` or ``"one_thread"``
-            force per-VSW execution with that scheme (module notes, "VSW execution").
+            force per-VSW execution with that scheme (:mod:`~jabasray.engine.per_vsw`).
         per_sample_loss: the step's loss is the mean of per-sample losses (the default
             ``loss_fn`` with ``reduction="mean"``), which batched execution needs; ``False``
             (e.g. a sum, a class-weighted mean, a loss normalised by token counts) runs per VSW.

@@ -71,7 +71,7 @@ class PerVSWExecution:
     def _run_vsws_one_thread(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
                              micro_batches: Sequence[MicroBatch], weights: list[float]
                              ) -> list[list[torch.Tensor]]:
-        """The ``"one_thread"`` scheme (CUDA default; module notes "VSW execution"): the
+        """The ``"one_thread"`` scheme (CUDA default; module notes): the
         calling thread issues every VSW onto its own stream, GA round by GA round: the
         forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
         its stream's context, so backward kernels stay on that stream). The device runs the
