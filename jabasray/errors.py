@@ -62,3 +62,8 @@ class RendezvousFailed(RuntimeError):
     """A GPU actor could not join its process group (the driver's rendezvous store or a peer
     did not answer in time: a closed port, a wrong network interface); one line. The driver
     treats it as a failure of that actor."""
+
+
+class PreflightFailed(RuntimeError):
+    """The pre-flight check found a GPU node that cannot open a TCP connection to the driver's
+    rendezvous address, or no port of the range to listen on; one line naming the node and port."""

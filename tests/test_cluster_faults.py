@@ -252,5 +252,163 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
     assert drv.planner.model.profiles == profiles
 
 
+class FreeAfterEpoch(DriverCallback):
+    """Removes the placement group ``pg`` (another job's hold on GPUs) after epoch ``epoch``."""
+
+    def __init__(self, pg, epoch: int) -> None:
+        self.pg, self.epoch = pg, epoch
+
+    def on_epoch(self, drv, record):
+        from ray.util.placement_group import remove_placement_group
+        if self.pg is not None and record.epoch == self.epoch:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def test_a_placement_not_met_in_time_replans_over_the_free_gpus(cluster, tmp_path):
+    """Another job holds both slow GPUs. The run asks for all four GPUs; the slow pair's
+    placement times out (3 s), the driver says so in one event and re-plans over what is free
+    (the fast pair), trains epoch 0 there; the other job lets go after epoch 0, so epoch 1's
+    plan (all four GPUs, autoscale off) is placed in full. Each epoch served every sample once."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    hold = placement_group([{"gpu_slow": 1.0}] * 2, strategy="STRICT_PACK")
+    ray.get(hold.ready(), timeout=60)
+    ds, val = tiny_data(240)
+    try:
+        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(2), FOUR, tmp_path / "free",
+                          val_dataset=val, perf_model=perf_model(SPEEDS),
+                          callbacks=[FreeAfterEpoch(hold, epoch=0)],
+                          options=DriverOptions(placement_timeout_s=3, record_samples=True,
+                                                preflight=True))
+        hist = drv.run()
+    finally:
+        remove_placement_group(hold)
+    replans = [m for m in hist.events if "re-planned over the free GPUs" in m]
+    assert len(replans) == 1 and "\n" not in replans[0]
+    assert "placement timed out after 3s" in replans[0] and "node s" in replans[0]
+    assert "{'f': 2}" in replans[0]
+    assert [e.allocation for e in hist.epochs] == [{"f": 2}, {"f": 2, "s": 2}]
+    assert_each_sample_once_per_epoch(hist, 240)
+    assert not [m for m in hist.events if "failure" in m]
+    assert sum(m.startswith("pre-flight: 2 GPU node(s) reached the driver's node at ")
+               for m in hist.events) == 1
+
+
+def test_preflight_names_the_gpu_node_and_port_it_cannot_reach(cluster, tmp_path):
+    """The GPU nodes of an unpinned spec are the two raylets with emulated GPUs; both connect to
+    a listener of the port range. A port nothing listens on: one line naming the first node
+    and the address. A range whose only port is taken: one line naming the range, and a driver
+    with preflight stops before any GPU actor starts."""
+    import ray
+
+    from jabasray.actors.placement import gpu_ray_nodes
+    from jabasray.actors.rendezvous import check_reachable, node_ip, preflight
+    from jabasray.errors import PreflightFailed
+
+    nodes = gpu_ray_nodes(FOUR, emulate=True)
+    assert set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]
+                          and {"gpu_fast", "gpu_slow"} & set(n["Resources"])}
+    assert len(nodes) == 2
+    ports = free_port_range()
+    line = preflight(nodes, ports=ports)
+    assert line.startswith(f"pre-flight: 2 GPU node(s) reached the driver's node at {node_ip()}:")
+    assert ports[0] <= int(line.split(":")[2].split(" ")[0]) <= ports[1]
+
+    taken = socket.socket()
+    taken.bind((node_ip(), 0))
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(PreflightFailed) as info:     # bound, not listening: refused
+            check_reachable(nodes, node_ip(), port, timeout_s=5)
+        msg = str(info.value)
+        first = next(iter(nodes))
+        assert "\n" not in msg and f"GPU node {nodes[first]} (Ray node {first[:8]})" in msg
+        assert f"{node_ip()}:{port}" in msg and "ConnectionRefusedError" in msg
+        with pytest.raises(PreflightFailed, match=rf"^pre-flight: could not listen on .* rendezvous_ports \[{port}, {port}\]"):
+            preflight(nodes, ports=(port, port))
+        ds, _ = tiny_data(240)
+        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "pre",
+                          perf_model=perf_model(SPEEDS),
+                          options=DriverOptions(preflight=True, rendezvous_ports=(port, port)))
+        with pytest.raises(PreflightFailed):
+            drv.run()
+        assert drv.gpu_actors() == []
+    finally:
+        taken.close()
+
+
+class Progress(DriverCallback):
+    """What a follower of the driver actor saw: epochs, events."""
+
+    def __init__(self) -> None:
+        self.epochs, self.events = [], []
+
+    def on_epoch(self, drv, record):
+        self.epochs.append(record.epoch)
+
+    def on_event(self, drv, message):
+        self.events.append(message)
+
+
+def actor_node(handle) -> str:
+    """The Ray node id an actor runs on."""
+    import ray
+    return ray.get(handle.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id()),
+                   timeout=60)
+
+
+def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tmp_path):
+    """The driver actor runs on a node of its own (``driver_node``, not the head); in the middle
+    of epoch 1 that node leaves the cluster. Its GPU actors die with their owner; Ray restarts
+    the driver on another node, which removes the old incarnation's leftovers, resumes from the
+    epoch-1 checkpoint and finishes: epoch 0 is kept (not trained again), each epoch served
+    every sample exactly once, and nothing of the run is left."""
+    import ray
+
+    from jabasray.actors import run_client
+    from jabasray.actors.driver_actor import driver_actor_name, NAMESPACE
+    from jabasray.actors.trainer import JabasTrainer
+    from jabasray.config import RunConfig
+
+    host = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    slow = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=0.3), NodeSpec("s", "slow", 2, speed=0.15)])
+    ds, val = tiny_data(240)
+    trainer = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(2), cluster=slow,
+                           run_config=RunConfig(str(tmp_path), "dnode"), val_dataset=val,
+                           perf_model=perf_model(SPEEDS),
+                           options=DriverOptions(driver="actor", driver_node=host.node_id,
+                                                 record_samples=True, failure_grace_s=5))
+    assert trainer.fit(wait=False) == "dnode"
+    handle = ray.get_actor(driver_actor_name("dnode"), namespace=NAMESPACE)
+    assert actor_node(handle) == host.node_id
+
+    def in_epoch_1() -> bool:
+        st = run_client.status("dnode")
+        return st["epoch"] == 1 and st["samples"] > 0
+    t0 = time.monotonic()
+    while not in_epoch_1():
+        assert time.monotonic() - t0 < 120, "the run never reached epoch 1"
+        time.sleep(0.2)
+    cluster.remove_node(host)
+
+    seen = Progress()
+    result = run_client.follow("dnode", [seen])
+    hist = result.history
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    restart = [m for m in hist.events if "driver actor restarted" in m]
+    assert len(restart) == 1 and "resumed automatically from epoch_0001" in restart[0]
+    assert seen.epochs == [1]                      # epoch 0 was kept, epoch 1 redone once
+    assert_each_sample_once_per_epoch(hist, 240)
+    assert result.run_checkpoint.epochs_done == 2
+    t0 = time.monotonic()
+    while "dnode" in run_client.running_runs() and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    assert "dnode" not in run_client.running_runs()
+    assert not [e for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE]
+
+
 # Ray workers cannot import this test module: ship its classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

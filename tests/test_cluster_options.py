@@ -13,6 +13,7 @@ from jabasray.actors.placement import bundle_for
 from jabasray.actors.rendezvous import Rendezvous, join_process_group, listen_socket
 from jabasray.commands.train import parse_actor_env, parse_port_range
 from jabasray.errors import RendezvousFailed
+from jabasray.types import ClusterSpec, NodeSpec
 
 
 @pytest.mark.parametrize("env, field", [
@@ -140,3 +141,31 @@ def test_an_unfittable_contention_measurement_plans_like_none():
     clean = PerfModel({"g": base})
     assert noisy.overlap_slowdowns("g") is None
     assert noisy.breakdown("g", base.local_batches[0], 1, 0) == clean.breakdown("g", base.local_batches[0], 1, 0)
+
+
+def test_free_cluster_counts_the_bundles_each_node_can_hold_now():
+    """Exact bookkeeping of :func:`free_cluster`: pinned nodes read their own Ray node, unpinned
+    ones the best Ray node of their bundle (which then shrinks); loader CPUs bound the count;
+    a node with nothing free is left out, an empty result is None."""
+    from jabasray.actors.placement import free_cluster, gpus_offered
+
+    assert gpus_offered({"gpu_a": 3.0, "CPU": 1.0}, {"gpu_a": 1.0, "CPU": 0.5}) == 2
+    assert gpus_offered({"gpu_a": 0.999999999999}, {"gpu_a": 1.0}) == 1   # float noise
+    pinned = ClusterSpec(nodes=[NodeSpec("a", "a", 4, ray_node_id="r1"), NodeSpec("b", "b", 2, ray_node_id="r2")])
+    free = {"r1": {"gpu_a": 3.0, "CPU": 8.0}, "r2": {"gpu_b": 0.0, "CPU": 8.0}}
+    got = free_cluster(pinned, free, emulate=True, totals={"gpu_a": 4, "gpu_b": 2})
+    assert [(n.name, n.num_gpus, n.ray_node_id) for n in got.nodes] == [("a", 3, "r1")]
+    got = free_cluster(pinned, free, emulate=True, cpus=4.0, totals={"gpu_a": 4, "gpu_b": 2})
+    assert [(n.name, n.num_gpus) for n in got.nodes] == [("a", 2)]     # 8 CPUs / 4 per GPU
+    assert free_cluster(pinned, {"r2": {"gpu_b": 2.0}, "gone": {"gpu_a": 4.0}}, emulate=True,
+                        totals={"gpu_a": 4, "gpu_b": 2}).nodes == [NodeSpec("b", "b", 2, ray_node_id="r2")]
+    # unpinned: two spec nodes of one type share the Ray nodes' offers, best node first
+    spec = ClusterSpec(nodes=[NodeSpec("x", "a", 2), NodeSpec("y", "a", 2), NodeSpec("z", "a", 2)])
+    got = free_cluster(spec, {"r1": {"gpu_a": 1.0}, "r2": {"gpu_a": 3.0}}, emulate=True,
+                       totals={"gpu_a": 4})
+    assert [(n.name, n.num_gpus) for n in got.nodes] == [("x", 2), ("y", 1), ("z", 1)]
+    # real GPUs: {"GPU": 1} (no gpu_<type> resource in the cluster)
+    got = free_cluster(ClusterSpec(nodes=[NodeSpec("g", "h100", 8, ray_node_id="r")]),
+                       {"r": {"GPU": 5.0}}, emulate=False, totals={"GPU": 8})
+    assert got.nodes[0].num_gpus == 5
+    assert free_cluster(pinned, {}, emulate=True) is None

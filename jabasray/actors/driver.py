@@ -40,17 +40,18 @@ from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
-from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, mid_epoch_checkpoint, save_checkpoint
+from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
-from ..errors import JobFailed, NodesGone
+from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import (Slot, autoscale_allocation, group_gpus, job_allocation, job_cluster, multi_node, ray_cpus,
-                        slots_for)
+from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_allocation, job_cluster,
+                        multi_node, ray_cpus, slots_for)
 from .pool import ActorPool
+from .rendezvous import preflight
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
-from .recovery import dead_slots, give_up, restart, restore_or_start
+from .recovery import adopt_mid_epoch, dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
@@ -183,6 +184,10 @@ class JabasDriver:
         import ray
 
         self._reconcile_start()
+        if self.options.preflight:   # every GPU node reaches the rendezvous port (one line if not)
+            self._start_notes.append(preflight(gpu_ray_nodes(self.cluster, self.options.emulate),
+                                               ports=self.options.rendezvous_ports,
+                                               timeout_s=self.options.preflight_timeout_s))
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
         self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
@@ -258,15 +263,8 @@ class JabasDriver:
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
-        mid = mid_epoch_checkpoint(self.run_dir, state.epochs_done) if cp is not None else None
-        if mid is not None:    # a checkpoint within the next epoch (CheckpointConfig.interval_minutes)
-            mid_state = mid.load_driver_state()
-            state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
-                            metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
-            ctl.load_state_dict(state.adaptive)
-            events.append(f"resumed within epoch {state.epochs_done + 1} at sample "
-                          f"{state.mid_epoch['cursor']} from {mid.path}")
-            cp = mid
+        cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
+        events += [within] if within else []
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
@@ -322,8 +320,10 @@ class JabasDriver:
     def _place_live(self, state: DriverState, worker_state: dict | None) -> tuple[DriverState, bool]:
         """:meth:`_ensure_placement`; when a pinned node is gone (:class:`~jabasray.errors.NodesGone`,
         raised before any actor changed) the state's cluster is reconciled with the live Ray
-        nodes, the allocation re-planned and the placement tried again. Returns the state
-        placed and whether actors were re-placed."""
+        nodes, the allocation re-planned and the placement tried again; when the placement is
+        not met within ``placement_timeout_s`` (:class:`~jabasray.errors.PlacementTimeout`)
+        the allocation is re-planned over the GPUs free now (:meth:`_replan_free`). Returns
+        the state placed and whether actors were re-placed."""
         for _ in range(MAX_REPLANS):
             try:
                 return state, self._ensure_placement(state, worker_state, state.epochs_done)
@@ -336,8 +336,31 @@ class JabasDriver:
                                               rename, notes)
                 self._event(f"epoch {state.epochs_done + 1}: {gone}; re-planned on the live "
                             f"cluster: {note}")
-        raise JobFailed(f"epoch {state.epochs_done + 1}: nodes kept leaving the Ray cluster "
-                        f"during {MAX_REPLANS} placements")
+            except PlacementTimeout as timeout:
+                state = self._replan_free(state, timeout)
+        raise JobFailed(f"epoch {state.epochs_done + 1}: nodes kept leaving the Ray cluster or "
+                        f"resources kept being taken during {MAX_REPLANS} placements")
+
+    def _replan_free(self, state: DriverState, timeout: PlacementTimeout) -> DriverState:
+        """A placement not met in time: every actor released, the allocation chosen again over
+        the GPUs of ``state.cluster`` that are free now (:func:`.placement.free_cluster`), said
+        in one event. ``state.cluster`` stays: the next epoch's plan asks for all of it again.
+        Re-raises ``timeout`` when nothing smaller is free."""
+        from .placement import free_cluster, free_resources_per_node
+        import ray
+
+        self.pool.shutdown()
+        free = free_cluster(state.cluster, free_resources_per_node(), self.options.emulate,
+                            self.pool.bundle_cpus, ray.cluster_resources())
+        try:
+            alloc = self._choose_allocation(free, state.forecast or None) if free else None
+        except ValueError:   # e.g. SMA/burst and no free pair
+            alloc = None
+        if alloc is None or alloc == state.allocation:
+            raise timeout
+        self._event(f"epoch {state.epochs_done + 1}: {timeout}; re-planned over the free GPUs "
+                    f"{ {n.name: n.num_gpus for n in free.nodes} }: allocation {alloc}")
+        return replace(state, allocation=alloc)
 
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
@@ -584,7 +607,8 @@ class JabasDriver:
         cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
                                     policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
-        return self._continue(cp, state, events)
+        cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
+        return self._continue(cp, state, events + ([within] if within else []))
 
     def _all_dead(self, failure: ActorFailure) -> ActorFailure:
         """``failure`` with every rank that is dead by now: the fan-out stops at the first dead

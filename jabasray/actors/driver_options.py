@@ -35,6 +35,11 @@ class DriverOptions(JsonMixin):
     rendezvous_ports: tuple[int, int] | None = None  # (first, last) port the driver's rendezvous
                                         # store may listen on, tried in order (a cluster that opens
                                         # only some ports); None: any free port
+    preflight: bool | None = None       # before any GPU actor starts, every GPU node opens a TCP
+                                        # connection to the driver's node on the rendezvous port
+                                        # (rendezvous.preflight; a one-line PreflightFailed naming
+                                        # the node and port); None: on CUDA, off for CPU emulation
+    preflight_timeout_s: float = 10.0   # how long each node's connection attempt may take
     share_node_devices: bool = False   # CUDA: every GPU actor sees all GPUs of its node (as Ray
                                         # Train's shared CUDA_VISIBLE_DEVICES; NCCL can use NVLink/
                                         # peer paths) and uses the one Ray assigned it
@@ -97,14 +102,16 @@ class DriverOptions(JsonMixin):
         check_float("correction_smoothing", self.correction_smoothing, min_value=0, max_value=1,
                     min_exclusive=True)
         check_float("reprofile_threshold", self.reprofile_threshold, min_value=1, min_exclusive=True)
+        if self.preflight is None:
+            self.preflight = self.device == "cuda"
         if self.profile_in_tasks is None:
             self.profile_in_tasks = self.device == "cuda"
         for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples",
-                  "profile_in_tasks", "share_node_devices"):
+                  "profile_in_tasks", "share_node_devices", "preflight"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",
-                  "call_timeout_s"):
+                  "call_timeout_s", "preflight_timeout_s"):
             check_float(f, getattr(self, f), min_value=0, min_exclusive=True)
         check_float("interval_timeout_factor", self.interval_timeout_factor, min_value=1)
         if self.rendezvous_ports is not None:

@@ -189,6 +189,28 @@ def alive_ray_nodes() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
 
+def gpu_ray_nodes(cluster: ClusterSpec, emulate: bool, nodes: list[dict] | None = None) -> dict[str, str]:
+    """The live Ray nodes that may host ``cluster``'s GPU actors: ``{Ray node id: name}`` (a
+    pinned node's spec name; for unpinned specs every live node that offers a resource of a
+    GPU bundle, named by its IP). ``nodes``: ``ray.nodes()`` (read when None)."""
+    if nodes is None:
+        import ray
+        nodes = ray.nodes()
+    live = [n for n in nodes if n.get("Alive")]
+    out = {n.ray_node_id: n.name for n in cluster.nodes if n.ray_node_id is not None}
+    if any(n.ray_node_id is None for n in cluster.nodes):
+        totals: dict[str, float] = {}
+        for n in live:
+            for k, v in n.get("Resources", {}).items():
+                totals[k] = totals.get(k, 0.0) + v
+        keys = {k for n in cluster.nodes if n.ray_node_id is None
+                for k in bundle_for(n.gpu_type, emulate, totals)}
+        for n in live:
+            if keys & {k for k, v in n.get("Resources", {}).items() if v > 0}:
+                out.setdefault(n["NodeID"], n.get("NodeManagerAddress", n["NodeID"][:8]))
+    return {k: v for k, v in out.items() if k in {n["NodeID"] for n in live}}
+
+
 def ray_cpus() -> float | None:
     """CPUs of the running Ray cluster (None without Ray)."""
     import ray
@@ -268,6 +290,58 @@ def placement_timeout_message(node: str, ray_node_id: str | None, bundles: list[
     unit = "GPU pair" if len(bundles) == 2 else "GPU"
     return (f"placement timed out after {timeout_s:.0f}s: the {unit} of node {node} needs "
             f"{bundles} {where}; {lack}; free resources or raise DriverOptions.placement_timeout_s")
+
+
+def gpus_offered(available: dict[str, float], bundle: dict[str, float]) -> int:
+    """How many copies of ``bundle`` fit into ``available`` (one Ray node's free resources)."""
+    return int(min(available.get(k, 0.0) / v + 1e-9 for k, v in bundle.items() if v > 0)) \
+        if any(v > 0 for v in bundle.values()) else 0
+
+
+def free_cluster(cluster: ClusterSpec, free_per_node: dict[str, dict[str, float]], emulate: bool,
+                 cpus: float = 0.0, totals: dict[str, float] | None = None) -> ClusterSpec | None:
+    """The part of ``cluster`` that is free now: each node with as many GPUs as its Ray node's
+    free resources (``free_per_node``: Ray node id -> free resources) hold bundles of
+    :func:`bundle_for` (``cpus`` loader CPUs each; ``totals``: the cluster's resources, which
+    say whether ``gpu_<type>`` exists). A pinned node counts only its own Ray node; an unpinned
+    one takes, in cluster order, the Ray node that offers the most GPUs of its bundle (a unit's
+    GPUs must share a node), whose offer then shrinks by what it took. Nodes with no free GPU
+    are left out; None when no node has one."""
+    left = {k: dict(v) for k, v in free_per_node.items()}
+    nodes: list[NodeSpec] = []
+    for n in cluster.nodes:
+        bundle = bundle_for(n.gpu_type, emulate, totals, cpus)
+        if n.ray_node_id is not None:
+            where = n.ray_node_id if n.ray_node_id in left else None
+        else:
+            where = max(left, key=lambda k: gpus_offered(left[k], bundle), default=None)
+        take = min(n.num_gpus, gpus_offered(left[where], bundle)) if where is not None else 0
+        if take <= 0:
+            continue
+        for k, v in bundle.items():
+            left[where][k] = left[where].get(k, 0.0) - take * v
+        nodes.append(replace(n, num_gpus=take))
+    return ClusterSpec(nodes=nodes) if nodes else None
+
+
+def free_resources_per_node(settle_s: float = 10.0) -> dict[str, dict[str, float]]:
+    """The free resources of every live Ray node, once they stopped changing (resources just
+    released come back asynchronously): read every 0.5 s until two reads agree, at most
+    ``settle_s``. Ray has no public per-node API for this: it is ``ray._private.state``'s."""
+    import time
+
+    from ray._private.state import available_resources_per_node
+
+    t_end = time.monotonic() + settle_s
+    last = available_resources_per_node()
+    while time.monotonic() < t_end:
+        time.sleep(0.5)
+        now = available_resources_per_node()
+        if now == last:
+            break
+        last = now
+    alive = alive_ray_nodes()
+    return {k: v for k, v in last.items() if k in alive}
 
 
 @dataclass

@@ -157,3 +157,65 @@ def leave_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _probe(host: str, port: int, timeout_s: float) -> str | None:
+    """Runs on a GPU node: open a TCP connection to ``host:port``; None, or why it failed."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+
+
+def check_reachable(nodes: dict[str, str], host: str, port: int, timeout_s: float = 10.0) -> None:
+    """Every Ray node of ``nodes`` (Ray node id -> a name for the message) opens a TCP
+    connection to ``host:port`` within ``timeout_s``: one Ray task per node, pinned to it (hard
+    node affinity, no CPU), all at once. :class:`~jabasray.errors.PreflightFailed` (one line,
+    naming the first node in ``nodes`` order that failed and the address) otherwise."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from ..errors import PreflightFailed
+
+    probe = ray.remote(num_cpus=0, max_retries=0)(_probe)
+    refs = {nid: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False))
+            .remote(host, port, timeout_s) for nid in nodes}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s + 60.0)
+    for nid, ref in refs.items():
+        if ref not in ready:
+            why = "its probe task did not run within {:.0f}s".format(timeout_s + 60.0)
+        else:
+            try:
+                why = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the node died or refused the task
+                why = f"its probe task failed: {type(e).__name__}"
+        if why:
+            raise PreflightFailed(f"pre-flight: GPU node {nodes[nid]} (Ray node {nid[:8]}) cannot "
+                                  f"reach the driver's rendezvous at {host}:{port} ({why}); open "
+                                  f"that port between the nodes (DriverOptions.rendezvous_ports) "
+                                  f"or pick the interface (actor_env GLOO_SOCKET_IFNAME / "
+                                  f"NCCL_SOCKET_IFNAME)")
+
+
+def preflight(nodes: dict[str, str], host: str | None = None, ports: tuple[int, int] | None = None,
+              timeout_s: float = 10.0) -> str:
+    """The pre-flight connectivity check before any GPU actor starts: listen on the driver's
+    node as the rendezvous store will (:func:`listen_socket`: the first free port of ``ports``)
+    and let every GPU node connect to it (:func:`check_reachable`). Returns one line saying what
+    was checked; raises :class:`~jabasray.errors.PreflightFailed` (one line) when no port of the
+    range is free or a node cannot connect."""
+    from ..errors import PreflightFailed
+
+    host = host or node_ip()
+    try:
+        sock = listen_socket(host, ports)
+    except RuntimeError as e:
+        raise PreflightFailed(f"pre-flight: {e}") from None
+    try:
+        port = int(sock.getsockname()[1])
+        check_reachable(nodes, host, port, timeout_s)
+    finally:
+        sock.close()
+    return (f"pre-flight: {len(nodes)} GPU node(s) reached the driver's node at {host}:{port}"
+            + (f" (rendezvous_ports {list(ports)})" if ports else ""))

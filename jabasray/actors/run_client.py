@@ -16,7 +16,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from .driver_actor import DONE_STATES, DRIVER_PREFIX, NAMESPACE, DriverActor, driver_actor_name, kv_put
+from .driver_actor import DONE_STATES, DRIVER_CPUS, DRIVER_PREFIX, NAMESPACE, DriverActor, driver_actor_name, kv_put
 from .driver_options import DriverCallback, DriverOptions
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
     kv_put(name, "spec", cloudpickle.dumps((tuple(driver_args), dict(driver_kwargs))))
     try:
         return ray.remote(DriverActor).options(
-            name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+            name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached",
+            num_cpus=DRIVER_CPUS,
             resources=dict(options.driver_resources or {}), max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check

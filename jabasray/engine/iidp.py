@@ -68,6 +68,7 @@ from .loader import batch_size, to_device
 from .per_vsw import PerVSWExecution
 from .stats import StepStats, _DeviceScalar, _Timings, read_losses  # noqa: F401  (re-exported)
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step_output, supervised_step
+from .train_metrics import add_step_metrics
 from .streams import DispatcherThread, Lanes, VSWThreadPool
 from .vsw_norm import coupling_modules, pack_norm_stats
 from .weight_sync import ShardOptimizer, resolve_weight_sync
@@ -623,11 +624,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         """Training metrics of one forward (means over its ``n`` samples) into this step's
         sample-weighted float64 sums, on the device (read once per interval by the caller)."""
         with self._lock:
-            for k, v in metrics.items():
-                t = v.detach().reshape(()).to(torch.float64) if isinstance(v, torch.Tensor) else \
-                    torch.tensor(float(v), dtype=torch.float64, device=self.device)
-                self._metric_sums[k] = self._metric_sums[k] + t * n if k in self._metric_sums else t * n
-                self._metric_counts[k] = self._metric_counts.get(k, 0) + n
+            add_step_metrics(self._metric_sums, self._metric_counts, metrics, n, self.device)
 
     def _clock(self) -> float:
         if self.sync_timing:

@@ -361,7 +361,8 @@ def coordinator_stats(release: bool = False) -> dict[str, dict]:
 def _sample(param_space: Mapping[str, Any], rng: random.Random) -> dict[str, Any]:
     """One configuration drawn from Tune domains (constants kept as they are)."""
     import numpy as np
-    from ray.tune.search.sample import Domain
+    from .tune_internals import sample_classes
+    Domain = sample_classes().Domain
 
     out = {}
     for k, v in param_space.items():

@@ -31,7 +31,9 @@ subclass marks its own ``_process_bracket`` calls and sweeps only outside them; 
 is otherwise Tune's (same brackets -- Tune keeps ``ceil(n / eta)`` trials per halving, see
 :mod:`jabasray.tuner.brackets` --, same halving, same handling of errored, early-ended and
 late-added trials).
-Ray is imported lazily, like the rest of :mod:`jabasray.tuner`.
+The subclass lives in :mod:`jabasray.tuner.tune_internals` with every other Tune internal
+jabasray uses (checked against the installed Ray there). Ray is imported lazily, like the rest
+of :mod:`jabasray.tuner`.
 """
 from __future__ import annotations
 
@@ -42,53 +44,9 @@ log = logging.getLogger(__name__)
 __all__ = ["hyperband_scheduler"]
 
 
-def _make_class():
-    from ray.tune.schedulers import HyperBandScheduler
-
-    class FinishingHyperBand(HyperBandScheduler):
-        """``HyperBandScheduler`` whose finished brackets never keep paused trials."""
-
-        _sweeping_off = 0          # > 0 while Tune's own bracket processing (or a sweep) runs
-
-        def _process_bracket(self, tune_controller, bracket):
-            self._sweeping_off += 1
-            try:
-                return super()._process_bracket(tune_controller, bracket)
-            finally:
-                self._sweeping_off -= 1
-
-        def on_trial_remove(self, tune_controller, trial) -> None:
-            bracket, _ = self._trial_info[trial]
-            super().on_trial_remove(tune_controller, trial)
-            if bracket.finished() and not self._sweeping_off:
-                self._sweep(tune_controller, bracket, f"when trial {trial} ended")
-
-        def choose_trial_to_run(self, tune_controller):
-            if not self._sweeping_off:
-                for band in self._hyperbands:
-                    for bracket in band:
-                        if bracket is not None and bracket.finished():
-                            self._sweep(tune_controller, bracket, "after its last pause completed")
-            return super().choose_trial_to_run(tune_controller)
-
-        def _sweep(self, tune_controller, bracket, when: str) -> None:
-            self._sweeping_off += 1
-            try:
-                _stop_paused(tune_controller, bracket, when)
-            finally:
-                self._sweeping_off -= 1
-
-    def _stop_paused(tune_controller, bracket, when: str) -> None:
-        """``cleanup_full`` (stops the bracket's PAUSED trials), logged when it stops any."""
-        paused = [t for t in bracket.current_trials() if t.status == t.PAUSED]
-        if paused:
-            log.info("HyperBand bracket finished %s: stopping %d paused trial(s) at max_t", when, len(paused))
-            bracket.cleanup_full(tune_controller)
-
-    return FinishingHyperBand
-
-
 def hyperband_scheduler(max_t: int, reduction_factor: int, time_attr: str = "training_iteration", **kwargs):
     """Tune's ``HyperBandScheduler(time_attr, max_t, reduction_factor, **kwargs)`` with the
     finished-bracket fix of this module (same brackets, same decisions otherwise)."""
-    return _make_class()(time_attr=time_attr, max_t=max_t, reduction_factor=reduction_factor, **kwargs)
+    from .tune_internals import finishing_hyperband_class
+
+    return finishing_hyperband_class()(time_attr=time_attr, max_t=max_t, reduction_factor=reduction_factor, **kwargs)

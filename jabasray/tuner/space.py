@@ -24,7 +24,9 @@ def _is_number(v: Any) -> bool:
 
 
 def _feature(key: str, spec: Any) -> Feature | None:
-    from ray.tune.search.sample import Categorical, Float, Integer, LogUniform
+    from .tune_internals import sample_classes
+    t = sample_classes()
+    Categorical, Float, Integer, LogUniform = t.Categorical, t.Float, t.Integer, t.LogUniform
 
     if isinstance(spec, Mapping) and set(spec) == {"grid_search"}:
         values = list(spec["grid_search"])
@@ -50,7 +52,9 @@ def normalised_space(param_space: Mapping[str, Any]) -> NormalisedSpace:
 
 def largest_value(param_space: Mapping[str, Any], key: str) -> int:
     """Largest integer ``param_space[key]`` can take (ValueError naming the key otherwise)."""
-    from ray.tune.search.sample import Categorical, Integer
+    from .tune_internals import sample_classes
+    t = sample_classes()
+    Categorical, Integer = t.Categorical, t.Integer
 
     if key not in param_space:
         raise ValueError(f"param_space must hold the batch-size key {key!r} (or pass "
