@@ -32,7 +32,12 @@ Where a step cannot be captured it runs eagerly, and the worker logs ONE line na
 reason (:func:`worker_graph_blocker` for reasons of the whole worker: CPU, ``cuda_graphs="off"``,
 fp16 loss scaling, a process group, a non-capturable optimizer, ...; :func:`step_graph_blocker`
 for reasons of one step: per-VSW execution, a ragged last batch, a local gradient to keep;
-:class:`GraphCache` for dynamic shapes and failed captures).
+:class:`GraphCache` for keys that change too often and failed captures;
+:func:`memory_headroom_blocker` where the graph's memory pool would leave too little for a
+later eager step).
+
+The one-way weight copy to the replicas is not captured: a batched step runs no replica, so
+the copy is deferred until a replica is used (the worker's ``_refresh_replicas``), as eagerly.
 
 What invalidates a graph: a different key (:func:`graph_key`: configuration, input signature,
 train/eval mode, the optimizer's hyper-parameters other than the LR, clipping), a
