@@ -58,7 +58,12 @@ def ray_session():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` are skipped (reported as skipped, never as passed) without a GPU."""
+    """Modules that start their own Ray (``without_session_ray``: a multi-raylet ``Cluster``, a
+    ``ray.init`` of their own) run after all others, in their usual order, so the session's
+    local Ray is started once and not stopped and started again around each of them.
+
+    Tests marked ``cuda`` are skipped (reported as skipped, never as passed) without a GPU."""
+    items.sort(key=lambda item: "without_session_ray" in item.fixturenames)   # stable sort
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
@@ -68,10 +73,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="module")
-def without_session_ray():
+def without_session_ray(request):
     """For a module that starts its own Ray (e.g. a ``ray.cluster_utils.Cluster``): the
-    session's local Ray, if running, is shut down before the module and started again after
-    it, so that modules using ``ray_session`` later still find it."""
+    session's local Ray, if running, is shut down before the module, and started again after it
+    only when a later test still needs it (such modules run last: see
+    ``pytest_collection_modifyitems``)."""
     ray = pytest.importorskip("ray")
     was_running = ray.is_initialized()
     if was_running:
@@ -79,5 +85,8 @@ def without_session_ray():
     yield ray
     if ray.is_initialized():
         ray.shutdown()
-    if was_running:
+    items = request.session.items
+    module_items = [i for i, item in enumerate(items) if item.module is request.module]
+    later = items[module_items[-1] + 1:] if module_items else []
+    if was_running and any("ray_session" in item.fixturenames for item in later):
         _start_session_ray(ray)

@@ -297,6 +297,32 @@ def test_sma_on_streams_equals_sma_on_cpu(overlap_sync):
     assert max_rel_diff(out[DEV], out["cpu"]) < 1e-4
 
 
+def test_sma_training_metrics_on_streams_equal_cpu():
+    """Training metrics of SMA learners on their own streams (one (sums, counts) per learner,
+    merged after the learners finish) equal the CPU path's, step after step."""
+    from jabasray.engine.sma import SMAWorker
+
+    def step(m, batch):
+        x, y = batch
+        out = m(x)
+        return F.cross_entropy(out, y), {"label": y.double().mean(), "acc": (out.argmax(1) == y).double().mean()}
+
+    got = {}
+    for dev in ("cpu", DEV):
+        w = SMAWorker(make_model(2), F.cross_entropy, lr=0.05, momentum=0.9, device=dev)
+        w.step_fn = step
+        w.configure(num_vsw=3, num_ga=1, local_batch_size=4)
+        sums = []
+        for k in range(3):
+            X, y = make_data(200 + k, 6 * 4)
+            st = w.train_step([(a.to(dev), t.to(dev)) for a, t in split(X, y, [4] * 6)])
+            sums.append(({n: float(v) for n, v in st.metric_sums.items()}, dict(st.metric_counts)))
+        got[dev] = sums
+    for (a, ca), (b, cb) in zip(got["cpu"], got[DEV]):
+        assert ca == cb == {"label": 24, "acc": 24}
+        assert a["label"] == b["label"] and abs(a["acc"] - b["acc"]) <= 1.0   # argmax ties may flip one
+
+
 # ------------------------------------------------------------------------------- pack
 
 @pytest.mark.parametrize("execution", ["auto", "vmap"])

@@ -191,6 +191,7 @@ def test_training_metrics_are_reduced_by_sample_counts_exactly():
                               requested_global_batch=8, global_batch=8, local_batch=4, plan=None)
         assert rec.train_metric_counts["acc"] == sum(r.metric_counts["acc"] for r in replies)
         tally.add(rec)
+        tally_last = rec
     rec = epoch_record(tally, epoch=0, allocation={"n0": 2}, gpu_types=["fast"] * 2, trajectory=[8],
                        forecast=[], val_metrics={"accuracy": 0.5}, replaced=False, predicted_time_s=None,
                        time_s=1.0)
@@ -202,3 +203,9 @@ def test_training_metrics_are_reduced_by_sample_counts_exactly():
     assert "train_acc" in header.split(",")
     back = type(rec).from_dict(rec.to_dict())
     assert back.train_metrics == rec.train_metrics
+    # the trackers get the means as train_<name> (the CSV's names), never the raw sums
+    from jabasray.actors.callbacks import scalar_metrics
+    for record, prefix in ((rec, "epoch"), (tally_last, "interval")):
+        got = scalar_metrics(record, prefix)
+        assert got[f"{prefix}/train_acc"] == record.train_metrics["acc"]
+        assert not any("metric_sums" in k or "metric_counts" in k or "train_metrics/" in k for k in got)

@@ -32,6 +32,39 @@ def test_checkpoint_config_schedule_and_values():
         RunConfig(callbacks=[3])
 
 
+def test_console_reporter_bar_counts_samples_and_prints_epoch_lines(capsys):
+    """A terminal gets a tqdm bar of the epoch's samples (capped at the total; B_G, loss in its
+    postfix) and the epoch line on stdout above it; elsewhere (stderr not a terminal) no bar,
+    the same line printed; events go to stderr."""
+    from types import SimpleNamespace
+
+    from jabasray.actors.callbacks import ConsoleReporter
+    from jabasray.actors.metrics import EpochRecord, epoch_line
+
+    epoch = EpochRecord(epoch=0, allocation={"n0": 2}, gpu_types=["fast"] * 2, trajectory=[8, 16],
+                        predicted_trajectory=[], train_loss=1.5, val_accuracy=0.5, time_s=2.0,
+                        gpu_seconds=4.0, samples=10, throughput=5.0)
+    interval = SimpleNamespace(samples=6, global_batch=8, local_batch=4, phi=0.5, loss=1.25)
+    bar = ConsoleReporter(bar=True)
+    bar.start(total=10)
+    bar.on_interval(None, interval)
+    assert bar.bar.n == 6 and "B_G=8" in str(bar.bar)
+    bar.on_interval(None, interval)
+    assert bar.bar.n == 10                                    # capped at the total
+    bar.on_epoch(None, epoch)
+    bar.on_event(None, "re-placing")
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [epoch_line(epoch)] and "re-placing" in err and "sample" in err
+    plain = ConsoleReporter()                                 # capsys: stderr is not a terminal
+    plain.start(total=10)
+    plain.on_interval(None, interval)
+    plain.on_epoch(None, epoch)
+    assert plain.bar is None and plain.lines == [epoch_line(epoch)]
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [epoch_line(epoch)] and err == ""
+
+
 def test_ray_run_configs_are_converted_or_refused_in_one_line():
     from ray import train, tune
     from ray.tune.logger import TBXLoggerCallback
@@ -165,3 +198,77 @@ def test_mid_epoch_checkpoint_resume_equals_uninterrupted(tmp_path):
         [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]
     assert_each_sample_once_per_epoch(resumed.history, len(ds))
     assert [e.served_exactly_once for e in resumed.history.epochs] == [True, True]
+
+
+class _KillAt:
+    """``ray.kill`` the actor of ``rank`` in on_interval at (epoch, interval), once: a GPU actor
+    lost mid-epoch (the driver then takes its mid-epoch checkpoint from the live rank 0, and the
+    next interval fails)."""
+
+    def __init__(self, epoch: int, interval: int, rank: int) -> None:
+        self.at, self.rank, self.done = (epoch, interval), rank, False
+
+    def on_interval(self, driver, record):
+        import ray
+        if not self.done and (record.epoch, record.interval) == self.at:
+            self.done = True
+            ray.kill(driver.gpu_actors()[self.rank], no_restart=True)
+
+    def on_epoch(self, driver, record):
+        pass
+
+    def on_event(self, driver, message):
+        pass
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(tmp_path):
+    """A GPU actor killed within epoch 2, after a mid-epoch checkpoint (interval_minutes=0: one
+    at every interval boundary): the run restarts at that checkpoint's sample, not at the epoch
+    start - no interval is redone, the epoch's served indices (as the actors report them) are
+    every sample exactly once. Retried on the same GPUs (drop_gpu_after=-1) the run ends with
+    the weights, optimizer state, B_G trajectory and LRs of the uninterrupted run; with the GPU
+    dropped (drop_gpu_after=1) it continues on one GPU from the same sample."""
+    import torch
+
+    from actors_helpers import assert_each_sample_once_per_epoch
+
+    ds, val = tiny_data(160)
+    job = JobConfig(epochs=2, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
+                    min_local_batch=4, adapt_interval=1, alpha=0.25, gamma=0.9, autoscale=False,
+                    lr=0.05, warmup_iterations=3, seed=4)
+
+    def fit(name, callbacks=(), drop_after=1):
+        rc = RunConfig(str(tmp_path), name, checkpoint_config=CheckpointConfig(interval_minutes=0),
+                       failure_config=FailureConfig(max_failures=1, drop_gpu_after=drop_after))
+        return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job, cluster=CLUSTER, run_config=rc,
+                            val_dataset=val, perf_model=perf_model(), callbacks=list(callbacks),
+                            options=DriverOptions(driver="local", record_samples=True)).fit()
+
+    ref = fit("ref")
+    at = next(r.cursor for r in ref.history.intervals if (r.epoch, r.interval) == (1, 3))
+    for name, drop_after in (("same", -1), ("dropped", 1)):
+        got = fit(name, [_KillAt(epoch=1, interval=2, rank=1)], drop_after=drop_after)
+        events = got.history.events
+        failed = next(i for i, m in enumerate(events) if m.startswith("GPU actor failure: rank 1"))
+        assert events[failed + 1] == (f"resumed within epoch 2 at sample {at} from "
+                                      f"{got.storage / 'checkpoints' / 'mid_epoch'}"), events
+        # no interval redone: after the kill the epoch goes on at interval 3, sample `at`
+        pos = [(r.epoch, r.interval) for r in got.history.intervals]
+        assert pos == sorted(set(pos)) and (1, 3) in pos
+        assert next(r.cursor for r in got.history.intervals if (r.epoch, r.interval) == (1, 3)) == at
+        assert_each_sample_once_per_epoch(got.history, len(ds))
+        if drop_after == 1:
+            assert got.history.epochs[1].gpu_types == ["fast"]
+            continue
+        assert got.history.epochs[1].gpu_types == ["fast", "fast"]
+        wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, got))
+        for k in wa["model"]:
+            assert torch.equal(wa["model"][k], wb["model"][k]), k
+        for sa, sb in zip(wa["optimizer"]["state"].values(), wb["optimizer"]["state"].values()):
+            assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+        assert [e.trajectory for e in got.history.epochs] == [e.trajectory for e in ref.history.epochs]
+        assert [r.lr for r in got.history.intervals] == [r.lr for r in ref.history.intervals]
+        assert [(r.epoch, r.interval, r.cursor) for r in got.history.intervals] == \
+            [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]

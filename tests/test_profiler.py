@@ -141,3 +141,71 @@ def test_monotonicity_check_remeasures_then_clips():
         return {8: (1.0,), 16: (3.0,), 24: (2.0,)}[bl] + (0.1, 0.01)
     clipped = _make_monotone([(bl, 1, stuck(bl, 1, 1), stuck(bl, 1, 1)) for bl in (8, 16, 24)], stuck, 3)
     assert [p[2][0] for p in clipped] == [1.0, 3.0, 3.0]
+
+
+def _named(src: str, name: str = "step"):
+    """A function called ``name`` (same module and qualname every time) from source ``src``."""
+    ns: dict = {"F": torch.nn.functional}
+    exec(src, ns)                                         # noqa: S102 - test-made source
+    fn = ns[name]
+    fn.__module__, fn.__qualname__ = __name__, name
+    return fn
+
+
+STEP_A = "def step(m, b):\n    return F.cross_entropy(m(b[0]), b[1])\n"
+STEP_B = "def step(m, b):\n    return F.cross_entropy(m(b[0]), b[1]) * 2.0\n"
+
+
+def test_callable_fingerprint_follows_code_closure_and_partial():
+    import functools
+
+    from jabasray.profiler.measure import callable_fingerprint
+
+    a, a2, b = _named(STEP_A), _named(STEP_A), _named(STEP_B)
+    assert callable_fingerprint(None) is None
+    assert callable_fingerprint(a) == callable_fingerprint(a2)          # same code: same key
+    assert callable_fingerprint(a) != callable_fingerprint(b)           # edited body, same name
+
+    def scaled(k):
+        def step(m, batch):
+            return k * F.cross_entropy(m(batch[0]), batch[1])
+        return step
+    F = torch.nn.functional
+    assert callable_fingerprint(scaled(1.0)) == callable_fingerprint(scaled(1.0))
+    assert callable_fingerprint(scaled(1.0)) != callable_fingerprint(scaled(3.0))   # closure value
+    assert callable_fingerprint(functools.partial(a, 1)) != callable_fingerprint(functools.partial(a, 2))
+    from jabasray.profiler.cluster import driver_cache_key
+    keys = {driver_cache_key("sig", device="cpu", emulate=True, min_local_batch=8, weight_sync="auto",
+                             bucket_cap_mb=25.0, **kw)
+            for kw in ({}, {"step_fn": a}, {"step_fn": a2}, {"step_fn": b}, {"collate_fn": a})}
+    assert len(keys) == 4                                  # a and a2 share one, the rest differ
+
+
+def test_profile_cache_key_holds_step_fn_and_collate_fn(digits, tmp_path, monkeypatch):
+    """A profile measured with one step_fn / collate_fn is reused for the same callables only:
+    a changed step_fn (same name, another body) or another collate_fn measures again."""
+    import jabasray.engine as engine
+
+    model = MLP(64, (32,), 10)
+    kw = dict(optimizer_fn=sgd, min_local_batch=8, max_local_batch=16, max_num_vsw=1, warmup=0,
+              repeats=1, allreduce=False, cache_dir=tmp_path, gpu_type="cpu-test")
+    rows = [digits[i] for i in range(32)]
+
+    def collate(samples):
+        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+
+    def collate2(samples):
+        return collate(samples)[0] * 1.0, collate(samples)[1]
+
+    first = profile_model(model, rows, step_fn=_named(STEP_A), collate_fn=collate, **kw)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    class Boom:
+        def __init__(self, *a, **k):
+            raise AssertionError("engine used")
+    monkeypatch.setattr(engine, "IIDPWorker", Boom)
+    # the same callables (rebuilt from the same source): a cache hit, the engine is not used
+    assert profile_model(model, rows, step_fn=_named(STEP_A), collate_fn=collate, **kw) == first
+    for step, coll in ((_named(STEP_B), collate), (_named(STEP_A), collate2), (None, None)):
+        with pytest.raises(AssertionError, match="engine used"):
+            profile_model(model, rows if coll else digits, step_fn=step, collate_fn=coll, **kw)

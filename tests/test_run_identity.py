@@ -141,6 +141,8 @@ def test_default_names_never_share_and_changed_job_is_refused(tmp_path, capsys):
     assert f"run {narrow.path} already finished (1 epoch(s) of this job); returning its result" in out
     assert again.history.to_dict() == narrow.history.to_dict()
     assert again.run_checkpoint.path == narrow.run_checkpoint.path
+    quiet = trainer(32, name=narrow.storage.name, verbose=0).fit()     # Ray's verbose=0: silent
+    assert capsys.readouterr().out == "" and quiet.history.to_dict() == narrow.history.to_dict()
     for changed, field in ((trainer(32, lr=0.1, name=narrow.storage.name), "optimizer.lr: 0.05 -> 0.1"),
                            (trainer(48, name=narrow.storage.name), "model: net.0.weight [32, 64]")):
         with pytest.raises(ValueError, match="holds another job's checkpoints") as e:

@@ -195,6 +195,37 @@ def test_ragged_learner_gradient_is_union_gradient_and_empty_learner_only_correc
     assert_close_lists(params(worker._learners[1].module), params(model), atol=0)
 
 
+def test_training_metrics_are_summed_by_samples_over_learners():
+    """A step returning (loss, {name: mean}): the stats carry sum of mean x samples over every
+    learner's micro-batches and the sample counts (engine.train_metrics), ragged ones included;
+    the first iteration's learners all hold w_0, so ``acc`` is the reference model's."""
+    model = tiny_model(6)
+
+    def step(m, batch):
+        x, y = batch
+        out = m(x)
+        return nn.functional.cross_entropy(out, y), {"label": y.double().mean(),
+                                                     "acc": (out.argmax(1) == y).double().mean()}
+
+    worker = SMAWorker(copy.deepcopy(model), nn.functional.cross_entropy, lr=LR, momentum=MU)
+    worker.step_fn = step
+    worker.configure(2, 1, 4)
+    b = make_batches(3, 4, seed=31)
+    x0, y0 = torch.zeros(0, 4), torch.zeros(0, dtype=torch.long)
+    ragged = [(b[0][0][:3], b[0][1][:3]), (b[1][0][:1], b[1][1][:1]), (b[2][0][:2], b[2][1][:2]), (x0, y0)]
+    stats = worker.train_step(ragged, ragged=True)
+    X = torch.cat([x for x, _ in ragged])
+    Y = torch.cat([y for _, y in ragged])
+    assert stats.metric_counts == {"label": 6, "acc": 6}
+    assert float(stats.metric_sums["label"]) == pytest.approx(float(Y.double().sum()), abs=1e-12)
+    with torch.no_grad():
+        want = (model(X).argmax(1) == Y).double().sum()
+    assert float(stats.metric_sums["acc"]) == pytest.approx(float(want), abs=1e-12)
+    plain = SMAWorker(copy.deepcopy(model), nn.functional.cross_entropy, lr=LR, momentum=MU)
+    plain.configure(2, 1, 4)
+    assert plain.train_step(ragged, ragged=True).metric_sums == {}      # a plain loss: none
+
+
 def test_restart_on_lr_change():
     worker = SMAWorker(tiny_model(5), nn.functional.cross_entropy, lr=LR, momentum=MU)
     worker.configure(3, 0, 4)

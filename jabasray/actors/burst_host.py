@@ -20,6 +20,11 @@ iteration of an epoch the remainder): each rank reads the inputs of its input-la
 targets of its output-layer rows, so every sample is read once per epoch.  ``state_dict`` is
 collective (every rank must call it) and leaves every rank with the full model.
 
+Training metrics: burst mode runs the default supervised step (the layers are split over
+ranks, a user's ``step_fn`` cannot run), so its metrics come from ``loss_fn(outputs, targets)``
+returning ``(loss, {name: mean})`` on each output-layer shard, summed by row counts into the
+reply (``engine.train_metrics``, the rule of every mode).
+
 Deviations: the auto-scaler is not applied (it models IIDP iterations; DeepPool runs a fixed G),
 CPU emulation of slower GPU types is off (no sleep), and Phi (adaptive batching) is the
 two-group similarity over the parameters of the layers that run on 2 or more ranks (a layer on
@@ -34,6 +39,7 @@ from typing import Any, Callable
 
 from ..config import JobConfig
 from ..planners.burst import BurstPlan, BurstPlanCache, NetworkModel, candidate_gpu_counts
+from ..engine.train_metrics import merge_metric_sums
 from .metrics import IntervalRecord, interval_record
 
 log = logging.getLogger(__name__)
@@ -258,6 +264,8 @@ class BurstWorker:
         hosting = getattr(actor, "_bg_runner_obj", None)
         ex.background = hosting
         cursor, losses, samples, phi = req.cursor, [], 0, None
+        msums: dict = {}                       # loss_fn's training metrics (engine.train_metrics)
+        mcounts: dict[str, int] = {}
         compute = comm = 0.0
         lr = self.get_lr()
         for k in range(req.num_iterations):
@@ -277,6 +285,7 @@ class BurstWorker:
             keep = bool(req.similarity and last and actor.world_size > 1)
             st = ex.train_step(x, y, batch=n, keep_local_grad=keep)
             losses.append(st.loss)
+            merge_metric_sums(msums, mcounts, st.metric_sums, st.metric_counts)
             samples += b - a
             compute += st.compute_s
             comm += st.wait_s + st.allreduce_s
@@ -288,4 +297,6 @@ class BurstWorker:
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=0.0,
                              emulation_sleep=0.0, wall_time=time.perf_counter() - t_start,
-                             end_cursor=cursor, losses=losses)
+                             end_cursor=cursor, losses=losses,
+                             metric_sums={k: float(v) for k, v in msums.items()},  # one read per interval
+                             metric_counts=mcounts)

@@ -36,12 +36,15 @@ from .driver_options import DriverCallback
 log = logging.getLogger(__name__)
 
 SKIPPED_FIELDS = {"served", "served_digest", "plan", "layout", "learners", "trajectory",
-                  "predicted_trajectory", "gpu_types", "allocation", "burst"}
+                  "predicted_trajectory", "gpu_types", "allocation", "burst",
+                  "train_metric_sums", "train_metric_counts", "train_metrics"}
 
 
 def scalar_metrics(record: Any, prefix: str) -> dict[str, float | int]:
     """Every finite number (bools as 0/1) of a metrics record's fields, and of its dicts of
-    numbers (flattened ``field/key``; ``val_metrics`` as ``val_<key>``), under ``prefix/``."""
+    numbers (flattened ``field/key``; ``val_metrics`` as ``val_<key>``), and the step's training
+    metrics (the record's sample-weighted ``train_metrics``, as ``train_<key>``, the names of
+    ``metrics.csv``), under ``prefix/``."""
     out: dict[str, float | int] = {}
 
     def put(key: str, value: Any) -> None:
@@ -59,6 +62,9 @@ def scalar_metrics(record: Any, prefix: str) -> dict[str, float | int]:
                 put(f"val_{k}" if f.name == "val_metrics" else f"{f.name}/{k}", v)
         else:
             put(f.name, value)
+    for k, v in getattr(record, "train_metrics", {}).items():
+        if k != "loss":                    # the record's own loss is the training loss
+            put(f"train_{k}", v)
     return out
 
 

@@ -40,7 +40,7 @@ from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .burst_host import BurstIntervals
-from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, mid_epoch_checkpoint, save_checkpoint
+from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone, PlacementTimeout
@@ -51,7 +51,7 @@ from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, j
 from .pool import ActorPool
 from .rendezvous import preflight
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
-from .recovery import dead_slots, give_up, restart, restore_or_start
+from .recovery import adopt_mid_epoch, dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
 from .sma_learners import RankLearners, placement_learners
 
@@ -270,15 +270,8 @@ class JabasDriver:
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
-        mid = mid_epoch_checkpoint(self.run_dir, state.epochs_done) if cp is not None else None
-        if mid is not None:    # a checkpoint within the next epoch (CheckpointConfig.interval_minutes)
-            mid_state = mid.load_driver_state()
-            state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
-                            metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
-            ctl.load_state_dict(state.adaptive)
-            events.append(f"resumed within epoch {state.epochs_done + 1} at sample "
-                          f"{state.mid_epoch['cursor']} from {mid.path}")
-            cp = mid
+        cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
+        events += [within] if within else []
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
@@ -621,7 +614,8 @@ class JabasDriver:
         cp, state, events = restart(self.run_dir, failure, dropped, ctl, self._choose_allocation,
                                     policy=self.failure, strikes=self._gpu_strikes)
         self._check_checkpoint(cp)
-        return self._continue(cp, state, events)
+        cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
+        return self._continue(cp, state, events + ([within] if within else []))
 
     def _all_dead(self, failure: ActorFailure) -> ActorFailure:
         """``failure`` with every rank that is dead by now: the fan-out stops at the first dead

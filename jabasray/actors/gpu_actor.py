@@ -53,6 +53,7 @@ from typing import Any, Callable
 from ..config import JobConfig
 from ..engine.iidp import read_losses
 from ..engine.sampler import add_digests, sample_digest
+from ..engine.train_metrics import merge_metric_sums
 from ..serialization import JsonMixin
 from .background import BackgroundHostMixin
 from .emulation import StepTimer, check_emulation, wait_overrun, wait_sleep
@@ -446,9 +447,8 @@ class GPUActor(BackgroundHostMixin):
                         time.sleep(s)
                         slept += s
             losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
-            for name, v in getattr(stats, "metric_sums", {}).items():
-                msums[name] = msums[name] + v if name in msums else v
-                mcounts[name] = mcounts.get(name, 0) + stats.metric_counts[name]
+            merge_metric_sums(msums, mcounts, getattr(stats, "metric_sums", {}),
+                              getattr(stats, "metric_counts", {}))
             read = np.concatenate(it.micro_batches)      # what this iteration trained on
             samples += len(read)
             digest = add_digests(digest, sample_digest(read))

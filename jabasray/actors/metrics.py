@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..engine.sampler import add_digests, range_digest
+from ..engine.train_metrics import merge_metric_sums, metric_means
 from ..serialization import JsonMixin
 from ..storage import StoragePath, as_storage_path
 from ..types import Plan
@@ -60,8 +61,7 @@ class IntervalRecord(JsonMixin):
     @property
     def train_metrics(self) -> dict[str, float]:
         """The interval's step_fn metrics: sample-weighted means over every rank's forwards."""
-        return {k: v / self.train_metric_counts[k] for k, v in self.train_metric_sums.items()
-                if self.train_metric_counts.get(k)}
+        return metric_means(self.train_metric_sums, self.train_metric_counts)
 
 
 @dataclass
@@ -157,13 +157,12 @@ class EpochTally:
     @property
     def train_metrics(self) -> dict[str, float]:
         """The epoch's step_fn metrics: sum of mean x samples over sum of samples, all intervals."""
-        return {k: v / self.metric_counts[k] for k, v in self.metric_sums.items() if self.metric_counts[k]}
+        return metric_means(self.metric_sums, self.metric_counts)
 
     def add(self, rec: IntervalRecord) -> None:
         self.lr = rec.lr
-        for k, v in rec.train_metric_sums.items():
-            self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
-            self.metric_counts[k] = self.metric_counts.get(k, 0) + rec.train_metric_counts[k]
+        merge_metric_sums(self.metric_sums, self.metric_counts, rec.train_metric_sums,
+                          rec.train_metric_counts)
         self.served_digest = None if self.served_digest is None or rec.served_digest is None \
             else add_digests(self.served_digest, rec.served_digest)
         self.iterations += rec.num_iterations
@@ -202,9 +201,7 @@ def interval_record(replies: Sequence[Any], time_s: float, **fields: Any) -> Int
     msums: dict[str, float] = {}
     mcounts: dict[str, int] = {}
     for r in replies:
-        for k, v in getattr(r, "metric_sums", {}).items():
-            msums[k] = msums.get(k, 0.0) + v
-            mcounts[k] = mcounts.get(k, 0) + r.metric_counts[k]
+        merge_metric_sums(msums, mcounts, getattr(r, "metric_sums", {}), getattr(r, "metric_counts", {}))
     return IntervalRecord(num_iterations=first.num_iterations, loss=first.loss, phi=first.phi,
                           lr=first.lr, time_s=time_s, samples=done,
                           throughput=done / time_s if time_s > 0 else 0.0,

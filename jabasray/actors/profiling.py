@@ -51,19 +51,20 @@ def ray_options(resources: dict[str, float]) -> dict[str, Any]:
 
 def cache_key(model_fn: Callable, gpu_type: str, *, device: str, min_local_batch: int,
               weight_sync: str, bucket_cap_mb: float, max_local_batch: int | None = None,
-              step_fn: Callable | None = None) -> str:
+              step_fn: Callable | None = None, collate_fn: Callable | None = None) -> str:
     """The cache file stem of ``gpu_type``'s profile measured in a task (model built on the
-    driver's CPU for its signature)."""
+    driver's CPU for its signature; the job's ``step_fn``/``collate_fn`` by their fingerprints,
+    :func:`jabasray.profiler.measure.callable_fingerprint`)."""
     import torch
 
     from ..profiler.cluster import DRIVER_REPEATS, DRIVER_WARMUP, measures_contention
     from ..profiler.measure import measurement_settings, model_signature
     settings = measurement_settings(torch.device(device).type, min_local_batch, max_local_batch, 4,
                                     None, bucket_cap_mb, weight_sync, DRIVER_WARMUP, DRIVER_REPEATS,
-                                    "trimmed", contention=measures_contention(device))
+                                    "trimmed", contention=measures_contention(device),
+                                    step_fn=step_fn, collate_fn=collate_fn)
     model = model_fn() if callable(model_fn) and not isinstance(model_fn, torch.nn.Module) else model_fn
-    step = getattr(step_fn, "__qualname__", type(step_fn).__qualname__) if step_fn is not None else None
-    return profile_cache_key(model_signature(model), gpu_type, dict(settings, where="task", step=step))
+    return profile_cache_key(model_signature(model), gpu_type, dict(settings, where="task"))
 
 
 def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, device: str,
@@ -126,7 +127,8 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
         if folder is not None:
             paths[t] = folder / (cache_key(model_fn, t, device=device, min_local_batch=min_local_batch,
                                            weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb,
-                                           max_local_batch=max_local_batch, step_fn=step_fn)
+                                           max_local_batch=max_local_batch, step_fn=step_fn,
+                                           collate_fn=collate_fn)
                                  + f"-x{speed:g}.json")
             if not refresh and paths[t].exists():
                 try:

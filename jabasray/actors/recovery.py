@@ -25,7 +25,9 @@ actor and :func:`restart_point` gives it
    nothing: the epoch is retried on the same GPUs.
 
 The driver re-chooses the allocation on that cluster (:func:`restart`) and redoes the epoch:
-no completed epoch is lost. When no checkpoint or no GPU is left, :class:`JobFailed` says what happened in one line
+no completed epoch is lost. When the run also holds a mid-epoch checkpoint of that epoch
+(``CheckpointConfig.interval_minutes``), it is newer and the epoch continues from it
+(:func:`adopt_mid_epoch`, as a resume does): a fault loses at most the intervals since then. When no checkpoint or no GPU is left, :class:`JobFailed` says what happened in one line
 (:func:`describe_failure`) and how to continue (:func:`resume_hint`).
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Callable, Sequence
 from ..config import FailureConfig
 from ..errors import JobFailed
 from ..types import ClusterSpec
-from .checkpoint import Checkpoint, DriverState, latest_checkpoint
+from .checkpoint import Checkpoint, DriverState, latest_checkpoint, mid_epoch_checkpoint
 from .fanout import ActorFailure
 from .placement import Slot, alive_ray_nodes, drop_dead_nodes, drop_gpus
 
@@ -161,6 +163,29 @@ def restart(run_dir: str | Path, failure: ActorFailure, dropped: Sequence[Slot],
     return cp, state, events
 
 
+def adopt_mid_epoch(run_dir: str | Path, cp: Checkpoint | None, state: DriverState, ctl: Any
+                    ) -> tuple[Checkpoint | None, DriverState, str | None]:
+    """Continue within the epoch when the run's mid-epoch slot (``CheckpointConfig.
+    interval_minutes``, :func:`.checkpoint.mid_epoch_checkpoint`) holds a checkpoint taken
+    inside the epoch that follows ``cp`` (the epoch-boundary checkpoint a resume or a restart
+    after an actor failure starts from): it is newer, so the epoch goes on from its cursor
+    instead of being redone. Returns (the checkpoint to load the worker state from, ``state``
+    with the mid-epoch checkpoint's iteration count, adaptive controller - ``ctl`` is restored
+    from it -, metrics history and epoch position, the event line); unchanged with None for
+    the event when there is no such checkpoint. ``state``'s cluster and allocation are kept
+    (a restart re-chose them on the GPUs left); the worker state of either checkpoint loads
+    onto any allocation (IIDP: rank 0's; SMA: every rank's, redistributed)."""
+    mid = mid_epoch_checkpoint(run_dir, state.epochs_done) if cp is not None else None
+    if mid is None:
+        return cp, state, None
+    mid_state = mid.load_driver_state()
+    state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
+                    metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
+    ctl.load_state_dict(state.adaptive)
+    return mid, state, (f"resumed within epoch {state.epochs_done + 1} at sample "
+                        f"{state.mid_epoch['cursor']} from {mid.path}")
+
+
 def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: Any,
                      choose_allocation: Callable[[ClusterSpec, None], dict[str, int]],
                      force: bool = False) -> tuple[Checkpoint | None, DriverState, list[str]]:
@@ -197,5 +222,5 @@ def check_resumable(state: DriverState, job_config: dict[str, Any]) -> None:
                          f"use another run name or the same configuration to resume")
 
 
-__all__ = ["gpu_key", "failed_gpus", "dead_slots", "describe_failure", "resume_hint", "give_up", "latest_intact_checkpoint",
+__all__ = ["adopt_mid_epoch", "gpu_key", "failed_gpus", "dead_slots", "describe_failure", "resume_hint", "give_up", "latest_intact_checkpoint",
            "restart_point", "restart", "restore_or_start", "check_resumable"]

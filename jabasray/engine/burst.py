@@ -21,6 +21,8 @@ module runs one training iteration of such a plan on the G ranks of a process gr
   that requires grad, and the layer runs on it.  The output layer computes
   ``loss_fn(out_shard, y_shard) * len(shard) / B``, so the shard losses add up to the mean
   over the global batch (``loss_fn`` must be a mean over samples, like ``F.cross_entropy``).
+  ``loss_fn`` may return ``(loss, {name: mean})``: training metrics of the shard, added by
+  its row count (``engine.train_metrics``), so their sum over the ranks is the batch's.
 * Backward, in reverse order: a rank back-propagates a layer from the gradient of its output
   (``torch.autograd.backward(out, grad)``), sends each input leaf's gradient rows back to the
   ranks that produced them (the same pieces, reversed), where they are summed into that
@@ -67,6 +69,8 @@ from torch import fx, nn
 
 from ..validation import check_int
 from .layer_trace import fetch_attr, layer_structure, trace_module
+from .step import split_step_output
+from .train_metrics import add_step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,9 @@ class BurstStepStats:
     wait_s: float = 0.0         # blocked in transfers and the end-of-step loss sum: idle time
     layers_run: int = 0         # layers placed on this rank
     local_grad: torch.Tensor | None = None   # keep_local_grad: see BurstExecutor.train_step
+    metric_sums: dict = field(default_factory=dict)    # loss_fn's (loss, {name: mean}) metrics on
+                                                       # this rank's output rows: mean x rows
+    metric_counts: dict = field(default_factory=dict)  # rows behind each sum (.train_metrics)
 
 
 @dataclass
@@ -443,7 +450,11 @@ class BurstExecutor:
             t0 = time.perf_counter()
             out = self._run_node(layer.node, args)
             if layer is self.sink:
-                loss = self.loss_fn(out, targets.to(self.device)) * (len(out) / self._batch)
+                loss, metrics = split_step_output(self.loss_fn(out, targets.to(self.device)), "loss_fn")
+                if metrics:     # training metrics of this rank's output rows (.train_metrics)
+                    add_step_metrics(stats.metric_sums, stats.metric_counts, metrics, len(out),
+                                     self.device)
+                loss = loss * (len(out) / self._batch)
             stats.compute_s += time.perf_counter() - t0
             outputs[layer.name] = out
         return outputs, leaves, loss

@@ -124,6 +124,7 @@ from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
 from .loader import batch_size, to_device
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step_output, supervised_step
+from .train_metrics import add_step_metrics
 from .buckets import (BucketPlan, FlatBuffers, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .batched import batch_fallback_reason, join_batches
@@ -941,11 +942,7 @@ class IIDPWorker:
         """Training metrics of one forward (means over its ``n`` samples) into this step's
         sample-weighted float64 sums, on the device (read once per interval by the caller)."""
         with self._lock:
-            for k, v in metrics.items():
-                t = v.detach().reshape(()).to(torch.float64) if isinstance(v, torch.Tensor) else \
-                    torch.tensor(float(v), dtype=torch.float64, device=self.device)
-                self._metric_sums[k] = self._metric_sums[k] + t * n if k in self._metric_sums else t * n
-                self._metric_counts[k] = self._metric_counts.get(k, 0) + n
+            add_step_metrics(self._metric_sums, self._metric_counts, metrics, n, self.device)
 
     @staticmethod
     def _backward(vsw: _VSW, scaled: torch.Tensor, last: bool) -> None:

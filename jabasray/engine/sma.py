@@ -127,6 +127,8 @@ from torch import nn
 from ..config import SMA_RESTART_RULES, SMA_SYNC_MODES
 from ..validation import check_choice, check_float, check_int
 from .iidp import StepStats
+from .step import split_step_output
+from .train_metrics import add_step_metrics, merge_metric_sums
 
 log = logging.getLogger(__name__)
 
@@ -522,8 +524,11 @@ class SMAWorker:
         t0 = time.perf_counter()
         loss_sum = 0.0
         samples = 0
+        msums: dict = {}
+        mcounts: dict[str, int] = {}
         for j, learner in enumerate(self._learners):
-            ls, n = self._learning_task(learner, micro_batches[j * per:(j + 1) * per], ragged)
+            ls, n = self._learning_task(learner, micro_batches[j * per:(j + 1) * per], ragged,
+                                        (msums, mcounts))
             ls = float(ls)
             loss_sum += ls
             samples += n
@@ -542,7 +547,8 @@ class SMAWorker:
         t4 = time.perf_counter()
         return self._finish_step(t4 - t0, loss=loss, global_num_workers=global_workers,
                                  local_grad=local_grad, compute_time=t1 - t0, comm_time=t3 - t2,
-                                 update_time=(t2 - t1) + (t4 - t3), num_samples=samples)
+                                 update_time=(t2 - t1) + (t4 - t3), num_samples=samples,
+                                 metric_sums=msums, metric_counts=mcounts)
 
     def _finish_step(self, elapsed: float, **fields: Any) -> SMAStepStats:
         """Count the iteration (and the autotune throughput window); build its stats."""
@@ -553,13 +559,16 @@ class SMAWorker:
                             num_learners=self.num_vsw, total_learners=self._total_learners,
                             alpha=self.alpha, **fields)
 
-    def _learning_task(self, learner: FlatModule, batches: Sequence[Batch], ragged: bool
-                       ) -> tuple[torch.Tensor, int]:
+    def _learning_task(self, learner: FlatModule, batches: Sequence[Batch], ragged: bool,
+                       metrics: tuple[dict, dict] | None = None) -> tuple[torch.Tensor, int]:
         """Forward/backward of one learner over its micro-batches; grad left in ``learner.grad``.
 
         The learner's gradient is the mean of its micro-batches' mean-loss gradients
-        (``ragged``: weighted by sample counts). Returns (sum over samples of the loss as a 0-d
-        tensor on the device, so CUDA callers need not synchronise; number of samples)."""
+        (``ragged``: weighted by sample counts). A step returning ``(loss, {name: mean})`` adds
+        its training metrics to ``metrics`` = (sums, counts) by sample counts
+        (:mod:`.train_metrics`; device tensors, no synchronisation). Returns (sum over samples
+        of the loss as a 0-d tensor on the device, so CUDA callers need not synchronise; number
+        of samples)."""
         learner.grad.zero_()
         sizes = [int(len(t)) for _, t in batches]
         total = sum(sizes)
@@ -569,8 +578,11 @@ class SMAWorker:
                 continue
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
-            loss = (self.step_fn(learner.module, (x, y)) if self.step_fn is not None
-                    else self.loss_fn(learner.module(x), y))
+            loss, step_metrics = split_step_output(
+                self.step_fn(learner.module, (x, y)) if self.step_fn is not None
+                else self.loss_fn(learner.module(x), y))
+            if step_metrics and metrics is not None:
+                add_step_metrics(metrics[0], metrics[1], step_metrics, n, self.device)
             weight = n / total if ragged else 1.0 / len(batches)
             (loss * weight).backward()
             loss_acc += loss.detach() * n
@@ -678,6 +690,8 @@ class SMAWorker:
         counts: list[int] = []
         has_buffers = self._z.buffer_numel > 0
         sync = lanes.comm
+        per_learner = [({}, {}) for _ in self._learners]   # training metrics: one (sums, counts)
+                                                           # per learner stream, merged when done
         for j, learner in enumerate(self._learners):
             stream = lanes.vsw[j]
             stream.wait_stream(issuer)
@@ -686,7 +700,7 @@ class SMAWorker:
                 stream.wait_event(self._z_ready)
             with torch.cuda.stream(stream):
                 loss_acc, total = self._learning_task(learner, micro_batches[j * per:(j + 1) * per],
-                                                      ragged)
+                                                      ragged, per_learner[j])
                 # Local sync task: needs z / r_g of the previous global sync (read-only).
                 if self._z_ready is not None:
                     stream.wait_event(self._z_ready)
@@ -724,9 +738,14 @@ class SMAWorker:
             self._z_ready.synchronize()
             loss, global_workers = self._comm_stats(comm)
         t2 = time.perf_counter()
+        msums: dict = {}
+        mcounts: dict[str, int] = {}
+        for sums, counts in per_learner:       # every learner stream is done (synchronised above)
+            merge_metric_sums(msums, mcounts, sums, counts)
         return self._finish_step(t2 - t0, loss=loss, global_num_workers=global_workers,
                                  local_grad=local_grad, compute_time=t1 - t0, comm_time=0.0,
-                                 update_time=t2 - t1, num_samples=int(samples))
+                                 update_time=t2 - t1, num_samples=int(samples),
+                                 metric_sums=msums, metric_counts=mcounts)
 
     def _sync_pending(self) -> None:
         """Wait for an in-flight global sync (CUDA) before touching z or the replicas."""

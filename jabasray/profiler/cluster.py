@@ -26,14 +26,17 @@ DRIVER_REPEATS = 3   # timed steps per point ("trimmed" statistic; non-monotone 
 
 
 def driver_cache_key(model_signature: str, *, device: str, emulate: bool, min_local_batch: int,
-                     weight_sync: str, bucket_cap_mb: float) -> str:
-    """The cache file stem :func:`cluster_profiles` uses (e.g. to pre-fill a cache)."""
+                     weight_sync: str, bucket_cap_mb: float, step_fn: Callable | None = None,
+                     collate_fn: Callable | None = None) -> str:
+    """The cache file stem :func:`cluster_profiles` uses (e.g. to pre-fill a cache); a job's
+    own ``step_fn``/``collate_fn`` are part of it (:func:`.measure.callable_fingerprint`)."""
     from .measure import _default_gpu_type, measurement_settings
     import torch
     gpu_type = "cpu" if emulate else _default_gpu_type(torch.device(device))
     return profile_cache_key(model_signature, gpu_type, measurement_settings(
         torch.device(device).type, min_local_batch, None, 4, None, bucket_cap_mb, weight_sync,
-        DRIVER_WARMUP, DRIVER_REPEATS, "trimmed", contention=measures_contention(device)))
+        DRIVER_WARMUP, DRIVER_REPEATS, "trimmed", contention=measures_contention(device),
+        step_fn=step_fn, collate_fn=collate_fn))
 
 
 def measures_contention(device: str) -> bool:

@@ -78,6 +78,65 @@ def model_signature(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def callable_fingerprint(fn: Callable | None) -> str | None:
+    """What a profile measured with the user's ``step_fn``/``collate_fn`` depends on: sha256
+    (16 hex) of the callable's ``module.qualname``, its code (bytecode, names and constants,
+    nested functions included), its defaults and what its closure and a partial's arguments
+    hold (callables among them by their own fingerprint, other values by ``repr``); a callable
+    instance by its class's ``__call__``. An edited function body under the same name gives
+    another fingerprint, so a stale cached profile is not reused. None for None."""
+    if fn is None:
+        return None
+    h = hashlib.sha256()
+    _fingerprint_into(h, fn, depth=0)
+    return h.hexdigest()[:16]
+
+
+def _fingerprint_into(h: Any, obj: Any, depth: int) -> None:
+    import functools
+    import types
+
+    if depth > 4:                                  # deep closures: stop (the name still counts)
+        h.update(b"...")
+        return
+    if isinstance(obj, functools.partial):
+        h.update(b"partial(")
+        for x in (obj.func, *obj.args, *sorted(obj.keywords.items())):
+            _fingerprint_into(h, x, depth + 1)
+        h.update(b")")
+        return
+    if isinstance(obj, types.CodeType):
+        h.update(obj.co_code)
+        h.update(repr(obj.co_names).encode())
+        for c in obj.co_consts:
+            _fingerprint_into(h, c, depth + 1) if isinstance(c, types.CodeType) else h.update(repr(c).encode())
+        return
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], str):   # a keyword argument
+        h.update(obj[0].encode())
+        _fingerprint_into(h, obj[1], depth + 1)
+        return
+    fn = getattr(obj, "__func__", obj)             # bound methods: their function
+    code = getattr(fn, "__code__", None)
+    if code is None and callable(obj) and not isinstance(obj, type):
+        call = getattr(type(obj), "__call__", None)
+        code = getattr(call, "__code__", None)
+        fn = call if code is not None else fn
+        h.update(f"{type(obj).__module__}.{type(obj).__qualname__}()".encode())
+    if code is None:                               # a builtin, class or plain value
+        name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', '')}"
+        h.update((name if name != "." else repr(obj)).encode())
+        return
+    h.update(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}".encode())
+    _fingerprint_into(h, code, depth + 1)
+    h.update(repr(getattr(fn, "__defaults__", None)).encode())
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:                         # an empty cell
+            continue
+        _fingerprint_into(h, value, depth + 1)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -334,13 +393,20 @@ def oom_probe(step: Callable[[], Any], recover: Callable[[], None]) -> bool:
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
                          max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
                          weight_sync: str, warmup: int, repeats: int, statistic: str,
-                         contention: bool = False, vsw_execution: str = "auto") -> dict:
+                         contention: bool = False, vsw_execution: str = "auto",
+                         step_fn: Callable | None = None, collate_fn: Callable | None = None) -> dict:
     """What a profile depends on besides the model and the device type: the cache key's settings
-    (``contention`` and a forced per-VSW ``vsw_execution`` enter the key only when set, so keys
-    of profiles without them are unchanged)."""
+    (``contention``, a forced per-VSW ``vsw_execution`` and the job's own ``step_fn`` /
+    ``collate_fn`` - by :func:`callable_fingerprint`, so a changed step or batch function
+    measures again - enter the key only when set, so keys of profiles without them are
+    unchanged)."""
     extra = {"contention": True} if contention else {}
     if vsw_execution != "auto":
         extra["vsw_execution"] = vsw_execution
+    if step_fn is not None:
+        extra["step_fn"] = callable_fingerprint(step_fn)
+    if collate_fn is not None:
+        extra["collate_fn"] = callable_fingerprint(collate_fn)
     return {**extra, "device": str(device), "torch": torch.__version__, "revision": PROFILER_REVISION,
             "min_local_batch": int(min_local_batch),
             "max_local_batch": None if max_local_batch is None else int(max_local_batch),
@@ -552,7 +618,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
     settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
                                     memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
-                                    contention, vsw_execution)
+                                    contention, vsw_execution, step_fn=step_fn, collate_fn=collate_fn)
     key = profile_cache_key(sig, gpu_type, settings)
     cache_path = as_storage_path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
