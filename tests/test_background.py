@@ -235,3 +235,52 @@ def _advances(host, name: str, timeout: float = 30.0) -> None:
     while host.bg_status(name).step == start:
         assert time.monotonic() < deadline, f"background job {name} made no step in {timeout}s"
         time.sleep(0.01)
+
+
+class Stuck(Host):
+    """A GPU actor hung in its calls (a blocked collective, a stuck loader): every call after
+    ``hang()`` waits behind it."""
+
+    def hang(self) -> None:
+        time.sleep(3600)
+
+
+def test_background_calls_have_deadlines_and_skip_a_hung_actor(hosts, caplog):
+    """With a deadline (the driver's call_timeout_s), a hung actor is left out of placement with
+    a warning naming it, never waited on: submit places on the actor that answers; a job whose
+    only candidate is hung fails in one line; rebalance onto a hung actor returns (the job is
+    not moved, its state kept) and moves it once a live actor is offered."""
+    import logging
+
+    ray, actors, _ = hosts
+    T = 6     # the deadline (s): each wait on the hung actor lasts this long
+    for a in actors:     # the first job of an actor imports the engine: not what is timed here
+        submit_background(job(steps=1, memory_mb=5.0), [a]).result(timeout=120)
+    stuck = ray.remote(num_cpus=0)(Stuck).remote(spare=1.0, memory_mb=500.0)   # the most spare
+    ray.get(stuck.ping.remote())
+    stuck.hang.remote()
+    key = stuck._actor_id.hex()
+    try:
+        with caplog.at_level(logging.WARNING, logger="jabasray.actors.background"):
+            t0 = time.monotonic()
+            h = submit_background(job(steps=2, memory_mb=5.0), [stuck, actors[1]], timeout_s=T)
+            assert time.monotonic() - t0 >= T                  # it waited its deadline, no more
+            assert h.actor is actors[1] and h.timeout_s == T
+            assert any(key in r.getMessage() and f"did not answer within {T}s" in r.getMessage()
+                       for r in caplog.records)
+            assert h.result(timeout=60).state == "done"
+            with pytest.raises(TimeoutError, match=rf"^background job background: no GPU actor answered .* within {T}s$"):
+                submit_background(job(), [stuck], timeout_s=T)
+
+            sched = BackgroundScheduler([actors[1]], call_timeout_s=T)
+            long = sched.submit(job(steps=100_000, memory_mb=5.0))
+            assert sched.checkpoint() == [long.job_id]
+            assert sched.rebalance([stuck]) == []              # hung: not moved, not waited on
+            assert long.actor is actors[1] and long.job_id in sched.states
+            assert long.progress().state == "running"          # still where it was
+            assert any(f"background job {long.job_id} not resumed" in r.getMessage() for r in caplog.records)
+            assert sched.rebalance([actors[0]]) == [long.job_id]
+            assert long.actor is actors[0] and long.progress().state in ("running", "queued")
+            long.cancel()
+    finally:
+        ray.kill(stuck)

@@ -264,37 +264,67 @@ def _actor_key(actor: Any) -> str:
     return aid.hex() if aid is not None else str(id(actor))
 
 
-def _choose_actor(job: BackgroundJob, actors: Sequence[Any]) -> Any:
-    """The actor with the most spare capacity among those with ``free_memory >= memory_mb``."""
+def _choose_actor(job: BackgroundJob, actors: Sequence[Any], timeout_s: float | None = None) -> Any:
+    """The actor with the most spare capacity among those with ``free_memory >= memory_mb``.
+    Every actor is asked at once (one round trip); with ``timeout_s`` an actor that does not
+    answer within it (hung, dead) is left out with a warning naming it, and ``TimeoutError``
+    (one line) is raised when none answered."""
     import ray
 
     if not actors:
         raise ValueError("actors must list at least one GPU actor, got none")
-    answers = ray.get([a.spare_capacity.remote() for a in actors]     # one round trip
-                      + [a.free_memory.remote() for a in actors])
-    spare, free = answers[:len(actors)], answers[len(actors):]
-    fits = [i for i in range(len(actors)) if free[i] >= job.memory_mb]
+    refs = [(a.spare_capacity.remote(), a.free_memory.remote()) for a in actors]
+    flat = [r for pair in refs for r in pair]
+    ready, _ = ray.wait(flat, num_returns=len(flat), timeout=timeout_s)
+    ready = set(ready)
+    spare: dict[int, float] = {}
+    free: dict[int, float] = {}
+    for i, (rs, rf) in enumerate(refs):
+        try:
+            if rs in ready and rf in ready:
+                spare[i], free[i] = ray.get(rs), ray.get(rf)
+                continue
+            why = f"did not answer within {timeout_s:g}s"
+        except Exception as e:  # noqa: BLE001 - a dead actor: not a place for the job
+            why = f"failed ({type(e).__name__})"
+        log.warning("background: GPU actor %s %s; not placing job %s on it", _actor_key(actors[i]),
+                    why, job.name)
+    if not spare:
+        raise TimeoutError(f"background job {job.name}: no GPU actor answered spare_capacity/"
+                           f"free_memory within {timeout_s:g}s")
+    fits = [i for i in spare if free[i] >= job.memory_mb]
     if not fits:
         raise ValueError(f"memory_mb must be <= the largest free memory of the devices "
-                         f"({max(free):.1f} MiB), got {job.memory_mb}")
+                         f"({max(free.values()):.1f} MiB), got {job.memory_mb}")
     best = max(fits, key=lambda i: (spare[i], free[i], -i))
     return actors[best]
+
+
+def _get(ref: Any, timeout_s: float | None, what: str) -> Any:
+    """``ray.get(ref)`` within ``timeout_s``: a call past it is ``TimeoutError`` naming ``what``."""
+    import ray
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"{what} did not return within {timeout_s:g}s") from None
 
 
 class BackgroundHandle:
     """A submitted background job: ``progress()``, ``result(timeout)``, ``cancel()``."""
 
-    def __init__(self, job_id: str, job: BackgroundJob, actor: Any) -> None:
+    def __init__(self, job_id: str, job: BackgroundJob, actor: Any,
+                 timeout_s: float | None = None) -> None:
         self.job_id, self.job, self.actor = job_id, job, actor
+        self.timeout_s = timeout_s       # deadline of each Ray call (None: none)
         self.moves = 0
         self.lost: str | None = None     # why the job cannot continue (its state is gone)
 
     def progress(self) -> Any:
         """The job's current ``BackgroundStatus`` (state, step, total_steps, loss, error)."""
-        import ray
         if self.lost is not None:
             return _failed_status(self.job_id, self.lost)
-        return ray.get(self.actor.bg_status.remote(self.job_id))
+        return _get(self.actor.bg_status.remote(self.job_id), self.timeout_s,
+                    f"bg_status of background job {self.job_id}")
 
     def result(self, timeout: float | None = None, poll: float = 0.1) -> Any:
         """Wait until the job finished; return its final status.
@@ -315,30 +345,31 @@ class BackgroundHandle:
             time.sleep(poll)
 
     def cancel(self) -> Any:
-        import ray
         if self.lost is not None:
             return self.progress()
-        return ray.get(self.actor.bg_cancel.remote(self.job_id))
+        return _get(self.actor.bg_cancel.remote(self.job_id), self.timeout_s,
+                    f"bg_cancel of background job {self.job_id}")
 
     def __repr__(self) -> str:
         return f"BackgroundHandle({self.job_id!r}, job={self.job.name!r}, moves={self.moves})"
 
 
 def submit_background(job: BackgroundJob, actors: Sequence[Any], job_id: str | None = None,
-                      state: bytes | None = None) -> BackgroundHandle:
+                      state: bytes | None = None, timeout_s: float | None = None) -> BackgroundHandle:
     """Place ``job`` on the actor with the most spare capacity that has the memory for it
     (resuming from ``state``, bytes of ``bg_state``, when given). Raises ValueError naming
     ``memory_mb`` when no device has enough free memory. Its state outlives that actor only
-    through a :class:`BackgroundScheduler` (module notes)."""
-    import ray
-
+    through a :class:`BackgroundScheduler` (module notes). ``timeout_s``: the deadline of each
+    Ray call (an actor that does not answer in time is left out; ``TimeoutError`` when none
+    answers or the chosen one does not take the job in time)."""
     if not isinstance(job, BackgroundJob):
         raise ValueError(f"job must be a BackgroundJob, got {type(job).__name__}")
     job_id = job_id or f"{job.name}-{uuid.uuid4().hex[:8]}"
-    actor = _choose_actor(job, actors)
-    ray.get(actor.bg_submit.remote(job_id, job, state))
+    actor = _choose_actor(job, actors, timeout_s)
+    _get(actor.bg_submit.remote(job_id, job, state), timeout_s,
+         f"bg_submit of background job {job_id} on GPU actor {_actor_key(actor)}")
     log.info("background job %s placed on actor %s", job_id, _actor_key(actor))
-    return BackgroundHandle(job_id, job, actor)
+    return BackgroundHandle(job_id, job, actor, timeout_s)
 
 
 class BackgroundScheduler:
@@ -350,17 +381,23 @@ class BackgroundScheduler:
     actor, from a fresh state when the old actor still answers, else from the newest pulled
     one. ``storage``: where pulled states are also written (``<job id>.pt``; a local path or
     URI; None: the run's ``<run>/background`` once a driver calls :meth:`checkpoint`, else in
-    memory only).
+    memory only). ``call_timeout_s``: the deadline of every Ray call it makes (a driver sets it
+    to its ``DriverOptions.call_timeout_s``, like its other fan-out calls): an actor that does
+    not answer in time is skipped with a warning naming it, never waited on - a hung GPU actor
+    is the foreground's failure to find, at its own deadline.
     """
 
-    def __init__(self, actors: Sequence[Any] = (), storage: "str | Path | StoragePath | None" = None) -> None:
+    def __init__(self, actors: Sequence[Any] = (), storage: "str | Path | StoragePath | None" = None,
+                 call_timeout_s: float = 120.0) -> None:
+        check_float("call_timeout_s", call_timeout_s, min_value=0, min_exclusive=True)
+        self.call_timeout_s = float(call_timeout_s)
         self.actors = list(actors)
         self.storage = as_storage_path(storage) if storage is not None else None
         self.handles: dict[str, BackgroundHandle] = {}
         self.states: dict[str, bytes] = {}        # job id -> newest pulled state
 
     def submit(self, job: BackgroundJob, job_id: str | None = None) -> BackgroundHandle:
-        handle = submit_background(job, self.actors, job_id)
+        handle = submit_background(job, self.actors, job_id, timeout_s=self.call_timeout_s)
         self.handles[handle.job_id] = handle
         return handle
 
@@ -377,12 +414,13 @@ class BackgroundScheduler:
             if h.lost is not None:
                 continue
             try:
-                st = ray.get(h.actor.bg_status.remote(jid), timeout=30)
+                st = ray.get(h.actor.bg_status.remote(jid), timeout=self.call_timeout_s)
                 if st.state in ("failed", "cancelled") or (st.finished and jid in self.states):
                     continue
-                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=120))
-            except Exception as e:  # noqa: BLE001 - actor gone: rebalance resumes it
-                log.info("background job %s: no state from its actor (%s)", jid, type(e).__name__)
+                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=self.call_timeout_s))
+            except Exception as e:  # noqa: BLE001 - actor gone or hung: rebalance resumes it
+                log.warning("background job %s: no state from its actor %s within %gs (%s)", jid,
+                            _actor_key(h.actor), self.call_timeout_s, type(e).__name__)
                 continue
             taken.append(jid)
         return taken
@@ -413,19 +451,16 @@ class BackgroundScheduler:
         for jid, h in self.handles.items():
             if _actor_key(h.actor) in alive or h.lost is not None:
                 continue
-            try:                       # still reachable: fresh state, stop it there
-                st = ray.get(h.actor.bg_status.remote(jid), timeout=10)
+            reachable = True
+            try:                       # still reachable: a fresh state (stopped there below)
+                st = ray.get(h.actor.bg_status.remote(jid), timeout=self.call_timeout_s)
                 if st.finished:
                     continue
-                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=60))
-                ray.get(h.actor.bg_cancel.remote(jid), timeout=10)
-            except Exception as e:  # noqa: BLE001 - actor gone: resume from the newest pulled state
+                self._keep(jid, ray.get(h.actor.bg_state.remote(jid), timeout=self.call_timeout_s))
+            except Exception as e:  # noqa: BLE001 - actor gone or hung: the newest pulled state
+                reachable = False
                 log.info("background job %s: old actor unreachable (%s); resuming from its last "
                          "pulled state", jid, type(e).__name__)
-                try:                   # alive but busy: make it stop the job when it gets to it
-                    h.actor.bg_cancel.remote(jid)
-                except Exception:  # noqa: BLE001
-                    pass
             state = self.state(jid)
             if state is None:
                 h.lost = (f"background job {jid}: its actor is gone and none of its state reached "
@@ -436,8 +471,24 @@ class BackgroundScheduler:
             if not self.actors:
                 log.warning("background job %s: no actor left to resume on", jid)
                 continue
-            h.actor = _choose_actor(h.job, self.actors)
-            ray.get(h.actor.bg_submit.remote(jid, h.job, state))
+            try:
+                actor = _choose_actor(h.job, self.actors, self.call_timeout_s)
+            except TimeoutError as e:   # no new actor answers: it stays where it is, tried again next time
+                log.warning("background job %s not resumed (it stays on its old actor): %s", jid, e)
+                continue
+            try:                       # stop it on the old actor (a busy one when it gets to it)
+                ref = h.actor.bg_cancel.remote(jid)
+                if reachable:
+                    ray.get(ref, timeout=self.call_timeout_s)
+            except Exception:  # noqa: BLE001 - gone meanwhile
+                pass
+            h.actor, h.timeout_s = actor, self.call_timeout_s
+            try:
+                _get(actor.bg_submit.remote(jid, h.job, state), self.call_timeout_s,
+                     f"bg_submit of background job {jid} on GPU actor {_actor_key(actor)}")
+            except TimeoutError as e:   # sent: it starts once the actor answers; state kept here
+                log.warning("background job %s: %s", jid, e)
+                continue
             h.moves += 1
             moved.append(jid)
             log.info("background job %s resumed on actor %s", jid, _actor_key(h.actor))

@@ -131,6 +131,7 @@ class JabasDriver:
         self._last_save = time.monotonic()   # the last checkpoint (mid-epoch checkpoints' clock)
         self.callbacks = list(callbacks)
         self.background = background
+        self._bg_deadline(background)
         self._given_model, self._profiles = perf_model, profiles
         opts = self.options
         # the plan policy over the iteration-time model (given here; built in run() otherwise)
@@ -176,8 +177,14 @@ class JabasDriver:
     def attach_background(self, scheduler: Any) -> None:
         """Attach a background scheduler; it is rebalanced after every (re-)placement."""
         self.background = scheduler
+        self._bg_deadline(scheduler)
         if self.pool.placement:
             scheduler.rebalance(self.gpu_actors())
+
+    def _bg_deadline(self, scheduler: Any) -> None:
+        """A background scheduler's Ray calls get the deadline of the driver's other calls."""
+        if scheduler is not None and hasattr(scheduler, "call_timeout_s"):
+            scheduler.call_timeout_s = self.options.call_timeout_s
 
     def run(self) -> MetricsHistory:
         """Train until ``job.epochs`` epochs are complete (resuming from the run's checkpoint)."""
