@@ -276,8 +276,8 @@ class StaticRounds:
 def round_parts(micro_batches: Sequence[Any], num_vsw: int, num_ga: int) -> list[list[Any]]:
     """``out[j][v] = micro_batches[v*(num_ga+1) + j]``: VSW ``v`` takes micro-batches
     ``v*(num_ga+1) .. v*(num_ga+1)+num_ga`` (the IIDP assignment), round ``j`` its ``j``-th."""
-    G = num_ga + 1
-    return [[micro_batches[v * G + j] for v in range(num_vsw)] for j in range(G)]
+    ga_rounds = num_ga + 1
+    return [[micro_batches[v * ga_rounds + j] for v in range(num_vsw)] for j in range(ga_rounds)]
 
 
 # ------------------------------------------------------------------------------ LR as a tensor

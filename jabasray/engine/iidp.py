@@ -469,7 +469,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         sizes = self._check_micro_batches(micro_batches, ragged)
         lanes, B = self._lanes, self._local_batch_size
         nb = len(self._specs)
-        G = self._num_ga + 1
+        ga_rounds = self._num_ga + 1
         t0 = self._clock()
 
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
@@ -489,7 +489,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         if reason is None:
             try:
                 n = self._num_vsw
-                rounds = [join_batches([micro_batches[v * G + j] for v in range(n)]) for j in range(G)]
+                rounds = [join_batches([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
             except ValueError as e:
                 reason = f"micro-batches cannot be joined: {e}"
         if reason is not None:
@@ -525,9 +525,9 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             vsw.buffers.begin_step()
             if vsw.index > 0 and vsw.module.training != training:
                 vsw.module.train(training)
-            base = vsw.index * G
+            base = vsw.index * ga_rounds
             vsw.in_step = True
-            return [base + j for j in range(G) if sizes[base + j] > 0], []
+            return [base + j for j in range(ga_rounds) if sizes[base + j] > 0], []
 
         if rounds is not None:
             # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
