@@ -9,13 +9,18 @@
    backward), wall time per step and exposed (waited-for) communication time.
 4. Batched VSWs vs one plain PyTorch worker (``--parts batched``; CPU and CUDA): n VSWs at
    B_L run by the engine's default (batched: one pass over the n adjacent micro-batches,
-   per-VSW BatchNorm) and forced per-VSW, against a plain loop (zero_grad, forward, backward,
-   optimizer step) on the same n * B_L samples. Same host work on every side: the loss stays
-   on the device and is read once per window (``read_losses``), which is also the only
+   per-VSW BatchNorm; eager) and forced per-VSW, against a plain loop (zero_grad, forward,
+   backward, optimizer step) on the same n * B_L samples. On CUDA also the graphed pair: the
+   plain loop captured as one CUDA graph (PyTorch's whole-network recipe: warm-up on a side
+   stream, static input buffers refilled every step, SGD with its LR a constant of the graph)
+   vs the engine's batched step replaying its captured graph (``cuda_graphs="auto"``: SGD
+   fused with the LR as a device tensor). Ratios eager vs eager (batched / plain) and graph vs
+   graph (batched_graph / plain_graph). Same host work on every side: the loss stays on the
+   device and is read once per window (``read_losses``), which is also the only
    synchronisation. Windows of ``--window`` steps (default 50), rounds with the variant order
-   rotated, per-round ratios (variant time / plain time: 1.00 = as fast as plain, the goal is
-   <= 1/0.95) and their median. Models: a small CNN with BatchNorm and a small transformer
-   encoder (CPU), ResNet-18 (CUDA).
+   rotated, per-round ratios (1.00 = as fast as the plain side, the goal is <= 1/0.95) and
+   their median. Models: a small CNN with BatchNorm and a small transformer encoder (CPU),
+   ResNet-18 and the small transformer (CUDA).
 5. ``--device cuda`` only: throughput vs num_vsw = 1 .. n_max (probed to the memory limit,
    bounded by ``--max-vsw``) at several B_L (``--local-batches``) on the ResNet-18-sized model
    below, with real CUDA streams (analogue of JABAS Fig. 7), in paired rounds of three
@@ -46,6 +51,7 @@ from torch import nn
 from common import default_out, positive_ints, write_json
 from jabasray.engine import IIDPWorker
 from jabasray.engine.buckets import trainable_parameters
+from jabasray.engine.graphs import GRAPH_WARMUP_STEPS
 from jabasray.engine.iidp import _Timings, read_losses
 from jabasray.engine.loader import split_batch
 from jabasray.models import MLP
@@ -245,7 +251,7 @@ def _weight_sync_workers(variants: list[tuple[str, type, str]], num_vsw: int, lo
         # per-VSW execution: the naive baseline steps every replica's own optimizer
         w = cls(wide_mlp().to(device), _adam, F.cross_entropy, device=device, weight_sync=method,
                 vsw_execution="one_thread" if torch.device(device).type == "cuda" else "threads",
-                **worker_kw)
+                cuda_graphs="off", **worker_kw)
         w.configure(num_vsw, 0, local_batch)
         workers[name] = w
     return workers
@@ -271,10 +277,11 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) ->
 
     flat_model = wide_mlp().to(device)
     flat_model.load_state_dict(plain_model.state_dict())
-    w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws")
+    w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws", cuda_graphs="off")
     w.configure(1, 0, batch)
     # flat gradient buckets, as in a distributed run (only the all-reduce itself is missing)
-    wf = IIDPWorker(flat_model, _adam, F.cross_entropy, device=device, weight_sync="sws", flat_grads=True)
+    wf = IIDPWorker(flat_model, _adam, F.cross_entropy, device=device, weight_sync="sws", flat_grads=True,
+                    cuda_graphs="off")
     wf.configure(1, 0, batch)
 
     res = _interleaved({"plain": plain, "iidp_1vsw": lambda: w.train_step([(X, y)]),
@@ -329,7 +336,7 @@ def _resnet_worker(device: torch.device, num_vsw: int, local_batch: int,
                    execution: str = "auto") -> IIDPWorker:
     torch.manual_seed(0)
     w = IIDPWorker(ResNet18().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                   F.cross_entropy, device=device, vsw_execution=execution)
+                   F.cross_entropy, device=device, vsw_execution=execution, cuda_graphs="off")
     w.configure(num_vsw, 0, local_batch)
     return w
 
@@ -436,10 +443,45 @@ def _rotated_rounds(variants: dict[str, Callable[[], None]], rounds: int, window
     return out
 
 
+def plain_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+                     y: torch.Tensor) -> Callable[[int], None]:
+    """A plain training step captured as one CUDA graph, by PyTorch's whole-network recipe:
+    three warm-up steps on a side stream, capture of forward/backward/``opt.step()`` (gradients
+    set to None first), then per step: copy the batch into the static inputs, replay, keep the
+    loss (a device copy); the window's losses are read once at its end."""
+    static_x, static_y = X.clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(static_x), static_y).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = F.cross_entropy(model(static_x), static_y)
+        static_loss.backward()
+        opt.step()
+
+    def run(steps: int) -> None:
+        losses = []
+        for _ in range(steps):
+            static_x.copy_(X, non_blocking=True)
+            static_y.copy_(y, non_blocking=True)
+            graph.replay()
+            losses.append(static_loss.detach().clone())
+        read_losses(losses)
+    return run
+
+
 def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches: list[int],
                            counts: list[int], rounds: int, window: int) -> list[dict]:
     """Part 4 of the module notes: n VSWs (batched, and forced per VSW) vs ONE plain worker on
-    the same ``n * B_L`` samples, per-round ratios (variant / plain) and their median."""
+    the same ``n * B_L`` samples, per-round ratios (variant / plain) and their median; on CUDA
+    also the engine's graphed batched step vs the plain step as a graph."""
+    graphs = device.type == "cuda"
     factory, kind = BATCHED_MODELS[model_name]
     per_vsw_scheme = "one_thread" if device.type == "cuda" else "threads"
     rows = []
@@ -452,10 +494,14 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
             plain_model = factory().to(device)
             opt = torch.optim.SGD(plain_model.parameters(), lr=0.01, momentum=0.9)
             workers = {}
-            for name, execution in (("batched", "auto"), ("per_vsw", per_vsw_scheme)):
+            engines = [("batched", "auto", "off"), ("per_vsw", per_vsw_scheme, "off")]
+            if graphs:
+                engines.append(("batched_graph", "auto", "auto"))
+            for name, execution, cuda_graphs in engines:
                 torch.manual_seed(0)
                 w = IIDPWorker(factory().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                               F.cross_entropy, device=device, vsw_execution=execution)
+                               F.cross_entropy, device=device, vsw_execution=execution,
+                               cuda_graphs=cuda_graphs)
                 w.configure(n, 0, bl)
                 workers[name] = w
 
@@ -476,21 +522,41 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
             variants = {"plain": plain, "batched": engine("batched")}
             if n > 1:
                 variants["per_vsw"] = engine("per_vsw")
-            for fn in variants.values():          # warm-up (allocator, lazy optimizer state)
-                fn(3)
+            if graphs:
+                torch.manual_seed(0)
+                g_model = factory().to(device)
+                g_opt = torch.optim.SGD(g_model.parameters(), lr=0.01, momentum=0.9)
+                variants["plain_graph"] = plain_graph_loop(g_model, g_opt, X, y)
+                variants["batched_graph"] = engine("batched_graph")
+            for fn in variants.values():          # warm-up (allocator, lazy optimizer state,
+                fn(GRAPH_WARMUP_STEPS + 2)        # the engine's graph warm-up and capture)
+            graphed = None
+            if graphs:                            # does the graphed contender replay a graph?
+                graphed = workers["batched_graph"].train_step(micro).graphed
+                if not graphed:
+                    print(f"[batched vs plain] {model_name} B_L={bl} n={n}: the engine's step is NOT "
+                          f"graphed ({workers['batched_graph'].graph_fallback_reason() or 'see the log'}); its "
+                          f"'batched_graph' figures are eager")
             times = _rotated_rounds(variants, rounds, window, device)
             row = {"model": model_name, "local_batch": bl, "num_vsw": n, "total_batch": total,
                    "time": "wall" if device.type == "cuda" else "process CPU",
                    "ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
-                   "load_average": os.getloadavg()}
+                   "load_average": os.getloadavg(), "batched_graph_replays": graphed}
             for k in variants:
-                if k == "plain":
+                if k in ("plain", "plain_graph"):
                     continue
-                ratios = [a / b for a, b in zip(times[k], times["plain"])]
-                row[f"{k}_over_plain_per_round"] = ratios
-                row[f"{k}_over_plain_median"] = statistics.median(ratios)
+                den = "plain_graph" if k == "batched_graph" else "plain"   # graph vs graph
+                ratios = [a / b for a, b in zip(times[k], times[den])]
+                row[f"{k}_over_{den}_per_round"] = ratios
+                row[f"{k}_over_{den}_median"] = statistics.median(ratios)
+            if graphs:
+                ratios = [a / b for a, b in zip(times["plain_graph"], times["plain"])]
+                row["plain_graph_over_plain_median"] = statistics.median(ratios)
             rows.append(row)
             extra = (f", per-VSW / plain {row['per_vsw_over_plain_median']:.3f}" if n > 1 else "")
+            if graphs:
+                extra += (f"; batched+graph / plain graph {row['batched_graph_over_plain_graph_median']:.3f}"
+                          f" (plain graph / plain {row['plain_graph_over_plain_median']:.3f})")
             print(f"[batched vs plain] {model_name} B_L={bl} n={n} (plain batch {total}): plain "
                   f"{statistics.median(times['plain']) * 1e3:.2f} ms/step; batched / plain median "
                   f"{row['batched_over_plain_median']:.3f}{extra} ({rounds} rounds x {window} steps)")

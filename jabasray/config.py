@@ -19,6 +19,7 @@ if TYPE_CHECKING:   # pragma: no cover
 LR_SCALING_RULES = ("linear", "sqrt", "none")
 WEIGHT_SYNC_METHODS = ("auto", "sws", "ows")
 SYNC_METHODS = ("iidp", "sma")
+CUDA_GRAPH_MODES = ("auto", "off")   # engine.graphs: "auto" captures batched CUDA steps where possible
 SMA_SYNC_MODES = ("flat", "hierarchical")   # SMA across devices (engine/sma.py module notes)
 SMA_RESTART_RULES = ("schedule", "batch", "never")   # when SMA restarts (engine.sma.sma_restart_due)
 PARALLELISM = ("data", "burst")
@@ -73,6 +74,8 @@ class JobConfig(JsonMixin):
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
     per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
                                         # VSWs of a device run as one batched pass (False: per VSW)
+    cuda_graphs: str = "auto"           # "auto": batched steps on one CUDA device replay a captured
+                                        # CUDA graph where possible (engine.graphs) | "off": eager
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)
     sma_learners: int = 2               # m: SMA learners per device at start (sync="sma")
     sma_alpha: float | None = None      # SMA correction rate; None -> 1/(learners averaged per level)
@@ -124,6 +127,7 @@ class JobConfig(JsonMixin):
         check_choice("lr_scaling", self.lr_scaling, LR_SCALING_RULES)
         check_int("warmup_iterations", self.warmup_iterations, min_value=0)
         check_choice("weight_sync", self.weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         check_choice("sync", self.sync, SYNC_METHODS)
         check_int("sma_learners", self.sma_learners, min_value=1)
         if self.sync == "sma" and (self.precision == "fp16" or self.grad_clip_norm is not None):

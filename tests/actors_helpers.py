@@ -1,6 +1,7 @@
 """Shared pieces of the Ray-layer tests: a hand-made profile (no profiling), a tiny job."""
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -81,6 +82,24 @@ def start_cluster(cluster_cls, head: dict, nodes: list[dict], tries: int = 3):
             if attempt == tries - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def running_cluster(head: dict, nodes: list[dict]):
+    """A started :func:`start_cluster` with Ray connected to it (one thread per worker), every
+    node registered; Ray disconnected and the cluster shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = start_cluster(Cluster, head, nodes)
+    try:
+        ray.init(address=c.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        c.wait_for_nodes()
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 # Ray workers cannot import this test helper module: ship its functions by value.

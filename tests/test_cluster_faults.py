@@ -25,7 +25,7 @@ import pytest
 from ray import cloudpickle
 
 from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
-                            perf_model, start_cluster, tiny_data)
+                            perf_model, running_cluster, tiny_data)
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.hooks import JobHooks
 from jabasray.actors.placement import place_actors, release, slots_for
@@ -38,19 +38,9 @@ pytestmark = pytest.mark.multinode
 
 @pytest.fixture(scope="module")
 def cluster(without_session_ray):
-    ray = without_session_ray
-    from ray.cluster_utils import Cluster
-
-    c = start_cluster(Cluster, dict(num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}),
-                      [dict(num_cpus=1, resources={"gpu_slow": 2})])
-    try:
-        ray.init(address=c.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        c.wait_for_nodes()
+    with running_cluster(dict(num_cpus=2, include_dashboard=False, resources={"gpu_fast": 2}),
+                         [dict(num_cpus=1, resources={"gpu_slow": 2})]) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 FOUR = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0), NodeSpec("s", "slow", 2, speed=0.5)])

@@ -107,8 +107,9 @@ def test_steady_state_step_reads_nothing_on_the_host(monkeypatch, n, ga, opt, mo
 @pytest.mark.parametrize("n, ga", [(1, 0), (4, 1)])
 def test_cuda_steady_state_step_does_not_synchronise(n, ga):
     dev = "cuda"
+    # the eager path (graphed steps: test_engine_graphs.py; a capture synchronises once)
     w = IIDPWorker(Net(None), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), F.cross_entropy,
-                   device=dev)
+                   device=dev, cuda_graphs="off")
     w.configure(n, ga, 8)
     k = n * (ga + 1)
     batches = []

@@ -14,7 +14,7 @@ import sys
 import pytest
 from ray import cloudpickle
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, running_cluster, tiny_data
 from jabasray.actors.checkpoint import latest_checkpoint
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.placement import place_actors, ray_cluster_spec, release, slots_for
@@ -30,21 +30,10 @@ SPEEDS = {"fast": 1.0, "slow": 0.5}
 def cluster(without_session_ray):
     """Three raylets; the head (fast, 1 CPU) hosts the test's driver. GPU actors need no CPU
     (emulated GPUs are custom resources), so 2 CPUs cover the whole module."""
-    ray = without_session_ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, include_dashboard=False, resources={"gpu_fast": 2}))
-    c.add_node(num_cpus=1, resources={"gpu_fast": 2})
-    c.add_node(num_cpus=0, resources={"gpu_slow": 2})
-    try:
-        ray.init(address=c.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
-        c.wait_for_nodes()
+    with running_cluster(dict(num_cpus=1, include_dashboard=False, resources={"gpu_fast": 2}),
+                         [dict(num_cpus=1, resources={"gpu_fast": 2}),
+                          dict(num_cpus=0, resources={"gpu_slow": 2})]) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def node_ids(c) -> dict[str, str]:

@@ -287,7 +287,8 @@ class GPUActor(BackgroundHostMixin):
                                      process_group=self.group, weight_sync=job.weight_sync,
                                      bucket_cap_mb=self.bucket_cap_mb, step_fn=h.step_fn,
                                      precision=job.precision, grad_clip_norm=job.grad_clip_norm,
-                                     bucket_plan=bucket_plan, per_sample_loss=job.per_sample_loss)
+                                     bucket_plan=bucket_plan, per_sample_loss=job.per_sample_loss,
+                                     cuda_graphs=job.cuda_graphs)
             optimizer = self.worker.optimizer
         self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank

@@ -17,14 +17,25 @@ accumulate in place (activation memory as for ``n`` concurrent VSWs, not ``n*(n_
 VSW ``v``): one copy of the inputs, which lets every BatchNorm view its activations as
 ``[B_L, n*C, ...]`` without a copy (:mod:`.vsw_norm`); every other layer is per sample and
 indifferent to the order of rows, and so is a per-sample-mean loss.
+
+:class:`BatchedExecution` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) runs such a
+step: the main VSW's module over each GA round, BatchNorm per VSW (``_norms``, packed by the
+worker), gradients accumulating in place; it uses the worker's ``_vsws``, ``_lanes``,
+``_norms``, ``_forward``/``_backward`` and ``_finish_vsw``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
 from .loader import _is_per_sample
+from .vsw_norm import ghost_norms
+
+if TYPE_CHECKING:
+    from .aggregation import _VSW
+
+MicroBatch = Any
 
 
 def batch_fallback_reason(num_vsw: int, ragged: bool, per_sample_loss: bool,
@@ -70,3 +81,27 @@ def join_batches(parts: Sequence[Any]) -> Any:
             return type(first)(v for row in zip(*parts) for v in row)
         return type(first)(join_batches([p[i] for p in parts]) for i in range(len(first)))
     raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be joined")
+
+
+class BatchedExecution:
+    """One forward/backward of the main VSW per GA round over the n VSWs' micro-batches."""
+
+    def _run_batched(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
+                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
+        """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
+        ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
+        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
+        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
+        lanes, main, n = self._lanes, self._vsws[0], weight
+        try:
+            with lanes.context(lanes.vsw[0]):
+                _, losses = begin_vsw(main)
+                for j, batch in enumerate(rounds):
+                    with ghost_norms(self._norms):
+                        scaled = self._forward(main, batch, n, losses)
+                    self._backward(main, scaled, last=j == len(rounds) - 1)
+                self._finish_vsw(main)
+        finally:
+            main.in_step = main.counting = False
+        return [losses]

@@ -33,12 +33,15 @@ def supervised_step(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[An
     return step
 
 
-def autocast(device: torch.device, precision: str) -> ContextManager[Any]:
-    """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32)."""
+def autocast(device: torch.device, precision: str, cache_enabled: bool = True) -> ContextManager[Any]:
+    """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32).
+    ``cache_enabled=False`` for a forward captured in a CUDA graph (PyTorch's rule: the
+    autocast cache of cast weights must not live across a capture)."""
     check_choice("precision", precision, PRECISIONS)
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=_DTYPES[precision])
+    return torch.autocast(device_type=torch.device(device).type, dtype=_DTYPES[precision],
+                          cache_enabled=cache_enabled)
 
 
 def make_grad_scaler(device: torch.device, precision: str) -> "torch.amp.GradScaler | None":

@@ -16,7 +16,8 @@ member reads it):
   MLPs that differ only in activation are *different* architectures (our call: batching them
   would need a per-member activation switch inside the model; the paper also packs them as
   side-by-side graphs, section 3.2 ``nn_relu``/``nn_sigmoid``).
-* A group's parameters live STACKED: one leaf tensor ``S[name]`` of shape ``[G, *shape]``. Each
+* A group's parameters live STACKED: one leaf tensor ``S[name]`` of shape ``[K_g, *shape]``
+  (``K_g``: the group's number of members; ``K`` the whole pack's). Each
   member's own ``nn.Parameter`` is re-pointed (``p.data = S[name][k]``) at its slice, so a
   member's module always shows its current weights and its optimizer state keys stay valid.
 * Forward/backward of a group is one batched computation,
@@ -31,7 +32,7 @@ member reads it):
 * Optimizer steps are fused per group for SGD (incl. momentum/Nesterov/dampening/weight
   decay), Adam and Adagrad: the update of ``torch.optim`` (single-tensor form, written out in
   :func:`.fused.sgd_step`, :func:`.fused.adam_step`, :func:`.fused.adagrad_step`) runs once on the stacked
-  tensors with per-member hyperparameters broadcast as ``[G, 1, ...]`` tensors. The
+  tensors with per-member hyperparameters broadcast as ``[K_g, 1, ...]`` tensors. The
   hyperparameters are read from each member's ``optimizer.param_groups`` at every step, so LR
   schedulers attached to a member's optimizer keep working; their device columns are cached
   and rebuilt only when a value changes, and Adam's/Adagrad's step-dependent factors are

@@ -1,4 +1,4 @@
-"""Folded layers: G same-structure members run as ONE computation by folding the member axis
+"""Folded layers: K_g same-structure members run as ONE computation by folding the member axis
 into the batch axis (Linear -> batched matmul, Conv2d -> grouped convolution, each member's own
 activation on its rows)."""
 from __future__ import annotations
@@ -18,12 +18,12 @@ __all__ = ["NotFoldable", "foldable", "build_folded"]
 
 
 # ----------------------------------------------------------------------------- batched execution
-# Two ways to run G same-architecture members as ONE computation on stacked parameters:
+# Two ways to run K_g same-architecture members as ONE computation on stacked parameters:
 #  * vmap:   torch.vmap(functional_call(template, S, x)) -- works for any buffer-free module.
-#  * folded: the member axis is folded into the batch axis ([G*B, ...] activations). Shape ops
+#  * folded: the member axis is folded into the batch axis ([K_g*B, ...] activations). Shape ops
 #    (flatten, view(-1, ...), pooling, activations) then run unchanged and only the
 #    parametrised layers change: Linear -> one batched matmul with the stacked weights, Conv2d ->
-#    one grouped convolution (groups = G * groups). A shadow copy of the template has its
+#    one grouped convolution (groups = K_g * groups). A shadow copy of the template has its
 #    Linear/Conv2d children replaced by such stacked layers. It avoids vmap's per-op dispatch
 #    overhead (about 10x on small CPU models) and is used when every parametrised leaf is a
 #    Linear/Conv2d; the first step after a (re)build checks it against a plain forward of one
@@ -31,51 +31,51 @@ __all__ = ["NotFoldable", "foldable", "build_folded"]
 
 class _Ctx:
     """Rows of the shared input: a layer seeing ``rows`` rows gets the SHARED batch (same
-    input for every member); seeing ``G * rows`` rows it gets the folded per-member batch."""
+    input for every member); seeing ``K_g * rows`` rows it gets the folded per-member batch."""
     rows: int = 0
 
 
 class _StackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ctx: _Ctx) -> None:
         super().__init__()
-        self.w, self.b, self.ctx = weight, bias, ctx            # [G, out, in], [G, out]
+        self.w, self.b, self.ctx = weight, bias, ctx            # [K_g, out, in], [K_g, out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        G = self.w.shape[0]
+        K_g = self.w.shape[0]
         n = x.shape[0]
-        if n == G * self.ctx.rows:                               # folded [G*B, ..., in]
-            xf = x.reshape(G, -1, x.shape[-1])
+        if n == K_g * self.ctx.rows:                               # folded [K_g*B, ..., in]
+            xf = x.reshape(K_g, -1, x.shape[-1])
         elif n == self.ctx.rows:                                 # shared [B, ..., in]
             xf = x.reshape(1, -1, x.shape[-1])
         else:
-            raise NotFoldable(f"linear input has {n} rows, expected {self.ctx.rows} or {G * self.ctx.rows}")
-        out = torch.matmul(xf, self.w.transpose(1, 2))           # [G, M, out]
+            raise NotFoldable(f"linear input has {n} rows, expected {self.ctx.rows} or {K_g * self.ctx.rows}")
+        out = torch.matmul(xf, self.w.transpose(1, 2))           # [K_g, M, out]
         if self.b is not None:
             out = out + self.b.unsqueeze(1)
-        return out.reshape(G * self.ctx.rows, *x.shape[1:-1], self.w.shape[1])
+        return out.reshape(K_g * self.ctx.rows, *x.shape[1:-1], self.w.shape[1])
 
 
 class _StackedConv2d(nn.Module):
     def __init__(self, conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor | None, ctx: _Ctx) -> None:
         super().__init__()
-        self.w, self.b, self.ctx = weight, bias, ctx            # [G, O, C/g, k, k], [G, O]
+        self.w, self.b, self.ctx = weight, bias, ctx            # [K_g, O, C/g, k, k], [K_g, O]
         self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        G, O = self.w.shape[0], self.w.shape[1]
+        K_g, O = self.w.shape[0], self.w.shape[1]
         B = self.ctx.rows
         n, C, H, W = x.shape
-        if n == G * B:                                           # [G*B, C, H, W] -> [B, G*C, H, W]
-            xg = x.view(G, B, C, H, W).transpose(0, 1).reshape(B, G * C, H, W)
+        if n == K_g * B:                                           # [K_g*B, C, H, W] -> [B, K_g*C, H, W]
+            xg = x.view(K_g, B, C, H, W).transpose(0, 1).reshape(B, K_g * C, H, W)
         elif n == B:
-            xg = x.repeat(1, G, 1, 1)
+            xg = x.repeat(1, K_g, 1, 1)
         else:
-            raise NotFoldable(f"conv input has {n} rows, expected {B} or {G * B}")
-        w = self.w.reshape(G * O, *self.w.shape[2:])
-        b = None if self.b is None else self.b.reshape(G * O)
-        out = nn.functional.conv2d(xg, w, b, self.stride, self.padding, self.dilation, G * self.groups)
+            raise NotFoldable(f"conv input has {n} rows, expected {B} or {K_g * B}")
+        w = self.w.reshape(K_g * O, *self.w.shape[2:])
+        b = None if self.b is None else self.b.reshape(K_g * O)
+        out = nn.functional.conv2d(xg, w, b, self.stride, self.padding, self.dilation, K_g * self.groups)
         Ho, Wo = out.shape[-2:]
-        return out.view(B, G, O, Ho, Wo).transpose(0, 1).reshape(G * B, O, Ho, Wo)
+        return out.view(B, K_g, O, Ho, Wo).transpose(0, 1).reshape(K_g * B, O, Ho, Wo)
 
 
 class NotFoldable(RuntimeError):
@@ -83,7 +83,7 @@ class NotFoldable(RuntimeError):
 
 
 class _MultiActivation(nn.Module):
-    """Member k's own activation on member k's rows of a folded ``[G*B, ...]`` tensor; runs
+    """Member k's own activation on member k's rows of a folded ``[K_g*B, ...]`` tensor; runs
     of consecutive members with the same activation are one call."""
 
     def __init__(self, acts: list[nn.Module], ctx: _Ctx) -> None:
@@ -96,14 +96,14 @@ class _MultiActivation(nn.Module):
                 self.runs[-1] = (lo, k + 1, mod)
             else:
                 self.runs.append((k, k + 1, a))
-        self.G = len(acts)
+        self.K_g = len(acts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B = self.ctx.rows
-        if x.shape[0] == B and self.G > 1:                     # shared input: fold it first
-            x = x.unsqueeze(0).expand(self.G, *x.shape).reshape(self.G * B, *x.shape[1:])
-        elif x.shape[0] != self.G * B:
-            raise NotFoldable(f"activation input has {x.shape[0]} rows, expected {B} or {self.G * B}")
+        if x.shape[0] == B and self.K_g > 1:                     # shared input: fold it first
+            x = x.unsqueeze(0).expand(self.K_g, *x.shape).reshape(self.K_g * B, *x.shape[1:])
+        elif x.shape[0] != self.K_g * B:
+            raise NotFoldable(f"activation input has {x.shape[0]} rows, expected {B} or {self.K_g * B}")
         if len(self.runs) == 1:
             return self.runs[0][2](x)
         return torch.cat([mod(x[lo * B:hi * B]) for lo, hi, mod in self.runs])
@@ -150,8 +150,8 @@ def build_folded(models: list[nn.Module], stacked: dict[str, torch.Tensor]) -> C
         p.requires_grad_(False)
 
     def run(_stacked: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        G = next(iter(stacked.values())).shape[0]
+        K_g = next(iter(stacked.values())).shape[0]
         ctx.rows = x.shape[0]
         out = shadow(x)
-        return out.reshape(G, x.shape[0], *out.shape[1:])
+        return out.reshape(K_g, x.shape[0], *out.shape[1:])
     return run

@@ -1,5 +1,5 @@
 """Fused optimizer updates: torch.optim's single-tensor SGD, Adam and Adagrad updates applied once
-to the stacked ``[G, P]`` parameters of a group, with per-member hyperparameters as ``[G, 1]``
+to the stacked ``[K_g, P]`` parameters of a group, with per-member hyperparameters as ``[K_g, 1]``
 columns. Tested against ``torch.optim`` itself (tests/test_packing_fused.py)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ __all__ = ["sgd_step", "adam_step", "adagrad_step", "col"]
 
 # Each function is torch.optim's single-tensor update (torch/optim/{sgd,adam,adagrad}.py,
 # ``_single_tensor_*``) applied to stacked tensors; per-member hyperparameters are tensors of
-# shape [G, 1, ..., 1] (float32, i.e. the same rounding as torch's Python-scalar arguments).
+# shape [K_g, 1, ..., 1] (float32, i.e. the same rounding as torch's Python-scalar arguments).
 
 def sgd_step(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, has_buf: bool,
               lr: torch.Tensor, momentum: torch.Tensor | None, dampening: torch.Tensor | None,
@@ -58,6 +58,6 @@ def adagrad_step(p: torch.Tensor, g: torch.Tensor, s: torch.Tensor, clr: torch.T
 
 
 def col(vals: Sequence[float], ref: torch.Tensor) -> torch.Tensor:
-    """Per-member scalars as a ``[G, 1]`` tensor (dtype of ``ref``: the same float32 rounding
+    """Per-member scalars as a ``[K_g, 1]`` tensor (dtype of ``ref``: the same float32 rounding
     torch applies to a Python-scalar optimizer argument)."""
     return torch.tensor(list(vals), dtype=ref.dtype, device=ref.device).view(-1, 1)

@@ -19,7 +19,7 @@ from jabasray.validation import check_choice, check_int
 
 log = logging.getLogger(__name__)
 
-# A stacked leaf is a column block of the flat [G, P] storage (row stride P): its gradient is
+# A stacked leaf is a column block of the flat [K_g, P] storage (row stride P): its gradient is
 # accumulated in place into the matching block of ``gflat`` (what we want); autograd merely
 # notes that such a strided grad "may impair performance". Silenced around our backward only.
 _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
@@ -159,7 +159,7 @@ class PackedModel:
         """``(model.state_dict(), optimizer.state_dict())`` of one member, read from its rows
         of the stacked storage WITHOUT a restack (the pack goes on untouched). Every tensor is
         a copy owning its storage: a saved state holds this member's tensors only, whatever
-        the pack's size (a view into the stacked ``[G, P]`` storage would save all of it)."""
+        the pack's size (a view into the stacked ``[K_g, P]`` storage would save all of it)."""
         m = self._get(member)
         with torch.no_grad():
             for g in self._groups:
@@ -205,12 +205,12 @@ class PackedModel:
                              f"got {inputs.shape[0]} inputs and {targets.shape[0]} targets")
         x = inputs.to(self.device, non_blocking=True)     # shared input stream: one copy
         y = targets.to(self.device, non_blocking=True)
-        vectors: list[torch.Tensor] = []           # per group: its members' losses, [G]
+        vectors: list[torch.Tensor] = []           # per group: its members' losses, [K_g]
         ids: list[int] = []                        # member id of every entry, in that order
         for g in self._groups:
             if g.batched:
                 g.gflat.zero_()
-                out = self._group_forward(g, x[:g.max_batch])        # [G, B_g, ...]
+                out = self._group_forward(g, x[:g.max_batch])        # [K_g, B_g, ...]
                 if self.loss_fn is nn.functional.cross_entropy and out.dim() == 3:
                     vectors.append(grouped_cross_entropy(out, y[:g.max_batch], g))
                 else:
@@ -309,10 +309,10 @@ class PackedModel:
             t = named[0][n]
             g.layout[n] = (off, t.numel(), tuple(t.shape))
             off += t.numel()
-        G = len(members)
+        K_g = len(members)
         ref = named[0][g.names[0]]
         with torch.no_grad():
-            g.flat = torch.empty(G, off, dtype=ref.dtype, device=ref.device)
+            g.flat = torch.empty(K_g, off, dtype=ref.dtype, device=ref.device)
             g.gflat = torch.zeros_like(g.flat)
             for k, d in enumerate(named):
                 for n in g.names:
@@ -321,12 +321,12 @@ class PackedModel:
                     d[n].grad = None
             for n in g.names:
                 o, c, shape = g.layout[n]
-                leaf = g.flat[:, o:o + c].view(G, *shape).detach().requires_grad_(True)
-                leaf.grad = g.gflat[:, o:o + c].view(G, *shape)   # backward accumulates here
+                leaf = g.flat[:, o:o + c].view(K_g, *shape).detach().requires_grad_(True)
+                leaf.grad = g.gflat[:, o:o + c].view(K_g, *shape)   # backward accumulates here
                 g.stacked[n] = leaf
         lo = 0
-        for k in range(1, G + 1):                            # runs of equal optimizer kind
-            if k == G or members[k].kind != members[lo].kind:
+        for k in range(1, K_g + 1):                            # runs of equal optimizer kind
+            if k == K_g or members[k].kind != members[lo].kind:
                 run = _Run(members[lo].kind, lo, k)
                 read_state(g, run, named)
                 g.runs.append(run)
@@ -351,7 +351,7 @@ class PackedModel:
     def _step_run(self, g: _Group, run: _Run) -> None:
         """One fused update of the run's rows. Hyper-parameters come from each member's
         ``param_groups`` (LR schedulers keep working) but live on the device as cached
-        ``[G, 1]`` columns (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are
+        ``[K_g, 1]`` columns (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are
         computed on the device from a device step counter -- as torch's ``capturable``
         optimizers do --, so a steady-state step copies nothing from the host (no host sync)."""
         members = g.members[run.lo:run.hi]

@@ -65,9 +65,9 @@ class _Run:
 @dataclass
 class _Group:
     """Members executed together. A batched group keeps ALL its parameters in one flat
-    ``[G, P]`` tensor (``flat``; gradients in ``gflat``), so a fused optimizer update is a
+    ``[K_g, P]`` tensor (``flat``; gradients in ``gflat``), so a fused optimizer update is a
     handful of tensor ops per run of equal optimizer kinds, not per parameter. ``stacked``
-    holds one leaf view ``[G, *shape]`` of ``flat`` per parameter name for the forward."""
+    holds one leaf view ``[K_g, *shape]`` of ``flat`` per parameter name for the forward."""
     members: list[_Member]
     batched: bool
     kind: str
@@ -81,10 +81,10 @@ class _Group:
     vmapped: Callable | None = None
     folded: Callable | None = None
     checked: bool = False
-    weights: torch.Tensor | None = None                   # [G, B] loss weights (1/b_k on each prefix)
+    weights: torch.Tensor | None = None                   # [K_g, B] loss weights (1/b_k on each prefix)
 
     def param_view(self, k: int, name: str, t: torch.Tensor | None = None) -> torch.Tensor:
-        """Member k's slice of a ``[G, P]`` tensor (default ``flat``) shaped like ``name``."""
+        """Member k's slice of a ``[K_g, P]`` tensor (default ``flat``) shaped like ``name``."""
         off, n, shape = self.layout[name]
         t = self.flat.data if t is None else t
         return t[k, off:off + n].view(shape)
@@ -93,14 +93,14 @@ class _Group:
 def grouped_cross_entropy(out: torch.Tensor, y: torch.Tensor, g: "_Group") -> torch.Tensor:
     """Mean cross-entropy of every member over ITS first ``b_k`` rows, in one call.
 
-    ``out`` is ``[G, B, C]``; per-sample losses ``[G, B]`` are masked to each member's prefix
+    ``out`` is ``[K_g, B, C]``; per-sample losses ``[K_g, B]`` are masked to each member's prefix
     and averaged over ``b_k``: the same value and gradient as ``cross_entropy(out[k, :b_k],
     y[:b_k])`` (mean reduction), up to the order of the floating-point sum.
     """
-    G, B = out.shape[0], out.shape[1]
-    per = nn.functional.cross_entropy(out.permute(0, 2, 1), y.unsqueeze(0).expand(G, B), reduction="none")
+    K_g, B = out.shape[0], out.shape[1]
+    per = nn.functional.cross_entropy(out.permute(0, 2, 1), y.unsqueeze(0).expand(K_g, B), reduction="none")
     if g.weights is None or g.weights.shape != per.shape or g.weights.device != per.device:
-        w = torch.zeros(G, B, dtype=per.dtype, device=per.device)
+        w = torch.zeros(K_g, B, dtype=per.dtype, device=per.device)
         for k, m in enumerate(g.members):
             w[k, :m.batch_size] = 1.0 / m.batch_size
         g.weights = w

@@ -1,0 +1,289 @@
+"""GPU campaign: on a machine with one GPU, every GPU check of the repository in one command,
+within a fixed time budget (default 9 minutes), leaving logs, JSON and one summary table.
+
+    python benchmarks/gpu_campaign.py OUTDIR [--budget 540] [--only a,b] [--dry-run]
+
+Steps, in priority order (a GPU session may be short: the most informative first):
+
+1. ``cuda_tests``: every ``cuda``-marked test (``pytest -m cuda tests/``; collection errors of
+   modules that need Ray where Ray is missing do not stop the others);
+2. ``engine_resnet18`` (+ ``_n16``) / ``engine_transformer``: ``benchmarks/engine.py --parts
+   batched`` on the GPU - plain eager loop, plain graphed loop, per-VSW, batched, batched +
+   graph - for n = 1, 2, 4, 8 and 16 (ResNet-18, B_L 32) and n = 1, 4, 16 (the small
+   transformer, B_L 32), windows of 50 steps, 3 rounds;
+3. ``engine_overhead``: the engine at 1 VSW vs a plain step;
+4. ``packing``: Pack's IMPV vs K (``benchmarks/packing.py``);
+5. ``multiplex``: background multiplexing, host-bound and GPU-bound foregrounds;
+6. ``profiling``: profiler + iteration-time model vs measured steps (``benchmarks/perf_model.py``);
+7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch) and
+   ``tune`` (the packed-Hyperband Tune sweep, ``benchmarks/hyperband.py --device cuda``, small).
+
+Every step is a subprocess in its own session with its own timeout: ``min(nominal, what is
+left of the budget - a reserve for the summary)``; a step that would get less than
+``MIN_STEP_S`` is skipped (reported as such). Each writes ``OUTDIR/<step>.log`` (stdout and
+stderr) and, for benchmarks, ``OUTDIR/<step>.json``; the campaign writes ``OUTDIR/campaign.json``
+(every step: command, status, seconds, return code) and ``OUTDIR/summary.md`` (one table: step,
+status, seconds, headline figures read from its JSON or log). ``--dry-run`` prints the plan
+(no GPU needed, nothing run, nothing written).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 540          # 9 minutes for everything
+RESERVE_S = 10          # kept for the summary after the last step
+MIN_STEP_S = 20         # a step that would get less is skipped
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    argv: tuple[str, ...]            # {out} is replaced by OUTDIR, {py} by this Python
+    timeout_s: int                   # nominal limit
+    needs_ray: bool = False
+    json: bool = True                # writes OUTDIR/<name>.json
+
+
+def _bench(script: str, *args: str) -> tuple[str, ...]:
+    return ("{py}", f"benchmarks/{script}", *args)
+
+
+STEPS: tuple[Step, ...] = (
+    Step("cuda_tests", ("{py}", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                        "--continue-on-collection-errors", "--junitxml", "{out}/cuda_tests.xml",
+                        "tests/"), 120, json=False),
+    Step("engine_resnet18", _bench("engine.py", "--device", "cuda", "--parts", "batched",
+                                   "--models", "resnet18", "--vsw", "1,2,4,8", "--local-batches", "32",
+                                   "--rounds", "3", "--window", "50", "--out", "{out}/engine_resnet18.json"), 120),
+    Step("engine_resnet18_n16", _bench("engine.py", "--device", "cuda", "--parts", "batched",
+                                       "--models", "resnet18", "--vsw", "16", "--local-batches", "32",
+                                       "--rounds", "3", "--window", "50", "--out",
+                                       "{out}/engine_resnet18_n16.json"), 60),
+    Step("engine_transformer", _bench("engine.py", "--device", "cuda", "--parts", "batched",
+                                      "--models", "small_transformer", "--vsw", "1,4,16",
+                                      "--local-batches", "32", "--rounds", "3", "--window", "50",
+                                      "--out", "{out}/engine_transformer.json"), 60),
+    Step("engine_overhead", _bench("engine.py", "--device", "cuda", "--parts", "overhead", "--rounds", "5",
+                                   "--out", "{out}/engine_overhead.json"), 30),
+    Step("packing", _bench("packing.py", "--device", "cuda", "--ks", "2,8,32", "--repeats", "3",
+                           "--steps", "20", "--out", "{out}/packing.json"), 45),
+    Step("multiplex", _bench("multiplex.py", "--device", "cuda", "--rounds", "3", "--steps", "100",
+                             "--out", "{out}/multiplex.json"), 60),
+    Step("multiplex_gpu_bound", _bench("multiplex.py", "--device", "cuda", "--foreground", "gpu",
+                                       "--rounds", "3", "--steps", "60", "--out",
+                                       "{out}/multiplex_gpu_bound.json"), 60),
+    Step("profiling", _bench("perf_model.py", "--device", "cuda", "--steps", "10", "--out",
+                             "{out}/profiling.json"), 60),
+    Step("train", ("{py}", "-m", "jabasray.cli", "train", "--device", "cuda", "--epochs", "1",
+                   "--no-progress", "--storage-path", "{out}/runs", "--name", "campaign"), 90,
+         needs_ray=True, json=False),
+    Step("tune", _bench("hyperband.py", "--device", "cuda", "--R", "9", "--steps-per-unit", "20",
+                        "--rounds", "1", "--out", "{out}/tune.json"), 90, needs_ray=True),
+)
+
+
+def plan(have_ray: bool, only: set[str] | None = None) -> list[tuple[Step, str | None]]:
+    """``(step, why it is skipped or None)`` for every step, in order."""
+    out = []
+    for s in STEPS:
+        if only is not None and s.name not in only:
+            out.append((s, "not in --only"))
+        elif s.needs_ray and not have_ray:
+            out.append((s, "Ray is not importable"))
+        else:
+            out.append((s, None))
+    return out
+
+
+def step_timeout(nominal: int, remaining: float) -> int | None:
+    """The limit a step runs under: ``min(nominal, remaining - RESERVE_S)``; ``None`` (skip)
+    when that is below ``MIN_STEP_S``."""
+    t = int(min(nominal, remaining - RESERVE_S))
+    return t if t >= MIN_STEP_S else None
+
+
+def command(step: Step, out: Path) -> list[str]:
+    return [a.replace("{out}", str(out)).replace("{py}", sys.executable) for a in step.argv]
+
+
+@dataclass
+class Outcome:
+    name: str
+    command: list[str]
+    status: str                      # ok | failed | timeout | skipped
+    seconds: float = 0.0
+    returncode: int | None = None
+    note: str = ""                   # skip reason
+    headline: str = ""               # figures for the table
+    limit_s: int | None = None
+
+
+def run_step(step: Step, out: Path, limit: int, env: dict[str, str]) -> Outcome:
+    """Run one step in its own session (killed as a group at its limit); log to OUTDIR."""
+    cmd = command(step, out)
+    log = out / f"{step.name}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=limit)
+            status = "ok" if rc == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc, status = None, "timeout"
+    return Outcome(step.name, cmd, status, time.monotonic() - t0, rc, limit_s=limit)
+
+
+# ------------------------------------------------------------------------------ headlines
+def _pytest_counts(text: str) -> str:
+    """``"41 passed, 2 failed, 3 skipped"`` from pytest's last summary line ('' if none)."""
+    lines = [l for l in text.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    if not lines:
+        return ""
+    return ", ".join(m.group(0) for m in re.finditer(r"\d+ (passed|failed|skipped|errors?|deselected)",
+                                                       lines[-1]))
+
+
+def _engine(doc: dict) -> str:
+    """Per (model, B_L, n): eager batched / plain and graph batched / plain graph (medians)."""
+    parts = []
+    for r in doc.get("batched_vs_plain", []):
+        s = f"{r['model']} B_L{r['local_batch']} n{r['num_vsw']}: eager {r['batched_over_plain_median']:.2f}"
+        if "batched_graph_over_plain_graph_median" in r:
+            s += f", graph {r['batched_graph_over_plain_graph_median']:.2f}"
+        parts.append(s)
+    for r in doc.get("overhead", []):
+        parts.append(f"1 VSW / plain at batch {r['batch']}: {r['ratio']:.2f}")
+    return "; ".join(parts)
+
+
+def _packing(doc: dict) -> str:
+    rows = doc.get("rows") or doc.get("results") or []
+    out = []
+    for r in rows if isinstance(rows, list) else []:
+        if isinstance(r, dict) and "IMPV_median_of_rounds" in r:
+            out.append(f"{r.get('model', '?')}/{r.get('optimizers', '?')} K{r.get('K', '?')}: "
+                       f"IMPV {r['IMPV_median_of_rounds']:+.2f}")
+    return "; ".join(out)
+
+
+HEADLINES: dict[str, Callable[[dict], str]] = {
+    "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
+    "engine_overhead": _engine,
+    "packing": _packing,
+}
+
+
+def headline(step: Step, out: Path) -> str:
+    """Figures for the summary table; never raises (a missing or odd file gives '')."""
+    try:
+        if step.name == "cuda_tests":
+            return _pytest_counts((out / f"{step.name}.log").read_text(errors="replace")[-4000:])
+        path = out / f"{step.name}.json"
+        if step.json and path.exists():
+            fn = HEADLINES.get(step.name)
+            return fn(json.loads(path.read_text())) if fn else f"JSON: {path.name}"
+    except Exception as e:  # noqa: BLE001 - the table must still be written
+        return f"(no headline: {type(e).__name__})"
+    return ""
+
+
+def summary_table(outcomes: list[Outcome], machine: str, total_s: float) -> str:
+    """The markdown summary: one row per step."""
+    lines = [f"# GPU campaign ({machine})", "",
+             f"Total {total_s:.0f} s. Logs `<step>.log`, JSON `<step>.json`, this table `summary.md`.", "",
+             "| step | status | seconds | limit | figures |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        status = o.status + (f" (rc {o.returncode})" if o.status == "failed" else "")
+        if o.status == "skipped":
+            status += f": {o.note}"
+        fig = o.headline.replace("|", "/")
+        lines.append(f"| {o.name} | {status} | {o.seconds:.0f} | {o.limit_s or ''} | {fig} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("outdir")
+    ap.add_argument("--budget", type=int, default=BUDGET_S, help=f"seconds for all steps (default {BUDGET_S})")
+    ap.add_argument("--only", default=None, help="comma-separated step names (default: all)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan; run and write nothing")
+    args = ap.parse_args(argv)
+    names = {s.name for s in STEPS}
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and only - names:
+        ap.error(f"--only must name steps among {', '.join(s.name for s in STEPS)}; got {sorted(only - names)}")
+    if args.budget < MIN_STEP_S + RESERVE_S:
+        ap.error(f"--budget must be >= {MIN_STEP_S + RESERVE_S} seconds, got {args.budget}")
+    out = Path(args.outdir).resolve()
+    have_ray = importlib.util.find_spec("ray") is not None
+    steps = plan(have_ray, only)
+    if args.dry_run:
+        start = 0
+        for s, skip in steps:
+            if skip:
+                print(f"skip  {s.name}: {skip}")
+                continue
+            # a step starts when the earlier ones are done; it runs if MIN_STEP_S are left then
+            print(f"run   {s.name} (limit {s.timeout_s} s; starts by {start} s at the latest): "
+                  f"{' '.join(command(s, out))}")
+            start += s.timeout_s
+        print(f"budget {args.budget} s: every step gets min(its limit, what is left - {RESERVE_S} s); "
+              f"steps that would get < {MIN_STEP_S} s are skipped")
+        return 0
+
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_campaign: no CUDA device (torch.cuda.is_available() is False); use --dry-run to "
+              "see the plan", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    machine = f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, load average {os.getloadavg()}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["JABASRAY_BENCH_OUT"] = str(out)
+    t0 = time.monotonic()
+    outcomes: list[Outcome] = []
+    for s, skip in steps:
+        left = args.budget - (time.monotonic() - t0)
+        limit = None if skip else step_timeout(s.timeout_s, left)
+        if skip or limit is None:
+            outcomes.append(Outcome(s.name, command(s, out), "skipped",
+                                    note=skip or f"budget spent ({left:.0f} s left)"))
+            continue
+        print(f"[campaign] {s.name} (limit {limit} s) ...", flush=True)
+        o = run_step(s, out, limit, env)
+        o.headline = headline(s, out)
+        print(f"[campaign] {s.name}: {o.status} in {o.seconds:.0f} s {o.headline}", flush=True)
+        outcomes.append(o)
+        (out / "campaign.json").write_text(json.dumps(
+            {"machine": machine, "budget_s": args.budget, "steps": [asdict(x) for x in outcomes]}, indent=2))
+    total = time.monotonic() - t0
+    table = summary_table(outcomes, machine, total)
+    (out / "summary.md").write_text(table)
+    (out / "campaign.json").write_text(json.dumps(
+        {"machine": machine, "budget_s": args.budget, "total_s": total,
+         "load_average_end": os.getloadavg(), "steps": [asdict(x) for x in outcomes]}, indent=2))
+    print(table)
+    return 0 if all(o.status in ("ok", "skipped") for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

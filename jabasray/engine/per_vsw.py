@@ -1,0 +1,111 @@
+"""Per-VSW execution: every VSW runs its own forward/backward on its own replica (where a
+batched pass would not be exact; :func:`~jabasray.engine.batched.batch_fallback_reason`).
+
+**Per VSW.** Two schemes issue the VSWs' forward/backward, with the same arithmetic (each
+VSW's micro-batches in order; bucket aggregation and launches from the hooks as above):
+
+* ``"threads"`` (CPU default): one persistent dispatcher thread per VSW
+  (:class:`~jabasray.engine.streams.VSWThreadPool`), VSW 0 on the caller's thread. On CPU the
+  kernels run on the issuing thread and release the GIL, so the VSWs really compute in
+  parallel. Each VSW's backward runs on its own thread
+  (``torch.autograd.set_multithreading_enabled(False)``): on CUDA autograd would otherwise
+  execute every VSW's backward on the device's one worker thread, one after another.
+* ``"one_thread"`` (CUDA default): the caller's thread issues all VSWs, each onto its own
+  (foreground-priority) stream, GA round by GA round - the forwards of every VSW's k-th
+  micro-batch, then their backwards in VSW order. Reason: on CUDA, threads buy little
+  concurrency: their Python forwards and backwards contend for the GIL (and by default
+  autograd runs every CUDA ``backward()`` on the device's ONE worker thread, whichever
+  thread calls it; the ``"threads"`` scheme turns that off per VSW thread). What
+  makes VSWs overlap on a GPU is that each VSW's kernels are queued on its own stream ahead
+  of the device: launches are asynchronous, so while the device still executes VSW k's
+  forward/backward kernels, the host is already issuing VSW k+1's onto another stream, and
+  the device runs them side by side. Issuing from one thread does exactly that without
+  cross-thread hand-offs, and holds all VSWs' activations of one round at once, as the
+  concurrent VSWs of the paper do (which is what the profiler's n_max probe measures).
+  Per-VSW CUDA graphs were rejected: the bucket hooks (aggregation, launching all-reduces)
+  are host code inside backward and cannot be captured.
+
+:class:`PerVSWExecution` is a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`; it uses the
+worker's ``_vsws``, ``_lanes``, ``_pool`` (dispatcher threads), ``_forward`` and, from
+:class:`~jabasray.engine.aggregation.BucketAggregation`, ``_finish_vsw``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .aggregation import _VSW
+
+MicroBatch = Any
+
+
+class PerVSWExecution:
+    """The ``"threads"`` and ``"one_thread"`` schemes (module notes)."""
+
+    def _run_vsws_threads(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
+                          micro_batches: Sequence[MicroBatch], weights: list[float]
+                          ) -> list[list[torch.Tensor]]:
+        """The ``"threads"`` scheme (CPU default): VSW 0 on the calling thread, VSW ``v`` on
+        its own dispatcher thread, each running its micro-batches in order on its lane, its
+        backward on that thread too (``torch.autograd.set_multithreading_enabled(False)``)."""
+        lanes = self._lanes
+
+        def run_vsw(vsw: "_VSW") -> list[torch.Tensor]:
+            # each VSW thread runs its own backward (CUDA: not queued behind the other VSWs on
+            # the device's single autograd thread; thread-local; CPU: already the case)
+            with lanes.context(lanes.vsw[vsw.index]), torch.autograd.set_multithreading_enabled(False):
+                try:
+                    idx, loss_sum = begin_vsw(vsw)
+                    for k, i in enumerate(idx):
+                        scaled = self._forward(vsw, micro_batches[i], weights[i], loss_sum)
+                        self._backward(vsw, scaled, last=k == len(idx) - 1)
+                    self._finish_vsw(vsw)
+                finally:
+                    vsw.in_step = vsw.counting = False
+                return loss_sum
+
+        return self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+
+    def _run_vsws_one_thread(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
+                             micro_batches: Sequence[MicroBatch], weights: list[float]
+                             ) -> list[list[torch.Tensor]]:
+        """The ``"one_thread"`` scheme (CUDA default; module notes): the
+        calling thread issues every VSW onto its own stream, GA round by GA round: the
+        forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
+        its stream's context, so backward kernels stay on that stream). The device runs the
+        VSWs' queued kernels concurrently while the host issues the next VSW's work."""
+        lanes, vsws = self._lanes, self._vsws
+        try:
+            plans = []
+            for v in vsws:
+                with lanes.context(lanes.vsw[v.index]):
+                    plans.append(begin_vsw(v))
+            for v, (idx, _) in zip(vsws, plans):
+                if not idx:                      # no samples at all (ragged): finished now
+                    self._finish_vsw(v)
+            for k in range(max(len(idx) for idx, _ in plans)):
+                issued = []
+                for v, (idx, loss_sum) in zip(vsws, plans):
+                    if k < len(idx):
+                        with lanes.context(lanes.vsw[v.index]):
+                            issued.append((v, self._forward(v, micro_batches[idx[k]],
+                                                            weights[idx[k]], loss_sum),
+                                           k == len(idx) - 1))
+                for v, scaled, last in issued:
+                    with lanes.context(lanes.vsw[v.index]):
+                        self._backward(v, scaled, last)
+                        if last:
+                            self._finish_vsw(v)
+            return [loss_sum for _, loss_sum in plans]
+        finally:
+            for v in vsws:
+                v.in_step = v.counting = False
+
+    @staticmethod
+    def _backward(vsw: "_VSW", scaled: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch of ``vsw``; during its ``last`` one the hooks count
+        bucket completion (GA steps before it only accumulate)."""
+        vsw.counting = last
+        scaled.backward()

@@ -1,0 +1,94 @@
+"""benchmarks/gpu_campaign.py on CPU: the plan (--dry-run), the budget arithmetic, the summary
+table; the GPU run itself needs a GPU (it refuses without one)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import gpu_campaign as gc  # noqa: E402
+
+
+def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
+    out = tmp_path / "campaign"
+    assert gc.main([str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert not out.exists()                                    # nothing written
+    runs = [l for l in text if l.startswith("run ")]
+    skips = [l for l in text if l.startswith("skip")]
+    assert len(runs) + len(skips) == len(gc.STEPS)
+    names = [l.split()[1] for l in runs + skips]
+    assert sorted(names) == sorted(s.name for s in gc.STEPS)
+    limits = [int(l.split("(limit ")[1].split(" s;")[0]) for l in runs]
+    assert limits == [s.timeout_s for s, why in gc.plan(gc.importlib.util.find_spec("ray") is not None)
+                      if why is None]
+    # the most important steps fit the budget even if each runs to its limit
+    assert sum(limits[:5]) <= gc.BUDGET_S - gc.RESERVE_S
+    first = runs[0]
+    assert first.split()[1] == "cuda_tests" and "-m cuda" in first and str(out) in first
+    engine = [l for l in runs if l.split()[1] == "engine_resnet18"][0]
+    assert "benchmarks/engine.py --device cuda --parts batched" in engine and "--vsw 1,2,4,8 " in engine
+    assert f"{out}/engine_resnet18.json" in engine
+
+
+def test_plan_skips_ray_steps_without_ray_and_honours_only():
+    p = dict((s.name, why) for s, why in gc.plan(have_ray=False))
+    assert p["train"] == p["tune"] == "Ray is not importable"
+    assert all(why is None for n, why in p.items() if n not in ("train", "tune"))
+    p = dict((s.name, why) for s, why in gc.plan(have_ray=True, only={"packing"}))
+    assert p["packing"] is None and all(why == "not in --only" for n, why in p.items() if n != "packing")
+
+
+def test_step_timeout():
+    R, M = gc.RESERVE_S, gc.MIN_STEP_S
+    for nominal in (20, 60, 200):
+        for remaining in range(0, 300, 7):
+            t = gc.step_timeout(nominal, remaining)
+            want = min(nominal, remaining - R)
+            assert t == (int(want) if want >= M else None)
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gc.main([str(tmp_path), "--only", "engine,packing"])
+    assert e.value.code == 2
+    assert "--only must name steps among cuda_tests" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gc.main([str(tmp_path), "--budget", "5"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without a GPU")
+def test_refuses_without_a_gpu(tmp_path, capsys):
+    assert gc.main([str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpu_campaign: no CUDA device") and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_headlines_and_summary_table(tmp_path):
+    doc = {"batched_vs_plain": [
+        {"model": "resnet18", "local_batch": 32, "num_vsw": 4, "batched_over_plain_median": 1.02,
+         "batched_graph_over_plain_graph_median": 0.97}],
+        "overhead": [{"batch": 32, "ratio": 1.05}]}
+    (tmp_path / "engine_resnet18.json").write_text(json.dumps(doc))
+    (tmp_path / "cuda_tests.log").write_text("....\n===== 41 passed, 2 failed, 3 skipped in 12.0s =====\n")
+    (tmp_path / "packing.json").write_text("{not json")
+    steps = {s.name: s for s in gc.STEPS}
+    assert gc.headline(steps["engine_resnet18"], tmp_path) == \
+        "resnet18 B_L32 n4: eager 1.02, graph 0.97; 1 VSW / plain at batch 32: 1.05"
+    assert gc.headline(steps["cuda_tests"], tmp_path) == "41 passed, 2 failed, 3 skipped"
+    assert gc.headline(steps["packing"], tmp_path).startswith("(no headline")
+    assert gc.headline(steps["multiplex"], tmp_path) == ""
+    outcomes = [gc.Outcome("cuda_tests", ["pytest"], "ok", 12.3, 0, headline="41 passed", limit_s=120),
+                gc.Outcome("packing", ["x"], "failed", 3.0, 1, limit_s=45),
+                gc.Outcome("engine_transformer", ["x"], "timeout", 60.0, None, limit_s=60),
+                gc.Outcome("tune", ["x"], "skipped", note="Ray is not importable")]
+    table = gc.summary_table(outcomes, "GPU X", 75.3).splitlines()
+    rows = [l for l in table if l.startswith("| ") and not l.startswith("| step")]
+    assert rows == ["| cuda_tests | ok | 12 | 120 | 41 passed |",
+                    "| packing | failed (rc 1) | 3 | 45 |  |",
+                    "| engine_transformer | timeout | 60 | 60 |  |",
+                    "| tune | skipped: Ray is not importable | 0 |  |  |"]
