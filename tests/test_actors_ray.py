@@ -138,6 +138,49 @@ def test_solo_gpu_similarity_from_vsw_halves_matches_reference(ray_session, gpus
         release(placement)
 
 
+def test_a_solo_gpu_that_becomes_a_pair_gets_new_actors(ray_session):
+    """Re-placing 3 GPUs (a pair and a solo GPU) as 4 (two pairs) and back: the pair that keeps
+    its shape keeps its actors; the unit whose shape changed (1 actor <-> 2) gets new actors and
+    its old ones are released. (The auto-scaler moves between odd and even counts.)"""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Stub:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def ping(self):
+            return self.rank
+
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 4, speed=1.0)])
+
+    def make(slot, opts):
+        return Stub.options(**opts).remote(slot.rank)
+
+    three = slots_for(cluster, {"n0": 3})
+    four = slots_for(cluster, {"n0": 4})
+    placement, new = place_actors(three, make, emulate=True, timeout_s=60)
+    try:
+        assert new == [0, 1, 2] and [s.solo for s in three] == [False, False, True]
+        kept, solo = placement.actors[:2], placement.actors[2]
+        grown, new = place_actors(four, make, emulate=True, timeout_s=60, reuse=placement)
+        placement = grown
+        assert new == [2, 3] and grown.actors[:2] == kept
+        assert ray.get([a.ping.remote() for a in grown.actors]) == [0, 1, 2, 3]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(solo.ping.remote(), timeout=30)
+        pair = grown.actors[2:]
+        shrunk, new = place_actors(three, make, emulate=True, timeout_s=60, reuse=grown)
+        placement = shrunk
+        assert new == [2] and shrunk.actors[:2] == kept
+        assert ray.get([a.ping.remote() for a in shrunk.actors]) == [0, 1, 2]
+        for a in pair:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(a.ping.remote(), timeout=30)
+    finally:
+        release(placement)
+
+
 def test_actor_death_restarts_epoch_without_that_gpu(ray_session, tmp_path):
     """The hook kills rank 3 (second pair) mid-epoch 1. The driver reloads the epoch-1
     checkpoint, drops that GPU only, redoes epoch 1 on the 3 GPUs left (a pair and a solo GPU)

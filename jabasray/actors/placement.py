@@ -399,9 +399,11 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
     created: list[tuple[Any, list[Any]]] = []
     try:
         for key, pair_slots in wanted.items():
-            if key in old:
+            if key in old and len(old[key][1]) == len(pair_slots):
                 pairs[key] = old.pop(key)
                 continue
+            if key in old:    # a solo GPU became a pair or a pair a solo GPU: new actors
+                _release_pair(*old.pop(key))
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
             bundles, selector = pair_request(pair_slots, emulate, available, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
