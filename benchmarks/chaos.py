@@ -195,6 +195,9 @@ def main() -> None:
     ap.add_argument("--suite", choices=("process", "cluster"), default="process",
                     help="process: kills of processes on one Ray instance; cluster: faults of a "
                          "multi-node cluster (module notes)")
+    ap.add_argument("--speed-scale", type=float, default=1.0,
+                    help="cluster suite: emulated GPU speeds times this (smaller: slower epochs, "
+                         "so that faults timed from outside land within them on a fast host)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="cluster suite: start no run after this many seconds")
     args = ap.parse_args()
@@ -540,6 +543,8 @@ def cluster_suite(args) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="jabasray_chaos_cluster_"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
+    for t in C_SPEEDS:
+        C_SPEEDS[t] *= args.speed_scale
     cc = ChaosCluster()
     cc.start()
     t_start, runs = time.monotonic(), []
@@ -577,7 +582,8 @@ def cluster_suite(args) -> None:
     print(f"cluster suite: {summary['finished']}/{summary['runs']} runs finished; completed epochs "
           f"lost: {summary['completed_epochs_lost']}; {summary['total_time_s']:.0f}s; load average "
           f"{load_start[0]:.1f} -> {summary['load_average_end'][0]:.1f}")
-    write_json(args.out, {"suite": "cluster", "summary": summary, "runs": runs,
+    write_json(args.out, {"suite": "cluster", "summary": summary, "runs": runs, "seed": args.seed,
+                          "speeds": C_SPEEDS, "epochs": C_EPOCHS, "samples": C_SAMPLES,
                           "machine": "2-core CPU VM, emulated GPUs (shared with other jobs)"})
 
 
