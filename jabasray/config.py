@@ -157,6 +157,18 @@ class JobConfig(JsonMixin):
                                  f"got {value}")
 
 
+def changed_job_fields(recorded: dict, job: dict, ignore: Sequence[str] = ("epochs",)) -> list[str]:
+    """The ``JobConfig`` fields (``to_dict()`` form) in which ``job`` differs from the
+    ``recorded`` job of a run, sorted; ``ignore`` (default ``epochs``: raising it continues a
+    run) is left out. A field the record does not hold (it was written before the field
+    existed) counts as its default, so a run recorded by an earlier version resumes as long as
+    the new field is left at its default; a recorded field ``JobConfig`` no longer has is
+    ignored."""
+    defaults = JobConfig().to_dict()
+    return sorted(k for k in job if k in defaults and k not in ignore
+                  and recorded.get(k, defaults[k]) != job[k])
+
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@,-]{0,254}$")
 
 

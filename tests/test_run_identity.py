@@ -56,6 +56,30 @@ def test_differences_name_each_changed_field():
     assert differences(json.loads(json.dumps(base)), base) == []
 
 
+def test_a_record_written_before_a_field_existed_counts_it_at_its_default():
+    """A run recorded by an earlier version (its job_config lacks a field added since) resumes
+    while the new field is at its default and is refused, naming it, when it is not; a recorded
+    field JobConfig no longer has is ignored. The run record and the checkpoint's job check
+    follow the same rule."""
+    from dataclasses import replace
+
+    from jabasray.actors.recovery import check_resumable
+
+    base = identity()
+    older = json.loads(json.dumps(base))
+    del older["job_config"]["cuda_graphs"]
+    older["job_config"]["retired_option"] = 3
+    assert differences(older, identity()) == []
+    assert differences(older, identity(cuda_graphs="off")) == ["job_config.cuda_graphs: auto -> off"]
+    state = DriverState(epochs_done=1, iteration=4, cluster=CLUSTER, allocation={"n0": 2},
+                        adaptive={}, job_config=older["job_config"])
+    check_resumable(state, job().to_dict())
+    with pytest.raises(ValueError, match=r"differs from the checkpointed run in \['cuda_graphs'\]"):
+        check_resumable(state, job(cuda_graphs="off").to_dict())
+    with pytest.raises(ValueError, match=r"in \['lr'\]"):
+        check_resumable(replace(state, job_config=job(lr=0.2).to_dict()), job().to_dict())
+
+
 def test_callable_identity_forms():
     assert callable_identity(loss_fn) == "actors_helpers.loss_fn"
     assert callable_identity(MLP) == "jabasray.models.MLP"

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..config import JobConfig, changed_job_fields
 from ..storage import StoragePath, as_storage_path, explain
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,9 @@ def differences(old: Mapping, new: Mapping) -> list[str]:
     ``hooks.<name>``, ``dataset_size``); empty when they match."""
     out: list[str] = []
     oj, nj = dict(old.get("job_config", {})), dict(new.get("job_config", {}))
-    for k in sorted(set(oj) | set(nj)):
-        if k not in IGNORED_JOB_FIELDS and oj.get(k) != nj.get(k):
-            out.append(f"job_config.{k}: {_short(oj.get(k))} -> {_short(nj.get(k))}")
+    defaults = JobConfig().to_dict()
+    for k in changed_job_fields(oj, nj, ignore=IGNORED_JOB_FIELDS):
+        out.append(f"job_config.{k}: {_short(oj.get(k, defaults[k]))} -> {_short(nj.get(k))}")
     model = _model_difference(old.get("model", {}), new.get("model", {}))
     if model:
         out.append(model)

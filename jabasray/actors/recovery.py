@@ -212,11 +212,11 @@ def restore_or_start(run_dir: str | Path, job: Any, cluster: ClusterSpec, ctl: A
 
 def check_resumable(state: DriverState, job_config: dict[str, Any]) -> None:
     """Everything but ``epochs`` of ``job_config`` (``JobConfig.to_dict()``) must match the
-    checkpointed job (else results would mix): ValueError naming the fields that differ."""
-    old, new = dict(state.job_config), dict(job_config)
-    old.pop("epochs", None)
-    new.pop("epochs", None)
-    diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    checkpointed job (else results would mix; :func:`jabasray.config.changed_job_fields`):
+    ValueError naming the fields that differ."""
+    from ..config import changed_job_fields
+
+    diff = changed_job_fields(dict(state.job_config), dict(job_config))
     if diff:
         raise ValueError(f"job_config differs from the checkpointed run in {diff}; "
                          f"use another run name or the same configuration to resume")
