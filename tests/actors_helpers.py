@@ -54,15 +54,16 @@ def tiny_data(n: int = 240):
 
 
 class KillOnce(DriverCallback):
-    """Test hook: ``ray.kill`` the actor of ``rank`` at interval 1 of epoch ``epoch``. Works in
-    the driver's process, also when the driver is itself a Ray actor."""
+    """Test hook: ``ray.kill`` the actor of ``rank`` at interval ``interval`` (default 1) of
+    epoch ``epoch``, once. Works in the driver's process, also when the driver is itself a Ray
+    actor."""
 
-    def __init__(self, epoch: int, rank: int) -> None:
-        self.epoch, self.rank, self.done = epoch, rank, False
+    def __init__(self, epoch: int, rank: int, interval: int = 1) -> None:
+        self.epoch, self.rank, self.interval, self.done = epoch, rank, interval, False
 
     def on_interval(self, driver, record):
         import ray
-        if not self.done and record.epoch == self.epoch and record.interval == 1:
+        if not self.done and record.epoch == self.epoch and record.interval == self.interval:
             self.done = True
             ray.kill(driver.gpu_actors()[self.rank], no_restart=True)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.checkpoint import list_checkpoints
-from jabasray.actors.driver import DriverOptions
+from jabasray.actors.driver import DriverCallback, DriverOptions
 from jabasray.actors.trainer import JabasTrainer
 from jabasray.config import CheckpointConfig, FailureConfig, JobConfig, RunConfig, run_config_from_ray
 from jabasray.types import ClusterSpec, NodeSpec
@@ -142,7 +142,7 @@ def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
     assert [e.value for e in acc.Scalars("ray/tune/interval/global_batch")] == [r.global_batch for r in ivs]
 
 
-class _StopAt:
+class _StopAt(DriverCallback):
     """Raise in on_interval at (epoch, interval): an interrupted run."""
 
     def __init__(self, epoch: int, interval: int) -> None:
@@ -151,12 +151,6 @@ class _StopAt:
     def on_interval(self, driver, record):
         if (record.epoch, record.interval) == self.at:
             raise KeyboardInterrupt("stopped mid-epoch by the test")
-
-    def on_epoch(self, driver, record):
-        pass
-
-    def on_event(self, driver, message):
-        pass
 
 
 @pytest.mark.ray
@@ -200,27 +194,6 @@ def test_mid_epoch_checkpoint_resume_equals_uninterrupted(tmp_path):
     assert [e.served_exactly_once for e in resumed.history.epochs] == [True, True]
 
 
-class _KillAt:
-    """``ray.kill`` the actor of ``rank`` in on_interval at (epoch, interval), once: a GPU actor
-    lost mid-epoch (the driver then takes its mid-epoch checkpoint from the live rank 0, and the
-    next interval fails)."""
-
-    def __init__(self, epoch: int, interval: int, rank: int) -> None:
-        self.at, self.rank, self.done = (epoch, interval), rank, False
-
-    def on_interval(self, driver, record):
-        import ray
-        if not self.done and (record.epoch, record.interval) == self.at:
-            self.done = True
-            ray.kill(driver.gpu_actors()[self.rank], no_restart=True)
-
-    def on_epoch(self, driver, record):
-        pass
-
-    def on_event(self, driver, message):
-        pass
-
-
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_session")
 def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(tmp_path):
@@ -249,7 +222,7 @@ def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(tmp_path)
     ref = fit("ref")
     at = next(r.cursor for r in ref.history.intervals if (r.epoch, r.interval) == (1, 3))
     for name, drop_after in (("same", -1), ("dropped", 1)):
-        got = fit(name, [_KillAt(epoch=1, interval=2, rank=1)], drop_after=drop_after)
+        got = fit(name, [KillOnce(epoch=1, rank=1, interval=2)], drop_after=drop_after)
         events = got.history.events
         failed = next(i for i, m in enumerate(events) if m.startswith("GPU actor failure: rank 1"))
         assert events[failed + 1] == (f"resumed within epoch 2 at sample {at} from "
