@@ -5,11 +5,14 @@ Design notes:
 
 * **Name.** One actor per run: ``driver:<run name>`` in the Ray namespace ``jabasray``
   (:data:`NAMESPACE`), ``lifetime="detached"`` (a client that disconnects does not end it),
-  :data:`DRIVER_CPUS` (it only orchestrates), on the head node or ``DriverOptions.driver_node``
-  (soft node affinity, so a restart after that node died lands elsewhere), ``max_restarts =
-  DriverOptions.driver_max_restarts``. The CPU share is not zero because Ray 2.60 ignores a
-  soft node affinity for an actor that asks for no resource at all (it then lands on any
-  node, seen in tests/test_cluster_faults.py); a node without CPUs cannot host the driver.
+  no CPU (it only orchestrates), on the head node or ``DriverOptions.driver_node`` (soft node
+  affinity, so a restart after that node died lands elsewhere), ``max_restarts =
+  DriverOptions.driver_max_restarts``. With ``driver_node`` given it asks for
+  :data:`DRIVER_CPUS` instead of none, because Ray 2.60 ignores a soft node affinity for an
+  actor that asks for no resource at all (it then lands on any node, seen in
+  tests/test_cluster_faults.py); a node without CPUs then cannot host the driver. Without it the
+  driver holds nothing, so the GPU actors' placement bundles (which reserve loader CPUs) can take
+  every CPU of a node.
 * **The run's spec lives in Ray's GCS key-value store**, not in the actor's constructor
   arguments: Ray keeps large constructor arguments in the object store, owned by the creating
   client, so the restart of a detached actor whose client has left would fail
@@ -50,7 +53,7 @@ from .run_record import NAMESPACE, kv_delete_run, kv_get, kv_key, kv_put   # noq
 log = logging.getLogger(__name__)
 
 DRIVER_PREFIX = "driver:"       # driver actor name = DRIVER_PREFIX + run name
-DRIVER_CPUS = 0.001             # CPUs the driver actor asks for (module notes: not 0)
+DRIVER_CPUS = 0.001             # CPUs the driver actor asks for with driver_node (module notes)
 FINISHED_LINGER_S = 120.0       # an ended run waits this long for a client to collect its outcome
 FOLLOWER_ACTIVE_S = 3.0         # a follower that polled this recently still gets the outcome
 DONE_STATES = ("finished", "stopped", "failed")

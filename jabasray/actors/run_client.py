@@ -100,7 +100,7 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
     try:
         return ray.remote(DriverActor).options(
             name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached",
-            num_cpus=DRIVER_CPUS,
+            num_cpus=DRIVER_CPUS if options.driver_node else 0,
             resources=dict(options.driver_resources or {}), max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
