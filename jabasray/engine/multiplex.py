@@ -415,6 +415,7 @@ class BackgroundRunner:
         self._cv = threading.Condition()
         self._paused = 0              # pause() calls + active critical sections + probe holds
         self._busy = False            # a background launch is executing (CPU) right now
+        self._waiters = 0             # callers waiting for a step boundary (the loop yields)
         self._current: _Job | None = None   # the job of that launch
         self._stop = False
         self._probe_countdown = self.policy.probe_interval
@@ -523,11 +524,19 @@ class BackgroundRunner:
         """Write the job's state (model, optimizer, step, data cursor) now; returns the path."""
         job = self._job(name)
         with self._cv:                      # never in the middle of one of its steps
-            while self._busy:
-                self._cv.wait()
-            job.pacer.drain()
-            with job.lock:
-                return job.save(path)
+            # the loop starts no step while a caller waits: without this the loop's thread takes
+            # the lock back for its next step before the woken caller does, and a checkpoint of
+            # a running job can wait for the whole job
+            self._waiters += 1
+            try:
+                while self._busy:
+                    self._cv.wait()
+                job.pacer.drain()
+                with job.lock:
+                    return job.save(path)
+            finally:
+                self._waiters -= 1
+                self._cv.notify_all()
 
     def wait(self, name: str, timeout: float | None = None) -> BackgroundStatus:
         """Block until the job finished (done/failed/cancelled) or ``timeout`` passed."""
@@ -669,7 +678,8 @@ class BackgroundRunner:
             torch.cuda.set_device(self.device)
         while True:
             with self._cv:
-                while not self._stop and (self._paused > 0 or not self._any_runnable()):
+                while not self._stop and (self._paused > 0 or self._waiters > 0
+                                          or not self._any_runnable()):
                     self._cv.wait(timeout=0.1)
                 if self._stop:
                     return
@@ -680,7 +690,7 @@ class BackgroundRunner:
             if delay > 0:
                 time.sleep(delay)
             with self._cv:                        # re-check the gates (after the throttle delay)
-                if self._stop or self._paused > 0 or job.paused or job.cancel:
+                if self._stop or self._paused > 0 or self._waiters > 0 or job.paused or job.cancel:
                     continue
                 self._busy, self._current = True, job
             try:
