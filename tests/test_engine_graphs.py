@@ -31,6 +31,20 @@ def _sgd(p=None, **kw):
 
 
 # ------------------------------------------------------------------------------ decisions
+def _reconfigure(worker, what: str, arg) -> bool:
+    """Apply one non-step entry of a test plan (``cfg``, ``lr``, ``factor``) to ``worker``;
+    False for a step entry."""
+    if what == "cfg":
+        worker.configure(*arg)
+    elif what == "lr":
+        worker.set_lr(arg)
+    elif what == "factor":
+        worker.lr_factor = arg
+    else:
+        return False
+    return True
+
+
 def test_worker_blocker_names_each_reason_in_order():
     ok = dict(mode="auto", device=CUDA, precision="fp32", process_group=None, flat_grads=False,
               sync_timing=False, optimizer=_sgd(momentum=0.9))
@@ -354,13 +368,7 @@ def test_graph_path_equals_eager_on_cpu_with_a_stand_in_graph(monkeypatch, preci
     graphed, step = [], 0
     for what, arg in plan:
         for mode, w in ws.items():
-            if what == "cfg":
-                w.configure(*arg)
-            elif what == "lr":
-                w.set_lr(arg)
-            elif what == "factor":
-                w.lr_factor = arg
-            else:
+            if not _reconfigure(w, what, arg):
                 sizes = arg or [3] * w.num_workers
                 X, y = make_data(step, sum(sizes))
                 X = X.double() if precision == "fp32" else X
@@ -462,13 +470,7 @@ def test_cuda_graphed_equals_eager(opt):
     step = 0
     for what, arg in plan:
         for mode, w in ws.items():
-            if what == "cfg":
-                w.configure(*arg)
-            elif what == "lr":
-                w.set_lr(arg)
-            elif what == "factor":
-                w.lr_factor = arg
-            else:
+            if not _reconfigure(w, what, arg):
                 k = w.num_workers
                 mbs = [(x.to(GPU_DTYPE[opt]), t)
                        for x, t in _gpu_batches(step, k, 4, arg if what == "ragged" else None)]
