@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta", type=int, default=3)
     ap.add_argument("--steps-per-unit", type=int, default=100)
     ap.add_argument("--members", type=int, default=4, help="packed trials per CPU device")
+    ap.add_argument("--trials-per-device", type=int, default=None,
+                    help="trials Tune runs per device for packed contenders (>= --members; more "
+                         "than --members keeps packs full while members wait at decision points; "
+                         "default --members)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")
     ap.add_argument("--seed", type=int, default=0)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                                           search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
                                           scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
         trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members,
-                           run_ahead=name != "packed_asha_sync")
+                           run_ahead=name != "packed_asha_sync", trials_per_device=args.trials_per_device)
         if name == "packed_asha_plain":
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
