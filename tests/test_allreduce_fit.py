@@ -144,6 +144,9 @@ def test_the_drivers_book_measures_each_key_once_and_survives_a_checkpoint():
     assert book.fitted(model).for_allocation(2, False).comm_time("fast") == \
         sum(fit.time(b, 2) for b in profiles["fast"].bucket_sizes)
     assert MeasuredFits("gloo", enabled=False).fitted(model) is model
+    nccl = MeasuredFits("nccl")                                  # ranks not on the job's backend
+    assert nccl.measure("nccl/2/intra", model, fake_pool([[1e-4] * 4] * 2)) is None
+    assert nccl.records == {} and nccl.measured == [] and nccl.due(model, 2, False) == "nccl/2/intra"
     assert fits_for_model(book.records, "nccl") == {}            # another backend's fits: none
 
     state = DriverState(epochs_done=1, iteration=3, cluster=ClusterSpec.emulated({"fast": (1, 2, 1.0)}),
@@ -208,3 +211,28 @@ def test_the_timing_loop_runs_on_a_real_group(device):
         assert dist.get_backend() == backend_for(device)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_mid_epoch_checkpoint_brings_the_fits_measured_since_the_epoch_boundary(tmp_path):
+    """A placement at an epoch's start measures after the boundary checkpoint: resuming from
+    the mid-epoch checkpoint keeps that measurement (and the boundary's)."""
+    from jabasray.actors.checkpoint import MID_EPOCH, latest_checkpoint, save_checkpoint
+    from jabasray.actors.recovery import adopt_mid_epoch
+
+    class Ctl:
+        def load_state_dict(self, state):
+            self.state = state
+
+    a, b = {"key": "gloo/2/intra", "x": 1}, {"key": "gloo/4/inter", "x": 2}
+    cluster = ClusterSpec.emulated({"fast": (1, 2, 1.0)})
+    boundary = DriverState(epochs_done=1, iteration=3, cluster=cluster, allocation={},
+                           allreduce_fits={"gloo/2/intra": a})
+    save_checkpoint(tmp_path, boundary, {})
+    save_checkpoint(tmp_path, DriverState(epochs_done=1, iteration=5, cluster=cluster, allocation={},
+                                          mid_epoch={"cursor": 8, "interval": 1, "tally": {}},
+                                          allreduce_fits={"gloo/2/intra": a, "gloo/4/inter": b}),
+                    {}, folder=MID_EPOCH)
+    cp = latest_checkpoint(tmp_path)
+    _, state, note = adopt_mid_epoch(tmp_path, cp, cp.load_driver_state(), Ctl())
+    assert note is not None and state.iteration == 5
+    assert state.allreduce_fits == {"gloo/2/intra": a, "gloo/4/inter": b}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -63,7 +64,6 @@ def time_allreduces(sizes: Sequence[int], device: str, group: object = None,
     together) and timed until the device is done (CUDA is synchronised before and after).
     Returns the median seconds per size. Collective: every rank calls it with the same sizes."""
     import statistics
-    import time
 
     import torch
     import torch.distributed as dist
@@ -217,17 +217,26 @@ class MeasuredFits:
         key = fit_key(self.backend, world_size, multi_node)
         return None if key in self.records else key
 
-    def measure(self, key: str, model: object, call_all: Callable[..., list]) -> dict:
+    def measure(self, key: str, model: object, call_all: Callable[..., list]) -> dict | None:
         """Time all-reduces on every placed rank (``call_all(method, *args)``: the driver's
-        fan-out, with its deadline: a hang is an actor failure), fit, record and log it."""
+        fan-out, with its deadline: a hang is an actor failure), fit, record and log it.
+        A measurement that cannot be fitted (:func:`measurement_record`'s ValueError) is said
+        in a warning and the profiles' fit stays (None is returned)."""
         _, _, multi = parse_key(key)
         sizes = measurement_sizes([b for p in model.profiles.values() for b in p.bucket_sizes])
+        t0 = time.perf_counter()
         replies = call_all("allreduce_times", sizes, MEASURE_WARMUP, MEASURE_REPEATS)
-        rec = measurement_record(key, sizes, replies, span_bandwidth(model.profiles, multi))
+        try:
+            rec = measurement_record(key, sizes, replies, span_bandwidth(model.profiles, multi))
+        except ValueError as e:
+            log.warning("%s; planning with the profiles' all-reduce fit", e)
+            return None
+        rec["seconds"] = time.perf_counter() - t0   # what the measurement cost the run
         self.records[key], fit = rec, record_fit(rec)
         self.measured.append(key)
-        log.info("all-reduce fit %s measured on the placed actors: alpha=%.4g beta=%.4gs (K=%.3g B/s) "
-                 "over sizes %s bytes", key, fit.alpha, fit.beta, fit.bandwidth, rec["sizes"])
+        log.info("all-reduce fit %s measured on the placed actors in %.2fs: alpha=%.4g beta=%.4gs "
+                 "(K=%.3g B/s) over sizes %s bytes", key, rec["seconds"], fit.alpha, fit.beta,
+                 fit.bandwidth, rec["sizes"])
         return rec
 
 

@@ -282,8 +282,13 @@ class JabasDriver:
         failure); the next plans use the fit."""
         target = self._fit_target()
         key = self.allreduce.due(target, len(slots), multi_node(slots))
-        if key is not None:
-            self.allreduce.measure(key, target, self.pool.call_all)
+        if key is not None and self.allreduce.measure(key, target, self.pool.call_all) is not None:
+            self._use_model(self._base_model)
+
+    def _adopt_fits(self, state: DriverState) -> None:
+        """The all-reduce fits a checkpoint's ``state`` holds (measured before a resume or a
+        driver restart) join this run's; the model plans with them."""
+        if self.allreduce.adopt(state.allreduce_fits):
             self._use_model(self._base_model)
 
     def _fit_used(self, slots: list[Slot]) -> dict:
@@ -305,15 +310,15 @@ class JabasDriver:
         cp, state, events = restore_or_start(self.run_dir, self.job, self.cluster, ctl,
                                              self._choose_allocation, force=self.force_resume)
         events = self._start_notes + events
-        if cp is not None and self.allreduce.adopt(state.allreduce_fits):   # measured before
-            self._use_model(self._base_model)
         if cp is not None:
+            self._adopt_fits(state)
             state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
         cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
         events += [within] if within else []
+        self._adopt_fits(state)
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
