@@ -1,5 +1,7 @@
 """JabasTrainer end to end on the session Ray instance: exact re-placement, resume, background
-scheduler hook. Reference = an uninterrupted run without re-placement."""
+scheduler hook. Reference = an uninterrupted run without re-placement. Every fit runs its driver
+in this process (``DriverOptions(driver="local")``): the driver actor path is tested in
+test_driver_actor.py, and here it would only add one Ray worker process (~4 s of CPU) per fit."""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +29,7 @@ def fit(tmp_path, name: str, epochs: int, **opts) -> Result:
     ds, val = tiny_data(200)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=CLUSTER,
                         run_config=RunConfig(str(tmp_path), name), val_dataset=val,
-                        perf_model=perf_model(), options=DriverOptions(record_samples=True, **opts)).fit()
+                        perf_model=perf_model(), options=DriverOptions(record_samples=True, driver="local", **opts)).fit()
 
 
 def weights(result: Result) -> dict:
@@ -104,7 +106,7 @@ def test_sma_sync_hosts_crossbow_learners(tmp_path):
                   min_local_batch=4, adapt_interval=3, autoscale=False, lr=0.05, seed=2)
     r = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, j, cluster=CLUSTER,
                      run_config=RunConfig(str(tmp_path), "sma"), val_dataset=val,
-                     perf_model=perf_model(), options=DriverOptions(record_samples=True)).fit()
+                     perf_model=perf_model(), options=DriverOptions(record_samples=True, driver="local")).fit()
     assert_each_sample_once_per_epoch(r.history, len(ds))
     assert all(i.phi is not None and -1 <= i.phi <= 1 for i in r.history.intervals)
     torch.manual_seed(2)
