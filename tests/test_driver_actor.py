@@ -36,10 +36,12 @@ from test_trainer import assert_same_training, job
 
 pytestmark = pytest.mark.ray
 
-FAST = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
-# the same GPUs emulated 20x slower (sleeps only: the same numbers), so that a test can act
+# one GPU: the driver actor's restart, detaching and following hold for any GPU count, and each
+# GPU actor is one more Ray worker process (~4 s of CPU) per placement
+FAST = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=1.0)])
+# the same GPU emulated 20x slower (sleeps only: the same numbers), so that a test can act
 # in the middle of an epoch
-SLOW = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=0.05)])
+SLOW = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=0.05)])
 
 
 class Recorder(DriverCallback):
@@ -105,7 +107,7 @@ def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(r
     st = run_client.status(name)
     old_gpu = [n for n in our_named_actors(ray) if n.startswith(gpu_actor_prefix(name))]
     old_pgs = kv_get(name, "pgs").decode().split()
-    assert len(old_gpu) == 2 and len(old_pgs) == 1 and st["incarnation"] == 1
+    assert len(old_gpu) == 1 and len(old_pgs) == 1 and st["incarnation"] == 1
     os.kill(st["pid"], signal.SIGKILL)
 
     seen = Recorder()
@@ -156,7 +158,7 @@ def test_detached_cli_run_second_client_status_attach_stop(ray_session, tmp_path
     p.save(tmp_path / ".profiles" / f"{profile_cache_key(sig, 'cpu')}.json")   # no profiling
     (tmp_path / "job.py").write_text(SCRIPT)
     (tmp_path / "cluster.json").write_text(json.dumps(
-        {"nodes": [{"name": "n0", "gpu_type": "fast", "num_gpus": 2, "speed": 0.05}]}))
+        {"nodes": [{"name": "n0", "gpu_type": "fast", "num_gpus": 1, "speed": 0.05}]}))
     cmd = [sys.executable, "-m", "jabasray.cli", "train", "--detach", "--script", str(tmp_path / "job.py"),
            "--cluster", str(tmp_path / "cluster.json"), "--storage-path", str(tmp_path), "--name", "det",
            "--epochs", "50", "--initial-global-batch", "24", "--min-global-batch", "16",
@@ -173,7 +175,7 @@ def test_detached_cli_run_second_client_status_attach_stop(ray_session, tmp_path
     capsys.readouterr()
     assert main(["status", "det"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("run det: running, epoch ") and "/50 (" in text and "2 GPU actors" in text
+    assert text.startswith("run det: running, epoch ") and "/50 (" in text and "1 GPU actors" in text
 
     # bad input while it runs: the same name again is refused in one line
     with pytest.raises(ValueError, match=r"^name: run 'det' is already running \(driver actor 'driver:det'\)"):
