@@ -33,8 +33,8 @@ def _prefill_profile_cache(storage, min_local_batch: int = 8) -> None:
 def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):
     _prefill_profile_cache(tmp_path)
     (tmp_path / "cluster.yaml").write_text(
-        "nodes:\n  - {name: f0, gpu_type: fast, num_gpus: 2, speed: 1.0}\n"
-        "  - {name: s0, gpu_type: slow, num_gpus: 3, speed: 0.5}\n")   # an odd count trains too
+        "nodes:\n  - {name: f0, gpu_type: fast, num_gpus: 1, speed: 1.0}\n"
+        "  - {name: s0, gpu_type: slow, num_gpus: 2, speed: 0.5}\n")   # an odd count trains too
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "jabasray.cli", "train", "--cluster", str(tmp_path / "cluster.yaml"),

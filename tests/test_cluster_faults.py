@@ -44,6 +44,9 @@ def cluster(without_session_ray):
 
 
 FOUR = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0), NodeSpec("s", "slow", 2, speed=0.5)])
+# One GPU of each type on each node: still a job across both nodes and both types, with half the
+# GPU-actor processes to start (each costs seconds of CPU on a small test machine).
+TWO = ClusterSpec(nodes=[NodeSpec("f", "fast", 1, speed=1.0), NodeSpec("s", "slow", 1, speed=0.5)])
 SPEEDS = {"fast": 1.0, "slow": 0.5}
 
 
@@ -89,14 +92,14 @@ class Arm(DriverCallback):
 
 
 def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(cluster, tmp_path):
-    """One actor blocks in its step in epoch 1 (the other three wait for it in the gradient
+    """One actor blocks in its step in epoch 1 (the other one waits for it in the gradient
     all-reduce). The interval's deadline (call_timeout_s=8; the collective timeout is 120 s)
     turns it into one actor failure naming the ranks still running; the driver kills every
     actor, restarts epoch 1 from its checkpoint on the same allocation (a hang drops no GPU
     pair) and finishes: epoch 0 kept, each epoch served every sample exactly once."""
     ds, val = tiny_data(240)
     hook = Arm(str(tmp_path / "armed"), epoch=1)
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), FOUR, tmp_path / "hang",
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), TWO, tmp_path / "hang",
                       val_dataset=val, perf_model=perf_model(SPEEDS),
                       hooks=JobHooks(step_fn=HangOnce(str(tmp_path / "armed"), str(tmp_path / "taken"))),
                       callbacks=[hook],
@@ -111,7 +114,7 @@ def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(clust
     assert t_fail - hook.t_armed >= 8                      # not before its deadline
     assert "restarting epoch 2" in msg
     assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 2, "s": 2}
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 1, "s": 1}
     assert_each_sample_once_per_epoch(hist, 240)
     assert drv.gpu_actors() == []
 
@@ -145,13 +148,13 @@ def test_actor_env_reaches_the_actors_and_the_store_listens_in_the_port_range(cl
     env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
     ports = free_port_range()
     seen = Env(list(env) + ["OMP_NUM_THREADS"])
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "env",
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "env",
                       val_dataset=val, perf_model=perf_model(SPEEDS), callbacks=[seen],
                       options=DriverOptions(actor_env=env, rendezvous_ports=ports))
     hist = drv.run()
     assert len(hist.epochs) == 1
     # the job's own runtime_env (OMP_NUM_THREADS) is kept beside actor_env
-    assert seen.env == [dict(env, OMP_NUM_THREADS="1")] * 4
+    assert seen.env == [dict(env, OMP_NUM_THREADS="1")] * 2
     assert ports[0] <= seen.port <= ports[1]
 
 
@@ -160,7 +163,7 @@ def test_a_rendezvous_that_fails_is_an_actor_failure_and_ends_in_one_line(cluste
     (RendezvousFailed), the driver recovers once (max_failures=1), fails again and gives up with
     a one-line JobFailed that says what happened."""
     ds, _ = tiny_data(240)
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "rdv",
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "rdv",
                       perf_model=perf_model(SPEEDS), failure=FailureConfig(max_failures=1),
                       options=DriverOptions(actor_env={"GLOO_SOCKET_IFNAME": "nosuchif0"},
                                             collective_timeout_s=20, call_timeout_s=30))
@@ -233,7 +236,7 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
     assert sorted(n.split(":")[0] for n in again) == ["profile of fast", "profile of slow"]
     assert all(": cached (" in n for n in again)
 
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "run",
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "run",
                       val_dataset=val, options=DriverOptions(profile_in_tasks=True,
                                                              profile_cache_dir=str(tmp_path / "prof")))
     hist = drv.run()
@@ -256,10 +259,10 @@ class FreeAfterEpoch(DriverCallback):
 
 
 def test_a_placement_not_met_in_time_replans_over_the_free_gpus(cluster, tmp_path):
-    """Another job holds both slow GPUs. The run asks for all four GPUs; the slow pair's
-    placement times out (3 s), the driver says so in one event and re-plans over what is free
-    (the fast pair), trains epoch 0 there; the other job lets go after epoch 0, so epoch 1's
-    plan (all four GPUs, autoscale off) is placed in full. Each epoch served every sample once."""
+    """Another job holds both slow GPUs. The run asks for both of its GPUs (one fast, one slow);
+    the slow GPU's placement times out (3 s), the driver says so in one event and re-plans over
+    what is free (the fast GPU), trains epoch 0 there; the other job lets go after epoch 0, so
+    epoch 1's plan (both GPUs, autoscale off) is placed in full. Each epoch served every sample once."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -267,7 +270,7 @@ def test_a_placement_not_met_in_time_replans_over_the_free_gpus(cluster, tmp_pat
     ray.get(hold.ready(), timeout=60)
     ds, val = tiny_data(240)
     try:
-        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(2), FOUR, tmp_path / "free",
+        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(2), TWO, tmp_path / "free",
                           val_dataset=val, perf_model=perf_model(SPEEDS),
                           callbacks=[FreeAfterEpoch(hold, epoch=0)],
                           options=DriverOptions(placement_timeout_s=3, record_samples=True,
@@ -278,8 +281,8 @@ def test_a_placement_not_met_in_time_replans_over_the_free_gpus(cluster, tmp_pat
     replans = [m for m in hist.events if "re-planned over the free GPUs" in m]
     assert len(replans) == 1 and "\n" not in replans[0]
     assert "placement timed out after 3s" in replans[0] and "node s" in replans[0]
-    assert "{'f': 2}" in replans[0]
-    assert [e.allocation for e in hist.epochs] == [{"f": 2}, {"f": 2, "s": 2}]
+    assert "{'f': 1}" in replans[0]
+    assert [e.allocation for e in hist.epochs] == [{"f": 1}, {"f": 1, "s": 1}]
     assert_each_sample_once_per_epoch(hist, 240)
     assert not [m for m in hist.events if "failure" in m]
     assert sum(m.startswith("pre-flight: 2 GPU node(s) reached the driver's node at ")
@@ -319,7 +322,7 @@ def test_preflight_names_the_gpu_node_and_port_it_cannot_reach(cluster, tmp_path
         with pytest.raises(PreflightFailed, match=rf"^pre-flight: could not listen on .* rendezvous_ports \[{port}, {port}\]"):
             preflight(nodes, ports=(port, port))
         ds, _ = tiny_data(240)
-        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), FOUR, tmp_path / "pre",
+        drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "pre",
                           perf_model=perf_model(SPEEDS),
                           options=DriverOptions(preflight=True, rendezvous_ports=(port, port)))
         with pytest.raises(PreflightFailed):

@@ -153,76 +153,77 @@ class _StopAt(DriverCallback):
             raise KeyboardInterrupt("stopped mid-epoch by the test")
 
 
-@pytest.mark.ray
-@pytest.mark.usefixtures("ray_session")
-def test_mid_epoch_checkpoint_resume_equals_uninterrupted(tmp_path):
-    """CheckpointConfig(interval_minutes=0): a checkpoint at every interval boundary; a run
-    stopped within epoch 2 and fit() again resumes at the interval after the last mid-epoch
-    checkpoint and ends with the weights, optimizer state, B_G trajectory and LRs of the
-    uninterrupted run, each sample served once per epoch (the restored tally included)."""
-    import torch
-
-    from actors_helpers import assert_each_sample_once_per_epoch
-
-    ds, val = tiny_data(160)
-    job = JobConfig(epochs=2, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
+MID_JOB = JobConfig(epochs=2, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
                     min_local_batch=4, adapt_interval=1, alpha=0.25, gamma=0.9, autoscale=False,
                     lr=0.05, warmup_iterations=3, seed=4)
 
-    def fit(name, callbacks=(), minutes=None):
-        rc = RunConfig(str(tmp_path), name, checkpoint_config=CheckpointConfig(interval_minutes=minutes))
-        return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job, cluster=CLUSTER, run_config=rc,
-                            val_dataset=val, perf_model=perf_model(), callbacks=list(callbacks),
-                            options=DriverOptions(driver="local", record_samples=True)).fit()
 
-    ref = fit("ref")
-    with pytest.raises(KeyboardInterrupt):
-        fit("cut", [_StopAt(epoch=1, interval=3)], minutes=0)
-    resumed = fit("cut", minutes=0)
-    assert any("resumed within epoch 2 at sample" in m for m in resumed.history.events)
-    assert not (resumed.storage / "checkpoints" / "mid_epoch").exists()     # dropped at epoch end
-    wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, resumed))
+def _mid_fit(root, name, callbacks=(), minutes=None, failure=None):
+    """``fit()`` of MID_JOB on the pair, in this process (the callbacks run here)."""
+    ds, val = tiny_data(160)
+    rc = RunConfig(str(root), name, checkpoint_config=CheckpointConfig(interval_minutes=minutes),
+                   failure_config=failure or FailureConfig())
+    return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, MID_JOB, cluster=CLUSTER, run_config=rc,
+                        val_dataset=val, perf_model=perf_model(), callbacks=list(callbacks),
+                        options=DriverOptions(driver="local", record_samples=True)).fit()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_session, tmp_path_factory):
+    """MID_JOB run uninterrupted, without mid-epoch checkpoints: what every interrupted run of
+    this module must end equal to."""
+    return _mid_fit(tmp_path_factory.mktemp("uninterrupted"), "ref")
+
+
+def _assert_same_training(ref, got) -> None:
+    """Bit-identical weights and optimizer state; the same B_G trajectory, LRs and interval
+    positions."""
+    import torch
+
+    wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, got))
     for k in wa["model"]:
         assert torch.equal(wa["model"][k], wb["model"][k]), k
     for sa, sb in zip(wa["optimizer"]["state"].values(), wb["optimizer"]["state"].values()):
         assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
-    assert [e.trajectory for e in resumed.history.epochs] == [e.trajectory for e in ref.history.epochs]
-    assert [r.lr for r in resumed.history.intervals] == [r.lr for r in ref.history.intervals]
-    assert [(r.epoch, r.interval, r.cursor) for r in resumed.history.intervals] == \
+    assert [e.trajectory for e in got.history.epochs] == [e.trajectory for e in ref.history.epochs]
+    assert [r.lr for r in got.history.intervals] == [r.lr for r in ref.history.intervals]
+    assert [(r.epoch, r.interval, r.cursor) for r in got.history.intervals] == \
         [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]
-    assert_each_sample_once_per_epoch(resumed.history, len(ds))
+
+
+@pytest.mark.ray
+def test_mid_epoch_checkpoint_resume_equals_uninterrupted(uninterrupted, tmp_path):
+    """CheckpointConfig(interval_minutes=0): a checkpoint at every interval boundary; a run
+    stopped within epoch 2 and fit() again resumes at the interval after the last mid-epoch
+    checkpoint and ends with the weights, optimizer state, B_G trajectory and LRs of the
+    uninterrupted run, each sample served once per epoch (the restored tally included)."""
+    from actors_helpers import assert_each_sample_once_per_epoch
+
+    with pytest.raises(KeyboardInterrupt):
+        _mid_fit(tmp_path, "cut", [_StopAt(epoch=1, interval=3)], minutes=0)
+    resumed = _mid_fit(tmp_path, "cut", minutes=0)
+    assert any("resumed within epoch 2 at sample" in m for m in resumed.history.events)
+    assert not (resumed.storage / "checkpoints" / "mid_epoch").exists()     # dropped at epoch end
+    _assert_same_training(uninterrupted, resumed)
+    assert_each_sample_once_per_epoch(resumed.history, 160)
     assert [e.served_exactly_once for e in resumed.history.epochs] == [True, True]
 
 
 @pytest.mark.ray
-@pytest.mark.usefixtures("ray_session")
-def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(tmp_path):
+def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(uninterrupted, tmp_path):
     """A GPU actor killed within epoch 2, after a mid-epoch checkpoint (interval_minutes=0: one
     at every interval boundary): the run restarts at that checkpoint's sample, not at the epoch
     start - no interval is redone, the epoch's served indices (as the actors report them) are
     every sample exactly once. Retried on the same GPUs (drop_gpu_after=-1) the run ends with
     the weights, optimizer state, B_G trajectory and LRs of the uninterrupted run; with the GPU
     dropped (drop_gpu_after=1) it continues on one GPU from the same sample."""
-    import torch
-
     from actors_helpers import assert_each_sample_once_per_epoch
 
-    ds, val = tiny_data(160)
-    job = JobConfig(epochs=2, initial_global_batch=24, min_global_batch=16, max_global_batch=48,
-                    min_local_batch=4, adapt_interval=1, alpha=0.25, gamma=0.9, autoscale=False,
-                    lr=0.05, warmup_iterations=3, seed=4)
-
-    def fit(name, callbacks=(), drop_after=1):
-        rc = RunConfig(str(tmp_path), name, checkpoint_config=CheckpointConfig(interval_minutes=0),
-                       failure_config=FailureConfig(max_failures=1, drop_gpu_after=drop_after))
-        return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job, cluster=CLUSTER, run_config=rc,
-                            val_dataset=val, perf_model=perf_model(), callbacks=list(callbacks),
-                            options=DriverOptions(driver="local", record_samples=True)).fit()
-
-    ref = fit("ref")
+    ref = uninterrupted
     at = next(r.cursor for r in ref.history.intervals if (r.epoch, r.interval) == (1, 3))
     for name, drop_after in (("same", -1), ("dropped", 1)):
-        got = fit(name, [KillOnce(epoch=1, rank=1, interval=2)], drop_after=drop_after)
+        got = _mid_fit(tmp_path, name, [KillOnce(epoch=1, rank=1, interval=2)], minutes=0,
+                       failure=FailureConfig(max_failures=1, drop_gpu_after=drop_after))
         events = got.history.events
         failed = next(i for i, m in enumerate(events) if m.startswith("GPU actor failure: rank 1"))
         assert events[failed + 1] == (f"resumed within epoch 2 at sample {at} from "
@@ -231,17 +232,9 @@ def test_actor_failure_mid_epoch_resumes_from_the_mid_epoch_checkpoint(tmp_path)
         pos = [(r.epoch, r.interval) for r in got.history.intervals]
         assert pos == sorted(set(pos)) and (1, 3) in pos
         assert next(r.cursor for r in got.history.intervals if (r.epoch, r.interval) == (1, 3)) == at
-        assert_each_sample_once_per_epoch(got.history, len(ds))
+        assert_each_sample_once_per_epoch(got.history, 160)
         if drop_after == 1:
             assert got.history.epochs[1].gpu_types == ["fast"]
             continue
         assert got.history.epochs[1].gpu_types == ["fast", "fast"]
-        wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, got))
-        for k in wa["model"]:
-            assert torch.equal(wa["model"][k], wb["model"][k]), k
-        for sa, sb in zip(wa["optimizer"]["state"].values(), wb["optimizer"]["state"].values()):
-            assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
-        assert [e.trajectory for e in got.history.epochs] == [e.trajectory for e in ref.history.epochs]
-        assert [r.lr for r in got.history.intervals] == [r.lr for r in ref.history.intervals]
-        assert [(r.epoch, r.interval, r.cursor) for r in got.history.intervals] == \
-            [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]
+        _assert_same_training(ref, got)
