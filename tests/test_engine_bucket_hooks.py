@@ -7,16 +7,14 @@ steps (the placement is found stale, the step stays exact, the next step traces 
 The two-rank gloo case with different VSW counts and executions per rank is at the end."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from engine_reference import OPTIMIZERS, clone, make_data, make_model, max_rel_diff, reference_step, split
+from engine_reference import (OPTIMIZERS, clone, make_data, make_model, max_rel_diff, reference_step,
+                              run_gloo_ranks, split)
 from jabasray.engine import IIDPWorker
 
 pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
@@ -191,47 +189,40 @@ DIST_SCENARIOS = [("sgd_momentum", "sws"), ("adam", "ows")]
 B_L, STEPS = 2, 4
 
 
-def _dist_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {}
-        for li, layout in enumerate(RANK_LAYOUTS):
-            execution, n, ga = layout[rank]
-            sizes = [lay[1] * (lay[2] + 1) for lay in layout]
-            for opt, method in DIST_SCENARIOS:
-                w = IIDPWorker(make_model(0), OPTIMIZERS[opt], F.cross_entropy, process_group=dist.group.WORLD,
-                               weight_sync=method, bucket_cap_mb=CAP, vsw_execution=execution)
-                w.configure(n, ga, B_L)
-                during, real = [], w._launch
+def _dist_rank(rank: int) -> dict:
+    """One rank's runs of every layout and scenario (weights, optimizer state, losses, hooks)."""
+    results = {}
+    for li, layout in enumerate(RANK_LAYOUTS):
+        execution, n, ga = layout[rank]
+        sizes = [lay[1] * (lay[2] + 1) for lay in layout]
+        for opt, method in DIST_SCENARIOS:
+            w = IIDPWorker(make_model(0), OPTIMIZERS[opt], F.cross_entropy, process_group=dist.group.WORLD,
+                           weight_sync=method, bucket_cap_mb=CAP, vsw_execution=execution)
+            w.configure(n, ga, B_L)
+            during, real = [], w._launch
 
-                def spy(b, w=w, during=during, real=real):
-                    during.append(any(v.counting for v in w._vsws))
-                    real(b)
-                w._launch = spy
-                losses, hooks, batched = [], [], []
-                for step in range(STEPS):
-                    X, y = make_data(200 + step, sum(sizes) * B_L)
-                    offset = sizes[0] * B_L if rank == 1 else 0
-                    st = w.train_step(split(X[offset:], y[offset:], [B_L] * sizes[rank]))
-                    losses.append(float(st.loss))
-                    hooks.append(registered_hooks(w))
-                    batched.append(st.batched)
-                results[(li, opt, method)] = dict(
-                    model={k: v.clone() for k, v in w.model.state_dict().items()},
-                    optimizer=w.optimizer.state_dict(), losses=losses, hooks=hooks, batched=batched,
-                    during=during, buckets=len(w.bucket_plan))
-                w.close()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+            def spy(b, w=w, during=during, real=real):
+                during.append(any(v.counting for v in w._vsws))
+                real(b)
+            w._launch = spy
+            losses, hooks, batched = [], [], []
+            for step in range(STEPS):
+                X, y = make_data(200 + step, sum(sizes) * B_L)
+                offset = sizes[0] * B_L if rank == 1 else 0
+                st = w.train_step(split(X[offset:], y[offset:], [B_L] * sizes[rank]))
+                losses.append(float(st.loss))
+                hooks.append(registered_hooks(w))
+                batched.append(st.batched)
+            results[(li, opt, method)] = dict(
+                model={k: v.clone() for k, v in w.model.state_dict().items()},
+                optimizer=w.optimizer.state_dict(), losses=losses, hooks=hooks, batched=batched,
+                during=during, buckets=len(w.bucket_plan))
+            w.close()
+    return results
 
 
 def test_two_gloo_ranks_with_different_vsw_counts_match_the_plain_step(tmp_path):
-    mp.spawn(_dist_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    got = run_gloo_ranks(_dist_rank, tmp_path)
     for li, layout in enumerate(RANK_LAYOUTS):
         sizes = [lay[1] * (lay[2] + 1) for lay in layout]
         for opt, method in DIST_SCENARIOS:
