@@ -230,7 +230,9 @@ class FlatBuffers:
 
     def finish(self) -> None:
         """Give every parameter without a gradient this step a zero gradient (flat buckets: the
-        zeroed view; a gradient user code put elsewhere is copied into its view)."""
+        zeroed view). A flat bucket's parameter whose ``p.grad`` is another tensor (autograd
+        accumulated out of place, e.g. under ``create_graph``; user code) has that tensor, the
+        whole accumulated gradient, copied into its view."""
         for b, plist in enumerate(self.modules_params):
             if not self.flat_grads:
                 for p in plist:
@@ -241,7 +243,8 @@ class FlatBuffers:
                 if p.grad is view:
                     continue
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.add_(p.grad)
+                    with torch.no_grad():
+                        view.copy_(p.grad)
                 p.grad = view
 
     # -- bucket operations -------------------------------------------------------------------
