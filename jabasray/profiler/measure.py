@@ -704,6 +704,9 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
                         weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution,
                         step_fn=step_fn, **engine_options)
+    # the profiler visits every (B_L, n) key on purpose, each with a few replays: the cache's
+    # "keys change too often" check (meant for training) must not switch graphs off here
+    worker._graphs.max_signatures = 1 << 30
 
     def configure(bl: int, n: int) -> int:
         """Configure (n, 0, B_L); returns the warm-up steps this point needs. An eager step on
