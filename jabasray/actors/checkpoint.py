@@ -74,6 +74,8 @@ class DriverState(JsonMixin):
                                         # checkpoints): {"cursor", "interval", "tally"}; {} at a boundary
     allocation_unit: str = "gpus"             # what ``allocation`` counts; checkpoints written
                                               # before any GPU count ran counted pairs
+    allreduce_fits: dict = field(default_factory=dict)   # Eq. 3 fits measured on placed actors:
+                                        # {fit key: record} (actors.allreduce_fit.measurement_record)
 
     @classmethod
     def from_dict(cls, data: dict) -> "DriverState":

@@ -12,7 +12,9 @@
    :func:`.recovery.restore_or_start`;
 3. per epoch (steps 4-9): place one GPU actor per allocated GPU unless they run the allocation
    (:class:`.pool.ActorPool`; SMA learners :mod:`.sma_learners`; a pinned node found gone
-   re-plans on the live cluster), then intervals of p iterations:
+   re-plans on the live cluster; after a placement of a new (backend, world size, span) the
+   all-reduce fit of Eq. 3 is measured on the placed actors, :mod:`.allreduce_fit`), then
+   intervals of p iterations:
    plan B_G (Alg. 1), ``configure`` the actors in place, train p iterations at the plan's B_G*
    (one Ray call per actor; burst parallelism :mod:`.burst_host`), feed Phi to the adaptive rule
    (:mod:`jabasray.adaptive.batch_rule`; the driver keeps the requested B_G);
@@ -39,6 +41,7 @@ from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
+from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
@@ -49,7 +52,7 @@ from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, i
 from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_allocation, job_cluster,
                         multi_node, ray_cpus, slots_for)
 from .pool import ActorPool
-from .rendezvous import preflight
+from .rendezvous import backend_for, preflight
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
 from .recovery import adopt_mid_epoch, dead_slots, give_up, restart, restore_or_start
 from .run_record import RunRecord
@@ -133,6 +136,9 @@ class JabasDriver:
         self.background = background
         self._bg_deadline(background)
         self._given_model, self._profiles = perf_model, profiles
+        self._base_model: Any = None   # the model before the measured all-reduce fits (_use_model)
+        # Eq. 3 fits measured on the placed actors (a given perf_model is used as given)
+        self.allreduce = MeasuredFits(backend_for(self.options.device), self.options.measure_allreduce)
         opts = self.options
         # the plan policy over the iteration-time model (given here; built in run() otherwise)
         correction = OnlineCorrection(opts.correction_smoothing, opts.reprofile_threshold)
@@ -197,7 +203,7 @@ class JabasDriver:
                                                timeout_s=self.options.preflight_timeout_s))
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
-        self.planner.use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
+        self._use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
         self._start_notes += self._profile_notes
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
@@ -261,6 +267,45 @@ class JabasDriver:
         self._profile_notes = notes
         return model
 
+    def _use_model(self, model: Any) -> None:
+        """Plan with ``model`` (profiled, re-profiled or given), with the all-reduce fits this
+        run measured on its actors (:class:`.allreduce_fit.MeasuredFits`; not for a given
+        ``perf_model``); the planner's caches and correction start again."""
+        self._base_model = model
+        target = self._fit_target()
+        self.planner.use_model(model if target is None else self.allreduce.fitted(target))
+
+    def _fit_target(self) -> Any:
+        """The model measured fits apply to: the profiled one (None for a given perf_model)."""
+        return None if self._base_model is self._given_model else self._base_model
+
+    def _measure_allreduce(self, slots: list[Slot]) -> None:
+        """After a placement: the all-reduce micro-benchmark on the placed actors when their
+        (backend, world size, span) has no fit yet in this run (:meth:`.allreduce_fit.
+        MeasuredFits.due`), through the fan-out with ``call_timeout_s`` (a hang is an actor
+        failure); the next plans use the fit."""
+        target = self._fit_target()
+        key = self.allreduce.due(target, len(slots), multi_node(slots))
+        if key is not None and self.allreduce.measure(key, target, self.pool.call_all) is not None:
+            self._use_model(self._base_model)
+
+    def _adopt_fits(self, state: DriverState) -> None:
+        """The all-reduce fits a checkpoint's ``state`` holds (measured before a resume or a
+        driver restart) join this run's; the model plans with them."""
+        if self.allreduce.adopt(state.allreduce_fits):
+            self._use_model(self._base_model)
+
+    def _fit_used(self, slots: list[Slot]) -> dict:
+        """Which Eq. 3 fit the plans on ``slots`` use (:func:`.allreduce_fit.fit_description`;
+        {} for one GPU, burst parallelism or a model that does not say)."""
+        if len(slots) < 2 or self.planner.model is None:
+            return {}
+        used = getattr(self.planner.alloc_model(len(slots), multi_node(slots)), "allreduce_fit_used", None)
+        if used is None:
+            return {}
+        source, fit = used(slots[0].gpu_type)
+        return fit_description(source, fit, len(slots), multi_node(slots))
+
     def _restore_or_start(self, ctl: Any) -> tuple[DriverState, dict | None]:
         """:func:`.recovery.restore_or_start`: resume, or a fresh start (checkpointed at once),
         once the run's storage proved visible from here (:class:`.run_record.RunRecord`). A
@@ -270,12 +315,14 @@ class JabasDriver:
                                              self._choose_allocation, force=self.force_resume)
         events = self._start_notes + events
         if cp is not None:
+            self._adopt_fits(state)
             state, note = self._onto_live(state, self.cluster, *reconcile(state.cluster, self.cluster)[1:])
             if note:
                 events.append(f"resumed on the live cluster: {note}")
         self._check_checkpoint(cp)
         cp, state, within = adopt_mid_epoch(self.run_dir, cp, state, ctl)   # a newer mid-epoch slot
         events += [within] if within else []
+        self._adopt_fits(state)
         state, worker_state = self._continue(cp, state, events)
         if 0 < state.epochs_done < self.job.epochs and not state.forecast:
             state = self._decide_next_epoch(state, ctl)
@@ -436,6 +483,7 @@ class JabasDriver:
                         if self._buckets else None,
                         rank_state_refs=[ray.put(st) for st in sma.states] if sma is not None else None)
         self._placed_epoch, self._learners = epoch, learners
+        self._measure_allreduce(slots)
         if self._burst:
             self._burst.placed()
         if self.background is not None:
@@ -459,6 +507,7 @@ class JabasDriver:
             raise RunLockedError(f"run folder {self.run_dir}: another run took over its lease "
                                  f"while this one did not renew it; stopping before checkpoint "
                                  f"epoch_{state.epochs_done:04d} (the last one this run wrote is kept)")
+        state = replace(state, allreduce_fits=dict(self.allreduce.records))
         self.last_checkpoint = save_checkpoint(self.run_dir, state, worker_state,
                                                keep=self.checkpoint.num_to_keep or 0)
         self._last_save = time.monotonic()
@@ -500,7 +549,8 @@ class JabasDriver:
             return                    # the next epoch-boundary save reports the lost lease
         mid = {"cursor": cursor, "interval": interval, "tally": dataclasses.asdict(tally)}
         save_checkpoint(self.run_dir, replace(state, adaptive=ctl.state_dict(), metrics=self.metrics,
-                                              mid_epoch=mid), self._worker_state(), folder=MID_EPOCH)
+                                              mid_epoch=mid, allreduce_fits=dict(self.allreduce.records)),
+                        self._worker_state(), folder=MID_EPOCH)
         self._last_save = time.monotonic()
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
@@ -562,7 +612,7 @@ class JabasDriver:
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
                               predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch,
-                              dataset_size=self.dataset_size)
+                              dataset_size=self.dataset_size, allreduce_fit=self._fit_used(slots))
         if record.served_exactly_once is False:
             self._event(f"epoch {epoch + 1}: exactly-once failure: the actors served "
                         f"{tally.samples} samples whose digest is not that of the dataset's "
@@ -603,7 +653,7 @@ class JabasDriver:
         note = self.planner.take_reprofile()
         if note is not None:
             self._event(note)
-            self.planner.use_model(self._build_model(refresh=True))
+            self._use_model(self._build_model(refresh=True))
             for line in self._profile_notes:
                 self._event(line)
 

@@ -55,6 +55,10 @@ class DriverOptions(JsonMixin):
     profile_in_tasks: bool | None = None  # measure each GPU type in a Ray task holding one GPU of
                                         # it (actors.profiling); None: on CUDA (the driver holds no
                                         # GPU), not for CPU emulation (measured once, scaled)
+    measure_allreduce: bool = True      # time all-reduces on the placed actors with the job's
+                                        # backend after each new (backend, world size, span) and
+                                        # plan with that Eq. 3 fit (actors.allreduce_fit); False:
+                                        # the profiles' fits. A given perf_model is used as given
     sma_autotune: bool = True           # sync="sma": tune learners per rank (Crossbow Alg. 2)
     sma_tuner_tau: float = 0.05         # tuner tolerance: a gain must exceed it to add a learner
     sma_tuner_relative: bool = True     # tau as a fraction of the previous throughput
@@ -107,7 +111,7 @@ class DriverOptions(JsonMixin):
         if self.profile_in_tasks is None:
             self.profile_in_tasks = self.device == "cuda"
         for f in ("sma_autotune", "sma_tuner_relative", "online_correction", "reprofile", "record_samples",
-                  "profile_in_tasks", "share_node_devices", "preflight"):
+                  "profile_in_tasks", "share_node_devices", "preflight", "measure_allreduce"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"{f} must be True or False, got {getattr(self, f)!r}")
         for f in ("placement_timeout_s", "collective_timeout_s", "failure_grace_s", "bucket_cap_mb",

@@ -55,6 +55,7 @@ from ..engine.iidp import read_losses
 from ..engine.sampler import add_digests, sample_digest
 from ..engine.train_metrics import merge_metric_sums
 from ..serialization import JsonMixin
+from .allreduce_fit import MEASURE_REPEATS, MEASURE_WARMUP, AllReduceTimes, time_allreduces
 from .background import BackgroundHostMixin
 from .emulation import StepTimer, check_emulation, wait_overrun, wait_sleep
 from .emulation import compute_sleep as emulation_sleep
@@ -292,6 +293,23 @@ class GPUActor(BackgroundHostMixin):
             optimizer = self.worker.optimizer
         self.lr_scheduler = h.lr_scheduler_fn(optimizer) if h.lr_scheduler_fn is not None else None
         return self.slot.rank
+
+    def allreduce_times(self, sizes: list[int], warmup: int = MEASURE_WARMUP,
+                        repeats: int = MEASURE_REPEATS) -> AllReduceTimes:
+        """The all-reduce micro-benchmark (:func:`.allreduce_fit.time_allreduces`) on the job's
+        process group, background jobs paused meanwhile. Collective: every rank calls it with
+        the same arguments. Returns this rank's median seconds per size; the collective's time
+        is the slowest rank's (:func:`.allreduce_fit.collective_times`)."""
+        import ray
+        import torch.distributed as dist
+
+        if self.group is None:
+            raise RuntimeError(f"rank {self.slot.rank}: no process group (world size "
+                               f"{self.world_size}) to time all-reduces on")
+        with self.bg_foreground_critical("allreduce"):
+            times = time_allreduces(sizes, self.device, self.group, warmup, repeats)
+        return AllReduceTimes(rank=self.slot.rank, node_id=ray.get_runtime_context().get_node_id(),
+                              backend=str(dist.get_backend(self.group)), times=times)
 
     def shutdown(self) -> None:
         leave_process_group()

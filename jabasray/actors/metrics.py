@@ -97,6 +97,10 @@ class EpochRecord(JsonMixin):
     lr: float | None = None                   # LR of the epoch's last iteration
     train_metrics: dict[str, float] = field(default_factory=dict)  # step_fn's metrics, sample-
                                               # weighted means over the epoch
+    allreduce_fit: dict = field(default_factory=dict)  # the Eq. 3 fit the epoch's plans used:
+                                              # source ("measured" on the placed actors or
+                                              # "profiled"), span, world size, alpha, beta, K, N_G
+                                              # (actors.allreduce_fit.fit_description); {}: one GPU
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -213,11 +217,13 @@ def interval_record(replies: Sequence[Any], time_s: float, **fields: Any) -> Int
 def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                  gpu_types: list[str], trajectory: list[int], forecast: Sequence[float],
                  val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
-                 time_s: float, dataset_size: int | None = None) -> EpochRecord:
+                 time_s: float, dataset_size: int | None = None,
+                 allreduce_fit: dict | None = None) -> EpochRecord:
     """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
     the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
     ``time_s``, GPU-seconds = ``time_s`` x the number of GPUs and, given ``dataset_size``,
-    whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`)."""
+    whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`),
+    and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`)."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
@@ -227,7 +233,8 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        predicted_time_s=predicted_time_s, val_metrics=val_metrics, lr=tally.lr,
                        train_metrics=tally.train_metrics,
                        served_exactly_once=None if dataset_size is None
-                       else tally.served_exactly_once(dataset_size))
+                       else tally.served_exactly_once(dataset_size),
+                       allreduce_fit=dict(allreduce_fit or {}))
 
 
 def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:

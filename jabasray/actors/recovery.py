@@ -171,7 +171,8 @@ def adopt_mid_epoch(run_dir: str | Path, cp: Checkpoint | None, state: DriverSta
     after an actor failure starts from): it is newer, so the epoch goes on from its cursor
     instead of being redone. Returns (the checkpoint to load the worker state from, ``state``
     with the mid-epoch checkpoint's iteration count, adaptive controller - ``ctl`` is restored
-    from it -, metrics history and epoch position, the event line); unchanged with None for
+    from it -, metrics history, epoch position and all-reduce fits measured by then, the event
+    line); unchanged with None for
     the event when there is no such checkpoint. ``state``'s cluster and allocation are kept
     (a restart re-chose them on the GPUs left); the worker state of either checkpoint loads
     onto any allocation (IIDP: rank 0's; SMA: every rank's, redistributed)."""
@@ -180,7 +181,8 @@ def adopt_mid_epoch(run_dir: str | Path, cp: Checkpoint | None, state: DriverSta
         return cp, state, None
     mid_state = mid.load_driver_state()
     state = replace(state, iteration=mid_state.iteration, adaptive=mid_state.adaptive,
-                    metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch)
+                    metrics=mid_state.metrics, mid_epoch=mid_state.mid_epoch,
+                    allreduce_fits={**state.allreduce_fits, **mid_state.allreduce_fits})
     ctl.load_state_dict(state.adaptive)
     return mid, state, (f"resumed within epoch {state.epochs_done + 1} at sample "
                         f"{state.mid_epoch['cursor']} from {mid.path}")

@@ -9,7 +9,8 @@ For GPU type g, local batch B_L, ``n_vsw`` VSWs and ``n_GA`` gradient-accumulati
   alpha_thp = (B_L * n_max / t(n_max) - beta_thp) / ln(n_max); alpha_thp = 0 when n_max = 1);
 * Eq. 2  t_vsw = B_L * n / thp_vsw(B_L, n);
 * Eq. 3  t_allreduce(d) = alpha_comm * (d * 4 (N_G - 1) / N_G) / K + beta_comm, the intra-node
-  fit when the allocation is on one node, the inter-node fit otherwise;
+  fit when the allocation is on one node, the inter-node fit otherwise - a fit measured on the
+  placed actors (``measured_fits``, :func:`measured_fit`) before the profile's;
 * Eq. 4  t_comm = sum_i t_allreduce(b_i) over the gradient buckets;
 * Eq. 5  t_update = tau * (t_optim + t_copy * (n - 1)), tau = b_l / W for OWS (only the last
   bucket's update is not hidden behind all-reduce), tau = 1 for SWS;
@@ -142,6 +143,11 @@ class PerfModel:
         IIDP's R_buffer rule when the profile has no contention measurement), "sws" or "ows".
     r_buffer : threshold of the selection rule (paper: 0.5).
 
+    measured_fits : ``{(N_G, multi_node): AllReduceFit}`` measured with the job's backend on
+        placed actors (:mod:`jabasray.actors.allreduce_fit`); for an allocation the fit of
+        :func:`measured_fit` replaces the profiles' fit of the same span (the Profile objects
+        stay as profiled). ``with_measured_fits`` returns a copy with other fits (new caches).
+
     ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation (sharing the
     allocation-independent t_vsw memo); the auto-scaler uses it. The object satisfies the solver's model protocol
     (``iteration_time``, ``max_local_batch``, ``max_num_vsw``) and also offers the vectorised
@@ -149,7 +155,8 @@ class PerfModel:
     """
 
     def __init__(self, profiles: Mapping[str, Profile], num_gpus: int = 2, multi_node: bool = False,
-                 weight_sync: str = "auto", r_buffer: float = 0.5, host_devices: int | None = None) -> None:
+                 weight_sync: str = "auto", r_buffer: float = 0.5, host_devices: int | None = None,
+                 measured_fits: Mapping[tuple[int, bool], AllReduceFit] | None = None) -> None:
         if not isinstance(profiles, Mapping) or not profiles:
             raise ValueError(f"profiles must be a non-empty mapping gpu_type -> Profile, got {profiles!r}")
         for k, v in profiles.items():
@@ -161,14 +168,23 @@ class PerfModel:
         self.weight_sync = check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
         self.r_buffer = check_float("r_buffer", r_buffer, min_value=0)
         self.host_devices = None if host_devices is None else check_int("host_devices", host_devices, min_value=1)
+        self.measured_fits = dict(measured_fits or {})
         self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._comm: dict[str, float] = {}
         self._slow: dict[str, tuple[float, float] | None] = {}
 
     def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
         m = PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
-                      weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices)
+                      weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices,
+                      measured_fits=self.measured_fits)
         m._cache = self._cache   # t_vsw and zeta depend on the profiles only, not the allocation
+        return m
+
+    def with_measured_fits(self, fits: Mapping[tuple[int, bool], AllReduceFit]) -> "PerfModel":
+        """This model with ``fits`` as its measured all-reduce fits (class notes): a new object,
+        so no Eq. 4 time cached with the old fits survives (t_vsw's memo is shared)."""
+        m = self.for_allocation(self.num_gpus, self.multi_node)
+        m.measured_fits = dict(fits)
         return m
 
     # ------------------------------------------------------------ profile look-up
@@ -231,15 +247,25 @@ class PerfModel:
         return t, zeta
 
     def allreduce_fit(self, gpu: str) -> AllReduceFit:
+        """Eq. 3's fit for this allocation (:meth:`allreduce_fit_used`)."""
+        return self.allreduce_fit_used(gpu)[1]
+
+    def allreduce_fit_used(self, gpu: str) -> tuple[str, AllReduceFit]:
+        """(``"measured"`` or ``"profiled"``, fit): the fit measured on placed actors for this
+        allocation's span (:func:`measured_fit`), else the profile's fit of that span (the
+        intra-node one, with a warning, when a profile has no inter-node fit)."""
         prof = self.profile(gpu)
+        fit = measured_fit(self.measured_fits, self.num_gpus, self.multi_node)
+        if fit is not None:
+            return "measured", fit
         if self.multi_node:
             if prof.allreduce_inter is not None:
-                return prof.allreduce_inter
+                return "profiled", prof.allreduce_inter
             if prof.gpu_type not in _WARNED_NO_INTER:
                 _WARNED_NO_INTER.add(prof.gpu_type)
                 log.warning("profile %s has no inter-node all-reduce fit; using the intra-node one",
                             prof.gpu_type)
-        return prof.allreduce_intra
+        return "profiled", prof.allreduce_intra
 
     def comm_time(self, gpu: str) -> float:
         """Eq. 4: sum over buckets of Eq. 3."""
@@ -338,11 +364,27 @@ class PerfModel:
 
     def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
         return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
-                         weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices)
+                         weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices,
+                         measured_fits=self.measured_fits)
 
     def __repr__(self) -> str:
         return (f"PerfModel(types={sorted(self.profiles)}, num_gpus={self.num_gpus}, "
                 f"multi_node={self.multi_node}, weight_sync={self.weight_sync!r})")
+
+
+def measured_fit(fits: Mapping[tuple[int, bool], AllReduceFit], num_gpus: int, multi_node: bool
+                 ) -> AllReduceFit | None:
+    """The measured Eq. 3 fit an allocation of ``num_gpus`` GPUs on one node
+    (``multi_node`` False) or several uses, from ``fits`` = ``{(N_G, multi_node): fit}``: the
+    fit of the same span measured at N_G = ``num_gpus``, else at the nearest measured N_G (a tie
+    goes to the larger; Eq. 3 carries N_G in its regressor, so a fit extrapolates in N_G), None
+    when that span was never measured (the profile's fit stands). A fit measured within a node
+    never stands for one across nodes or back: the link differs."""
+    same = [n for n, multi in fits if multi == bool(multi_node)]
+    if not same:
+        return None
+    best = min(same, key=lambda n: (abs(n - num_gpus), -n))
+    return fits[(best, bool(multi_node))]
 
 
 def ows_comm_phase(comm: float, update: float, sigma_c: float, sigma_u: float) -> float:
@@ -362,5 +404,5 @@ def emulated_profiles(base: Profile, speeds: Mapping[str, float]) -> dict[str, P
     return {g: base.scaled(s, g) for g, s in speeds.items()}
 
 
-__all__ = ["PerfModel", "IterationBreakdown", "throughput_fit", "vsw_time_at", "emulated_profiles",
+__all__ = ["PerfModel", "IterationBreakdown", "measured_fit", "throughput_fit", "vsw_time_at", "emulated_profiles",
            "ows_comm_phase"]

@@ -31,7 +31,11 @@ What is measured (JABAS section 5.1):
 * the all-reduce regression of Eq. 3 from timed all-reduces of ``len(allreduce_sizes)`` tensor
   sizes in a ``world_size``-process gloo group on 127.0.0.1 (:func:`measure_allreduce`). Only an
   intra-node fit can be measured from one machine; an inter-node fit measured elsewhere can be
-  passed in (``inter_node_fit``).
+  passed in (``inter_node_fit``). Deviation from JABAS section 5.1 (which profiles this fit
+  offline): a training run replaces it by a fit measured on its placed GPU actors with the
+  job's backend (:mod:`jabasray.actors.allreduce_fit`), because the fit depends on the link the
+  collective actually uses (NVLink/PCIe within a node, the network across nodes) and on the
+  backend (NCCL, gloo), none of which this loopback gloo group sees.
 
 Profiles are cached as JSON in ``cache_dir`` under ``<model signature>-<gpu type>-<settings hash>-v<version>``
 (:func:`measurement_settings`: device, torch version, profiler revision and every measurement
