@@ -117,3 +117,22 @@ def test_a_members_peak_on_a_gpu_grows_with_its_batch():
     small = measure_member_bytes(spec, {**base, "batch_size": 8}, "cuda:0")
     large = measure_member_bytes(spec, {**base, "batch_size": 4096}, "cuda:0")
     assert 0 < small < large
+
+
+@pytest.mark.cuda
+@pytest.mark.ray
+def test_gpu_coordinators_start_before_the_first_trial(ray_session):
+    """packed() on a GPU starts the coordinator of every free GPU (named by Ray's assignment,
+    as a trial's is) before Tune starts any trial."""
+    from jabasray.tuner import coordinator_stats
+
+    ray = ray_session
+    spec = digits_mlp_spec(steps_per_unit=1, device="cuda")
+    try:
+        packed(spec, max_units=2, param_space={"batch_size": tune.choice([16, 32])}, members_per_device=2)
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "jabasray"]
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        assert sum("/gpu" in n for n in names) == gpus >= 1
+    finally:
+        coordinator_stats(release=True)

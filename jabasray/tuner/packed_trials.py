@@ -156,9 +156,12 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                     int(trials_per_device))
     import ray
 
-    if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
-        for d in _devices(job):
-            _coordinator(job, *d)
+    if ray.is_initialized():            # coordinators start now, not when the first trial asks
+        if gpu:
+            _start_gpu_coordinators(job)
+        else:
+            for d in _devices(job):
+                _coordinator(job, *d)
 
     share = 1.0 / trials_per_device
     resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
@@ -185,6 +188,36 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
         job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead,
         600.0 if job.trials_per_device > job.members_per_device else 0.0)
+
+
+def _start_gpu_coordinators(job: PackedJob, timeout_s: float = 60.0) -> int:
+    """Start the coordinator of every free GPU of the cluster before Tune starts a trial: one
+    Ray task per GPU holds it (so Ray's own GPU assignment names it, as a trial's would), starts
+    that GPU's coordinator on its node and waits until it answers (CUDA context, data on the
+    device). GPUs held by others past ``timeout_s`` are left to their first trial. Returns how
+    many coordinators answered."""
+    import ray
+
+    def start_here() -> int:
+        handles = [_coordinator(job, *d) for d in _devices(job)]
+        ray.get([h.stats.remote() for h in handles])
+        return len(handles)
+
+    gpus = int(ray.available_resources().get("GPU", 0))
+    task = ray.remote(num_gpus=1, num_cpus=0)(start_here)
+    refs = [task.remote() for _ in range(gpus)]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    started = 0
+    for ref in done:
+        try:
+            started += ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a GPU that cannot host one is the trial's to report
+            log.warning("a packing coordinator did not start before the sweep (its first trial "
+                        "starts it again): %s", str(e).strip().splitlines()[-1])
+    log.info("packing coordinators started on %d of %d free GPU(s) before the first trial", started, gpus)
+    return started
 
 
 def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
