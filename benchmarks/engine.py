@@ -170,15 +170,10 @@ class NaiveWorker(IIDPWorker):
 
 class NoOverlapWorker(IIDPWorker):
     """Ablation: buckets are aggregated and all-reduced only after the whole backward pass
-    (hooks still fill the buckets but never launch), i.e. no comm/backward overlap."""
+    (no bucket hooks: every bucket completes when the VSW's backward has ended), i.e. no
+    comm/backward overlap."""
 
-    def _make_hook(self, vsw, bucket, k):
-        buffers = vsw.buffers
-
-        def hook(_param):
-            if vsw.in_step:
-                buffers.on_grad(bucket, k)
-        return hook
+    _bucket_hooks = False
 
 
 # ----------------------------------------------------------------------------- timing

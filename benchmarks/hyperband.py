@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r["coordinators"]:
                     print(f"          coordinators: {r['coordinators']}", flush=True)
             out["rounds"].append(row)
+            write_json(args.out, out)     # every finished round kept, even if a later one is cut
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)

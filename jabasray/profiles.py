@@ -158,6 +158,8 @@ class Profile(JsonMixin):
     memory_budget_gb: float | None = None # memory bound used to find max B_L / n_max
     step_overhead: float = 0.0            # s per iteration outside Eq. 6 (host bookkeeping), see perf_model
     contention: ContentionMeasurement | None = None  # measured compute/comm contention (None: not measured)
+    execution: str | None = None          # what the engine ran at n_max: "batched", "per_vsw" or
+                                          # "graphed" (None: not recorded)
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:

@@ -68,3 +68,26 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def run_gloo_ranks(body: Callable[[int], object], tmp_path, world: int = 2) -> list:
+    """Run ``body(rank)`` in ``world`` processes joined by a gloo process group (file store in
+    ``tmp_path``, float64 default dtype, one torch thread); returns every rank's result, in rank
+    order (``body`` must be a module-level function; its result is saved with ``torch.save``)."""
+    import torch.multiprocessing as mp
+    mp.spawn(_gloo_rank, args=(body, world, str(tmp_path)), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _gloo_rank(rank: int, body: Callable[[int], object], world: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)      # as the float64 fixture in the test process
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    try:
+        torch.save(body(rank), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

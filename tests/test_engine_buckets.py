@@ -136,3 +136,32 @@ def test_shard_optimizer_requires_exact_cover():
     opt = torch.optim.SGD(params, lr=0.1)
     with pytest.raises(ValueError, match="optimizer_fn"):
         ShardOptimizer(opt, [params[:2]])
+
+
+@pytest.mark.usefixtures("float64")
+def test_flat_buffers_zero_per_step_and_take_out_of_place_gradients_whole():
+    """begin_step zeroes the buckets (views stay bound, in-place accumulation bumps the bucket's
+    version once per parameter); a gradient autograd accumulated out of place (create_graph)
+    is the whole gradient and lands in the view at finish."""
+    import torch.nn.functional as F
+    from engine_reference import make_data, split
+    model, ref = make_model(0), make_model(0)
+    fb = FlatBuffers(model, make_bucket_specs(model, default_bucket_plan(model, 0.0005)))
+    X, y = make_data(0, 6)
+    for create_graph in (False, True):
+        fb.begin_step()
+        assert all(int(g.count_nonzero()) == 0 for g in fb.grads)
+        before = [fb.grad_version(b) for b in range(len(fb.grads))]
+        for xb, yb in split(X, y, [3, 3]):
+            F.cross_entropy(model(xb), yb).backward(create_graph=create_graph)
+        if not create_graph:
+            assert [fb.grad_version(b) - v for b, v in enumerate(before)] == [2 * len(s.names) for s in fb.specs]
+        fb.finish()
+        ref.zero_grad(set_to_none=True)
+        for xb, yb in split(X, y, [3, 3]):
+            F.cross_entropy(ref(xb), yb).backward()
+        for b, plist in enumerate(fb.modules_params):
+            for p, view, (n, r) in zip(plist, fb.grad_views[b], [(n, dict(ref.named_parameters())[n])
+                                                                  for n in fb.specs[b].names]):
+                assert p.grad is view
+                torch.testing.assert_close(view, r.grad, msg=n)

@@ -8,15 +8,13 @@ and a ragged last step. Each scenario is compared with the plain single-process 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split
+from engine_reference import (OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, run_gloo_ranks,
+                              split)
 
 pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
 
@@ -36,42 +34,35 @@ def _batches():
     yield (l0, l1, B), RAGGED_SIZES, True
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)      # as the float64 fixture in the test process
+def _worker(rank: int) -> dict:
+    """One rank's runs of every scenario: weights, losses, bucket plan, first local gradient."""
     from jabasray.engine import IIDPWorker
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        results = {}
-        for opt_name, method in SCENARIOS:
-            w = IIDPWorker(make_model(0), OPTIMIZERS[opt_name], F.cross_entropy,
-                           process_group=dist.group.WORLD, weight_sync=method, bucket_cap_mb=0.0005)
-            losses, configured = [], None
-            for step, ((l0, l1, B), sizes, ragged) in enumerate(_batches()):
-                layout = (l0, l1)[rank]
-                if configured != (layout, B):
-                    w.configure(layout[0], layout[1], B)
-                    configured = (layout, B)
-                X, y = make_data(100 + step, sum(map(sum, sizes)))
-                offset = sum(sizes[0]) if rank == 1 else 0
-                mine = split(X[offset:], y[offset:], sizes[rank])
-                st = w.train_step(mine, ragged=ragged, keep_local_grad=step == 0)
-                assert st.global_num_workers == sum(len(s) for s in sizes)
-                losses.append(st.loss)
-                if step == 0:
-                    local_grad = st.local_grad
-            results[(opt_name, method)] = ({k: v.clone() for k, v in w.model.state_dict().items()}, losses,
-                                           w.bucket_plan, local_grad)
-            w.close()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for opt_name, method in SCENARIOS:
+        w = IIDPWorker(make_model(0), OPTIMIZERS[opt_name], F.cross_entropy,
+                       process_group=dist.group.WORLD, weight_sync=method, bucket_cap_mb=0.0005)
+        losses, configured = [], None
+        for step, ((l0, l1, B), sizes, ragged) in enumerate(_batches()):
+            layout = (l0, l1)[rank]
+            if configured != (layout, B):
+                w.configure(layout[0], layout[1], B)
+                configured = (layout, B)
+            X, y = make_data(100 + step, sum(map(sum, sizes)))
+            offset = sum(sizes[0]) if rank == 1 else 0
+            mine = split(X[offset:], y[offset:], sizes[rank])
+            st = w.train_step(mine, ragged=ragged, keep_local_grad=step == 0)
+            assert st.global_num_workers == sum(len(s) for s in sizes)
+            losses.append(st.loss)
+            if step == 0:
+                local_grad = st.local_grad
+        results[(opt_name, method)] = ({k: v.clone() for k, v in w.model.state_dict().items()}, losses,
+                                       w.bucket_plan, local_grad)
+        w.close()
+    return results
 
 
 def test_two_process_gloo_matches_plain_step_on_union(tmp_path):
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    got = run_gloo_ranks(_worker, tmp_path)
     for opt_name, method in SCENARIOS:
         ref = make_model(0)
         opt = OPTIMIZERS[opt_name](list(ref.parameters()))

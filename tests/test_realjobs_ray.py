@@ -37,7 +37,8 @@ def folders(tmp_path_factory):
 
 def fit(tmp_path, name, epochs, folders=None, **kw) -> Result:
     """In memory when ``folders`` is None, else dataset_fn/val_dataset_fn over the files (a
-    sample read in THIS process raises)."""
+    sample read in THIS process raises). The driver runs in this process (the driver actor's
+    own path is tested in test_driver_actor.py): one worker process fewer per run."""
     data = {"dataset": in_memory_copy(N), "val_dataset": in_memory_copy(NVAL, seed=1)}
     if folders is not None:
         pid = os.getpid()
@@ -45,7 +46,7 @@ def fit(tmp_path, name, epochs, folders=None, **kw) -> Result:
         data = {"dataset_fn": lambda: FileDataset(train, forbidden_pid=pid),
                 "val_dataset_fn": lambda: FileDataset(val, forbidden_pid=pid),
                 "num_data_workers": 1}
-    opts = kw.pop("options", {})
+    opts = {"driver": "local", **kw.pop("options", {})}
     return JabasTrainer(model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn, job_config=job(epochs),
                         cluster=CLUSTER, run_config=RunConfig(str(tmp_path), name),
                         lr_scheduler_fn=scheduler, perf_model=perf_model(),
@@ -123,7 +124,7 @@ def test_the_optimizers_lr_is_the_lr_at_the_initial_global_batch(reference, tmp_
                                         max_global_batch=192, min_local_batch=8, adaptive=False,
                                         autoscale=False, adapt_interval=2),
                      cluster=CLUSTER, run_config=RunConfig(str(tmp_path), "lr"),
-                     perf_model=perf_model()).fit()
+                     perf_model=perf_model(), options=DriverOptions(driver="local")).fit()
     assert {i.global_batch for i in r.history.intervals} == {48}
     assert {i.lr for i in r.history.intervals} == {0.0375}
     with pytest.raises(ValueError, match=r"^lr: JobConfig.lr = 0.05 disagrees with the LR of the "
@@ -158,7 +159,8 @@ def test_sma_learners_run_the_users_step_fn(tmp_path):
     base = JobConfig(epochs=1, sync="sma", initial_global_batch=24, min_global_batch=16,
                      max_global_batch=48, min_local_batch=4, adapt_interval=3, autoscale=False, seed=2)
     ds = in_memory_copy(120)
-    common = dict(job_config=base, cluster=CLUSTER, perf_model=perf_model(), loss_fn=loss_fn)
+    common = dict(job_config=base, cluster=CLUSTER, perf_model=perf_model(), loss_fn=loss_fn,
+                  options=DriverOptions(driver="local"))
 
     def double_step(model, batch):
         x, y = batch

@@ -240,6 +240,8 @@ class JabasDriver:
         cache_dir = opts.profile_cache_dir or (self.run_dir.parent / ".profiles")
         measure, notes = None, []
         if opts.profile_in_tasks and self._given_model is None and not self._profiles:
+            from ..profiler.cluster import cluster_devices
+            from ..profiler.measure import job_engine_options
             from .profiling import profile_in_tasks
             self.pool.shutdown()   # re-profiling: the actors hold the GPUs a task needs
             measure = partial(profile_in_tasks, self.model_fn, self._profile_data, self.cluster,
@@ -251,7 +253,9 @@ class JabasDriver:
                               cache_dir=cache_dir, refresh=refresh, torch_threads=opts.torch_threads,
                               timeout_s=opts.placement_timeout_s + opts.call_timeout_s, notes=notes,
                               step_fn=getattr(self.hooks, "step_fn", None),
-                              collate_fn=getattr(self.hooks, "collate_fn", None))
+                              collate_fn=getattr(self.hooks, "collate_fn", None),
+                              engine_options=job_engine_options(self.job, cluster_devices(self.cluster),
+                                                                opts.device))
         model = job_perf_model(
             self.model_fn, self._profile_data, self.cluster, self.job, loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn, device=opts.device, emulate=opts.emulate,

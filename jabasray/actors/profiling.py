@@ -51,7 +51,8 @@ def ray_options(resources: dict[str, float]) -> dict[str, Any]:
 
 def cache_key(model_fn: Callable, gpu_type: str, *, device: str, min_local_batch: int,
               weight_sync: str, bucket_cap_mb: float, max_local_batch: int | None = None,
-              step_fn: Callable | None = None, collate_fn: Callable | None = None) -> str:
+              step_fn: Callable | None = None, collate_fn: Callable | None = None,
+              engine_options: dict | None = None) -> str:
     """The cache file stem of ``gpu_type``'s profile measured in a task (model built on the
     driver's CPU for its signature; the job's ``step_fn``/``collate_fn`` by their fingerprints,
     :func:`jabasray.profiler.measure.callable_fingerprint`)."""
@@ -62,7 +63,7 @@ def cache_key(model_fn: Callable, gpu_type: str, *, device: str, min_local_batch
     settings = measurement_settings(torch.device(device).type, min_local_batch, max_local_batch, 4,
                                     None, bucket_cap_mb, weight_sync, DRIVER_WARMUP, DRIVER_REPEATS,
                                     "trimmed", contention=measures_contention(device),
-                                    step_fn=step_fn, collate_fn=collate_fn)
+                                    step_fn=step_fn, collate_fn=collate_fn, engine_options=engine_options)
     model = model_fn() if callable(model_fn) and not isinstance(model_fn, torch.nn.Module) else model_fn
     return profile_cache_key(model_signature(model), gpu_type, dict(settings, where="task"))
 
@@ -71,8 +72,8 @@ def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, 
                  emulate: bool, loss_fn: Callable, optimizer_fn: Callable | None,
                  min_local_batch: int, weight_sync: str, bucket_cap_mb: float,
                  torch_threads: int, max_local_batch: int | None = None,
-                 step_fn: Callable | None = None, collate_fn: Callable | None = None
-                 ) -> tuple[dict, dict, str]:
+                 step_fn: Callable | None = None, collate_fn: Callable | None = None,
+                 engine_options: dict | None = None) -> tuple[dict, dict, str]:
     """The body of a profiling task: ``gpu_type``'s profile (as a dict), the resources Ray
     assigned to the task, and its node id."""
     import ray
@@ -89,7 +90,7 @@ def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, 
                          bucket_cap_mb=bucket_cap_mb, cache_dir=None, warmup=DRIVER_WARMUP,
                          repeats=DRIVER_REPEATS, statistic="trimmed",
                          contention=measures_contention(device), step_fn=step_fn,
-                         collate_fn=collate_fn)
+                         collate_fn=collate_fn, engine_options=engine_options)
     if emulate:   # as cluster_profiles: the CPU measured, scaled by the type's speed
         if prof.allreduce_inter is None:
             prof = replace(prof, allreduce_inter=prof.allreduce_intra)
@@ -104,7 +105,8 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
                      cache_dir: Any, refresh: bool = False, torch_threads: int = 1,
                      timeout_s: float = 600.0, notes: list[str] | None = None,
                      max_local_batch: int | None = None, step_fn: Callable | None = None,
-                     collate_fn: Callable | None = None) -> dict[str, Profile]:
+                     collate_fn: Callable | None = None, engine_options: dict | None = None
+                     ) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every type of ``cluster`` (module notes); ``notes`` gets one
     line per type: cached, or where and holding what it was measured. A type whose task does
     not finish within ``timeout_s`` (no free GPU of it) is a one-line
@@ -128,7 +130,7 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
             paths[t] = folder / (cache_key(model_fn, t, device=device, min_local_batch=min_local_batch,
                                            weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb,
                                            max_local_batch=max_local_batch, step_fn=step_fn,
-                                           collate_fn=collate_fn)
+                                           collate_fn=collate_fn, engine_options=engine_options)
                                  + f"-x{speed:g}.json")
             if not refresh and paths[t].exists():
                 try:
@@ -142,7 +144,8 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
             model_fn, rows, t, speed, device=device, emulate=emulate, loss_fn=loss_fn,
             optimizer_fn=optimizer_fn, min_local_batch=min_local_batch, weight_sync=weight_sync,
             bucket_cap_mb=bucket_cap_mb, torch_threads=torch_threads,
-            max_local_batch=max_local_batch, step_fn=step_fn, collate_fn=collate_fn)
+            max_local_batch=max_local_batch, step_fn=step_fn, collate_fn=collate_fn,
+            engine_options=engine_options)
     if refs:
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         if pending:

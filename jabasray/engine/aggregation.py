@@ -4,13 +4,28 @@ buckets during backward, local aggregation, the overlapped all-reduce and the up
 :class:`~jabasray.engine.iidp.IIDPWorker`).
 
 2. **Backward into buckets**: with a process group, every replica's gradients live in flat
-   bucket buffers (:class:`~jabasray.engine.buckets.FlatBuffers`): the first micro-batch's
-   gradient of a parameter is copied into its bucket slot by a post-accumulate-grad hook,
-   which then binds ``p.grad`` to that slot so the following GA steps accumulate in place.
-   Without a process group nothing is all-reduced, so gradients stay autograd's tensors and
-   bucket operations act on per-parameter lists (saves that copy; ``flat_grads=True`` forces
-   the flat layout). The same hook counts, during the LAST micro-batch of each VSW, how many
-   parameters of each bucket are final.
+   bucket buffers (:class:`~jabasray.engine.buckets.FlatBuffers`), zeroed at the start of the
+   step and bound as ``p.grad``, so autograd accumulates every micro-batch in place. Without a
+   process group nothing is all-reduced, so gradients stay autograd's tensors and bucket
+   operations act on per-parameter lists (saves the zeroing; ``flat_grads=True`` forces the
+   flat layout); nothing is then launched during backward, and no hook is registered: the
+   buckets complete when the VSW's backward has ended (:meth:`BucketAggregation._finish_vsw`).
+
+   **One hook per bucket** (flat buckets), not one per parameter per replica: a Python hook
+   per parameter per micro-batch is host time a plain step does not pay (the DDP reducer's
+   per-parameter hooks are C++). In-place accumulation into a bucket's views bumps the flat
+   tensor's shared version counter once per parameter, so during the LAST micro-batch of a
+   VSW, bucket ``b`` is complete exactly when its version has grown by ``len(b)`` since that
+   backward began (each parameter accumulates at most once per backward). One
+   post-accumulate-grad hook per bucket, on the parameter autograd finishes LAST within the
+   bucket, checks that and completes the bucket, overlapping its aggregation and all-reduce
+   with the rest of backward as a per-parameter counter would. Which parameter is last is
+   learned from one traced backward (the first step of each VSW: hooks on every parameter,
+   each checking the version; the one whose check passes first is the last). The check keeps
+   every step exact whatever the order: a bucket whose hooked parameter is not last (a
+   dynamic graph), or that holds a parameter without gradient, is simply completed after the
+   VSW's backward, and a hook placement found stale (a bucket complete at the end of backward
+   but not through its hook) is traced again in the VSW's next step.
 3. **Local aggregation + overlapped all-reduce**: when ALL VSWs have finished bucket ``b``,
    the thread that finished it last adds the other VSWs' bucket ``b`` into the main VSW's
    bucket ``b`` (on the ``comm`` stream on CUDA, after waiting the VSWs' events) and hands the
@@ -49,6 +64,7 @@ worker's ``_vsws`` (main first), ``_active`` (VSWs that run backward in this ste
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -59,66 +75,104 @@ from .buckets import FlatBuffers
 from .stats import _Timings
 from .streams import DispatcherThread
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from .iidp import IIDPWorker
 
 
 class _VSW:
-    """One virtual stream worker: a model replica, its flat buffers and its bucket counters."""
+    """One virtual stream worker: a model replica, its flat buffers and its bucket state."""
 
     def __init__(self, index: int, module: nn.Module, specs, owner: "IIDPWorker") -> None:
         self.index = index
         self.module = module
         self.buffers = FlatBuffers(module, specs, flat_grads=owner._flat_grads)
+        self.sizes = [len(s.names) for s in specs]  # parameters per bucket
         self.in_step = False                        # True while train_step runs this VSW
         self.counting = False                       # True during this VSW's last backward
-        self.remaining = [len(s.names) for s in specs]
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)
-        self.handles = []
-        self.set_hooks(True, owner)
+        self.marks: list[int] | None = None         # bucket versions before the last backward
+        self.handles: list[Any] = []
+        self.hooks: str | None = None               # "trace", "bucket" or None (no hooks)
+        self.last: list[int | None] | None = None   # per bucket: the parameter finished last
+        self.traced: list[int | None] = []          # what the running trace found
+        self.retrace = False                        # the hook placement went stale
 
     def set_hooks(self, on: bool, owner: "IIDPWorker") -> None:
-        """Register (``on``) or remove the per-parameter gradient hooks. A batched step on one
-        device with autograd's own gradients needs none: nothing is copied into buckets or
-        launched during backward (:meth:`FlatBuffers.finish` completes the buckets after it),
-        and a Python call per parameter per step is host time a plain step does not pay."""
-        if on == bool(self.handles):
+        """Register (``on``, flat gradient buckets only) or remove the bucket hooks (module
+        notes, step 2): hooks on every parameter while the order is traced, then one per
+        bucket. Autograd's own gradients (no process group) need none: nothing is copied or
+        launched during backward, :meth:`BucketAggregation._finish_vsw` completes the buckets."""
+        want = None
+        if on and self.buffers.flat_grads and owner._bucket_hooks:
+            want = "trace" if self.last is None or self.retrace else "bucket"
+        if want == self.hooks:
             return
-        if not on:
-            self.remove_hooks()
+        self.remove_hooks()
+        self.hooks = want
+        params = self.buffers.modules_params
+        if want == "trace":
+            self.traced = [None] * len(params)
+            targets = [(b, k) for b, plist in enumerate(params) for k in range(len(plist))]
+        elif want == "bucket":
+            targets = [(b, k) for b, k in enumerate(self.last) if k is not None]
+        else:
             return
-        for b, plist in enumerate(self.buffers.modules_params):
-            for k, p in enumerate(plist):
-                self.handles.append(p.register_post_accumulate_grad_hook(owner._make_hook(self, b, k)))
+        for b, k in targets:
+            self.handles.append(params[b][k].register_post_accumulate_grad_hook(
+                owner._make_hook(self, b, k)))
 
     def reset(self) -> None:
-        self.remaining = [len(s.names) for s in self.buffers.specs]
-        self.done = [False] * len(self.remaining)
-        self.events = [None] * len(self.remaining)
+        self.done = [False] * len(self.sizes)
+        self.events = [None] * len(self.sizes)
+        self.marks = None
+
+    def mark(self) -> None:
+        """Before the last backward: the buckets' versions the hooks count from."""
+        if self.buffers.flat_grads:
+            self.marks = [self.buffers.grad_version(b) for b in range(len(self.sizes))]
+
+    def complete(self, bucket: int) -> bool:
+        """Every parameter of ``bucket`` accumulated its gradient in the last backward."""
+        return self.buffers.grad_version(bucket) - self.marks[bucket] == self.sizes[bucket]
+
+    def end_backward(self, owner: "IIDPWorker") -> None:
+        """After the last backward, before the unhooked buckets are completed: finish a trace
+        (one hook per bucket from now on) or note a stale placement (traced again next step)."""
+        if self.hooks is None or self.marks is None:
+            return
+        if self.hooks == "trace":
+            self.last, self.retrace = list(self.traced), False
+        elif any(not self.done[b] and self.complete(b) for b in range(len(self.sizes))):
+            self.retrace = True
+            log.debug("IIDP: VSW %d's bucket hooks are traced again (gradient order changed)",
+                      self.index)
+        self.set_hooks(True, owner)
 
     def remove_hooks(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.hooks = None
 
 
 
 class BucketAggregation:
     """Bucket completion, local aggregation, all-reduce launches and the update (module notes)."""
 
-    def _make_hook(self, vsw: _VSW, bucket: int, k: int) -> Callable[[torch.Tensor], None]:
-        buffers = vsw.buffers
+    _bucket_hooks = True    # False: buckets complete only after backward (no overlap; ablation)
 
+    def _make_hook(self, vsw: _VSW, bucket: int, k: int) -> Callable[[torch.Tensor], None]:
+        """The hook on parameter ``k`` of ``bucket`` (module notes, step 2): in the VSW's last
+        backward, complete the bucket once every parameter of it has its gradient."""
         def hook(_param: torch.Tensor) -> None:
-            if not vsw.in_step:
+            if not vsw.counting or vsw.done[bucket] or not vsw.complete(bucket):
                 return
-            buffers.on_grad(bucket, k)
-            if not vsw.counting:
-                return
-            vsw.remaining[bucket] -= 1
-            if vsw.remaining[bucket] == 0:
-                self._vsw_bucket_done(vsw, bucket)
+            if vsw.hooks == "trace":
+                vsw.traced[bucket] = k
+            self._vsw_bucket_done(vsw, bucket)
         return hook
 
     def _vsw_bucket_done(self, vsw: _VSW, bucket: int) -> None:
@@ -139,6 +193,7 @@ class BucketAggregation:
         """Mark the buckets this VSW never completed through hooks (unused params, empty
         micro-batches) as final, in plan order."""
         vsw.counting = False
+        vsw.end_backward(self)
         vsw.buffers.finish()
         for b in range(len(self._specs)):
             if not vsw.done[b]:

@@ -158,18 +158,21 @@ class FlatBuffers:
     weight copy is one ``copy_`` per bucket.
 
     Gradients, ``flat_grads=True`` (needed when buckets are all-reduced): ``grads[b]`` is a
-    flat tensor per bucket and, once bound, ``p.grad`` is a view into it, so autograd
-    accumulates further micro-batches in place (DDP's ``gradient_as_bucket_view``). To avoid a
-    ``zero_`` plus an in-place add on the first micro-batch of a step, :meth:`begin_step` sets
-    every ``p.grad`` to ``None`` (autograd then hands over a fresh gradient) and
-    :meth:`on_grad` - called from the post-accumulate-grad hook - COPIES that gradient into the
-    bucket view and binds ``p.grad`` to the view: one copy instead of zero + add.
+    flat tensor per bucket and ``p.grad`` is a view into it, so autograd accumulates every
+    micro-batch in place (DDP's ``gradient_as_bucket_view``): :meth:`begin_step` zeroes each
+    bucket (one ``zero_`` per bucket) and keeps the views bound, and every backward adds each
+    parameter's gradient into its view with one in-place ``add_``. All views of a bucket share
+    the flat tensor's version counter, which autograd's in-place accumulation bumps once per
+    parameter: :meth:`grad_version` lets one hook per bucket tell whether every parameter of
+    the bucket has received this backward's gradient (the aggregation module's notes), with no
+    per-parameter Python hook.
 
     ``flat_grads=False`` (single device, nothing to all-reduce): gradients stay the tensors
-    autograd allocates; bucket operations act on the per-parameter list (``torch._foreach``).
+    autograd allocates (:meth:`begin_step` sets ``p.grad = None``, autograd hands over a fresh
+    gradient); bucket operations act on the per-parameter list (``torch._foreach``).
 
-    Parameters that receive no gradient in a step get a zero gradient in :meth:`finish`
-    (as the zeroed bucket of DDP), so every bucket is complete.
+    Parameters that receive no gradient in a step get a zero gradient (:meth:`finish`; the
+    zeroed bucket of DDP), so every bucket is complete.
     """
 
     def __init__(self, model: nn.Module, specs: Sequence[BucketSpec], flat_grads: bool = True) -> None:
@@ -180,7 +183,6 @@ class FlatBuffers:
         self.grads: list[torch.Tensor] = []          # flat per bucket (flat_grads only)
         self.grad_views: list[list[torch.Tensor]] = []
         self.modules_params: list[list[nn.Parameter]] = []
-        self._bound: list[list[bool]] = []
         # parameter name -> (bucket, element offset, numel) in the flat layout
         self._slots = {n: (spec.index, off, k) for spec in self.specs
                        for n, off, k in zip(spec.names, spec.offsets, spec.numels)}
@@ -202,45 +204,47 @@ class FlatBuffers:
                     p.grad = v
                 self.grads.append(flat_g)
                 self.grad_views.append(views)
-                self._bound.append([True] * len(plist))
             else:
                 for p in plist:
                     p.grad = None
-                self._bound.append([False] * len(plist))
 
     # -- per step ---------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Drop last step's gradients (cheap: no memset; see the class notes)."""
-        for plist, bound in zip(self.modules_params, self._bound):
-            for k, p in enumerate(plist):
+        """Start a step's gradients (class notes): flat buckets zeroed, their views bound as
+        ``p.grad``; autograd's own gradients dropped (no memset)."""
+        if self.flat_grads:
+            for g, plist, views in zip(self.grads, self.modules_params, self.grad_views):
+                g.zero_()
+                for p, v in zip(plist, views):
+                    if p.grad is not v:         # e.g. user code replaced p.grad
+                        p.grad = v
+            return
+        for plist in self.modules_params:
+            for p in plist:
                 p.grad = None
-                bound[k] = False
 
-    def on_grad(self, bucket: int, k: int) -> None:
-        """Post-accumulate-grad hook body for parameter ``k`` of ``bucket``."""
-        if self.flat_grads and not self._bound[bucket][k]:
-            p = self.modules_params[bucket][k]
-            view = self.grad_views[bucket][k]
-            view.copy_(p.grad)
-            p.grad = view
-        self._bound[bucket][k] = True
+    def grad_version(self, bucket: int) -> int:
+        """The version counter of ``bucket``'s flat gradient (shared by its views): grows by one
+        for every in-place accumulation into the bucket (flat gradients only)."""
+        return self.grads[bucket]._version
 
     def finish(self) -> None:
-        """Give every parameter without a gradient this step a zero gradient."""
-        for b, (plist, bound) in enumerate(zip(self.modules_params, self._bound)):
-            for k, p in enumerate(plist):
-                if bound[k]:
-                    continue
-                bound[k] = True
-                if not self.flat_grads:
+        """Give every parameter without a gradient this step a zero gradient (flat buckets: the
+        zeroed view). A flat bucket's parameter whose ``p.grad`` is another tensor (autograd
+        accumulated out of place, e.g. under ``create_graph``; user code) has that tensor, the
+        whole accumulated gradient, copied into its view."""
+        for b, plist in enumerate(self.modules_params):
+            if not self.flat_grads:
+                for p in plist:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
+                continue
+            for p, view in zip(plist, self.grad_views[b]):
+                if p.grad is view:
                     continue
-                view = self.grad_views[b][k]
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)               # hook did not run (grad set by user code)
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    with torch.no_grad():
+                        view.copy_(p.grad)
                 p.grad = view
 
     # -- bucket operations -------------------------------------------------------------------

@@ -479,7 +479,6 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         reason = self.batch_fallback_reason(ragged)
         if self._split:
             reason = "the similarity groups split the VSWs"
-        pg_set = self.process_group is not None
         if self._graph_mode != "off":
             graphed = self._graph_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
             if graphed is not None:
@@ -498,7 +497,6 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
                 log.info("IIDP: per-VSW execution (%s)", reason)
             self._refresh_replicas()
         self._active = self._vsws[:1] if rounds is not None else self._vsws
-        self._vsws[0].set_hooks(rounds is None or pg_set or self._flat_grads, self)
 
         # --- per-step state
         self._pending = [len(self._active)] * nb
@@ -522,6 +520,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             """(on the VSW's stream) its non-empty micro-batches and its (weighted) losses"""
             lanes.wait(lanes.vsw[vsw.index], start_ev)
             vsw.reset()
+            vsw.set_hooks(True, self)            # bucket hooks with flat gradients only
             vsw.buffers.begin_step()
             if vsw.index > 0 and vsw.module.training != training:
                 vsw.module.train(training)

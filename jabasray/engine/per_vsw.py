@@ -105,7 +105,9 @@ class PerVSWExecution:
 
     @staticmethod
     def _backward(vsw: "_VSW", scaled: torch.Tensor, last: bool) -> None:
-        """Backward of one micro-batch of ``vsw``; during its ``last`` one the hooks count
-        bucket completion (GA steps before it only accumulate)."""
+        """Backward of one micro-batch of ``vsw``; during its ``last`` one the bucket hooks
+        complete buckets (GA steps before it only accumulate)."""
+        if last:
+            vsw.mark()
         vsw.counting = last
         scaled.backward()

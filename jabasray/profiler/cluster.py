@@ -27,7 +27,7 @@ DRIVER_REPEATS = 3   # timed steps per point ("trimmed" statistic; non-monotone 
 
 def driver_cache_key(model_signature: str, *, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, step_fn: Callable | None = None,
-                     collate_fn: Callable | None = None) -> str:
+                     collate_fn: Callable | None = None, engine_options: dict | None = None) -> str:
     """The cache file stem :func:`cluster_profiles` uses (e.g. to pre-fill a cache); a job's
     own ``step_fn``/``collate_fn`` are part of it (:func:`.measure.callable_fingerprint`)."""
     from .measure import _default_gpu_type, measurement_settings
@@ -36,7 +36,12 @@ def driver_cache_key(model_signature: str, *, device: str, emulate: bool, min_lo
     return profile_cache_key(model_signature, gpu_type, measurement_settings(
         torch.device(device).type, min_local_batch, None, 4, None, bucket_cap_mb, weight_sync,
         DRIVER_WARMUP, DRIVER_REPEATS, "trimmed", contention=measures_contention(device),
-        step_fn=step_fn, collate_fn=collate_fn))
+        step_fn=step_fn, collate_fn=collate_fn, engine_options=engine_options))
+
+
+def cluster_devices(cluster: ClusterSpec) -> int:
+    """How many GPUs (devices) ``cluster`` holds in all."""
+    return sum(n.num_gpus for n in cluster.nodes)
 
 
 def measures_contention(device: str) -> bool:
@@ -49,12 +54,13 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
                      optimizer_fn: Callable | None, device: str, emulate: bool, min_local_batch: int,
                      weight_sync: str, bucket_cap_mb: float, cache_dir: str | Path,
                      refresh: bool = False, max_local_batch: int | None = None,
-                     step_fn: Callable | None = None, collate_fn: Callable | None = None
-                     ) -> dict[str, Profile]:
+                     step_fn: Callable | None = None, collate_fn: Callable | None = None,
+                     engine_options: dict | None = None) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every GPU type of ``cluster`` (module notes); ``refresh``
     re-measures even when a cached profile exists; ``max_local_batch`` (the job's bound on B_L)
     caps the local batches measured; ``step_fn``/``collate_fn``: the job's own step and batches
-    (any batch type) are what is measured."""
+    (any batch type) are what is measured; ``engine_options`` (:func:`.measure.job_engine_options`):
+    the execution the job's workers run (batched, per VSW, graphed) is what is measured."""
     from .measure import profile_model
 
     base = profile_model(model_fn, dataset, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
@@ -63,7 +69,7 @@ def cluster_profiles(model_fn: Callable, dataset: Any, cluster: ClusterSpec, *, 
                          weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir,
                          warmup=DRIVER_WARMUP, repeats=DRIVER_REPEATS, statistic="trimmed",
                          contention=measures_contention(device), refresh=refresh,
-                         step_fn=step_fn, collate_fn=collate_fn)
+                         step_fn=step_fn, collate_fn=collate_fn, engine_options=engine_options)
     if emulate:
         if base.allreduce_inter is None:
             base = replace(base, allreduce_inter=base.allreduce_intra)
@@ -112,6 +118,7 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
     not share the host's cores, :mod:`jabasray.actors.emulation`). ValueError (one line) when nothing can be profiled, or when the job's
     min B_L fits on no GPU type (no plan could ever exist)."""
     from ..planners.plan_policy import check_min_local_batch
+    from .measure import job_engine_options
 
     if perf_model is None and profiles is None and rows is None:
         raise ValueError("profiles or perf_model must be given when the batches are not "
@@ -123,10 +130,11 @@ def job_perf_model(model_fn: Callable, rows: Any, cluster: ClusterSpec, job: Job
         device=device, emulate=emulate, min_local_batch=job.min_local_batch,
         max_local_batch=job.max_local_batch, weight_sync=job.weight_sync,
         bucket_cap_mb=bucket_cap_mb, cache_dir=cache_dir, refresh=refresh, step_fn=step_fn,
-        collate_fn=collate_fn), host_devices=host)
+        collate_fn=collate_fn, engine_options=job_engine_options(job, cluster_devices(cluster), device)),
+        host_devices=host)
     check_min_local_batch(model, cluster.gpu_types, job.min_local_batch)
     return model
 
 
-__all__ = ["driver_cache_key", "measures_contention", "cluster_profiles", "cluster_perf_model",
+__all__ = ["driver_cache_key", "measures_contention", "cluster_devices", "cluster_profiles", "cluster_perf_model",
            "emulation_host_devices", "job_perf_model"]

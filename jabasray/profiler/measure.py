@@ -17,7 +17,11 @@ What is measured (JABAS section 5.1):
   runs the n VSWs as it does in training - batched (one pass over n adjacent micro-batches,
   per-VSW BatchNorm) unless ``vsw_execution`` forces per-VSW execution - so Eq. 1's
   throughput-vs-n_vsw line is that of the batched step (section 5.1 profiles the VSWs the
-  paper runs concurrently; what we run instead is what we measure);
+  paper runs concurrently; what we run instead is what we measure). The profiler's worker is
+  built with the job's engine options (:func:`job_engine_options`): a job whose loss is not a
+  per-sample mean is timed per VSW, a job on one CUDA device with ``cuda_graphs="auto"`` is
+  timed as graph replays (forward, backward and update in one replay, counted as compute), and
+  ``Profile.execution`` records what ran;
 * zeta, the forward share of forward + backward, timed directly on a copy of the model;
 * t_optim: the engine's ``update_time`` at n_vsw = 1 (no weight copies); t_copy: one copy of all
   weights into another replica (a flat buffer of W bytes, as the engine's flat buffers do);
@@ -394,19 +398,57 @@ def oom_probe(step: Callable[[], Any], recover: Callable[[], None]) -> bool:
     return False
 
 
+# IIDPWorker options of a job that change which execution a step runs (batched, per VSW,
+# graphed) and what the profiler uses without them (the eager step, as before graphs existed);
+# the profiler measures with the job's values (job_engine_options)
+ENGINE_OPTION_DEFAULTS = {"per_sample_loss": True, "cuda_graphs": "off"}
+
+
+def check_engine_options(options: dict | None) -> dict:
+    """``options`` as a dict of :data:`ENGINE_OPTION_DEFAULTS` keys (``None``: empty), else a
+    one-line ValueError naming the allowed keys."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict) or not set(options) <= set(ENGINE_OPTION_DEFAULTS):
+        raise ValueError(f"engine_options must be a dict with keys among {sorted(ENGINE_OPTION_DEFAULTS)}, "
+                         f"got {options!r}")
+    return dict(options)
+
+
+def job_engine_options(job: Any, num_devices: int, device: str) -> dict:
+    """The IIDPWorker options a job's workers are built with that decide what a step executes:
+    ``per_sample_loss`` (batched or per VSW) and ``cuda_graphs`` - which captures only on one
+    CUDA device without a process group, so it is profiled only for a job on ``device`` CUDA
+    with ``num_devices == 1`` (with more devices every step communicates and runs eagerly,
+    which is what is measured then; on CPU nothing is captured)."""
+    single_cuda = num_devices == 1 and str(device).startswith("cuda")
+    return {"per_sample_loss": bool(job.per_sample_loss),
+            "cuda_graphs": job.cuda_graphs if single_cuda else "off"}
+
+
+def step_execution(stats: Any) -> str:
+    """What the engine ran for a step: ``"graphed"``, ``"batched"`` or ``"per_vsw"``."""
+    return "graphed" if getattr(stats, "graphed", False) else "batched" if stats.batched else "per_vsw"
+
+
 def measurement_settings(device: str, min_local_batch: int, max_local_batch: int | None,
                          max_num_vsw: int, memory_budget_gb: float | None, bucket_cap_mb: float,
                          weight_sync: str, warmup: int, repeats: int, statistic: str,
                          contention: bool = False, vsw_execution: str = "auto",
-                         step_fn: Callable | None = None, collate_fn: Callable | None = None) -> dict:
+                         step_fn: Callable | None = None, collate_fn: Callable | None = None,
+                         engine_options: dict | None = None) -> dict:
     """What a profile depends on besides the model and the device type: the cache key's settings
     (``contention``, a forced per-VSW ``vsw_execution`` and the job's own ``step_fn`` /
     ``collate_fn`` - by :func:`callable_fingerprint`, so a changed step or batch function
     measures again - enter the key only when set, so keys of profiles without them are
-    unchanged)."""
+    unchanged; so do the job's ``engine_options`` that differ from the engine's defaults,
+    :func:`job_engine_options`)."""
     extra = {"contention": True} if contention else {}
     if vsw_execution != "auto":
         extra["vsw_execution"] = vsw_execution
+    for k, v in sorted(check_engine_options(engine_options).items()):
+        if v != ENGINE_OPTION_DEFAULTS[k]:
+            extra[k] = v
     if step_fn is not None:
         extra["step_fn"] = callable_fingerprint(step_fn)
     if collate_fn is not None:
@@ -432,19 +474,31 @@ def monotone_violations(times: Sequence[float], tolerance: float = MONOTONE_TOLE
 
 
 def _step_stats(worker: Any, micro: list, warmup: int, repeats: int,
-                stat: Callable = statistics.median) -> tuple[float, float, float]:
+                stat: Callable = statistics.median) -> tuple[float, float, float, str]:
     """``stat`` (median by default) of (compute_time, update_time, overhead) over ``repeats``
-    engine steps after ``warmup``; overhead = wall - compute - comm - update (host bookkeeping)."""
-    comp, upd, over = [], [], []
+    engine steps after ``warmup``; overhead = wall - compute - comm - update (host bookkeeping);
+    and what the engine executed in the timed steps (:func:`step_execution`). A graphed step
+    (CUDA graph replay: forward, backward and update in one launch) counts whole as compute,
+    its wall time between two device synchronisations."""
+    comp, upd, over, ran = [], [], [], set()
     for r in range(warmup + repeats):
+        _sync(worker.device)
         t0 = time.perf_counter()
         st = worker.train_step(micro)
+        if getattr(st, "graphed", False):
+            _sync(worker.device)
         wall = time.perf_counter() - t0
         if r >= warmup:
+            ran.add(step_execution(st))
+            if getattr(st, "graphed", False):
+                comp.append(wall)
+                upd.append(0.0)
+                over.append(0.0)
+                continue
             comp.append(st.compute_time)
             upd.append(st.update_time)
             over.append(max(0.0, wall - st.compute_time - st.comm_time - st.update_time))
-    return stat(comp), stat(upd), stat(over)
+    return stat(comp), stat(upd), stat(over), "+".join(sorted(ran))
 
 
 def _forward_share(model: nn.Module, batch: Any, loss_fn: Callable, device: torch.device,
@@ -565,7 +619,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   contention: bool = False, vsw_execution: str = "auto",
                   cache_dir: str | Path | None = None, refresh: bool = False,
                   step_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                  collate_fn: Callable[[list], Any] | None = None) -> Profile:
+                  collate_fn: Callable[[list], Any] | None = None,
+                  engine_options: dict | None = None) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
     ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``; with the job's
@@ -590,11 +645,18 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     compute/communication contention (:func:`jabasray.profiler.contention.cached_contention`,
     cached per host) as ``Profile.contention``: the measurement LIBRA's Eq. 5-6 and the SWS/OWS
     interference are fitted to (CPU/gloo only; it says nothing about NCCL).
+    ``engine_options``: the job's IIDPWorker options that decide what a step executes
+    (:func:`job_engine_options`: ``per_sample_loss``, ``cuda_graphs``); the profiler's worker is
+    built with them, so each (B_L, n_vsw) point times the execution training will run -
+    batched, per VSW, or (CUDA, ``cuda_graphs="auto"``, one device) the replayed CUDA graph,
+    whose warm-up and capture happen before the timed steps. ``Profile.execution`` records
+    what the engine ran in the timed steps at n_max.
     """
     from ..engine import IIDPWorker
     from ..engine.loader import split_batch, to_device
 
     check_int("min_local_batch", min_local_batch, min_value=1)
+    engine_options = {**ENGINE_OPTION_DEFAULTS, **check_engine_options(engine_options)}
     if max_num_vsw is not None:
         check_int("max_num_vsw", max_num_vsw, min_value=1)
     check_int("warmup", warmup, min_value=0)
@@ -622,7 +684,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
     settings = measurement_settings(dev.type, min_local_batch, max_local_batch, max_num_vsw,
                                     memory_budget_gb, bucket_cap_mb, weight_sync, warmup, repeats, statistic,
-                                    contention, vsw_execution, step_fn=step_fn, collate_fn=collate_fn)
+                                    contention, vsw_execution, step_fn=step_fn, collate_fn=collate_fn,
+                                    engine_options=engine_options)
     key = profile_cache_key(sig, gpu_type, settings)
     cache_path = as_storage_path(cache_dir) / f"{key}.json" if cache_dir else None
     if cache_path is not None and cache_path.exists() and not refresh:
@@ -644,9 +707,23 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
 
     worker = IIDPWorker(copy.deepcopy(base), optimizer_fn, loss_fn, device=str(dev),
                         weight_sync=weight_sync, bucket_cap_mb=bucket_cap_mb, vsw_execution=vsw_execution,
-                        step_fn=step_fn)
-    if dev.type == "cuda" and hasattr(worker, "sync_timing"):
-        worker.sync_timing = True   # the engine synchronises the device around its timed phases
+                        step_fn=step_fn, **engine_options)
+    # the profiler visits every (B_L, n) key on purpose, each with a few replays: the cache's
+    # "keys change too often" check (meant for training) must not switch graphs off here
+    worker._graphs.max_signatures = 1 << 30
+
+    def configure(bl: int, n: int) -> int:
+        """Configure (n, 0, B_L); returns the warm-up steps this point needs. An eager step on
+        CUDA synchronises the device around its timed phases (``sync_timing``, which rules out
+        graphs); a step the engine replays as a CUDA graph runs its graph warm-up and capture
+        first."""
+        worker.configure(n, 0, bl)
+        if dev.type != "cuda":
+            return warmup
+        worker.sync_timing = False
+        graphed = worker.graph_fallback_reason() is None
+        worker.sync_timing = not graphed
+        return max(warmup, worker._graphs.warmup + 1) if graphed else warmup
 
     def try_step(bl: int, n: int, reps: int = repeats) -> tuple[float, float, float] | None:
         """``stat`` of (compute, update, overhead) at (B_L, n) over ``reps`` steps, or None when
@@ -659,12 +736,12 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
         out: list = []
 
         def step() -> None:
-            worker.configure(n, 0, bl)
+            warm = configure(bl, n)
             if reps == 0:
                 worker.train_step(micro)
-                out.append((0.0, 0.0, 0.0))
+                out.append((0.0, 0.0, 0.0, ""))
             else:
-                out.append(_step_stats(worker, micro, warmup, reps, stat))
+                out.append(_step_stats(worker, micro, warm, reps, stat))
 
         if dev.type != "cuda":
             step()
@@ -695,6 +772,7 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     if dev.type == "cuda":      # the probes leave n_max replicas on the device: free them before
         worker.configure(1, 0, min_local_batch)     # zeta's model copy (it ran out of memory)
         torch.cuda.empty_cache()
+    executions = {p[3][3] for p in points if p[3][3]}
     batches: list[BatchProfile] = []
     update_times: list[float] = []
     overheads: list[float] = []
@@ -728,14 +806,15 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                    bucket_sizes=bucket_sizes, param_bytes=_param_bytes(base),
                    allreduce_intra=allreduce_fit, allreduce_inter=inter_node_fit, device=dev.type,
                    bucket_cap_mb=bucket_cap_mb, memory_budget_gb=memory_budget_gb,
-                   step_overhead=statistics.median(overheads), contention=measured_contention)
+                   step_overhead=statistics.median(overheads), contention=measured_contention,
+                   execution="+".join(sorted(executions)) or None)
     if cache_path is not None:
         cache_path.write_text(prof.to_json(indent=2))
         log.info("profile saved to %s", cache_path)
     return prof
 
 
-__all__ = ["profile_model", "model_signature", "measure_allreduce", "estimate_memory",
+__all__ = ["profile_model", "model_signature", "job_engine_options", "step_execution", "measure_allreduce", "estimate_memory",
            "probe_max_fitting", "oom_probe", "DEFAULT_ALLREDUCE_SIZES"]
 
 

@@ -50,6 +50,7 @@ from typing import Any, Mapping, Sequence
 
 from jabasray.planners.pack_opt import NormalisedSpace, similarity_order
 from jabasray.tuner.brackets import hyperband_schedule
+from jabasray.tuner.pack_size import choose_members_per_device
 from jabasray.tuner.space import largest_value, normalised_space
 from jabasray.validation import check_float, check_int
 
@@ -87,7 +88,7 @@ def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
 
 
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
-           stream_batch: int | None = None, members_per_device: int = 8,
+           stream_batch: int | None = None, members_per_device: int | None = None,
            cpus_per_device: float = 1.0, wait_s: float = 2.0,
            idle_exit_s: float = 60.0, run_ahead: bool = True, trials_per_device: int | None = None):
     """A Tune trainable whose trials train packed per device (see the module docstring).
@@ -99,7 +100,9 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             largest batch size (the shared stream's chunk).
         stream_batch: the chunk, if ``param_space`` does not bound the batch size.
         members_per_device: trials trained as one packed model per device; each trial
-            reserves ``1 / members_per_device`` of a device.
+            reserves ``1 / members_per_device`` of a device. None (default): on a GPU as many
+            as fit its memory (:mod:`jabasray.tuner.pack_size`: the space's largest
+            configuration measured on one GPU in a Ray task, or ``spec.memory_fn``), on CPU 8.
         cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
         wait_s: the longest a unit waits for a registered trial that has not claimed its
             previous unit (the trial is then set aside with its state and re-joins when it
@@ -123,13 +126,13 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     if not isinstance(spec, TrainingSpec):
         raise ValueError(f"spec must be a jabasray.tuner.TrainingSpec, got {type(spec).__name__}")
     check_int("max_units", max_units, min_value=1)
-    check_int("members_per_device", members_per_device, min_value=1)
     check_float("cpus_per_device", cpus_per_device, min_value=0.0, min_exclusive=True)
     check_float("wait_s", wait_s, min_value=0.0)
     check_float("idle_exit_s", idle_exit_s, min_value=0.0, min_exclusive=True)
-    if trials_per_device is None:
-        trials_per_device = members_per_device
-    check_int("trials_per_device", trials_per_device, min_value=members_per_device)
+    if members_per_device is not None:
+        check_int("members_per_device", members_per_device, min_value=1)
+    if trials_per_device is not None:
+        check_int("trials_per_device", trials_per_device, min_value=members_per_device or 1)
     if stream_batch is None:
         if param_space is None or not isinstance(spec.batch_size, str):
             raise ValueError("stream_batch must be given when param_space does not hold the "
@@ -137,6 +140,13 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         stream_batch = largest_value(param_space, spec.batch_size)
     check_int("stream_batch", stream_batch, min_value=1)
     gpu = str(spec.device).startswith("cuda")
+    if members_per_device is None:      # after every cheap check: this may measure on a GPU
+        members_per_device = choose_members_per_device(spec, param_space, gpu)
+        if trials_per_device is not None and trials_per_device < members_per_device:
+            raise ValueError(f"trials_per_device must be >= members_per_device "
+                             f"({members_per_device}, chosen from memory), got {trials_per_device}")
+    if trials_per_device is None:
+        trials_per_device = members_per_device
     # checkpoint_every=0: a unit carries the member's state only at max_units; every other
     # checkpoint is fetched when Tune asks (save_checkpoint)
     job = PackedJob(cloudpickle.dumps(spec), int(stream_batch), max_units, members_per_device,
@@ -146,9 +156,12 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                     int(trials_per_device))
     import ray
 
-    if ray.is_initialized() and not gpu:        # start this node's coordinators now (see coordinator.py)
-        for d in _devices(job):
-            _coordinator(job, *d)
+    if ray.is_initialized():            # coordinators start now, not when the first trial asks
+        if gpu:
+            _start_gpu_coordinators(job)
+        else:
+            for d in _devices(job):
+                _coordinator(job, *d)
 
     share = 1.0 / trials_per_device
     resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
@@ -175,6 +188,36 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
         job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead,
         600.0 if job.trials_per_device > job.members_per_device else 0.0)
+
+
+def _start_gpu_coordinators(job: PackedJob, timeout_s: float = 60.0) -> int:
+    """Start the coordinator of every free GPU of the cluster before Tune starts a trial: one
+    Ray task per GPU holds it (so Ray's own GPU assignment names it, as a trial's would), starts
+    that GPU's coordinator on its node and waits until it answers (CUDA context, data on the
+    device). GPUs held by others past ``timeout_s`` are left to their first trial. Returns how
+    many coordinators answered."""
+    import ray
+
+    def start_here() -> int:
+        handles = [_coordinator(job, *d) for d in _devices(job)]
+        ray.get([h.stats.remote() for h in handles])
+        return len(handles)
+
+    gpus = int(ray.available_resources().get("GPU", 0))
+    task = ray.remote(num_gpus=1, num_cpus=0)(start_here)
+    refs = [task.remote() for _ in range(gpus)]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in pending:
+        ray.cancel(ref, force=True)
+    started = 0
+    for ref in done:
+        try:
+            started += ray.get(ref)
+        except Exception as e:  # noqa: BLE001 - a GPU that cannot host one is the trial's to report
+            log.warning("a packing coordinator did not start before the sweep (its first trial "
+                        "starts it again): %s", str(e).strip().splitlines()[-1])
+    log.info("packing coordinators started on %d of %d free GPU(s) before the first trial", started, gpus)
+    return started
 
 
 def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
