@@ -22,6 +22,8 @@ from jabasray.storage import as_storage_path
 from jabasray.types import ClusterSpec, NodeSpec
 
 CLUSTER = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
+# the fits: run identity holds for any GPU count, and each GPU actor is a Ray worker importing torch
+ONE_GPU = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=1.0)])
 
 
 def job(**kw) -> JobConfig:
@@ -146,7 +148,7 @@ def test_default_names_never_share_and_changed_job_is_refused(tmp_path, capsys):
     def trainer(width: int, lr: float = 0.05, name: str | None = None, **kw) -> JabasTrainer:
         opt = functools.partial(torch.optim.SGD, lr=lr, momentum=0.9)
         return JabasTrainer(functools.partial(MLP, 64, (width,), 10), ds, opt, loss_fn,
-                            job(lr=lr), cluster=CLUSTER, val_dataset=val, perf_model=perf_model(),
+                            job(lr=lr), cluster=ONE_GPU, val_dataset=val, perf_model=perf_model(),
                             run_config=RunConfig(str(tmp_path), name), **kw)
 
     narrow = trainer(32, options=DriverOptions(driver="local")).fit()
