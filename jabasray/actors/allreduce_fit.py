@@ -13,7 +13,8 @@ so a new allocation costs well under a second on CPU).
 
 The pieces (no Ray):
 
-* :func:`time_allreduces`: one rank's timing loop (the GPU actor runs it on the job's group);
+* :func:`~jabasray.profiler.measure.time_allreduces`: one rank's timing loop (the GPU actor
+  runs it on the job's group; the profiler's loopback measurement runs the same loop);
 * :func:`fit_key` / :func:`parse_key`: ``"<backend>/<world size>/<intra|inter>"``;
 * :func:`measurement_sizes`: the float32 tensor sizes timed (bytes);
 * :func:`collective_times`: the collective's time per size = the slowest rank's (the
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
+from ..profiler.measure import time_allreduces
 from ..profiles import AllReduceFit
 from ..serialization import JsonMixin
 
@@ -54,36 +56,6 @@ class AllReduceTimes(JsonMixin):
     node_id: str
     backend: str
     times: list[float] = field(default_factory=list)
-
-
-def time_allreduces(sizes: Sequence[int], device: str, group: object = None,
-                    warmup: int = MEASURE_WARMUP, repeats: int = MEASURE_REPEATS) -> list[float]:
-    """This rank's part of the micro-benchmark, on ``group`` (a ``torch.distributed`` group;
-    None: the default one): for each size (bytes) a float32 tensor on ``device`` is all-reduced
-    ``warmup`` times untimed, then ``repeats`` times, each after a barrier (the ranks start
-    together) and timed until the device is done (CUDA is synchronised before and after).
-    Returns the median seconds per size. Collective: every rank calls it with the same sizes."""
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-
-    dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    out = []
-    for nbytes in sizes:
-        buf = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=dev)
-        samples = []
-        for r in range(warmup + repeats):
-            dist.barrier(group=group)
-            sync()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
-            sync()
-            if r >= warmup:
-                samples.append(time.perf_counter() - t0)
-        out.append(statistics.median(samples))
-    return out
 
 
 def fit_key(backend: str, world_size: int, multi_node: bool) -> str:

@@ -219,6 +219,35 @@ def estimate_memory(model: nn.Module, sample: Callable[[int], tuple[Any, Any]],
 
 
 # ---------------------------------------------------------------------------- all-reduce
+def time_allreduces(sizes: Sequence[int], device: str, group: object = None,
+                    warmup: int = 1, repeats: int = 3) -> list[float]:
+    """This rank's part of the micro-benchmark, on ``group`` (a ``torch.distributed`` group;
+    None: the default one): for each size (bytes) a float32 tensor on ``device`` is all-reduced
+    ``warmup`` times untimed, then ``repeats`` times, each after a barrier (the ranks start
+    together) and timed until the device is done (CUDA is synchronised before and after).
+    Returns the median seconds per size. Collective: every rank calls it with the same sizes.
+    The driver's measurement on placed actors (:mod:`jabasray.actors.allreduce_fit`) and the
+    loopback measurement here (:func:`measure_allreduce`) both run it."""
+    import torch.distributed as dist
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    out = []
+    for nbytes in sizes:
+        buf = torch.ones(max(1, int(nbytes) // 4), dtype=torch.float32, device=dev)
+        samples = []
+        for r in range(warmup + repeats):
+            dist.barrier(group=group)
+            sync()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            sync()
+            if r >= warmup:
+                samples.append(time.perf_counter() - t0)
+        out.append(statistics.median(samples))
+    return out
+
+
 def _allreduce_worker(rank: int, world: int, init_file: str, out_file: str, sizes: list[int],
                       repeats: int, warmup: int) -> None:
     """One rank of :func:`measure_allreduce` (runs in a child process)."""
@@ -226,20 +255,10 @@ def _allreduce_worker(rank: int, world: int, init_file: str, out_file: str, size
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        times = []
-        for nbytes in sizes:
-            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-            samples = []
-            for r in range(warmup + repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(t)
-                if r >= warmup:
-                    samples.append(time.perf_counter() - t0)
-            # the collective ends when the slowest rank has it: take the max over ranks
-            med = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            times.append(float(med.item()))
+        # the collective ends when the slowest rank has it: take the max over ranks
+        med = torch.tensor(time_allreduces(sizes, "cpu", None, warmup, repeats), dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        times = [float(x) for x in med.tolist()]
         if rank == 0:
             Path(out_file).write_text(json.dumps({"sizes": sizes, "times": times}))
     finally:
