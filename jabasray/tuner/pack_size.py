@@ -60,22 +60,14 @@ def probe_configs(param_space: Mapping[str, Any]) -> list[dict]:
     config (each key at its largest value, categoricals at their first), then one config per
     other categorical value of each categorical key. Constants are kept; a nested dict or a
     custom domain is passed through as it is (it has no largest value)."""
-    from .tune_internals import sample_classes
-    t = sample_classes()
+    from .space import listed_values, upper_value
 
     base: dict = {}
     categorical: dict[str, list] = {}
     for key, spec in param_space.items():
-        if isinstance(spec, Mapping) and set(spec) == {"grid_search"}:
-            values = list(spec["grid_search"])
-        elif isinstance(spec, t.Categorical):
-            values = list(spec.categories)
-        elif isinstance(spec, t.Integer):
-            values = [spec.upper - 1]
-        elif isinstance(spec, t.Float):
-            values = [spec.upper]
-        else:
-            values = [spec]
+        values = listed_values(spec)
+        if values is None:
+            values = [upper_value(spec)]
         if not values:
             raise ValueError(f"param_space[{key!r}] has no value to probe")
         if len(values) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
