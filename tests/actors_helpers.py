@@ -103,6 +103,54 @@ def running_cluster(head: dict, nodes: list[dict]):
         c.shutdown()
 
 
+class HeldRows(torch.utils.data.Dataset):
+    """The rows of ``dataset``, read through a gate: every read appends one byte to the file
+    ``<folder>/read`` (shared by every process of the test); the read that passes ``after`` rows
+    creates ``<folder>/gate``, once per test, and every read waits while the gate exists (at most
+    120 s). With ``after`` = one epoch + a few batches, a test holds a run mid-epoch 1 however
+    fast or loaded the machine is, acts (kills a driver, removes a node), then ``release()``s.
+    The batches are the rows themselves (stacked by ``default_collate``): training is the same
+    as on ``dataset``."""
+
+    def __init__(self, dataset, folder, after: int) -> None:
+        import os
+        self.dataset, self.after = dataset, after
+        self.read, self.gate, self.once = (os.path.join(str(folder), n) for n in ("read", "gate", "once"))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        import os
+        import time
+        fd = os.open(self.read, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.write(fd, b"x")
+        os.close(fd)
+        if os.path.getsize(self.read) > self.after:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
+                open(self.gate, "w").close()
+            except FileExistsError:
+                pass
+        t0 = time.monotonic()
+        while os.path.exists(self.gate) and time.monotonic() - t0 < 120:
+            time.sleep(0.02)
+        return self.dataset[i]
+
+    def wait_held(self, timeout: float = 120.0) -> None:
+        """Block until the gate is closed (the run is held), or fail after ``timeout`` s."""
+        import os
+        import time
+        t0 = time.monotonic()
+        while not os.path.exists(self.gate):
+            assert time.monotonic() - t0 < timeout, f"the run never read {self.after} rows"
+            time.sleep(0.02)
+
+    def release(self) -> None:
+        import os
+        os.remove(self.gate)
+
+
 # Ray workers cannot import this test helper module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -24,8 +24,8 @@ import time
 import pytest
 from ray import cloudpickle
 
-from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
-                            perf_model, running_cluster, tiny_data)
+from actors_helpers import (HeldRows, assert_each_sample_once_per_epoch, loss_fn, model_fn,
+                            optimizer_fn, perf_model, running_cluster, tiny_data)
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
 from jabasray.actors.hooks import JobHooks
 from jabasray.actors.placement import place_actors, release, slots_for
@@ -89,31 +89,6 @@ class Arm(DriverCallback):
 
     def on_event(self, drv, message):
         self.events.append((time.monotonic(), message))
-
-
-class StallAfter:
-    """The user's step, which counts the samples it trains (appended to the file ``counter``,
-    shared by every actor); the step that passes ``after`` samples creates ``gate``, once per
-    test (``once`` marks it done), and every step waits while ``gate`` exists (at most 120 s)."""
-
-    def __init__(self, counter: str, gate: str, once: str, after: int) -> None:
-        self.counter, self.gate, self.once, self.after = counter, gate, once, after
-
-    def __call__(self, model, batch):
-        inputs, targets = batch
-        fd = os.open(self.counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        os.write(fd, b"x" * len(targets))
-        os.close(fd)
-        if os.path.getsize(self.counter) > self.after:
-            try:
-                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL))
-                open(self.gate, "w").close()
-            except FileExistsError:
-                pass
-        t0 = time.monotonic()
-        while os.path.exists(self.gate) and time.monotonic() - t0 < 120:
-            time.sleep(0.05)
-        return loss_fn(model(inputs), targets)
 
 
 def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(cluster, tmp_path):
@@ -382,8 +357,8 @@ def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tm
     of epoch 1 that node leaves the cluster. Its GPU actors die with their owner; Ray restarts
     the driver on another node, which removes the old incarnation's leftovers, resumes from the
     epoch-1 checkpoint and finishes: epoch 0 is kept (not trained again), each epoch served
-    every sample exactly once, and nothing of the run is left. Epoch 1 is held open (the steps
-    stall once 32 of its samples are trained) until the node is gone, so the death lands
+    every sample exactly once, and nothing of the run is left. Epoch 1 is held open (its reads
+    wait once 32 of its rows are read) until the node is gone, so the death lands
     mid-epoch however fast or loaded the machine is."""
     import ray
 
@@ -396,24 +371,19 @@ def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tm
     cluster.wait_for_nodes()
     slow = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=0.2)])   # 2 actors: a short test
     ds, val = tiny_data(240)
-    gate = tmp_path / "gate"
-    trainer = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(2), cluster=slow,
+    held = HeldRows(ds, tmp_path, after=240 + 32)
+    trainer = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=slow,
                            run_config=RunConfig(str(tmp_path), "dnode"), val_dataset=val,
                            perf_model=perf_model(SPEEDS),
-                           step_fn=StallAfter(str(tmp_path / "trained"), str(gate),
-                                              str(tmp_path / "once"), after=240 + 32),
                            options=DriverOptions(driver="actor", driver_node=host.node_id,
                                                  record_samples=True, failure_grace_s=5))
     assert trainer.fit(wait=False) == "dnode"
     handle = ray.get_actor(driver_actor_name("dnode"), namespace=NAMESPACE)
     assert actor_node(handle) == host.node_id
 
-    t0 = time.monotonic()
-    while not gate.exists():
-        assert time.monotonic() - t0 < 120, "the run never reached epoch 1"
-        time.sleep(0.05)
+    held.wait_held()
     cluster.remove_node(host)
-    os.remove(gate)                                # the restarted driver's steps run freely
+    held.release()                                 # the restarted driver reads freely
 
     seen = Progress()
     result = run_client.follow("dnode", [seen])

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import pytest
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, profile, tiny_data
+from actors_helpers import HeldRows, loss_fn, model_fn, optimizer_fn, perf_model, profile, tiny_data
 from jabasray.actors import run_client
 from jabasray.actors.driver import DriverCallback, DriverOptions
 from jabasray.actors.driver_actor import NAMESPACE, gpu_actor_prefix, kv_get
@@ -60,8 +60,12 @@ class Recorder(DriverCallback):
         self.events.append(message)
 
 
-def trainer(tmp_path, name, epochs, cluster=FAST, driver="actor", callbacks=()):
+def trainer(tmp_path, name, epochs, cluster=FAST, driver="actor", callbacks=(), held=False):
+    """A run of ``job(epochs)`` on 200 digits; ``held``: its reads wait mid-epoch 1 (after
+    200 + 40 rows) until the test releases them (``trainer(...).dataset.release()``)."""
     ds, val = tiny_data(200)
+    if held:
+        ds = HeldRows(ds, tmp_path, after=200 + 40)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=cluster,
                         run_config=RunConfig(str(tmp_path), name), val_dataset=val,
                         perf_model=perf_model(), options=DriverOptions(driver=driver),
@@ -99,16 +103,17 @@ def reference(ray_session, tmp_path_factory):
 def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(ray_session, reference, tmp_path):
     ray = ray_session
     name = "killed"
-    assert trainer(tmp_path, name, 2, cluster=SLOW).fit(wait=False) == name
+    run = trainer(tmp_path, name, 2, cluster=SLOW, held=True)
+    assert run.fit(wait=False) == name
     assert name in run_client.running_runs()
-    # mid-epoch 1: at least one interval of epoch 1 done (the epoch-1 checkpoint exists)
-    wait_for(lambda: (lambda st: st["epoch"] == 1 and st["samples"] > 0)(run_client.status(name)),
-             "the first interval of epoch 1")
+    # held mid-epoch 1 (the epoch-1 checkpoint exists) until the driver is killed
+    run.dataset.wait_held()
     st = run_client.status(name)
     old_gpu = [n for n in our_named_actors(ray) if n.startswith(gpu_actor_prefix(name))]
     old_pgs = kv_get(name, "pgs").decode().split()
     assert len(old_gpu) == 1 and len(old_pgs) == 1 and st["incarnation"] == 1
     os.kill(st["pid"], signal.SIGKILL)
+    run.dataset.release()
 
     seen = Recorder()
     result = run_client.follow(name, [seen])       # reattach: follows the restarted driver

@@ -23,9 +23,9 @@ import textwrap
 import pytest
 import torch
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import HeldRows, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from s3_helpers import EnvVars, S3Server
-from test_driver_actor import SLOW, FAST, wait_for
+from test_driver_actor import SLOW, FAST
 from test_trainer import assert_same_training, job
 from jabasray.actors import run_client
 from jabasray.actors.driver import DriverOptions, JabasDriver
@@ -56,8 +56,12 @@ def s3(without_session_ray):
         server.stop()
 
 
-def trainer(name: str, epochs: int, cluster=FAST, driver: str = "local") -> JabasTrainer:
+def trainer(name: str, epochs: int, cluster=FAST, driver: str = "local", held_in=None) -> JabasTrainer:
+    """A run of ``job(epochs)`` on 200 digits; ``held_in`` (a local folder): its reads wait
+    mid-epoch 1 (after 200 + 40 rows) until the test releases them."""
     ds, val = tiny_data(200)
+    if held_in is not None:
+        ds = HeldRows(ds, held_in, after=200 + 40)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=cluster,
                         run_config=RunConfig(STORAGE, name), val_dataset=val,
                         perf_model=perf_model(), options=DriverOptions(driver=driver))
@@ -144,14 +148,15 @@ def test_resume_on_s3_equals_uninterrupted(s3, reference):
     assert_same_training(second, reference)
 
 
-def test_driver_actor_killed_mid_epoch_recovers_from_s3(s3, reference):
+def test_driver_actor_killed_mid_epoch_recovers_from_s3(s3, reference, tmp_path):
     name = "killed"
-    assert trainer(name, 2, cluster=SLOW, driver="actor").fit(wait=False) == name
-    wait_for(lambda: (lambda st: st["epoch"] == 1 and st["samples"] > 0)(run_client.status(name)),
-             "the first interval of epoch 1")
+    run = trainer(name, 2, cluster=SLOW, driver="actor", held_in=tmp_path)
+    assert run.fit(wait=False) == name
+    run.dataset.wait_held()                        # mid-epoch 1: the epoch-1 checkpoint exists
     st = run_client.status(name)
     assert st["run_dir"] == "s3://bkt/runs/killed"
     os.kill(st["pid"], signal.SIGKILL)
+    run.dataset.release()
     result = run_client.follow(name)
     restart = [m for m in result.history.events if "driver actor restarted" in m]
     assert len(restart) == 1 and "resumed automatically from epoch_0001" in restart[0]
