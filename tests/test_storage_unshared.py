@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
+from actors_helpers import HeldRows, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors import run_client
 from jabasray.actors.checkpoint import latest_checkpoint
 from jabasray.actors.driver import DriverOptions
@@ -183,7 +183,7 @@ def test_background_job_state_moves_between_actors_on_different_raylets(cluster,
     ray.kill(on_b)
 
 
-def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_line(cluster):
+def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_line(cluster, tmp_path):
     c, node_a, ids, storage = cluster
     assert _listing_on(ids["a"], str(storage)) == []
     (storage / "seen-by-all-but-b").write_text("x")
@@ -192,15 +192,16 @@ def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_lin
     (storage / "seen-by-all-but-b").unlink()
 
     ds, val = tiny_data(200)
-    tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(3), cluster=SLOW,
+    held = HeldRows(ds, tmp_path, after=200 + 40)    # holds the run mid-epoch 1
+    tr = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(3), cluster=SLOW,
                       run_config=RunConfig(str(storage), "r"), val_dataset=val, perf_model=perf_model(),
                       options=DriverOptions(driver="actor", driver_node=ids["a"],
                                             driver_resources={DRIVER_HOST: 1}))
     assert tr.fit(wait=False) == "r"
-    wait_for(lambda: (lambda st: st["epoch"] == 1 and st["samples"] > 0)(_status_or_why("r")),
-             "the first interval of epoch 1 (epoch_0001 committed)")
-    assert run_client.status("r")["incarnation"] == 1
+    held.wait_held()                             # mid-epoch 1: epoch_0001 committed
+    assert _status_or_why("r")["incarnation"] == 1
     c.remove_node(node_a)                        # the driver's node leaves; Ray restarts it on B
+    held.release()
     with pytest.raises(StorageUnavailable) as e:
         run_client.follow("r")
     msg = str(e.value)
