@@ -58,10 +58,30 @@ def accuracy(model: torch.nn.Module, dataset: TensorDataset, batch_size: int = 5
 MEAN, STD = 0.5, 0.25
 
 
+def generated_images(n: int, seed: int = 0):
+    """``n`` generated 32x32 RGB images of 10 classes (colour and stripe pattern per class,
+    Gaussian noise), deterministic in ``seed``: yields ``(uint8 array [32, 32, 3], label)``."""
+    check_int("n", n, min_value=1)
+    rng = np.random.default_rng(seed)
+    colours = np.random.default_rng(1234).uniform(40, 215, size=(10, 3))
+    yy, xx = np.mgrid[0:32, 0:32]
+    for _ in range(n):
+        c = int(rng.integers(10))
+        angle, freq = c * math.pi / 10, 2 + c % 3
+        stripes = np.sin(freq * 2 * math.pi * (xx * math.cos(angle) + yy * math.sin(angle)) / 32)
+        img = colours[c][None, None, :] + 30 * stripes[..., None] + rng.normal(0, 30, (32, 32, 3))
+        yield np.clip(img, 0, 255).astype(np.uint8), c
+
+
+def image_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 HWC pixels -> the normalised float32 CHW tensor every reader of these images uses."""
+    x = torch.from_numpy(np.asarray(pixels, dtype=np.float32) / 255.0)
+    return (x.permute(*range(x.dim() - 3), -1, -3, -2) - MEAN) / STD
+
+
 def write_image_files(root: str | Path, n: int, seed: int = 0) -> Path:
-    """``n`` 32x32 RGB PNG files ``<root>/<i>_c<label>.png`` of 10 classes (colour and stripe
-    pattern per class, Gaussian noise), deterministic in ``seed``; a folder that already holds
-    ``n`` PNG files is kept. Returns ``root``."""
+    """The :func:`generated_images` of ``seed`` as ``n`` PNG files ``<root>/<i>_c<label>.png``;
+    a folder that already holds ``n`` PNG files is kept. Returns ``root``."""
     from PIL import Image
 
     check_int("n", n, min_value=1)
@@ -69,16 +89,21 @@ def write_image_files(root: str | Path, n: int, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     if len(list(root.glob("*.png"))) == n:
         return root
-    rng = np.random.default_rng(seed)
-    colours = np.random.default_rng(1234).uniform(40, 215, size=(10, 3))
-    yy, xx = np.mgrid[0:32, 0:32]
-    for i in range(n):
-        c = int(rng.integers(10))
-        angle, freq = c * math.pi / 10, 2 + c % 3
-        stripes = np.sin(freq * 2 * math.pi * (xx * math.cos(angle) + yy * math.sin(angle)) / 32)
-        img = colours[c][None, None, :] + 30 * stripes[..., None] + rng.normal(0, 30, (32, 32, 3))
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / f"{i:06d}_c{c}.png")
+    for i, (img, c) in enumerate(generated_images(n, seed)):
+        Image.fromarray(img).save(root / f"{i:06d}_c{c}.png")
     return root
+
+
+def cifar_sized_split(n_train: int = 5000, n_val: int = 1000, seed: int = 0
+                      ) -> tuple[TensorDataset, TensorDataset]:
+    """The generated images in memory as ``(train, val)`` TensorDatasets of float32
+    ``(N, 3, 32, 32)`` inputs (normalised as :class:`ImageFiles` reads them) and int64 labels;
+    the validation images come from ``seed + 1``."""
+    def tensors(n: int, s: int) -> TensorDataset:
+        imgs, labels = zip(*generated_images(n, s))
+        return TensorDataset(image_tensor(np.stack(imgs)), torch.tensor(labels, dtype=torch.int64))
+    check_int("n_val", n_val, min_value=1)
+    return tensors(n_train, seed), tensors(n_val, seed + 1)
 
 
 class ImageFiles(torch.utils.data.Dataset):
@@ -94,5 +119,5 @@ class ImageFiles(torch.utils.data.Dataset):
         from PIL import Image
         path = self.files[i]
         with Image.open(path) as im:
-            x = torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0)
-        return (x.permute(2, 0, 1) - MEAN) / STD, int(path.stem.split("_c")[1])
+            x = image_tensor(np.asarray(im.convert("RGB")))
+        return x, int(path.stem.split("_c")[1])
