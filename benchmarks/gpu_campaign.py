@@ -12,11 +12,14 @@ Steps, in priority order (a GPU session may be short: the most informative first
    graph - for n = 1, 2, 4, 8 and 16 (ResNet-18, B_L 32) and n = 1, 4, 16 (the small
    transformer, B_L 32), windows of 50 steps, 3 rounds;
 3. ``engine_overhead``: the engine at 1 VSW vs a plain step;
-4. ``packing``: Pack's IMPV vs K (``benchmarks/packing.py``);
+4. ``packing``: Pack's IMPV vs K (``benchmarks/packing.py``), and where Ray is importable
+   ``tune`` (packed ASHA against Tune's ASHA with one GPU per trial and with 1/8 of it per
+   trial, the CIFAR-sized MLP, K = 8, R = 9: ``benchmarks/hyperband.py --device cuda``, small;
+   the full evidence runs the same command at ``--R 27`` for ``--members 8``, ``16``, ``32`` and
+   ``--workload cifar_cnn``);
 5. ``multiplex``: background multiplexing, host-bound and GPU-bound foregrounds;
 6. ``profiling``: profiler + iteration-time model vs measured steps (``benchmarks/perf_model.py``);
-7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch) and
-   ``tune`` (the packed-Hyperband Tune sweep, ``benchmarks/hyperband.py --device cuda``, small).
+7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch).
 
 Every step is a subprocess in its own session with its own timeout: ``min(nominal, what is
 left of the budget - a reserve for the summary)``; a step that would get less than
@@ -79,6 +82,10 @@ STEPS: tuple[Step, ...] = (
                                    "--out", "{out}/engine_overhead.json"), 30),
     Step("packing", _bench("packing.py", "--device", "cuda", "--ks", "2,8,32", "--repeats", "3",
                            "--steps", "20", "--out", "{out}/packing.json"), 45),
+    Step("tune", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp", "--R", "9",
+                        "--steps-per-unit", "50", "--members", "8", "--num-cpus", "8",
+                        "--contenders", "tune_asha,tune_asha_shared,packed_asha", "--rounds", "1",
+                        "--out", "{out}/tune.json"), 150, needs_ray=True),
     Step("multiplex", _bench("multiplex.py", "--device", "cuda", "--rounds", "3", "--steps", "100",
                              "--out", "{out}/multiplex.json"), 60),
     Step("multiplex_gpu_bound", _bench("multiplex.py", "--device", "cuda", "--foreground", "gpu",
@@ -89,8 +96,6 @@ STEPS: tuple[Step, ...] = (
     Step("train", ("{py}", "-m", "jabasray.cli", "train", "--device", "cuda", "--epochs", "1",
                    "--no-progress", "--storage-path", "{out}/runs", "--name", "campaign"), 90,
          needs_ray=True, json=False),
-    Step("tune", _bench("hyperband.py", "--device", "cuda", "--R", "9", "--steps-per-unit", "20",
-                        "--rounds", "1", "--out", "{out}/tune.json"), 90, needs_ray=True),
 )
 
 
@@ -183,10 +188,25 @@ def _packing(doc: dict) -> str:
     return "; ".join(out)
 
 
+def _tune(doc: dict) -> str:
+    """Tune's trials / packed trials (> 1: packed faster), medians of the rounds: to finish and
+    to within 1 point, for each Tune contender that ran."""
+    summary = doc.get("summary", {})
+    out = []
+    for base in ("tune_asha", "tune_asha_shared", "tune_hyperband"):
+        other = "packed_hyperband" if base == "tune_hyperband" else "packed_asha"
+        finish, within = (summary.get(f"{base}/{other} {k}") for k in ("wall_s", "time_to_within_1pt_s"))
+        if finish:
+            out.append(f"{base}/{other}: finish {finish['median']:.2f}x, within 1 pt "
+                       f"{within['median']:.2f}x" if within else
+                       f"{base}/{other}: finish {finish['median']:.2f}x")
+    return "; ".join(out)
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
     "engine_overhead": _engine,
-    "packing": _packing,
+    "packing": _packing, "tune": _tune,
 }
 
 

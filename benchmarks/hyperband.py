@@ -12,6 +12,8 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   ``--members`` per device) under the same ``ASHAScheduler``, with ``SimilaritySearch`` order;
 * ``D packed_hyperband``: :class:`jabasray.tuner.PackedHyperband` (Tune's HyperBandScheduler +
   kNN order per bracket) with packed trials.
+* ``tune_asha_shared`` (only when named; ``--device cuda``): A with ``1 / --members`` of a GPU
+  per trial -- what Tune users do today to share one GPU among small trials;
 * ``packed_asha_sync`` (only when named in ``--contenders``): C with ``run_ahead=False`` --
   every unit waits for all its members' trials to ask -- to measure what running one unit
   ahead of Tune gains (``packed_asha_sync/packed_asha`` ratios).
@@ -20,8 +22,9 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   promotions and to the packs.
 
 Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
-the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (MLP-3 on
-digits, ``--steps-per-unit`` steps per unit) and reads the same data; the units each one
+the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (``--workload``:
+MLP-3 on digits, or on generated CIFAR-sized images a 1.7M-parameter MLP or a small CNN,
+:mod:`jabasray.tuner.cifar_sized`; ``--steps-per-unit`` steps per unit) and reads the same data; the units each one
 actually trains are reported (schedulers decide differently). Rounds are paired: A B C D,
 A B C D, ... (the order rotates each round); per-round ratios and their median are reported,
 never the best of each side from different rounds. For every run: wall time to finish, time
@@ -51,7 +54,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import default_out, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
-EXTRA_CONTENDERS = ("packed_asha_sync", "packed_asha_plain")   # only when named in --contenders
+EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain")   # only when named
+
+
+def workload_spec(name: str, steps_per_unit: int, seed: int, device: str):
+    """The TrainingSpec of ``--workload``: digits_mlp | cifar_mlp | cifar_cnn."""
+    from jabasray.tuner.cifar_sized import cifar_mlp_spec, small_cnn_spec
+    from jabasray.tuner.digits import digits_mlp_spec
+    make = {"digits_mlp": digits_mlp_spec, "cifar_mlp": cifar_mlp_spec, "cifar_cnn": small_cnn_spec}[name]
+    return make(steps_per_unit=steps_per_unit, seed=seed, device=device)
 
 
 def trajectory_stats(points: list[tuple[float, float]], target: float) -> dict:
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: on a Ray node with GPUs; Tune's trials take one GPU each, packed "
                          "trials 1/members of one")
+    ap.add_argument("--workload", choices=("digits_mlp", "cifar_mlp", "cifar_cnn"), default="digits_mlp",
+                    help="the model and data every contender trains (cifar_*: generated 3x32x32 images)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--out", default=default_out('hyperband.json'))
     args = ap.parse_args(argv)
@@ -96,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"contenders must be among {', '.join(CONTENDERS + EXTRA_CONTENDERS)}, got {c!r}",
                   file=sys.stderr)
             return 2
+    if "tune_asha_shared" in contenders and args.device != "cuda":
+        print("contenders: tune_asha_shared (1/--members of a GPU per trial) needs --device cuda",
+              file=sys.stderr)
+        return 2
 
     import ray
     from ray import tune
@@ -105,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from jabasray.planners.pack_opt import TABLE3_SPACE
     from jabasray.tuner import (PackedHyperband, SimilaritySearch, coordinator_stats, hyperband_schedule,
                                 make_trainable, packed)
-    from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
+    from jabasray.tuner.digits import TABLE3_PARAM_VALUES
     from jabasray.tuner.schedulers import hyperband_scheduler
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -117,15 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     storage = tempfile.mkdtemp(prefix="jabasray_hb_bench_")
-    spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit, seed=args.seed, device=args.device)
+    spec = workload_spec(args.workload, args.steps_per_unit, args.seed, args.device)
     space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
     n_configs = sum(b.num_configs for b in hyperband_schedule(args.R, args.eta))
     configs = TABLE3_SPACE.sample(n_configs, random.Random(args.seed))
     stream_batch = max(TABLE3_PARAM_VALUES["batch_size"])
     data = spec.data_fn()
-    plain = tune.with_resources(tune.with_parameters(
-        make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data),
-        {"cpu": 1, "gpu": 1} if args.device == "cuda" else {"cpu": 1})
+    plain_trainable = tune.with_parameters(make_trainable(spec, stream_batch=stream_batch, max_units=args.R),
+                                           data=data)
+    plain = tune.with_resources(plain_trainable, {"cpu": 1, "gpu": 1} if args.device == "cuda" else {"cpu": 1})
+    # what Tune users do to share one GPU: a fraction of it (and of the CPUs) per trial
+    shared = tune.with_resources(plain_trainable, {"cpu": args.num_cpus / args.members, "gpu": 1 / args.members})
 
     class Recorder(tune.Callback):
         def __init__(self) -> None:
@@ -139,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def tune_config(name: str):
         asha = dict(max_t=args.R, grace_period=1, reduction_factor=args.eta)
-        if name == "tune_asha":
-            return plain, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
+        if name in ("tune_asha", "tune_asha_shared"):
+            return plain if name == "tune_asha" else shared, tune.TuneConfig(metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                                           search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
                                           scheduler=ASHAScheduler(**asha))
         if name == "tune_hyperband":
@@ -221,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         return vals
 
     summary = {}
-    for base, other in (("tune_asha", "packed_asha"), ("tune_hyperband", "packed_hyperband"),
+    for base, other in (("tune_asha", "packed_asha"), ("tune_asha_shared", "packed_asha"),
+                        ("tune_hyperband", "packed_hyperband"),
                         ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha"),
                         ("tune_asha", "packed_asha_plain")):
         for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s", "s_per_unit"):

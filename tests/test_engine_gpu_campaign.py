@@ -82,6 +82,13 @@ def test_headlines_and_summary_table(tmp_path):
     assert gc.headline(steps["cuda_tests"], tmp_path) == "41 passed, 2 failed, 3 skipped"
     assert gc.headline(steps["packing"], tmp_path).startswith("(no headline")
     assert gc.headline(steps["multiplex"], tmp_path) == ""
+    (tmp_path / "tune.json").write_text(json.dumps({"summary": {
+        "tune_asha/packed_asha wall_s": {"per_round": [1.5], "median": 1.5},
+        "tune_asha/packed_asha time_to_within_1pt_s": {"per_round": [2.25], "median": 2.25},
+        "tune_asha_shared/packed_asha wall_s": {"per_round": [3.0], "median": 3.0},
+        "packed_asha best_accuracy": [0.5]}}))
+    assert gc.headline(steps["tune"], tmp_path) == ("tune_asha/packed_asha: finish 1.50x, within 1 pt "
+                                                    "2.25x; tune_asha_shared/packed_asha: finish 3.00x")
     outcomes = [gc.Outcome("cuda_tests", ["pytest"], "ok", 12.3, 0, headline="41 passed", limit_s=120),
                 gc.Outcome("packing", ["x"], "failed", 3.0, 1, limit_s=45),
                 gc.Outcome("engine_transformer", ["x"], "timeout", 60.0, None, limit_s=60),
