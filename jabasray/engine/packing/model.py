@@ -1,6 +1,7 @@
 """``PackedModel`` and ``pack``: K models trained as one (see :mod:`jabasray.engine.packing`)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import warnings
 from typing import Callable, Sequence
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from jabasray.config import CUDA_GRAPH_MODES
 from jabasray.engine.packing.folded import NotFoldable, build_folded, foldable
 from jabasray.engine.packing.fused import adagrad_step, adam_step, sgd_step
+from jabasray.engine.packing.graphed import PackGraphs
 from jabasray.engine.packing.keys import (activation_signature, architecture_key, batchable,
                                           optimizer_kind, structure_key)
 from jabasray.engine.packing.state import (STEP_COUNTED, _Group, _Member, _Run, flush_run,
@@ -26,6 +29,8 @@ _LAYOUT_WARNING = "grad and param do not obey the gradient layout contract"
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+_COLUMN_GENERATION = itertools.count(1)   # a run's columns are new tensors: a new generation
+
 __all__ = ["PackedModel", "pack"]
 
 
@@ -35,12 +40,22 @@ class PackedModel:
     Members are identified by integer ids (``0..K-1`` for the models given to :func:`pack`,
     then increasing ids for :meth:`load`). :meth:`train_step` returns the losses in the order
     of :attr:`member_ids`.
+
+    ``cuda_graphs``: ``"auto"`` (default) replays the packed step as ONE CUDA graph on a CUDA
+    device while the pack's membership and batch shape stay the same (re-captured after every
+    restack; an eager fallback with one log line where it cannot be captured), ``"off"``: always
+    eager. See :mod:`jabasray.engine.packing.graphed` for what is captured and what invalidates
+    a graph.
     """
 
-    def __init__(self, loss_fn: LossFn = nn.functional.cross_entropy, execution: str = "auto") -> None:
+    def __init__(self, loss_fn: LossFn = nn.functional.cross_entropy, execution: str = "auto",
+                 cuda_graphs: str = "auto") -> None:
         check_choice("execution", execution, ("auto", "vmap"))
+        check_choice("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)
         self.loss_fn = loss_fn
         self.execution = execution
+        self.cuda_graphs = cuda_graphs
+        self._graphs = PackGraphs(self, cuda_graphs)
         self._members: dict[int, _Member] = {}
         self._groups: list[_Group] = []
         self._relax = True          # batch members differing only in activations (folded path)
@@ -63,6 +78,15 @@ class PackedModel:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    @property
+    def last_step_graphed(self) -> bool:
+        """Whether the last :meth:`train_step` was a replay of a captured CUDA graph."""
+        return self._graphs.last_graphed
+
+    def graph_fallback_reason(self) -> str | None:
+        """Why packed steps run eagerly (``None``: they are, or will be, captured as a graph)."""
+        return self._graphs.fallback_reason()
 
     def model(self, member: int) -> nn.Module:
         """Member's module; its parameters alias the pack's stacked storage (current weights)."""
@@ -148,6 +172,7 @@ class PackedModel:
                     for run in g.runs:
                         flush_run(g, run)
         self._groups = []
+        self._graphs.invalidate()           # the stacked tensors a graph read are gone
 
     def sync(self) -> None:
         """Write the stacked weights and optimizer state back into every member's own module
@@ -203,6 +228,19 @@ class PackedModel:
         if inputs.shape[0] < need or targets.shape[0] < need:
             raise ValueError(f"inputs must hold at least max(batch_sizes) = {need} samples, "
                              f"got {inputs.shape[0]} inputs and {targets.shape[0]} targets")
+        return self._graphs.step(inputs, targets)
+
+    def _eager_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One packed step, eagerly: :meth:`_step_body`, then :meth:`_advance`."""
+        losses = self._step_body(inputs, targets)
+        self._advance()
+        return losses
+
+    def _step_body(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The device work of one packed step (what a CUDA graph captures): every group's
+        forward, the summed loss, ONE backward, every group's optimizer update; returns the
+        losses in member-id order. Host bookkeeping of the step (step counts, momentum-buffer
+        flags) is left to :meth:`_advance`, so a replay can advance it without this body."""
         x = inputs.to(self.device, non_blocking=True)     # shared input stream: one copy
         y = targets.to(self.device, non_blocking=True)
         vectors: list[torch.Tensor] = []           # per group: its members' losses, [K_g]
@@ -297,6 +335,7 @@ class PackedModel:
             groups.append(self._stack(members))
         self._groups = groups
         self._order = None
+        self._graphs.invalidate()
         log.debug("pack regrouped: %s", self.groups())
 
     def _stack(self, members: list[_Member]) -> _Group:
@@ -348,14 +387,19 @@ class PackedModel:
         for run in g.runs:
             self._step_run(g, run)
 
+    @staticmethod
+    def _hp(g: _Group, run: _Run) -> list[dict]:
+        return [m.optimizer.param_groups[0] for m in g.members[run.lo:run.hi]]
+
     def _step_run(self, g: _Group, run: _Run) -> None:
-        """One fused update of the run's rows. Hyper-parameters come from each member's
-        ``param_groups`` (LR schedulers keep working) but live on the device as cached
-        ``[K_g, 1]`` columns (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are
-        computed on the device from a device step counter -- as torch's ``capturable``
-        optimizers do --, so a steady-state step copies nothing from the host (no host sync)."""
+        """One fused update of the run's rows (device work only; :meth:`_advance_run` does the
+        host bookkeeping). Hyper-parameters come from each member's ``param_groups`` (LR
+        schedulers keep working) but live on the device as cached ``[K_g, 1]`` columns
+        (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are computed on the
+        device from a device step counter -- as torch's ``capturable`` optimizers do --, so a
+        steady-state step copies nothing from the host (no host sync) and can be captured."""
         members = g.members[run.lo:run.hi]
-        hp = [m.optimizer.param_groups[0] for m in members]
+        hp = self._hp(g, run)
         p, grad = g.flat.data[run.lo:run.hi], g.gflat[run.lo:run.hi]
         if run.kind == "generic":
             for k, m in zip(range(run.lo, run.hi), members):
@@ -367,21 +411,17 @@ class PackedModel:
         c = self._columns(run, hp, p)
         wd = c.get("wd")
         if run.kind.startswith("sgd"):
-            moms = [h["momentum"] for h in hp]
-            has_state = "buf" in run.state
-            if not has_state and any(moms):                  # momentum switched on mid-pack
+            path = _sgd_path(run, hp)
+            if path != "plain" and "buf" not in run.state:   # momentum switched on mid-pack
                 run.state["buf"] = torch.zeros_like(p)
-            if any(moms) and (not all(moms) or len({bool(h["nesterov"]) for h in hp}) != 1
-                              or not has_state):
+            if path == "mixed":
                 self._sgd_mixed(run, p, grad, hp, c)
-            elif any(moms):
+            elif path == "fused":
                 sgd_step(p, grad, run.state["buf"], run.has_buf, c["lr"], c["momentum"],
                           c["one_minus_dampening"], wd, bool(hp[0]["nesterov"]))
-                run.has_buf = True
             else:
                 sgd_step(p, grad, None, False, c["lr"], None, None, wd, False)
         elif run.kind == "adam":
-            run.steps = [s + 1 for s in run.steps]           # host copy (checkpoints): no sync
             run.t.add_(1)
             # torch's _single_tensor_adam computes these in Python doubles; here in float64 on
             # the device, rounded to the parameters' dtype as a Python scalar argument would be
@@ -390,16 +430,33 @@ class PackedModel:
             adam_step(p, grad, run.state["m"], run.state["v"], c["one_minus_b1"], c["b2"],
                        c["one_minus_b2"], step_size, bc2_sqrt, c["eps"], wd)
         elif run.kind == "adagrad":
-            run.steps = [s + 1 for s in run.steps]
             run.t.add_(1)
             clr = (c["lr64"] / (1 + (run.t - 1) * c["lr_decay64"])).to(p.dtype)
             adagrad_step(p, grad, run.state["sum"], clr, c["eps"], wd)
+
+    def _advance(self) -> None:
+        """The host bookkeeping of one packed step (after its device work, eager or replayed)."""
+        for g in self._groups:
+            if g.batched:
+                for run in g.runs:
+                    if run.kind != "generic":
+                        _advance_run(run, self._hp(g, run))
+
+    def _refill_columns(self) -> None:
+        """Bring every fused run's device columns up to date (refilled in place)."""
+        for g in self._groups:
+            if g.batched:
+                for run in g.runs:
+                    if run.kind != "generic":
+                        self._columns(run, self._hp(g, run), g.flat.data[run.lo:run.hi])
 
     @staticmethod
     def _columns(run: _Run, hp: list[dict], p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The run's hyper-parameters as device columns, built when they change (one
         host -> device copy then, none in steady state). Reading ``param_groups`` is Python
-        only (see :func:`_plain` for tensor hyper-parameters)."""
+        only (see :func:`_plain` for tensor hyper-parameters). When the same columns exist
+        already, their tensors are refilled IN PLACE (a captured step reads the new values);
+        only a new set of columns makes new tensors (a new ``run.cols_gen``)."""
         names = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps", "lr_decay")
         key = tuple(tuple(_plain(h.get(n)) for n in names) for h in hp)
         if key == run.hp_key and (run.t is not None or run.kind not in STEP_COUNTED):
@@ -426,6 +483,14 @@ class PackedModel:
                      eps=col(h["eps"] for h in hp))
         if run.kind in STEP_COUNTED and run.t is None:
             run.t = col(run.steps, torch.float64)
+        old = run.cols
+        if old and old.keys() == c.keys() and all(old[n].shape == v.shape and old[n].dtype == v.dtype
+                                                  for n, v in c.items()):
+            for n, v in c.items():
+                old[n].copy_(v)
+            c = old
+        else:
+            run.cols_gen = next(_COLUMN_GENERATION)
         run.hp_key, run.cols = key, c
         return c
 
@@ -435,16 +500,44 @@ class PackedModel:
         """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time (the
         rows' hyper-parameters are views of the cached device columns)."""
         buf = run.state["buf"]
-        flags = run.row_has_buf = run.row_flags()
+        flags = run.row_flags()
         for r, h in enumerate(hp):
             wd = c["wd"][r] if h["weight_decay"] != 0 else None
             if h["momentum"] != 0:
                 sgd_step(p[r], grad[r], buf[r], flags[r], c["lr"][r], c["momentum"][r],
                           c["one_minus_dampening"][r], wd, bool(h["nesterov"]))
-                flags[r] = True
             else:
                 sgd_step(p[r], grad[r], None, False, c["lr"][r], None, None, wd, False)
-        run.has_buf = all(flags)
+
+
+def _sgd_path(run: _Run, hp: list[dict]) -> str:
+    """How an SGD run steps: ``"plain"`` (no member uses momentum), ``"fused"`` (one update of
+    all rows: every member heavy-ball or every member Nesterov, buffers stacked) or
+    ``"mixed"`` (row by row: mixed flavours, or momentum just switched on mid-pack)."""
+    moms = [h["momentum"] for h in hp]
+    if not any(moms):
+        return "plain"
+    if not all(moms) or len({bool(h["nesterov"]) for h in hp}) != 1 or "buf" not in run.state:
+        return "mixed"
+    return "fused"
+
+
+def _advance_run(run: _Run, hp: list[dict]) -> None:
+    """The host bookkeeping of one update of ``run`` (after it, eager or replayed): step
+    counts (Adam/Adagrad; a host copy for checkpoints, never read by the update) and the
+    "momentum buffer exists" flags of SGD (the next update uses the buffers)."""
+    if run.kind in STEP_COUNTED:
+        run.steps = [s + 1 for s in run.steps]
+        return
+    if not run.kind.startswith("sgd") or not any(h["momentum"] != 0 for h in hp):
+        return
+    flags = run.row_flags()                    # every momentum row has its buffer now
+    for r, h in enumerate(hp):
+        if h["momentum"] != 0:
+            flags[r] = True
+    run.has_buf = all(flags)
+    if run.row_has_buf is not None or not run.has_buf:
+        run.row_has_buf = flags
 
 
 def _plain(v):
@@ -474,18 +567,20 @@ class _Regroup(Exception):
 
 def pack(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
          batch_sizes: Sequence[int], loss_fn: LossFn = nn.functional.cross_entropy,
-         execution: str = "auto") -> PackedModel:
+         execution: str = "auto", cuda_graphs: str = "auto") -> PackedModel:
     """Pack K models (with their optimizers and batch sizes) into one :class:`PackedModel`.
 
     Member k gets id k. ``loss_fn(outputs, targets)`` must return the mean loss of a batch.
     ``execution``: ``"auto"`` (folded batched layers where possible, else vmap) or ``"vmap"``.
+    ``cuda_graphs``: ``"auto"`` (the packed step replayed as a CUDA graph where possible) or
+    ``"off"`` (see :class:`PackedModel`).
     """
     if not (len(models) == len(optimizers) == len(batch_sizes)):
         raise ValueError(f"models, optimizers and batch_sizes must have the same length, got "
                          f"{len(models)}, {len(optimizers)} and {len(batch_sizes)}")
     if len(models) == 0:
         raise ValueError("models must hold at least one model, got 0")
-    p = PackedModel(loss_fn, execution)
+    p = PackedModel(loss_fn, execution, cuda_graphs)
     for k, (m, o, b) in enumerate(zip(models, optimizers, batch_sizes)):
         check_int(f"batch_sizes[{k}]", b, min_value=1)
         p._check_member(m, o)
