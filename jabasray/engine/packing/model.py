@@ -456,15 +456,17 @@ class PackedModel:
         host -> device copy then, none in steady state). Reading ``param_groups`` is Python
         only (see :func:`_plain` for tensor hyper-parameters). When the same columns exist
         already, their tensors are refilled IN PLACE (a captured step reads the new values);
-        only a new set of columns makes new tensors (a new ``run.cols_gen``)."""
+        only a new set of columns makes new tensors (a new ``run.cols_gen``). On CUDA a
+        refill is a non-blocking copy from pinned memory (stream-ordered before the step that
+        reads it; the caching host allocator keeps the pinned block until the copy is done)."""
         names = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps", "lr_decay")
         key = tuple(tuple(_plain(h.get(n)) for n in names) for h in hp)
         if key == run.hp_key and (run.t is not None or run.kind not in STEP_COUNTED):
             return run.cols
         dt, dev = p.dtype, p.device
 
-        def col(vals, dtype=dt):
-            return torch.tensor(list(vals), dtype=dtype, device=dev).view(-1, 1)
+        def col(vals, dtype=dt):               # on the host first: a refill copies it over
+            return torch.tensor(list(vals), dtype=dtype).view(-1, 1)
 
         lr = [_plain(h["lr"]) for h in hp]
         c: dict[str, torch.Tensor] = {"lr": col(lr)}
@@ -482,14 +484,16 @@ class PackedModel:
             c.update(lr64=col(lr, torch.float64), lr_decay64=col((h["lr_decay"] for h in hp), torch.float64),
                      eps=col(h["eps"] for h in hp))
         if run.kind in STEP_COUNTED and run.t is None:
-            run.t = col(run.steps, torch.float64)
+            run.t = col(run.steps, torch.float64).to(dev)
         old = run.cols
         if old and old.keys() == c.keys() and all(old[n].shape == v.shape and old[n].dtype == v.dtype
                                                   for n, v in c.items()):
+            cuda = dev.type == "cuda"          # pinned + non-blocking: a refill does not sync
             for n, v in c.items():
-                old[n].copy_(v)
+                old[n].copy_(v.pin_memory() if cuda else v, non_blocking=cuda)
             c = old
         else:
+            c = {n: v.to(dev) for n, v in c.items()}
             run.cols_gen = next(_COLUMN_GENERATION)
         run.hp_key, run.cols = key, c
         return c
