@@ -12,7 +12,7 @@ Steps, in priority order (a GPU session may be short: the most informative first
    graph - for n = 1, 2, 4, 8 and 16 (ResNet-18, B_L 32) and n = 1, 4, 16 (the small
    transformer, B_L 32), windows of 50 steps, 3 rounds;
 3. ``engine_overhead``: the engine at 1 VSW vs a plain step;
-4. ``packing``: Pack's IMPV vs K (``benchmarks/packing.py``);
+4. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``);
 5. ``multiplex``: background multiplexing, host-bound and GPU-bound foregrounds;
 6. ``profiling``: profiler + iteration-time model vs measured steps (``benchmarks/perf_model.py``);
 7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch) and
@@ -178,8 +178,10 @@ def _packing(doc: dict) -> str:
     out = []
     for r in rows if isinstance(rows, list) else []:
         if isinstance(r, dict) and "IMPV_median_of_rounds" in r:
+            g = r.get("graph_speedup_median_of_rounds")
             out.append(f"{r.get('model', '?')}/{r.get('optimizers', '?')} K{r.get('K', '?')}: "
-                       f"IMPV {r['IMPV_median_of_rounds']:+.2f}")
+                       f"IMPV {r['IMPV_median_of_rounds']:+.2f}"
+                       + (f", graphed/eager x{g:.2f}" if isinstance(g, (int, float)) else ""))
     return "; ".join(out)
 
 

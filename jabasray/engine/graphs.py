@@ -34,7 +34,8 @@ fp16 loss scaling, a process group, a non-capturable optimizer, ...; :func:`step
 for reasons of one step: per-VSW execution, a ragged last batch, a local gradient to keep;
 :class:`GraphCache` for keys that change too often and failed captures;
 :func:`memory_headroom_blocker` where the graph's memory pool would leave too little for a
-later eager step).
+later eager step). :func:`captured_for` is that decision for one key (warm-up, memory check,
+capture, failure), shared with the packed step's graphs (:mod:`jabasray.engine.packing.graphed`).
 
 The one-way weight copy to the replicas is not captured: a batched step runs no replica, so
 the copy is deferred until a replica is used (the worker's ``_refresh_replicas``), as eagerly.
