@@ -369,10 +369,10 @@ def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tm
 
     host = cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    slow = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=0.2)])   # 2 actors: a short test
+    pair = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0)])   # 2 actors: a short test
     ds, val = tiny_data(240)
     held = HeldRows(ds, tmp_path, after=240 + 32)
-    trainer = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=slow,
+    trainer = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=pair,
                            run_config=RunConfig(str(tmp_path), "dnode"), val_dataset=val,
                            perf_model=perf_model(SPEEDS),
                            options=DriverOptions(driver="actor", driver_node=host.node_id,

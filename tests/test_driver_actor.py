@@ -39,9 +39,6 @@ pytestmark = pytest.mark.ray
 # one GPU: the driver actor's restart, detaching and following hold for any GPU count, and each
 # GPU actor is one more Ray worker process (~4 s of CPU) per placement
 FAST = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=1.0)])
-# the same GPU emulated 20x slower (sleeps only: the same numbers), so that a test can act
-# in the middle of an epoch
-SLOW = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=0.05)])
 
 
 class Recorder(DriverCallback):
@@ -103,7 +100,7 @@ def reference(ray_session, tmp_path_factory):
 def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(ray_session, reference, tmp_path):
     ray = ray_session
     name = "killed"
-    run = trainer(tmp_path, name, 2, cluster=SLOW, held=True)
+    run = trainer(tmp_path, name, 2, held=True)
     assert run.fit(wait=False) == name
     assert name in run_client.running_runs()
     # held mid-epoch 1 (the epoch-1 checkpoint exists) until the driver is killed

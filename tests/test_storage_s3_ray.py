@@ -25,7 +25,7 @@ import torch
 
 from actors_helpers import HeldRows, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from s3_helpers import EnvVars, S3Server
-from test_driver_actor import SLOW, FAST
+from test_driver_actor import FAST
 from test_trainer import assert_same_training, job
 from jabasray.actors import run_client
 from jabasray.actors.driver import DriverOptions, JabasDriver
@@ -150,7 +150,7 @@ def test_resume_on_s3_equals_uninterrupted(s3, reference):
 
 def test_driver_actor_killed_mid_epoch_recovers_from_s3(s3, reference, tmp_path):
     name = "killed"
-    run = trainer(name, 2, cluster=SLOW, driver="actor", held_in=tmp_path)
+    run = trainer(name, 2, driver="actor", held_in=tmp_path)
     assert run.fit(wait=False) == name
     run.dataset.wait_held()                        # mid-epoch 1: the epoch-1 checkpoint exists
     st = run_client.status(name)

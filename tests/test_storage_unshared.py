@@ -37,7 +37,7 @@ pytestmark = pytest.mark.multinode
 
 # one of the head's GPUs, slowly: the refusal holds for any GPU count, and each GPU actor is a
 # Ray worker importing torch
-SLOW = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=0.05)])
+ONE = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=1.0)])
 DRIVER_HOST = "driver_host"
 
 
@@ -193,7 +193,7 @@ def test_driver_restarted_where_the_run_folder_is_not_visible_refuses_in_one_lin
 
     ds, val = tiny_data(200)
     held = HeldRows(ds, tmp_path, after=200 + 40)    # holds the run mid-epoch 1
-    tr = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(3), cluster=SLOW,
+    tr = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=ONE,
                       run_config=RunConfig(str(storage), "r"), val_dataset=val, perf_model=perf_model(),
                       options=DriverOptions(driver="actor", driver_node=ids["a"],
                                             driver_resources={DRIVER_HOST: 1}))
