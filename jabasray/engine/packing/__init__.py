@@ -4,7 +4,8 @@ Implementation notes
 --------------------
 The package holds one concern per module: :mod:`.keys` (grouping keys), :mod:`.fused` (the
 fused optimizer updates), :mod:`.folded` (the folded layers), :mod:`.state` (stacked state and
-the ONE slot -> optimizer-state-key table), :mod:`.graphed` (the packed step as one CUDA
+the ONE slot -> optimizer-state-key table), :mod:`.update` (the runs' fused update: device
+columns, device step counters, host bookkeeping), :mod:`.graphed` (the packed step as one CUDA
 graph) and :mod:`.model` (``PackedModel`` / ``pack``).
 
 ``pack(models, optimizers, batch_sizes)`` returns a :class:`PackedModel`. One call of

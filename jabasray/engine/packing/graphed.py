@@ -19,7 +19,7 @@ nothing, so the step it was captured for is run by the first replay. A replay co
 into the static buffers (``copy_``), replays, then advances the host bookkeeping the eager step
 advances (Adam/Adagrad step counts, SGD momentum-buffer flags: :meth:`PackedModel._advance`).
 
-Hyper-parameters: ``PackedModel._columns`` refills a run's device columns IN PLACE when a
+Hyper-parameters: :func:`.update.columns` refills a run's device columns IN PLACE when a
 value changes (an LR scheduler, a changed weight decay value), before the key is taken: the
 replay reads the new values from the tensors the graph was captured with; no re-capture.
 
@@ -111,12 +111,17 @@ def pack_graph_key(build: int, inputs: torch.Tensor, targets: torch.Tensor,
 @contextlib.contextmanager
 def side_stream(stream: Any) -> Iterator[None]:
     """Run the block on ``stream``, ordered after the current stream's work and before its
-    later work (PyTorch's capture recipe: warm-up steps on a side stream)."""
+    later work (PyTorch's capture recipe: warm-up steps on a side stream). Tensors the block
+    allocates and the current stream later uses (losses, lazily built columns) need no
+    ``record_stream``: every block on ``stream`` starts after the current stream's pending
+    work, so a block freed there is reused only after that work."""
     cur = torch.cuda.current_stream(stream.device)
     stream.wait_stream(cur)
-    with torch.cuda.stream(stream):
-        yield
-    cur.wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        cur.wait_stream(stream)
 
 
 @dataclass
