@@ -367,3 +367,31 @@ def test_cuda_graphed_pack_steady_state_does_not_synchronise():
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.isfinite(total).all()
+
+
+@pytest.mark.usefixtures("float64")
+def test_momentum_switched_on_mid_pack_recaptures_and_stays_exact(monkeypatch):
+    """A plain-SGD run whose member 0 switches momentum on: the update's code path changes
+    (a momentum buffer is created, the run steps row by row), so the graph is re-captured
+    after a new warm-up; the replayed row-by-row update keeps every member exact."""
+    _fake_cuda(monkeypatch)
+    torch.manual_seed(0)
+    spec = [((8,), SGD, dict(lr=0.1), 8), ((8,), SGD, dict(lr=0.05, weight_decay=1e-3), 6)]
+    trio = _Trio(spec)
+    g = torch.Generator().manual_seed(3)
+    graphed_steps = []
+    for s in range(12):
+        if s == 6:
+            for o in trio.opts(0):
+                o.param_groups[0]["momentum"] = 0.9
+        x, y = torch.rand(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+        out, ref = trio.step(x, y)
+        graphed_steps.append(trio.packs["auto"].last_step_graphed)
+        torch.testing.assert_close(out["auto"], out["off"], rtol=0, atol=0)
+        torch.testing.assert_close(out["auto"], ref)
+    assert graphed_steps == [False] * 4 + [True] * 2 + [False] * 4 + [True] * 2
+    for p in trio.packs.values():
+        (_, o0), _ = p.free_all()
+        ref_state = trio.solo[0][1].state_dict()["state"]
+        for i, st in o0.state_dict()["state"].items():
+            torch.testing.assert_close(st["momentum_buffer"], ref_state[i]["momentum_buffer"])
