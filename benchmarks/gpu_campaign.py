@@ -12,11 +12,11 @@ Steps, in priority order (a GPU session may be short: the most informative first
    graph - for n = 1, 2, 4, 8 and 16 (ResNet-18, B_L 32) and n = 1, 4, 16 (the small
    transformer, B_L 32), windows of 50 steps, 3 rounds;
 3. ``engine_overhead``: the engine at 1 VSW vs a plain step;
-4. ``packing``: Pack's IMPV vs K (``benchmarks/packing.py``), and where Ray is importable
-   ``tune`` (packed ASHA against Tune's ASHA with one GPU per trial and with 1/8 of it per
-   trial, the CIFAR-sized MLP, K = 8, R = 9: ``benchmarks/hyperband.py --device cuda``, small;
-   the full evidence runs the same command at ``--R 27`` for ``--members 8``, ``16``, ``32`` and
-   ``--workload cifar_cnn``);
+4. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``),
+   and where Ray is importable ``tune`` (packed ASHA against Tune's ASHA with one GPU per trial
+   and with 1/8 of it per trial, the CIFAR-sized MLP, K = 8, R = 9: ``benchmarks/hyperband.py
+   --device cuda``, small; the full evidence runs the same command at ``--R 27`` for
+   ``--members 8``, ``16``, ``32`` and ``--workload cifar_cnn``);
 5. ``multiplex``: background multiplexing, host-bound and GPU-bound foregrounds;
 6. ``profiling``: profiler + iteration-time model vs measured steps (``benchmarks/perf_model.py``);
 7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch).
@@ -183,8 +183,10 @@ def _packing(doc: dict) -> str:
     out = []
     for r in rows if isinstance(rows, list) else []:
         if isinstance(r, dict) and "IMPV_median_of_rounds" in r:
+            g = r.get("graph_speedup_median_of_rounds")
             out.append(f"{r.get('model', '?')}/{r.get('optimizers', '?')} K{r.get('K', '?')}: "
-                       f"IMPV {r['IMPV_median_of_rounds']:+.2f}")
+                       f"IMPV {r['IMPV_median_of_rounds']:+.2f}"
+                       + (f", graphed/eager x{g:.2f}" if isinstance(g, (int, float)) else ""))
     return "; ".join(out)
 
 

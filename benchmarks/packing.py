@@ -18,6 +18,11 @@ the JSON too). No Ray. ``--device cuda`` runs on a GPU.
 
 ``IMPV_median_of_rounds`` is the median of per-round (paired) IMPVs; ``IMPV`` the older
 best-of-repeats figure, kept for comparison with earlier rows of RESULTS.md.
+
+On a CUDA device the pack's step is replayed as a CUDA graph (``cuda_graphs="auto"``, the
+default); the same pack with ``cuda_graphs="off"`` runs as a further contender ``pack_eager``,
+and ``graph_speedup_median_of_rounds`` is the median of per-round ``T(pack_eager) / T(pack)``.
+The order of the variants rotates every round.
 """
 from __future__ import annotations
 
@@ -73,7 +78,11 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
     models, opts = _members(model_name, K, opt_mix, device)
     seq_models = [copy.deepcopy(m) for m in models]
     seq_opts = [type(o)(m.parameters(), **o.defaults) for o, m in zip(opts, seq_models)]
+    graphs = device.startswith("cuda")               # graphed vs eager pack: a GPU-only pair
+    eager_models = [copy.deepcopy(m) for m in models] if graphs else []
+    eager_opts = [type(o)(m.parameters(), **o.defaults) for o, m in zip(opts, eager_models)]
     packed = pack(models, opts, [batch] * K)
+    packed_eager = pack(eager_models, eager_opts, [batch] * K, cuda_graphs="off") if graphs else None
     ens_models = [copy.deepcopy(m) for m in models]
     params, _ = stack_module_state(ens_models)
     base = copy.deepcopy(ens_models[0]).to("meta")
@@ -96,6 +105,9 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
     def pack_step():
         packed.train_step_tensor(x, y)                 # Eq. 2
 
+    def pack_eager_step():
+        packed_eager.train_step_tensor(x, y)
+
     def ens_step():                                     # torch.func ensembling + stacked SGD
         g = ens_grad(params, x, y)
         with torch.no_grad():
@@ -103,13 +115,16 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
                 params[n].sub_(lrs.view(-1, *([1] * (params[n].dim() - 1))) * g[n])
 
     variants = {"seq": seq_step, "pack": pack_step, "torch_func": ens_step}
-    for fn in variants.values():                        # warm-up (and folded-execution check)
-        for _ in range(3):
+    if graphs:
+        variants["pack_eager"] = pack_eager_step
+    for fn in variants.values():                        # warm-up (folded-execution check, and
+        for _ in range(6):                              # the graph's warm-up and capture)
             fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):                            # interleaved repeats
-        for k, fn in variants.items():
-            times[k].append(_time(fn, steps, device))
+    names = list(variants)
+    for r in range(repeats):                            # interleaved repeats, order rotated
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(_time(variants[k], steps, device))
     # min over interleaved repeats: the machine is shared, other processes only ever ADD time
     best = {k: min(v) for k, v in times.items()}
     medians = {f"median_{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}
@@ -121,7 +136,16 @@ def measure(model_name: str, K: int, opt_mix: str, device: str, batch: int, repe
             "T_torch_func_ms": best["torch_func"] * 1e3,
             "IMPV": (best["seq"] - best["pack"]) / best["seq"],
             "IMPV_torch_func": (best["seq"] - best["torch_func"]) / best["seq"],
-            "speedup": best["seq"] / best["pack"]}
+            "speedup": best["seq"] / best["pack"],
+            **(_graph_figures(times, packed) if graphs else {})}
+
+
+def _graph_figures(times: dict[str, list[float]], packed) -> dict:
+    """Graphed (``pack``) vs eager (``pack_eager``) pack: per-round ratios and their median."""
+    ratios = [e / g for e, g in zip(times["pack_eager"], times["pack"])]
+    return {"pack_graphed": packed.last_step_graphed, "graph_fallback": packed.graph_fallback_reason(),
+            "graph_speedup_per_round": ratios,
+            "graph_speedup_median_of_rounds": statistics.median(ratios)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,6 +81,12 @@ def test_headlines_and_summary_table(tmp_path):
         "resnet18 B_L32 n4: eager 1.02, graph 0.97; 1 VSW / plain at batch 32: 1.05"
     assert gc.headline(steps["cuda_tests"], tmp_path) == "41 passed, 2 failed, 3 skipped"
     assert gc.headline(steps["packing"], tmp_path).startswith("(no headline")
+    (tmp_path / "packing.json").write_text(json.dumps({"rows": [
+        {"model": "mlp", "optimizers": "mixed", "K": 8, "IMPV_median_of_rounds": 0.5,
+         "graph_speedup_median_of_rounds": 1.75},
+        {"model": "cnn", "optimizers": "same", "K": 2, "IMPV_median_of_rounds": -0.25}]}))
+    assert gc.headline(steps["packing"], tmp_path) == \
+        "mlp/mixed K8: IMPV +0.50, graphed/eager x1.75; cnn/same K2: IMPV -0.25"
     assert gc.headline(steps["multiplex"], tmp_path) == ""
     (tmp_path / "tune.json").write_text(json.dumps({"summary": {
         "tune_asha/packed_asha wall_s": {"per_round": [1.5], "median": 1.5},

@@ -111,13 +111,15 @@ def test_steady_state_packed_step_is_sync_free_and_exact(name):
 
 @pytest.mark.cuda
 def test_packed_step_has_no_host_sync_on_cuda():
-    """``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising call."""
+    """``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising call. The eager
+    packed step (``cuda_graphs="off"``; the graphed one: tests/test_packing_graphs.py, whose
+    capture synchronises once)."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     models = [MLP(hidden=(16,)).to(dev) for _ in range(3)]
     opts = [Adam(models[0].parameters(), lr=1e-2), SGD(models[1].parameters(), lr=0.1, momentum=0.9),
             Adagrad(models[2].parameters(), lr=0.1)]
-    p = pack(models, opts, [16, 8, 12])
+    p = pack(models, opts, [16, 8, 12], cuda_graphs="off")
     x, y = torch.rand(16, 64, device=dev), torch.randint(0, 10, (16,), device=dev)
     for _ in range(3):
         p.train_step_tensor(x, y)

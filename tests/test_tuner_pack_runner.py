@@ -221,3 +221,29 @@ def test_joins_and_leaves_of_a_unit_boundary_restack_once_and_stay_exact():
         for k in "cde":
             _check(rows[k], *refs[k].unit(pos))
         assert rows["c"]["pack_size"] == 3
+
+
+def test_the_spec_s_cuda_graphs_reaches_the_pack_and_graphed_units_stay_exact(monkeypatch):
+    """``TrainingSpec.cuda_graphs`` is the packed model's mode; with a stand-in capture
+    backend (tests/test_packing_graphs.py) the later units' steps are graph replays and every
+    member still equals its configuration trained alone."""
+    from test_packing_graphs import _fake_cuda
+    with pytest.raises(ValueError, match="cuda_graphs must be one of 'auto', 'off', got 'yes'"):
+        dataclasses.replace(SPEC, cuda_graphs="yes")
+    off = PackRunner(dataclasses.replace(SPEC, cuda_graphs="off"), STREAM)
+    off.load("a", A)
+    off.unit(["a"])
+    assert off.pack.cuda_graphs == "off"
+    _fake_cuda(monkeypatch)
+    run = PackRunner(SPEC, STREAM)
+    refs = {"a": _Alone(A, SPEC), "b": _Alone(B, SPEC)}
+    run.load("a", A)
+    run.load("b", B)
+    graphed = []
+    for _ in range(3):
+        pos = run.position
+        rows = run.unit(["a", "b"])
+        graphed.append(run.pack.last_step_graphed)
+        for k in ("a", "b"):
+            _check(rows[k], *refs[k].unit(pos))
+    assert run.pack.cuda_graphs == "auto" and graphed == [False, True, True]

@@ -34,7 +34,8 @@ fp16 loss scaling, a process group, a non-capturable optimizer, ...; :func:`step
 for reasons of one step: per-VSW execution, a ragged last batch, a local gradient to keep;
 :class:`GraphCache` for keys that change too often and failed captures;
 :func:`memory_headroom_blocker` where the graph's memory pool would leave too little for a
-later eager step).
+later eager step). :func:`captured_for` is that decision for one key (warm-up, memory check,
+capture, failure), shared with the packed step's graphs (:mod:`jabasray.engine.packing.graphed`).
 
 The one-way weight copy to the replicas is not captured: a batched step runs no replica, so
 the copy is deferred until a replica is used (the worker's ``_refresh_replicas``), as eagerly.
@@ -385,7 +386,7 @@ class GraphCache:
         self.warmup, self.max_graphs, self.max_signatures = warmup, max_graphs, max_signatures
         self.on_drop = on_drop           # called before captured steps are dropped (e.g. wait
                                          # for pending replays: their memory is released)
-        self.graphs: OrderedDict[tuple, CapturedStep] = OrderedDict()
+        self.graphs: OrderedDict[tuple, Any] = OrderedDict()   # key -> captured step
         self.eager_steps: OrderedDict[tuple, int] = OrderedDict()
         self.disabled: str | None = None
         self.refused: set[tuple] = set()         # keys that run eagerly (e.g. not enough memory)
@@ -418,10 +419,10 @@ class GraphCache:
         """Run ``key`` eagerly from now on (until :meth:`clear`)."""
         self.refused.add(key)
 
-    def get(self, key: tuple) -> CapturedStep:
+    def get(self, key: tuple) -> Any:
         return self.graphs[key]
 
-    def add(self, key: tuple, step: CapturedStep) -> None:
+    def add(self, key: tuple, step: Any) -> None:
         self.graphs[key] = step
         self.graphs.move_to_end(key)
         self.captures += 1
@@ -446,6 +447,41 @@ class GraphCache:
         self.graphs.clear()
         self.eager_steps.clear()
         self.refused.clear()
+
+
+def captured_for(cache: GraphCache, key: tuple, device: torch.device, capture: Callable[[], Any],
+                 say: Callable[[str], None]) -> Any | None:
+    """The captured step of ``key`` to replay now, or ``None``: run this step eagerly.
+
+    The decision every graphed engine shares (:meth:`GraphCache.decide`): a warm-up step runs
+    eagerly (its last one on an emptied allocator cache, so the memory check sees one step's
+    working set, :func:`memory_headroom_blocker`); a due capture is refused for ``key`` when
+    memory is short; ``capture()`` (records, executes nothing) failing disables the cache for
+    good. ``say(reason)`` is called with the reason of every fallback (the caller logs it once).
+    A returned step was just captured or captured before; either way its replay runs the step.
+    """
+    action = cache.decide(key)
+    if cache.disabled is not None:
+        say(cache.disabled)
+        return None
+    if action == "eager":
+        if cache.eager_steps.get(key) == cache.warmup:
+            release_cached_memory(device)        # this step's working set shows alone
+        return None
+    if action == "capture":
+        why = device_memory_blocker(device)
+        if why is not None:
+            cache.refuse(key)
+            say(why)
+            return None
+        try:
+            cache.add(key, capture())
+        except Exception as e:  # noqa: BLE001 - the step runs eagerly instead
+            first = (str(e).strip().splitlines() or [""])[0]
+            cache.disable(f"capture failed ({type(e).__name__}: {first})")
+            say(cache.disabled)
+            return None
+    return cache.get(key)
 
 
 class GraphedSteps:
@@ -476,31 +512,18 @@ class GraphedSteps:
             return None
         key = graph_key(self._num_vsw, self._num_ga, self._local_batch_size, sigs.pop(),
                         self.model.training, self.optimizer, self.grad_clip_norm)
-        action = self._graphs.decide(key)
-        if self._graphs.disabled is not None:
-            self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
-            return None
-        if action == "eager":
-            if self._graphs.eager_steps.get(key) == self._graphs.warmup:
-                release_cached_memory(self.device)   # this step's working set shows alone
-            return None
         parts = round_parts(micro_batches, self._num_vsw, self._num_ga)
-        if action == "capture":
-            why = device_memory_blocker(self.device)
-            if why is not None:
-                self._graphs.refuse(key)
-                self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
-                return None
-            try:
-                self._graphs.add(key, self._capture(parts))
-            except Exception as e:  # noqa: BLE001 - the step runs eagerly instead
-                first = (str(e).strip().splitlines() or [""])[0]
-                self._graphs.disable(f"capture failed ({type(e).__name__}: {first})")
-                self._log_once("IIDP: eager step (no CUDA graph: %s)", self._graphs.disabled)
-                return None
+
+        def capture() -> CapturedStep:
+            cap = self._capture(parts)
             log.info("IIDP: step captured as a CUDA graph (n_vsw=%d, n_GA=%d, B_L=%d)",
                      self._num_vsw, self._num_ga, self._local_batch_size)
-        return self._replay(self._graphs.get(key), parts, sizes, t0)
+            return cap
+        cap = captured_for(self._graphs, key, self.device, capture,
+                           lambda why: self._log_once("IIDP: eager step (no CUDA graph: %s)", why))
+        if cap is None:
+            return None
+        return self._replay(cap, parts, sizes, t0)
 
     def _capture(self, parts: list[list[Any]]) -> CapturedStep:
         """Capture one batched step (graphs module, item 2): the GA rounds' forward/backward

@@ -173,7 +173,8 @@ class PackRunner:
             return
         if self.pack is None:
             self.pack = pack([m.model for m in new], [m.optimizer for m in new],
-                             [m.batch_size for m in new], loss_fn=self.spec.loss_fn)
+                             [m.batch_size for m in new], loss_fn=self.spec.loss_fn,
+                             cuda_graphs=self.spec.cuda_graphs)
             ids = self.pack.member_ids
         else:
             ids = self.pack.update(gone, [(m.model, m.optimizer, m.batch_size) for m in new])
@@ -216,7 +217,8 @@ class PackRunner:
             m = self.members[k]
             self.position = start                                  # the same batches as the pack
             try:
-                solo = pack([m.model], [m.optimizer], [m.batch_size], loss_fn=self.spec.loss_fn)
+                solo = pack([m.model], [m.optimizer], [m.batch_size], loss_fn=self.spec.loss_fn,
+                            cuda_graphs=self.spec.cuda_graphs)
                 m.pid = solo.member_ids[0]
                 loss = self._steps([m], solo)[k]
                 solo.free_all()

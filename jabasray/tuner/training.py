@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from torch.utils.data import default_collate
 
+from jabasray.config import CUDA_GRAPH_MODES
 from jabasray.validation import check_choice, check_int
 
 Config = Mapping[str, Any]
@@ -65,9 +66,12 @@ class TrainingSpec:
     device: str = "cpu"                                               # device of every trial
     memory_fn: Callable[[Config], float] | None = None                # bytes of one config (pack_opt)
     extra: dict[str, Any] = field(default_factory=dict)               # free for user callables
+    cuda_graphs: str = "auto"                                         # packed step as a CUDA graph
+                                                                      # ("auto" where possible, "off")
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, ("max", "min"))
+        check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         check_int("steps_per_unit", self.steps_per_unit, min_value=1)
 
     def batch_size_of(self, config: Config) -> int:

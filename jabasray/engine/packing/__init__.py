@@ -4,7 +4,9 @@ Implementation notes
 --------------------
 The package holds one concern per module: :mod:`.keys` (grouping keys), :mod:`.fused` (the
 fused optimizer updates), :mod:`.folded` (the folded layers), :mod:`.state` (stacked state and
-the ONE slot -> optimizer-state-key table) and :mod:`.model` (``PackedModel`` / ``pack``).
+the ONE slot -> optimizer-state-key table), :mod:`.update` (the runs' fused update: device
+columns, device step counters, host bookkeeping), :mod:`.graphed` (the packed step as one CUDA
+graph) and :mod:`.model` (``PackedModel`` / ``pack``).
 
 ``pack(models, optimizers, batch_sizes)`` returns a :class:`PackedModel`. One call of
 :meth:`PackedModel.train_step` performs one optimizer step of every member on ONE shared input
@@ -39,6 +41,13 @@ member reads it):
   computed on the device, so a steady-state step makes no host sync. Any other optimizer (or an
   unsupported flag such as ``amsgrad``/``maximize``) is stepped by the member's own
   ``optimizer.step()`` on gradient views: exact by construction, just not fused.
+* On a CUDA device (``cuda_graphs="auto"``, the default) the whole packed step -- forwards,
+  the one backward, the fused updates -- is captured as ONE CUDA graph after a few eager
+  warm-up steps and replayed while the pack's membership and batch shape stay the same
+  (:mod:`.graphed`): LR schedules refill the device columns in place; a restack, another
+  batch shape or a hyper-parameter change of the update's code path re-captures. Packs that
+  cannot be captured (CPU, an unbatched member, an optimizer stepped by its own ``step()``)
+  run eagerly, the reason logged once.
 * Members with buffers (BatchNorm running stats) or dropout are not vmapped: they run
   unbatched with their own module (still in the same step, on the same shared batch).
 * ``free(member)`` / ``load(model, optimizer, batch_size)`` (section 2.2): the pack writes

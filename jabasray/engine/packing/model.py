@@ -9,12 +9,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from jabasray.config import CUDA_GRAPH_MODES
 from jabasray.engine.packing.folded import NotFoldable, build_folded, foldable
-from jabasray.engine.packing.fused import adagrad_step, adam_step, sgd_step
+from jabasray.engine.packing.graphed import PackGraphs
 from jabasray.engine.packing.keys import (activation_signature, architecture_key, batchable,
                                           optimizer_kind, structure_key)
-from jabasray.engine.packing.state import (STEP_COUNTED, _Group, _Member, _Run, flush_run,
+from jabasray.engine.packing.state import (_Group, _Member, _Run, flush_run,
                                            grouped_cross_entropy, read_state, write_member)
+from jabasray.engine.packing.update import advance_run, columns, member_hps, step_run
 from jabasray.validation import check_choice, check_int
 
 log = logging.getLogger(__name__)
@@ -35,12 +37,22 @@ class PackedModel:
     Members are identified by integer ids (``0..K-1`` for the models given to :func:`pack`,
     then increasing ids for :meth:`load`). :meth:`train_step` returns the losses in the order
     of :attr:`member_ids`.
+
+    ``cuda_graphs``: ``"auto"`` (default) replays the packed step as ONE CUDA graph on a CUDA
+    device while the pack's membership and batch shape stay the same (re-captured after every
+    restack; an eager fallback with one log line where it cannot be captured), ``"off"``: always
+    eager. See :mod:`jabasray.engine.packing.graphed` for what is captured and what invalidates
+    a graph.
     """
 
-    def __init__(self, loss_fn: LossFn = nn.functional.cross_entropy, execution: str = "auto") -> None:
+    def __init__(self, loss_fn: LossFn = nn.functional.cross_entropy, execution: str = "auto",
+                 cuda_graphs: str = "auto") -> None:
         check_choice("execution", execution, ("auto", "vmap"))
+        check_choice("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)
         self.loss_fn = loss_fn
         self.execution = execution
+        self.cuda_graphs = cuda_graphs
+        self._graphs = PackGraphs(self, cuda_graphs)
         self._members: dict[int, _Member] = {}
         self._groups: list[_Group] = []
         self._relax = True          # batch members differing only in activations (folded path)
@@ -63,6 +75,15 @@ class PackedModel:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    @property
+    def last_step_graphed(self) -> bool:
+        """Whether the last :meth:`train_step` was a replay of a captured CUDA graph."""
+        return self._graphs.last_graphed
+
+    def graph_fallback_reason(self) -> str | None:
+        """Why packed steps run eagerly (``None``: they are, or will be, captured as a graph)."""
+        return self._graphs.fallback_reason()
 
     def model(self, member: int) -> nn.Module:
         """Member's module; its parameters alias the pack's stacked storage (current weights)."""
@@ -148,6 +169,7 @@ class PackedModel:
                     for run in g.runs:
                         flush_run(g, run)
         self._groups = []
+        self._graphs.invalidate()           # the stacked tensors a graph read are gone
 
     def sync(self) -> None:
         """Write the stacked weights and optimizer state back into every member's own module
@@ -203,6 +225,19 @@ class PackedModel:
         if inputs.shape[0] < need or targets.shape[0] < need:
             raise ValueError(f"inputs must hold at least max(batch_sizes) = {need} samples, "
                              f"got {inputs.shape[0]} inputs and {targets.shape[0]} targets")
+        return self._graphs.step(inputs, targets)
+
+    def _eager_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One packed step, eagerly: :meth:`_step_body`, then :meth:`_advance`."""
+        losses = self._step_body(inputs, targets)
+        self._advance()
+        return losses
+
+    def _step_body(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The device work of one packed step (what a CUDA graph captures): every group's
+        forward, the summed loss, ONE backward, every group's optimizer update; returns the
+        losses in member-id order. Host bookkeeping of the step (step counts, momentum-buffer
+        flags) is left to :meth:`_advance`, so a replay can advance it without this body."""
         x = inputs.to(self.device, non_blocking=True)     # shared input stream: one copy
         y = targets.to(self.device, non_blocking=True)
         vectors: list[torch.Tensor] = []           # per group: its members' losses, [K_g]
@@ -297,6 +332,7 @@ class PackedModel:
             groups.append(self._stack(members))
         self._groups = groups
         self._order = None
+        self._graphs.invalidate()
         log.debug("pack regrouped: %s", self.groups())
 
     def _stack(self, members: list[_Member]) -> _Group:
@@ -346,115 +382,23 @@ class PackedModel:
             g.members[0].optimizer.step()
             return
         for run in g.runs:
-            self._step_run(g, run)
+            step_run(g, run)
 
-    def _step_run(self, g: _Group, run: _Run) -> None:
-        """One fused update of the run's rows. Hyper-parameters come from each member's
-        ``param_groups`` (LR schedulers keep working) but live on the device as cached
-        ``[K_g, 1]`` columns (:meth:`_columns`), and Adam's/Adagrad's step-dependent factors are
-        computed on the device from a device step counter -- as torch's ``capturable``
-        optimizers do --, so a steady-state step copies nothing from the host (no host sync)."""
-        members = g.members[run.lo:run.hi]
-        hp = [m.optimizer.param_groups[0] for m in members]
-        p, grad = g.flat.data[run.lo:run.hi], g.gflat[run.lo:run.hi]
-        if run.kind == "generic":
-            for k, m in zip(range(run.lo, run.hi), members):
-                named = dict(m.model.named_parameters())
-                for n in g.names:
-                    named[n].grad = g.param_view(k, n, g.gflat)
-                m.optimizer.step()
-            return
-        c = self._columns(run, hp, p)
-        wd = c.get("wd")
-        if run.kind.startswith("sgd"):
-            moms = [h["momentum"] for h in hp]
-            has_state = "buf" in run.state
-            if not has_state and any(moms):                  # momentum switched on mid-pack
-                run.state["buf"] = torch.zeros_like(p)
-            if any(moms) and (not all(moms) or len({bool(h["nesterov"]) for h in hp}) != 1
-                              or not has_state):
-                self._sgd_mixed(run, p, grad, hp, c)
-            elif any(moms):
-                sgd_step(p, grad, run.state["buf"], run.has_buf, c["lr"], c["momentum"],
-                          c["one_minus_dampening"], wd, bool(hp[0]["nesterov"]))
-                run.has_buf = True
-            else:
-                sgd_step(p, grad, None, False, c["lr"], None, None, wd, False)
-        elif run.kind == "adam":
-            run.steps = [s + 1 for s in run.steps]           # host copy (checkpoints): no sync
-            run.t.add_(1)
-            # torch's _single_tensor_adam computes these in Python doubles; here in float64 on
-            # the device, rounded to the parameters' dtype as a Python scalar argument would be
-            step_size = (c["lr64"] / (1 - torch.pow(c["b1_64"], run.t))).to(p.dtype)
-            bc2_sqrt = (1 - torch.pow(c["b2_64"], run.t)).sqrt_().to(p.dtype)
-            adam_step(p, grad, run.state["m"], run.state["v"], c["one_minus_b1"], c["b2"],
-                       c["one_minus_b2"], step_size, bc2_sqrt, c["eps"], wd)
-        elif run.kind == "adagrad":
-            run.steps = [s + 1 for s in run.steps]
-            run.t.add_(1)
-            clr = (c["lr64"] / (1 + (run.t - 1) * c["lr_decay64"])).to(p.dtype)
-            adagrad_step(p, grad, run.state["sum"], clr, c["eps"], wd)
+    def _advance(self) -> None:
+        """The host bookkeeping of one packed step (after its device work, eager or replayed)."""
+        for g in self._groups:
+            if g.batched:
+                for run in g.runs:
+                    if run.kind != "generic":
+                        advance_run(run, member_hps(g, run))
 
-    @staticmethod
-    def _columns(run: _Run, hp: list[dict], p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The run's hyper-parameters as device columns, built when they change (one
-        host -> device copy then, none in steady state). Reading ``param_groups`` is Python
-        only (see :func:`_plain` for tensor hyper-parameters)."""
-        names = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "betas", "eps", "lr_decay")
-        key = tuple(tuple(_plain(h.get(n)) for n in names) for h in hp)
-        if key == run.hp_key and (run.t is not None or run.kind not in STEP_COUNTED):
-            return run.cols
-        dt, dev = p.dtype, p.device
-
-        def col(vals, dtype=dt):
-            return torch.tensor(list(vals), dtype=dtype, device=dev).view(-1, 1)
-
-        lr = [_plain(h["lr"]) for h in hp]
-        c: dict[str, torch.Tensor] = {"lr": col(lr)}
-        if any(h["weight_decay"] != 0 for h in hp):
-            c["wd"] = col(_plain(h["weight_decay"]) for h in hp)
-        if run.kind.startswith("sgd"):
-            c["momentum"] = col(h["momentum"] for h in hp)
-            c["one_minus_dampening"] = col(1 - h["dampening"] for h in hp)
-        elif run.kind == "adam":
-            b1, b2 = [h["betas"][0] for h in hp], [h["betas"][1] for h in hp]
-            c.update(lr64=col(lr, torch.float64), b1_64=col(b1, torch.float64), b2_64=col(b2, torch.float64),
-                     one_minus_b1=col(1 - b for b in b1), b2=col(b2), one_minus_b2=col(1 - b for b in b2),
-                     eps=col(h["eps"] for h in hp))
-        elif run.kind == "adagrad":
-            c.update(lr64=col(lr, torch.float64), lr_decay64=col((h["lr_decay"] for h in hp), torch.float64),
-                     eps=col(h["eps"] for h in hp))
-        if run.kind in STEP_COUNTED and run.t is None:
-            run.t = col(run.steps, torch.float64)
-        run.hp_key, run.cols = key, c
-        return c
-
-    @staticmethod
-    def _sgd_mixed(run: _Run, p: torch.Tensor, grad: torch.Tensor, hp: list[dict],
-                   c: dict[str, torch.Tensor]) -> None:
-        """SGD run mixing momentum-0 / Nesterov / heavy-ball members: one row at a time (the
-        rows' hyper-parameters are views of the cached device columns)."""
-        buf = run.state["buf"]
-        flags = run.row_has_buf = run.row_flags()
-        for r, h in enumerate(hp):
-            wd = c["wd"][r] if h["weight_decay"] != 0 else None
-            if h["momentum"] != 0:
-                sgd_step(p[r], grad[r], buf[r], flags[r], c["lr"][r], c["momentum"][r],
-                          c["one_minus_dampening"][r], wd, bool(h["nesterov"]))
-                flags[r] = True
-            else:
-                sgd_step(p[r], grad[r], None, False, c["lr"][r], None, None, wd, False)
-        run.has_buf = all(flags)
-
-
-def _plain(v):
-    """A hyper-parameter as a hashable Python value. A tensor hyper-parameter is read every
-    step (a host sync on a GPU): give Python numbers for a sync-free packed step."""
-    if isinstance(v, torch.Tensor):
-        return float(v)
-    if isinstance(v, (list, tuple)):
-        return tuple(_plain(x) for x in v)
-    return v
+    def _refill_columns(self) -> None:
+        """Bring every fused run's device columns up to date (refilled in place)."""
+        for g in self._groups:
+            if g.batched:
+                for run in g.runs:
+                    if run.kind != "generic":
+                        columns(run, member_hps(g, run), g.flat.data[run.lo:run.hi])
 
 
 def _owned(tree):
@@ -474,18 +418,20 @@ class _Regroup(Exception):
 
 def pack(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
          batch_sizes: Sequence[int], loss_fn: LossFn = nn.functional.cross_entropy,
-         execution: str = "auto") -> PackedModel:
+         execution: str = "auto", cuda_graphs: str = "auto") -> PackedModel:
     """Pack K models (with their optimizers and batch sizes) into one :class:`PackedModel`.
 
     Member k gets id k. ``loss_fn(outputs, targets)`` must return the mean loss of a batch.
     ``execution``: ``"auto"`` (folded batched layers where possible, else vmap) or ``"vmap"``.
+    ``cuda_graphs``: ``"auto"`` (the packed step replayed as a CUDA graph where possible) or
+    ``"off"`` (see :class:`PackedModel`).
     """
     if not (len(models) == len(optimizers) == len(batch_sizes)):
         raise ValueError(f"models, optimizers and batch_sizes must have the same length, got "
                          f"{len(models)}, {len(optimizers)} and {len(batch_sizes)}")
     if len(models) == 0:
         raise ValueError("models must hold at least one model, got 0")
-    p = PackedModel(loss_fn, execution)
+    p = PackedModel(loss_fn, execution, cuda_graphs)
     for k, (m, o, b) in enumerate(zip(models, optimizers, batch_sizes)):
         check_int(f"batch_sizes[{k}]", b, min_value=1)
         p._check_member(m, o)

@@ -54,6 +54,7 @@ class _Run:
     # (the packed step then copies nothing host -> device: no host sync in steady state)
     hp_key: tuple | None = None
     cols: dict[str, torch.Tensor] = field(default_factory=dict)
+    cols_gen: int = 0                                     # bumped when ``cols`` are new tensors
     t: torch.Tensor | None = None                         # [hi-lo, 1] float64 step counts (adam/adagrad)
 
     def row_flags(self) -> list[bool]:
