@@ -18,6 +18,7 @@ from torch import nn
 
 from jabasray.engine.packing import PackedModel, architecture_key, optimizer_kind, pack
 from jabasray.models import MLP, DigitsCNN
+from packing_helpers import solo_step
 
 pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
 
@@ -46,14 +47,7 @@ def _reference(models, opts):
 
 
 def _plain_step(refs, ref_opts, batch_sizes, x, y, loss_fn=F.cross_entropy):
-    losses = []
-    for r, o, b in zip(refs, ref_opts, batch_sizes):
-        o.zero_grad()
-        loss = loss_fn(r(x[:b]), y[:b])
-        loss.backward()
-        o.step()
-        losses.append(loss.item())
-    return losses
+    return solo_step(refs, ref_opts, batch_sizes, x, y, loss_fn).tolist()
 
 
 def _assert_same(models, refs):

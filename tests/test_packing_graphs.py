@@ -24,8 +24,8 @@ from torch import nn
 from jabasray.engine import graphs, streams
 from jabasray.engine.packing import graphed, pack
 from jabasray.models import MLP
+from packing_helpers import solo_step
 
-F = nn.functional
 SGD, Adam, Adagrad = torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad
 NO_GRAPH = "no CUDA graph"
 
@@ -92,15 +92,7 @@ class _Trio:
 
     def step(self, x, y):
         out = {mode: p.train_step_tensor(x, y) for mode, p in self.packs.items()}
-        ref = []
-        for mid in self.live:
-            m, o, b = self.solo[mid]
-            o.zero_grad()
-            loss = F.cross_entropy(m(x[:b]), y[:b])
-            loss.backward()
-            o.step()
-            ref.append(loss.detach())
-        return out, torch.stack(ref)
+        return out, solo_step(*zip(*(self.solo[mid] for mid in self.live)), x, y)
 
     def restack(self, free, spec):
         m, o, _ = self._build(spec)
@@ -229,14 +221,7 @@ def test_fallbacks_run_eagerly_with_one_line_and_stay_exact(monkeypatch, caplog,
             x, y = torch.rand(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
             losses = p.train_step_tensor(x, y)
             assert not p.last_step_graphed
-            ref = []
-            for r, o, b in zip(refs, ref_opts, p.batch_sizes):
-                o.zero_grad()
-                loss = F.cross_entropy(r(x[:b]), y[:b])
-                loss.backward()
-                o.step()
-                ref.append(loss.detach())
-            torch.testing.assert_close(losses, torch.stack(ref))
+            torch.testing.assert_close(losses, solo_step(refs, ref_opts, p.batch_sizes, x, y))
     want = {"unbatched": "member 1 runs unbatched (buffers or dropout) with its own optimizer.step()",
             "own_optimizer_step": "members [1] step through their own optimizer.step() (an optimizer "
                                   "or state the fused update does not cover)",

@@ -9,14 +9,13 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from jabasray.engine.packing import pack
 from jabasray.models import MLP
+from packing_helpers import solo_step
 
 pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("float64")]
 
-F = nn.functional
 SGD, Adam, Adagrad = torch.optim.SGD, torch.optim.Adam, torch.optim.Adagrad
 
 #: per-member (optimizer class, hyper-parameters); one pack each
@@ -77,14 +76,7 @@ def test_steady_state_packed_step_is_sync_free_and_exact(name):
     batches = [(torch.rand(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(7)]
 
     def ref_step(x, y):
-        out = []
-        for r, o, b in zip(refs, ref_opts, p.batch_sizes):
-            o.zero_grad()
-            loss = F.cross_entropy(r(x[:b]), y[:b])
-            loss.backward()
-            o.step()
-            out.append(loss.detach())
-        return torch.stack(out)
+        return solo_step(refs, ref_opts, p.batch_sizes, x, y)
 
     for step, (x, y) in enumerate(batches):
         if step == 5:                                  # an LR change: columns rebuilt once
