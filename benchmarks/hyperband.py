@@ -140,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     configs = TABLE3_SPACE.sample(n_configs, random.Random(args.seed))
     stream_batch = max(TABLE3_PARAM_VALUES["batch_size"])
     data = spec.data_fn()
-    plain_trainable = tune.with_parameters(make_trainable(spec, stream_batch=stream_batch, max_units=args.R),
-                                           data=data)
-    plain = tune.with_resources(plain_trainable, {"cpu": 1, "gpu": 1} if args.device == "cuda" else {"cpu": 1})
+    def plain_trainable(resources: dict):
+        # a new trainable per resource request: tune.with_resources marks the object it wraps
+        return tune.with_resources(tune.with_parameters(
+            make_trainable(spec, stream_batch=stream_batch, max_units=args.R), data=data), resources)
+    plain = plain_trainable({"cpu": 1, "gpu": 1} if args.device == "cuda" else {"cpu": 1})
     # what Tune users do to share one GPU: a fraction of it (and of the CPUs) per trial
-    shared = tune.with_resources(plain_trainable, {"cpu": args.num_cpus / args.members, "gpu": 1 / args.members})
+    shared = (plain_trainable({"cpu": args.num_cpus / args.members, "gpu": 1 / args.members})
+              if args.device == "cuda" else None)
 
     class Recorder(tune.Callback):
         def __init__(self) -> None:
