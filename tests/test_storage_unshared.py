@@ -97,12 +97,16 @@ def cluster(without_session_ray, tmp_path_factory):
 
 
 def _dead(actor) -> bool:
+    """Whether ``actor`` is known dead; a ping still unanswered after 5 s is "not yet" (the
+    caller polls again), not an error."""
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError
     try:
         ray.get(actor.ping.remote(), timeout=5)
     except RayActorError:
         return True
+    except GetTimeoutError:
+        return False
     return False
 
 
