@@ -160,16 +160,18 @@ class PackGraphs:
 
     def fallback_reason(self) -> str | None:
         """Why packed steps run eagerly now (``None``: they are, or will be, captured)."""
-        pm = self.pm
-        return (pack_device_blocker(self.mode, pm.device) or pack_groups_blocker(pm._groups)
-                or self.cache.disabled)
+        return self._blocker() or self.cache.disabled
+
+    def _blocker(self) -> str | None:
+        """Why this pack, as it is now, cannot be captured (its mode, device or groups)."""
+        return pack_device_blocker(self.mode, self.pm.device) or pack_groups_blocker(self.pm._groups)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One packed step: a replay of the captured graph when one is due or exists, else
         eager (warm-up on the side stream, or a fallback whose reason is logged once)."""
         pm = self.pm
         self.last_graphed = False
-        why = pack_device_blocker(self.mode, pm.device) or pack_groups_blocker(pm._groups)
+        why = self._blocker()
         if why is not None:
             self._say(why)
             return pm._eager_step(inputs, targets)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +51,6 @@ class PackedModel:
         check_choice("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)
         self.loss_fn = loss_fn
         self.execution = execution
-        self.cuda_graphs = cuda_graphs
         self._graphs = PackGraphs(self, cuda_graphs)
         self._members: dict[int, _Member] = {}
         self._groups: list[_Group] = []
@@ -75,6 +74,11 @@ class PackedModel:
 
     def __len__(self) -> int:
         return len(self._members)
+
+    @property
+    def cuda_graphs(self) -> str:
+        """The CUDA-graph mode: ``"auto"`` or ``"off"``."""
+        return self._graphs.mode
 
     @property
     def last_step_graphed(self) -> bool:
@@ -384,21 +388,21 @@ class PackedModel:
         for run in g.runs:
             step_run(g, run)
 
-    def _advance(self) -> None:
-        """The host bookkeeping of one packed step (after its device work, eager or replayed)."""
+    def _fused_runs(self) -> Iterator[tuple[_Group, _Run]]:
+        """``(group, run)`` of every run updated by the fused optimizer step."""
         for g in self._groups:
             if g.batched:
-                for run in g.runs:
-                    if run.kind != "generic":
-                        advance_run(run, member_hps(g, run))
+                yield from ((g, run) for run in g.runs if run.kind != "generic")
+
+    def _advance(self) -> None:
+        """The host bookkeeping of one packed step (after its device work, eager or replayed)."""
+        for g, run in self._fused_runs():
+            advance_run(run, member_hps(g, run))
 
     def _refill_columns(self) -> None:
         """Bring every fused run's device columns up to date (refilled in place)."""
-        for g in self._groups:
-            if g.batched:
-                for run in g.runs:
-                    if run.kind != "generic":
-                        columns(run, member_hps(g, run), g.flat.data[run.lo:run.hi])
+        for g, run in self._fused_runs():
+            columns(run, member_hps(g, run), g.flat.data[run.lo:run.hi])
 
 
 def _owned(tree):
