@@ -25,6 +25,7 @@ worker), gradients accumulating in place; it uses the worker's ``_vsws``, ``_lan
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -81,6 +82,67 @@ def join_batches(parts: Sequence[Any]) -> Any:
             return type(first)(v for row in zip(*parts) for v in row)
         return type(first)(join_batches([p[i] for p in parts]) for i in range(len(first)))
     raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be joined")
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view over ``parts`` when they lie back to back in one storage (contiguous, e.g.
+    :func:`~jabasray.engine.loader.split_batch`'s views of one batch), else ``None``."""
+    first = parts[0]
+    if first.dim() == 0 or not first.is_contiguous():
+        return None
+    rest = tuple(first.shape[1:])
+    row = math.prod(rest)                # elements per sample
+    ptr = first.data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    rows = 0
+    for p in parts:
+        if (tuple(p.shape[1:]) != rest or p.dtype != first.dtype or p.device != first.device
+                or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage
+                or p.data_ptr() != ptr + rows * row * first.element_size()):
+            return None
+        rows += int(p.shape[0])
+    return first.as_strided((rows, *rest), first.stride(), first.storage_offset())
+
+
+def join_adjacent(parts: Sequence[Any]) -> Any:
+    """Concatenate ``n`` micro-batches along the sample dimension WITHOUT a copy (row
+    ``v*B_L + b`` = sample ``b`` of VSW ``v``), structure kept, when every tensor leaf's parts
+    lie back to back in memory; ``None`` otherwise (then :func:`join_batches`). For steps
+    without per-VSW BatchNorm: every layer is per sample, so the order of the rows does not
+    matter - but it must be the same for every leaf, hence all leaves or none."""
+    if len(parts) == 1:
+        return parts[0]
+    out = _join_adjacent(parts)
+    return None if out is _NOT_ADJACENT else out
+
+
+_NOT_ADJACENT = object()
+
+
+def _join_adjacent(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            return _NOT_ADJACENT
+        out = _adjacent(parts)
+        return _NOT_ADJACENT if out is None else out
+    if isinstance(first, Mapping):
+        out = {}
+        for k in first:
+            out[k] = _join_adjacent([p[k] for p in parts])
+            if out[k] is _NOT_ADJACENT:
+                return _NOT_ADJACENT
+        return out
+    if isinstance(first, (list, tuple)):
+        if _is_per_sample(first):
+            return type(first)(v for p in parts for v in p)
+        items = []
+        for i in range(len(first)):
+            items.append(_join_adjacent([p[i] for p in parts]))
+            if items[-1] is _NOT_ADJACENT:
+                return _NOT_ADJACENT
+        return type(first)(items)
+    return _NOT_ADJACENT
 
 
 class BatchedExecution:
