@@ -514,6 +514,10 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         self._next_launch = 0
         self._works = [None] * nb
         self._snapshot = [None] * nb if keep_local_grad else None
+        # (flat gradient buckets: hooks complete and launch buckets during backward, as with a
+        # process group, even when there is none)
+        self._comm_work = (self.process_group is not None or self._flat_grads
+                           or len(self._active) > 1 or self._snapshot is not None)
         self._metric_sums, self._metric_counts = {}, {}
         weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
         pg = self.process_group
