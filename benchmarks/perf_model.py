@@ -14,7 +14,10 @@
     python benchmarks/perf_model.py [--device cpu|cuda] [--steps 20]
 
 On CUDA only the single-device configurations run (one GPU; the 2-process group needs two
-devices). Writes <tmp>/jabasray_bench/perf_model.json.
+devices), once per execution (``--cuda-graphs auto,off``): replayed CUDA graphs and the eager
+batched step, each profiled AND run that way (the profiler is given the worker's
+``cuda_graphs``: a profile of eager steps says nothing about graph replays, which on an H200 ran
+10x faster). Writes <tmp>/jabasray_bench/perf_model.json.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from common import default_out, write_json
+from jabasray.engine.graphs import GRAPH_WARMUP_STEPS
 from jabasray.models import DigitsCNN
 from jabasray.planners.perf_model import PerfModel
 from jabasray.profiler.measure import profile_model
@@ -68,8 +72,11 @@ STAT = {"median": statistics.median, "min": min}
 
 def run_config(worker, local_batch: int, gpu: str, n_vsw: int, n_ga: int, steps: int, warmup: int,
                device: str, stat: str = "median") -> float:
-    """Steady-state seconds per iteration of (n_vsw, n_GA, B_L) with speed emulation."""
+    """Steady-state seconds per iteration of (n_vsw, n_GA, B_L) with speed emulation. A worker
+    that replays CUDA graphs first runs its graph warm-up and capture (not timed)."""
     worker.configure(n_vsw, n_ga, local_batch)
+    if worker.graph_fallback_reason() is None:
+        warmup = max(warmup, GRAPH_WARMUP_STEPS + 2)
     micro = [batch(local_batch, device, i) for i in range(n_vsw * (n_ga + 1))]
     slow = 1.0 / SPEEDS[gpu] - 1.0
 
@@ -121,36 +128,23 @@ def run_dist(steps: int, warmup: int, stat: str, rounds: int) -> dict[str, list[
         return json.loads(Path(cfg["out"]).read_text())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=5, help="profiling repeats per point")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="measure every real configuration this many times (round-to-round spread "
-                         "= the machine's noise floor)")
-    ap.add_argument("--statistic", default="median", choices=("median", "min"),
-                    help="per-step statistic for profile and real runs (min: undisturbed time)")
-    ap.add_argument("--out", default=default_out('perf_model.json'))
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    on_cuda = args.device.startswith("cuda")
-
+def measure_mode(args, mode: str, on_cuda: bool) -> dict:
+    """Profile, run and predict every configuration with the worker's ``cuda_graphs=mode``."""
     t0 = time.perf_counter()
     prof = profile_model(make_model, lambda n: batch(n, "cpu", 99), optimizer_fn=optimizer,
                          device=args.device, gpu_type="fast", min_local_batch=16, max_local_batch=48,
                          max_num_vsw=4, warmup=2, repeats=args.repeats, allreduce=not on_cuda,
-                         statistic=args.statistic)
-    print(f"profiled in {time.perf_counter() - t0:.1f} s: B_L {prof.local_batches}, "
-          f"n_max {[b.max_num_vsw for b in prof.batches]}, zeta {[round(b.zeta, 2) for b in prof.batches]}, "
-          f"buckets {prof.bucket_sizes}, all-reduce alpha={prof.allreduce_intra.alpha:.3g} "
-          f"beta={prof.allreduce_intra.beta * 1e3:.3g} ms")
+                         statistic=args.statistic,
+                         engine_options={"per_sample_loss": True, "cuda_graphs": mode})
+    print(f"[cuda_graphs={mode}] profiled ({prof.execution}) in {time.perf_counter() - t0:.1f} s: "
+          f"B_L {prof.local_batches}, n_max {[b.max_num_vsw for b in prof.batches]}, "
+          f"zeta {[round(b.zeta, 2) for b in prof.batches]}, buckets {prof.bucket_sizes}, "
+          f"all-reduce alpha={prof.allreduce_intra.alpha:.3g} beta={prof.allreduce_intra.beta * 1e3:.3g} ms")
     profiles = {"fast": prof, "slow": prof.scaled(SPEEDS["slow"], "slow")}
 
     from jabasray.engine import IIDPWorker
     runs: dict[str, list[float]] = {name: [] for name, _, _ in SINGLE}
-    w = IIDPWorker(make_model(), optimizer, F.cross_entropy, device=args.device)
+    w = IIDPWorker(make_model(), optimizer, F.cross_entropy, device=args.device, cuda_graphs=mode)
     for _ in range(args.rounds):
         for name, bl, layout in SINGLE:
             gpu, nv, ga = layout[0]
@@ -175,20 +169,54 @@ def main() -> None:
         lay = " + ".join(f"{g}({nv},{ga})" for g, nv, ga in layout)
         print(f"{name:<4} {len(layout):>3} {bl:>4} {lay:<28} {real[name] * 1e3:>9.3f} {pred * 1e3:>9.3f} "
               f"{err * 100:>6.1f}% {spread[name] * 100:>6.1f}%")
-        rows.append({"config": name, "num_gpus": len(layout), "local_batch": bl, "layout": layout,
+        rows.append({"config": name, "cuda_graphs": mode, "execution": prof.execution,
+                     "num_gpus": len(layout), "local_batch": bl, "layout": layout,
                      "real_s": real[name], "real_rounds_s": runs[name], "round_spread": spread[name],
                      "predicted_s": pred, "rel_error": err})
-    mean = statistics.mean(errors)
     print(f"real-vs-real spread between rounds (noise floor): mean {statistics.mean(spread.values()) * 100:.1f}%")
-    print(f"\nmean relative error: {mean * 100:.1f}% over {len(rows)} configurations "
-          f"(paper Table 6: 5.9% average, 1.3-9% per model)")
+    print(f"\nmean relative error ({prof.execution}): {statistics.mean(errors) * 100:.1f}% over "
+          f"{len(rows)} configurations (paper Table 6: 5.9% average, 1.3-9% per model)")
+    return {"rows": rows, "profile": prof.to_dict()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="profiling repeats per point")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measure every real configuration this many times (round-to-round spread "
+                         "= the machine's noise floor)")
+    ap.add_argument("--statistic", default="median", choices=("median", "min"),
+                    help="per-step statistic for profile and real runs (min: undisturbed time)")
+    ap.add_argument("--cuda-graphs", default="auto,off",
+                    help="on CUDA: the worker's cuda_graphs values to profile and run, each both "
+                         "ways (default auto,off; on CPU only off exists)")
+    ap.add_argument("--out", default=default_out('perf_model.json'))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    on_cuda = args.device.startswith("cuda")
+
+    modes = [m.strip() for m in args.cuda_graphs.split(",")] if on_cuda else ["off"]
+    bad = [m for m in modes if m not in ("auto", "off")]
+    if bad:
+        ap.error(f"--cuda-graphs must list values among auto, off; got {bad}")
+    rows, profiles_out, by_mode = [], {}, {}
+    for mode in modes:
+        mode_rows = measure_mode(args, mode, on_cuda)
+        rows += mode_rows["rows"]
+        profiles_out[mode] = mode_rows["profile"]
+        by_mode[mode] = statistics.mean(r["rel_error"] for r in mode_rows["rows"])
+    mean = statistics.mean(r["rel_error"] for r in rows)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"load average after the run: {load}")
     result = {"statistic": args.statistic, "load_average": load, "machine": f"{platform.machine()} {args.device}, 2-core CPU dev machine, no GPU"
               if not on_cuda else f"{torch.cuda.get_device_name()}",
-              "device": args.device, "rows": rows, "mean_rel_error": mean, "paper_mean_rel_error": 0.059,
-              "mean_round_spread": statistics.mean(spread.values()),
-              "profile": prof.to_dict()}
+              "device": args.device, "rows": rows, "mean_rel_error": mean,
+              "mean_rel_error_by_cuda_graphs": by_mode, "paper_mean_rel_error": 0.059,
+              "mean_round_spread": statistics.mean(r["round_spread"] for r in rows),
+              "profile": profiles_out[modes[0]], "profiles": profiles_out}
     write_json(args.out, result)
 
 

@@ -118,3 +118,22 @@ def test_script_job_and_options_are_read(tmp_path):
     assert job == JobConfig(epochs=3, adaptive=False, gamma=0.7)
     embedded = job_config_from_args(build_parser().parse_args(["train"]), embedded=True)
     assert embedded == JobConfig(**EMBEDDED_DEFAULTS)
+
+
+@pytest.mark.parametrize("arg, device, expected", [
+    (None, "cpu", "emulated"), (None, "cuda", None), ("ray", "cpu", None), ("ray", "cuda", None),
+    ("file", "cuda", "file"), ("file", "cpu", "file")])
+def test_the_cluster_is_the_ray_clusters_gpus_on_cuda_and_the_emulated_default_on_cpu(
+        tmp_path, arg, device, expected):
+    """On --device cuda without --cluster, a run starts on the GPUs Ray has (one is enough),
+    not on the emulated 8-GPU default; a cluster file is used as given on either device."""
+    from jabasray.commands.train import cluster_for, default_cluster
+    path = tmp_path / "cluster.yaml"
+    path.write_text("nodes:\n  - {name: n0, gpu_type: A100, num_gpus: 1, speed: 1.0}\n")
+    got = cluster_for(str(path) if arg == "file" else arg, device)
+    if expected is None:
+        assert got is None
+    elif expected == "emulated":
+        assert got == default_cluster() and sum(n.num_gpus for n in got.nodes) == 8
+    else:
+        assert got.gpu_types == ["A100"] and [n.num_gpus for n in got.nodes] == [1]

@@ -31,7 +31,7 @@ def ray_gpu(without_session_ray):
         ray.shutdown()
 
 
-def test_profiled_in_a_task_holding_the_gpu_and_named_as_ray_detects_it(ray_gpu, tmp_path):
+def test_profiled_in_a_task_holding_the_gpu_and_named_as_ray_detects_it(ray_gpu, tmp_path, monkeypatch):
     from jabasray.actors.placement import ray_cluster_spec
     from jabasray.actors.profiling import profile_in_tasks
     from jabasray.config import JobConfig
@@ -42,11 +42,18 @@ def test_profiled_in_a_task_holding_the_gpu_and_named_as_ray_detects_it(ray_gpu,
     (gpu_type,) = spec.gpu_types
     ds, _ = tiny_data(240)
     notes: list[str] = []
-    profiles = profile_in_tasks(model_fn, ds, spec, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
-                                device="cuda", emulate=False, min_local_batch=4,
-                                weight_sync=JobConfig().weight_sync, bucket_cap_mb=25.0,
-                                cache_dir=tmp_path / "prof", notes=notes)
-    assert not torch.cuda.is_initialized()            # the driver never touched the GPU
+    # the driver never touches the GPU: every CUDA call of this process (a tensor on the device,
+    # a device query) goes through torch.cuda._lazy_init, also where an earlier test of the same
+    # process has initialised CUDA already (then is_initialized() would say nothing)
+    touched: list[int] = []
+    real_init = torch.cuda._lazy_init
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "_lazy_init", lambda: (touched.append(1), real_init())[1])
+        profiles = profile_in_tasks(model_fn, ds, spec, loss_fn=loss_fn, optimizer_fn=optimizer_fn,
+                                    device="cuda", emulate=False, min_local_batch=4,
+                                    weight_sync=JobConfig().weight_sync, bucket_cap_mb=25.0,
+                                    cache_dir=tmp_path / "prof", notes=notes)
+    assert touched == []
     assert list(profiles) == [gpu_type] and profiles[gpu_type].device == "cuda"
     assert len(notes) == 1 and "'GPU': 1.0" in notes[0]
 

@@ -88,6 +88,10 @@ def test_headlines_and_summary_table(tmp_path):
     assert gc.headline(steps["packing"], tmp_path) == \
         "mlp/mixed K8: IMPV +0.50, graphed/eager x1.75; cnn/same K2: IMPV -0.25"
     assert gc.headline(steps["multiplex"], tmp_path) == ""
+    (tmp_path / "profiling.json").write_text(json.dumps(
+        {"mean_rel_error": 0.5, "mean_rel_error_by_cuda_graphs": {"auto": 0.125, "off": 0.0625}}))
+    assert gc.headline(steps["profiling"], tmp_path) == \
+        "cuda_graphs=auto: mean error 12.5 %; cuda_graphs=off: mean error 6.2 %"
     (tmp_path / "tune.json").write_text(json.dumps({"summary": {
         "tune_asha/packed_asha wall_s": {"per_round": [1.5], "median": 1.5},
         "tune_asha/packed_asha time_to_within_1pt_s": {"per_round": [2.25], "median": 2.25},

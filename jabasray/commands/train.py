@@ -2,7 +2,8 @@
 
 Without options it trains the embedded default - :class:`jabasray.models.DigitsCNN` on
 scikit-learn's digits - on an emulated heterogeneous cluster (two node types of different speed,
-four GPUs each; the fair "wait" emulation), starting a local Ray instance unless ``RAY_ADDRESS`` is set or a cluster
+four GPUs each; the fair "wait" emulation) - with ``--device cuda`` on the Ray cluster's real GPUs,
+one GPU being enough - starting a local Ray instance unless ``RAY_ADDRESS`` is set or a cluster
 started with ``ray start`` is running. It shows a progress bar (stderr), prints one line per
 epoch and writes ``metrics.json`` and ``trajectory.png`` into ``<storage-path>/<name>`` (a local
 or NFS folder, or a URI such as ``s3://bucket/runs``: :mod:`jabasray.storage`).
@@ -95,6 +96,18 @@ def default_cluster() -> ClusterSpec:
     return ClusterSpec.emulated(DEFAULT_CLUSTER)
 
 
+def cluster_for(cluster: str | None, device: str) -> ClusterSpec | None:
+    """The cluster ``--cluster`` names: ``"ray"`` (or, on ``--device cuda``, nothing) is the
+    running Ray cluster's real GPUs (``None``: detected when the driver starts), a path is a
+    cluster file, and nothing on ``--device cpu`` is the emulated two-type default. An emulated
+    8-GPU default makes no sense for real GPUs: one GPU must be enough to start."""
+    if cluster == "ray" or (cluster is None and device == "cuda"):
+        return None
+    if cluster:
+        return ClusterSpec.from_file(cluster)
+    return default_cluster()
+
+
 def _field_type(tp: Any) -> tuple[Any, bool]:
     """(python type, optional) of a JobConfig field annotation."""
     args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -109,8 +122,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--script", help="Python file defining model_fn(), dataset() and optionally "
                    "val_dataset(), optimizer_fn(params), loss_fn(outputs, targets)")
     p.add_argument("--cluster", help="cluster file (YAML/JSON: {nodes: [{name, gpu_type, num_gpus, "
-                   "speed}, ...]}); default: an emulated two-type cluster, or the running Ray cluster "
-                   "with --cluster ray")
+                   "speed}, ...]}) or 'ray' (the running Ray cluster's GPUs); default: with --device cpu "
+                   "an emulated two-type cluster, with --device cuda the Ray cluster's GPUs")
     p.add_argument("--storage-path", default="jabasray_runs",
                    help="parent folder of runs: a local or NFS path, or a URI (s3://bucket/runs, "
                         "gs://bucket/runs; credentials from the usual environment variables)")
@@ -275,12 +288,7 @@ def run(args: argparse.Namespace) -> int:
         model_fn, optimizer_fn, loss_fn, hooks = DigitsCNN, None, None, {}
         train, val = load_digits_split(seed=job.seed)
     emulate = args.device == "cpu"
-    if args.cluster == "ray":
-        cluster = None
-    elif args.cluster:
-        cluster = ClusterSpec.from_file(args.cluster)
-    else:
-        cluster = default_cluster()
+    cluster = cluster_for(args.cluster, args.device)
     from ..validation import check_int
     check_int("num_cpus", args.num_cpus, min_value=1)
     if args.detach and (args.driver != "actor" or args.ray_address == "local"):
