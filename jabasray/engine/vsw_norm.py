@@ -82,6 +82,7 @@ class PackedNormStats:
 
     def __init__(self, modules: Sequence[_BatchNorm]) -> None:
         self.n = len(modules)
+        self.modules = list(modules)
         first = modules[0]
         self.tracking = first.running_mean is not None and first.running_var is not None
         self.mean = self.var = self.count = self.flat_mean = self.flat_var = None
@@ -99,6 +100,15 @@ class PackedNormStats:
             m._buffers["running_var"] = self.var[v]
             if self.count is not None:
                 m._buffers["num_batches_tracked"] = self.count[v]
+
+    def bind_count(self, count: torch.Tensor) -> None:
+        """Keep the counts in ``count`` (an ``[n]`` view of a tensor packing several layers,
+        :class:`VSWNorms`), values copied; every VSW's ``num_batches_tracked`` follows."""
+        with torch.no_grad():
+            count.copy_(self.count)
+        self.count = count
+        for v, m in enumerate(self.modules):
+            m._buffers["num_batches_tracked"] = count[v]
 
 
 class RepeatAffine(torch.autograd.Function):
@@ -127,17 +137,28 @@ class RepeatAffine(torch.autograd.Function):
 
 class VSWNorms(list):
     """``[(main's layer, PackedNormStats)]`` per BatchNorm layer (module order), plus what a
-    batched forward reuses every step: the layers that need :func:`ghost_forward` and the
-    gather indexes of :class:`RepeatAffine` for their weights and biases."""
+    batched forward reuses every step: the layers that need :func:`ghost_forward`, the gather
+    indexes of :class:`RepeatAffine` for their weights and biases and (``pack_counts``) every
+    active layer's ``num_batches_tracked`` of every VSW in ONE ``[layers, n]`` tensor, so that
+    a batched forward counts its batch with one ``add_`` instead of one per layer."""
 
-    def __init__(self, pairs: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> None:
+    def __init__(self, pairs: Sequence[tuple[_BatchNorm, PackedNormStats]],
+                 pack_counts: bool = False) -> None:
         super().__init__(pairs)
         # one VSW: the stock forward is already per VSW, except momentum=None, whose stock
         # forward reads the count on the host
         self.active = [(m, s) for m, s in self if s.n > 1 or m.momentum is None]
         self.params: list[torch.Tensor] = []       # repeated affine parameters, in order
         self.fwd_index = self.bwd_index = None
+        self.counts: torch.Tensor | None = None    # [active layers, n] (pack_counts)
         self.n = self.active[0][1].n if self.active else 1
+        stats = [s for _, s in self.active]
+        if (pack_counts and stats and all(s.count is not None for s in stats)
+                and len({s.count.device for s in stats}) == 1):
+            self.counts = torch.zeros(len(stats), self.n, dtype=stats[0].count.dtype,
+                                      device=stats[0].count.device)
+            for i, st in enumerate(stats):
+                st.bind_count(self.counts[i])
         if self.n < 2:
             return
         params = [p for m, _ in self.active for p in (m.weight, m.bias) if p is not None]
@@ -168,16 +189,24 @@ def pack_norm_stats(replicas: Sequence[nn.Module]) -> VSWNorms:
     """Pack every BatchNorm layer's statistics of the VSW modules ``replicas`` (main first);
     returns ``(main's layer, its packed statistics)`` per layer, in module order."""
     per_vsw = [[m for _, m in norm_layers(r)] for r in replicas]
-    return VSWNorms([(layers[0], PackedNormStats(layers)) for layers in zip(*per_vsw)])
+    return VSWNorms([(layers[0], PackedNormStats(layers)) for layers in zip(*per_vsw)],
+                    pack_counts=True)
 
 
 def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
-                  repeated: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                  repeated: dict[int, torch.Tensor] | None = None,
+                  calls: list[int] | None = None, index: int = 0) -> torch.Tensor:
     """``module``'s forward over ``stats.n`` VSWs' interleaved batches (module notes): each
     VSW normalised over its own rows and its own running statistics updated. ``repeated``:
     ``id(param) -> param.repeat(n)`` computed for all layers at once
-    (:meth:`VSWNorms.repeated`); a parameter missing there is repeated here."""
+    (:meth:`VSWNorms.repeated`); a parameter missing there is repeated here. ``calls``: the
+    batch was counted for every layer on entry (:func:`ghost_norms`); ``calls[index]``
+    counts this layer's calls, and only a second call of a layer counts itself."""
     module._check_input_dim(x)
+    counted = False
+    if calls is not None:
+        calls[index] += 1
+        counted = calls[index] == 1
     n = stats.n
     N, C = x.shape[0], x.shape[1]
     if N % n:
@@ -196,7 +225,7 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
     tracking = stats.tracking
     update = module.training and module.track_running_stats and tracking
     if update:
-        if stats.count is not None:
+        if stats.count is not None and not counted:
             stats.count.add_(1)
         if module.momentum is None and stats.count is not None:
             # cumulative average with each VSW's own count: batch statistics via momentum 1
@@ -233,10 +262,17 @@ def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterato
         yield
         return
     repeated = layers.repeated()
+    calls = None
+    if layers.counts is not None and all(m.training and m.track_running_stats and s.tracking
+                                         for m, s in active):
+        # every layer's count + 1 in one op; a layer the forward does not call gives it back
+        calls = [0] * len(active)
+        layers.counts.add_(1)
     saved = [m.__dict__.get("forward", _MISSING) for m, _ in active]
     try:
-        for m, s in active:
-            object.__setattr__(m, "forward", functools.partial(ghost_forward, m, s, repeated=repeated))
+        for i, (m, s) in enumerate(active):
+            object.__setattr__(m, "forward", functools.partial(
+                ghost_forward, m, s, repeated=repeated, calls=calls, index=i))
         yield
     finally:
         for (m, _), old in zip(active, saved):
@@ -244,3 +280,7 @@ def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterato
                 m.__dict__.pop("forward", None)
             else:
                 object.__setattr__(m, "forward", old)
+        if calls is not None:
+            for (_, s), k in zip(active, calls):
+                if k == 0:
+                    s.count.sub_(1)
