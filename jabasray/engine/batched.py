@@ -85,22 +85,21 @@ def join_batches(parts: Sequence[Any]) -> Any:
 
 
 def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """One view over ``parts`` when they lie back to back in one storage (contiguous, e.g.
-    :func:`~jabasray.engine.loader.split_batch`'s views of one batch), else ``None``."""
+    """One view over ``parts`` when they are contiguous views of one tensor lying back to back
+    (e.g. :func:`~jabasray.engine.loader.split_batch`'s views of one batch), else ``None``."""
     first = parts[0]
-    if first.dim() == 0 or not first.is_contiguous():
+    base = first._base
+    if base is None or first.dim() == 0 or not first.is_contiguous():
         return None
-    rest = tuple(first.shape[1:])
+    rest, dtype = first.shape[1:], first.dtype
     row = math.prod(rest)                # elements per sample
-    ptr = first.data_ptr()
-    storage = first.untyped_storage().data_ptr()
-    rows = 0
-    for p in parts:
-        if (tuple(p.shape[1:]) != rest or p.dtype != first.dtype or p.device != first.device
-                or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage
-                or p.data_ptr() != ptr + rows * row * first.element_size()):
+    end = first.storage_offset() + first.shape[0] * row
+    for p in parts[1:]:
+        if (p._base is not base or p.dtype != dtype or p.shape[1:] != rest
+                or not p.is_contiguous() or p.storage_offset() != end):
             return None
-        rows += int(p.shape[0])
+        end += p.shape[0] * row
+    rows = (end - first.storage_offset()) // row if row else sum(int(p.shape[0]) for p in parts)
     return first.as_strided((rows, *rest), first.stride(), first.storage_offset())
 
 
