@@ -12,11 +12,17 @@ work on the CPU with TINY models (compute negligible, so the step is host-bound 
   difference engine minus plain broken down by op name. ``kernel ops`` leave out view ops
   (``OpOverload.is_view``: no kernel on a GPU) and profiler markers. Ops per step is the
   figure that transfers to a GPU (each non-view op is a kernel launch there).
-* **host CPU time per step**: paired rounds (plain, engine, order rotated every round), each a
-  window of ``--window`` steps timed with ``time.process_time`` (the machine is shared; CPU
-  time of this single-threaded process is what the step costs the host), the window's losses
-  read once at its end on both sides; per-round ratios engine / plain and their median; the
-  load average is recorded.
+* **host CPU time per step**: rounds of the contenders (plain, engine, plain_flat; order
+  rotated every round), each a window of ``--window`` steps timed with ``time.process_time``
+  (the machine is shared; CPU time of this single-threaded process is what the step costs the
+  host), the window's losses read once at its end on every side; per-round ratios engine /
+  plain and their median; the load average is recorded. On a CPU this time also holds the
+  kernels' own compute, which is not quite the same on both sides: the engine's parameters
+  are views into flat 64-byte-aligned bucket buffers (its weight copies are one ``copy_`` per
+  bucket), and on this CPU oneDNN's convolutions run measurably slower on such views than on
+  separately allocated weights. ``plain_flat``, the plain loop with its parameters laid out
+  the same way (``FlatBuffers``), separates that CPU effect from the engine's host work:
+  engine / plain_flat is the engine's own host work.
 
 Both sides use SGD with momentum and ``foreach=True`` (the default on CUDA; on CPU the default
 is the per-parameter loop, which would make the optimizer dominate the count). Models: a
@@ -45,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import default_out, positive_ints, write_json
 from engine import SmallTransformer, _Block, _model_batch
 from jabasray.engine import IIDPWorker
+from jabasray.engine.buckets import FlatBuffers, make_bucket_specs
 from jabasray.engine.loader import split_batch
 from jabasray.engine.stats import read_losses
 
@@ -124,8 +131,8 @@ def count_ops(step: Callable[[], object], steps: int = 2) -> OpCounter:
 
 
 def _contenders(model_name: str, n: int, local_batch: int):
-    """(plain step, engine step, worker): both build a model from the same seed; the plain one
-    runs on the ``n * B_L`` samples the engine's ``n`` VSWs split."""
+    """(plain step, engine step, plain_flat step, worker): all build the model from the same
+    seed; the plain ones run on the ``n * B_L`` samples the engine's ``n`` VSWs split."""
     factory, kind = MODELS[model_name]
     X, y = _model_batch(kind, n * local_batch, torch.device("cpu"))
     micro = split_batch((X, y), [local_batch] * n)
@@ -145,7 +152,19 @@ def _contenders(model_name: str, n: int, local_batch: int):
 
     def engine() -> torch.Tensor:
         return w.train_step(micro).loss_raw
-    return plain, engine, w
+
+    torch.manual_seed(0)
+    flat_model = factory()
+    FlatBuffers(flat_model, make_bucket_specs(flat_model, w.bucket_plan), flat_grads=False)
+    flat_opt = _sgd(flat_model.parameters())
+
+    def plain_flat() -> torch.Tensor:
+        flat_opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(flat_model(X), y)
+        loss.backward()
+        flat_opt.step()
+        return loss.detach()
+    return plain, engine, plain_flat, w
 
 
 def _window(step: Callable[[], torch.Tensor], steps: int) -> float:
@@ -156,8 +175,8 @@ def _window(step: Callable[[], torch.Tensor], steps: int) -> float:
 
 
 def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int) -> dict:
-    plain, engine, w = _contenders(model_name, n, local_batch)
-    variants = {"plain": plain, "engine": engine}
+    plain, engine, plain_flat, w = _contenders(model_name, n, local_batch)
+    variants = {"plain": plain, "engine": engine, "plain_flat": plain_flat}
     for fn in variants.values():                 # warm-up: optimizer state, traced hooks
         _window(fn, 5)
     ops = {k: count_ops(fn) for k, fn in variants.items()}
@@ -166,9 +185,10 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int) -
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
-        for k in names[r % 2:] + names[:r % 2]:
+        for k in names[r % 3:] + names[:r % 3]:
             times[k].append(_window(variants[k], window))
     ratios = [a / b for a, b in zip(times["engine"], times["plain"])]
+    ratios_flat = [a / b for a, b in zip(times["engine"], times["plain_flat"])]
     w.close()
     row = {
         "model": model_name, "num_vsw": n, "local_batch": local_batch, "plain_batch": n * local_batch,
@@ -180,13 +200,16 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int) -
         "host_ms_per_step_median": {k: statistics.median(v) * 1e3 for k, v in times.items()},
         "engine_over_plain_per_round": ratios,
         "engine_over_plain_median": statistics.median(ratios),
+        "engine_over_plain_flat_per_round": ratios_flat,
+        "engine_over_plain_flat_median": statistics.median(ratios_flat),
         "load_average": os.getloadavg(),
     }
     k = row["kernel_ops_per_step"]
     print(f"[{model_name}] n={n} B_L={local_batch}: ops/step plain {ops['plain'].total} "
           f"({k['plain']} kernels), engine {ops['engine'].total} ({k['engine']} kernels); "
-          f"host time engine/plain median {row['engine_over_plain_median']:.3f} "
-          f"(plain {row['host_ms_per_step_median']['plain']:.2f} ms); diff {row['engine_minus_plain_by_op']}")
+          f"host time engine/plain median {row['engine_over_plain_median']:.3f}, engine/plain_flat "
+          f"{row['engine_over_plain_flat_median']:.3f} (plain {row['host_ms_per_step_median']['plain']:.2f} ms); "
+          f"diff {row['engine_minus_plain_by_op']}")
     return row
 
 
