@@ -16,7 +16,9 @@ accumulate in place (activation memory as for ``n`` concurrent VSWs, not ``n*(n_
 :func:`join_batches` INTERLEAVES the round's micro-batches (row ``b*n + v`` = sample ``b`` of
 VSW ``v``): one copy of the inputs, which lets every BatchNorm view its activations as
 ``[B_L, n*C, ...]`` without a copy (:mod:`.vsw_norm`); every other layer is per sample and
-indifferent to the order of rows, and so is a per-sample-mean loss.
+indifferent to the order of rows, and so is a per-sample-mean loss. Without per-VSW
+BatchNorm the order is free altogether: :func:`join_adjacent` then joins micro-batches that
+lie back to back in memory (the loader's views of one batch) as one view, without a copy.
 
 :class:`BatchedExecution` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) runs such a
 step: the main VSW's module over each GA round, BatchNorm per VSW (``_norms``, packed by the

@@ -23,7 +23,10 @@ BatchNorm layer's forward, for the duration of one batched forward, for :func:`g
   ``running_mean``/``running_var`` of one layer in one ``[n, C]`` tensor and makes each VSW
   module's buffers views of its row, so the kernel updates all ``n`` in place,
   ``r_v <- (1 - m) r_v + m * s_v`` (``s_v``: VSW ``v``'s batch mean, unbiased batch variance),
-  and every replica (and ``state_dict``) still sees its own statistics.
+  and every replica (and ``state_dict``) still sees its own statistics. The
+  ``num_batches_tracked`` of every layer and VSW live in one ``[layers, n]`` tensor
+  (:class:`VSWNorms`), so a batched forward counts its batch with ONE ``add_`` (the stock
+  forward: one per layer);
   ``momentum=None`` (cumulative average, ``m = 1 / num_batches_tracked``) takes each VSW's own
   count: the batch statistics are computed by the same kernel into scratch buffers
   (momentum 1 leaves exactly ``s_v`` there) and ``r_v <- r_v + (s_v - r_v) / t_v`` follows on
