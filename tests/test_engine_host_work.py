@@ -161,3 +161,26 @@ def test_join_adjacent_is_a_view_of_back_to_back_micro_batches():
     assert join_adjacent([parts[0]]) is parts[0]
     # what the engine falls back to
     assert torch.equal(join_batches(six[::2])[0], torch.stack([p[0] for p in six[::2]], 1).reshape(6, 1, 8, 8))
+
+
+def test_engine_host_benchmark_runs_and_counts_the_engine_minus_plain(tmp_path, monkeypatch):
+    """Smoke run of benchmarks/engine_host.py (one round of one step): its op counts are the
+    ones this file's tests establish (no BatchNorm: the engine adds only the input views)."""
+    import json
+    import sys
+    from pathlib import Path
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    for mod in ("engine_host", "engine", "common"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    import engine_host
+    out = tmp_path / "host.json"
+    engine_host.main(["--counts", "1,3", "--rounds", "1", "--window", "1", "--models", "transformer",
+                      "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["num_vsw"] for r in rows] == [1, 3]
+    def diff(row):          # (the optimizer's profiler markers aside)
+        return {k: v for k, v in row["engine_minus_plain_by_op"].items() if not k.startswith("_record_function")}
+    assert diff(rows[0]) == {}
+    assert diff(rows[1]) == {"as_strided": 2}
+    assert rows[1]["kernel_ops_per_step"]["engine"] == rows[1]["kernel_ops_per_step"]["plain"]
