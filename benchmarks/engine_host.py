@@ -31,7 +31,10 @@ ResNet-18-shaped CNN (the 20 convolutions, 20 BatchNorms and shortcuts of
 small transformer at d 16, 4 tokens.
 
     python benchmarks/engine_host.py [--counts 1,2,4,8] [--local-batch 2] [--rounds 7]
-        [--window 30] [--models resnet18,transformer] [--out PATH]
+        [--window 30] [--models resnet18,transformer] [--device cpu|cuda] [--out PATH]
+
+On a GPU (``--device cuda``) the same contenders run there: the op counts are the same ops
+(each a kernel launch), and host CPU time per step is then the host's launch work directly.
 """
 from __future__ import annotations
 
@@ -130,17 +133,17 @@ def count_ops(step: Callable[[], object], steps: int = 2) -> OpCounter:
     return counters[0]
 
 
-def _contenders(model_name: str, n: int, local_batch: int):
+def _contenders(model_name: str, n: int, local_batch: int, device: torch.device = torch.device("cpu")):
     """(plain step, engine step, plain_flat step, worker): all build the model from the same
     seed; the plain ones run on the ``n * B_L`` samples the engine's ``n`` VSWs split."""
     factory, kind = MODELS[model_name]
-    X, y = _model_batch(kind, n * local_batch, torch.device("cpu"))
+    X, y = _model_batch(kind, n * local_batch, device)
     micro = split_batch((X, y), [local_batch] * n)
     torch.manual_seed(0)
-    plain_model = factory()
+    plain_model = factory().to(device)
     opt = _sgd(plain_model.parameters())
     torch.manual_seed(0)
-    w = IIDPWorker(factory(), _sgd, F.cross_entropy, device="cpu", cuda_graphs="off")
+    w = IIDPWorker(factory().to(device), _sgd, F.cross_entropy, device=device, cuda_graphs="off")
     w.configure(n, 0, local_batch)
 
     def plain() -> torch.Tensor:
@@ -154,7 +157,7 @@ def _contenders(model_name: str, n: int, local_batch: int):
         return w.train_step(micro).loss_raw
 
     torch.manual_seed(0)
-    flat_model = factory()
+    flat_model = factory().to(device)
     FlatBuffers(flat_model, make_bucket_specs(flat_model, w.bucket_plan), flat_grads=False)
     flat_opt = _sgd(flat_model.parameters())
 
@@ -168,14 +171,18 @@ def _contenders(model_name: str, n: int, local_batch: int):
 
 
 def _window(step: Callable[[], torch.Tensor], steps: int) -> float:
-    """CPU seconds per step over ``steps`` steps, the losses read once at the end."""
+    """CPU seconds per step over ``steps`` steps, the losses read once at the end (CUDA:
+    the device synchronised first, so that a window starts idle)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     c = time.process_time()
     read_losses([step() for _ in range(steps)])
     return (time.process_time() - c) / steps
 
 
-def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int) -> dict:
-    plain, engine, plain_flat, w = _contenders(model_name, n, local_batch)
+def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int,
+          device: torch.device = torch.device("cpu")) -> dict:
+    plain, engine, plain_flat, w = _contenders(model_name, n, local_batch, device)
     variants = {"plain": plain, "engine": engine, "plain_flat": plain_flat}
     for fn in variants.values():                 # warm-up: optimizer state, traced hooks
         _window(fn, 5)
@@ -191,7 +198,7 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int) -
     ratios_flat = [a / b for a, b in zip(times["engine"], times["plain_flat"])]
     w.close()
     row = {
-        "model": model_name, "num_vsw": n, "local_batch": local_batch, "plain_batch": n * local_batch,
+        "model": model_name, "device": str(device), "num_vsw": n, "local_batch": local_batch, "plain_batch": n * local_batch,
         "ops_per_step": {k: c.total for k, c in ops.items()},
         "kernel_ops_per_step": {k: c.kernels for k, c in ops.items()},
         "view_ops_per_step": {k: c.views for k, c in ops.items()},
@@ -220,6 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--window", type=int, default=30)
     p.add_argument("--models", default="resnet18,transformer")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the same contenders on the GPU; host CPU time per step then is "
+                        "the launch work (and the wait at each window's end, the same on both sides)")
     p.add_argument("--out", default=default_out("engine_host.json"))
     a = p.parse_args(argv)
     counts = positive_ints(p, "--counts", a.counts)
@@ -230,7 +240,10 @@ def main(argv: list[str] | None = None) -> dict:
     if a.local_batch < 1 or a.rounds < 1 or a.window < 1:
         p.error("--local-batch, --rounds and --window must be positive")
     torch.set_num_threads(1)
-    rows = [bench(m, n, a.local_batch, a.rounds, a.window) for m in models for n in counts]
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA device")
+    device = torch.device(a.device)
+    rows = [bench(m, n, a.local_batch, a.rounds, a.window, device) for m in models for n in counts]
     doc = {"benchmark": "engine_host", "machine": platform.node(), "processor": platform.processor(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": 1,
            "args": vars(a), "rows": rows}
