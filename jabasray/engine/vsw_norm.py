@@ -40,7 +40,6 @@ the engine then runs per VSW.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Iterator, Sequence
 
 import torch
@@ -154,6 +153,11 @@ class VSWNorms(list):
         self.params: list[torch.Tensor] = []       # repeated affine parameters, in order
         self.fwd_index = self.bwd_index = None
         self.counts: torch.Tensor | None = None    # [active layers, n] (pack_counts)
+        # each active layer's ghost forward, built once; what changes per batched forward
+        # (the repeated affine parameters, the call counts) is read from these two
+        self.step_repeated: dict[int, torch.Tensor] | None = None
+        self.step_calls: list[int] | None = None
+        self.forwards = [_GhostForward(self, m, s, i) for i, (m, s) in enumerate(self.active)]
         self.n = self.active[0][1].n if self.active else 1
         stats = [s for _, s in self.active]
         if (pack_counts and stats and all(s.count is not None for s in stats)
@@ -188,6 +192,20 @@ class VSWNorms(list):
         return {id(p): r for p, r in zip(self.params, out)}
 
 
+class _GhostForward:
+    """Layer ``index`` of ``owner``'s active layers as :func:`ghost_forward` with the current
+    batched forward's repeated parameters and call counts."""
+
+    __slots__ = ("owner", "module", "stats", "index")
+
+    def __init__(self, owner: VSWNorms, module: _BatchNorm, stats: PackedNormStats, index: int) -> None:
+        self.owner, self.module, self.stats, self.index = owner, module, stats, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.owner
+        return ghost_forward(self.module, self.stats, x, o.step_repeated, o.step_calls, self.index)
+
+
 def pack_norm_stats(replicas: Sequence[nn.Module]) -> VSWNorms:
     """Pack every BatchNorm layer's statistics of the VSW modules ``replicas`` (main first);
     returns ``(main's layer, its packed statistics)`` per layer, in module order."""
@@ -211,18 +229,22 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
         calls[index] += 1
         counted = calls[index] == 1
     n = stats.n
-    N, C = x.shape[0], x.shape[1]
+    shape = x.shape
+    N, C = shape[0], shape[1]
     if N % n:
         raise ValueError(f"a batched forward needs {n} equal local batches, got {N} rows")
-    w, b = module.weight, module.bias
+    params = module._parameters                 # (BatchNorm registers both, None without affine)
+    w, b = params["weight"], params["bias"]
     if n > 1:
-        rest = tuple(x.shape[2:])
-        xv = x.reshape(N // n, n * C, *rest)        # a view for a contiguous x
-        rep = repeated or {}
+        xv = x.reshape(N // n, n * C, *shape[2:])   # a view for a contiguous x
         if w is not None:
-            w = rep[id(w)] if id(w) in rep else w.repeat(n)
+            w = repeated.get(id(w)) if repeated else None
+            if w is None:
+                w = params["weight"].repeat(n)
         if b is not None:
-            b = rep[id(b)] if id(b) in rep else b.repeat(n)
+            b = repeated.get(id(b)) if repeated else None
+            if b is None:
+                b = params["bias"].repeat(n)
     else:
         xv = x
     tracking = stats.tracking
@@ -247,7 +269,7 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
         y = F.batch_norm(xv, stats.flat_mean if use_stats else None,
                          stats.flat_var if use_stats else None, w, b,
                          module.training or not tracking, 0.0, module.eps)
-    return y if n == 1 else y.reshape(x.shape)
+    return y if n == 1 else y.reshape(shape)
 
 
 @contextlib.contextmanager
@@ -271,18 +293,19 @@ def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterato
         # every layer's count + 1 in one op; a layer the forward does not call gives it back
         calls = [0] * len(active)
         layers.counts.add_(1)
+    layers.step_repeated, layers.step_calls = repeated, calls
     saved = [m.__dict__.get("forward", _MISSING) for m, _ in active]
     try:
-        for i, (m, s) in enumerate(active):
-            object.__setattr__(m, "forward", functools.partial(
-                ghost_forward, m, s, repeated=repeated, calls=calls, index=i))
+        for (m, _), fwd in zip(active, layers.forwards):
+            m.__dict__["forward"] = fwd            # (an instance attribute shadows the class's)
         yield
     finally:
         for (m, _), old in zip(active, saved):
             if old is _MISSING:
                 m.__dict__.pop("forward", None)
             else:
-                object.__setattr__(m, "forward", old)
+                m.__dict__["forward"] = old
+        layers.step_repeated = layers.step_calls = None
         if calls is not None:
             for (_, s), k in zip(active, calls):
                 if k == 0:
