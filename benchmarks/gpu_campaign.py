@@ -16,10 +16,11 @@ packing and multiplexing figures were measured once on an H200, the Tune sweep a
    --device cuda``, one epoch, on the GPU Ray detects);
 3. ``profiling``: profiler + iteration-time model vs measured steps, graphed and eager
    (``benchmarks/perf_model.py``);
-4. ``engine_resnet18`` / ``engine_overhead``: ``benchmarks/engine.py --parts batched`` on the
-   GPU - plain eager loop, plain graphed loop, per-VSW, batched, batched + graph - for n = 1, 2,
-   4 and 8 (ResNet-18, B_L 32), windows of 50 steps, 3 rounds; the engine at 1 VSW vs a plain
-   step;
+4. ``engine_resnet18`` / ``engine_host`` / ``engine_overhead``: ``benchmarks/engine.py --parts
+   batched`` on the GPU - plain eager loop, plain graphed loop, per-VSW, batched, batched +
+   graph - for n = 1, 2, 4 and 8 (ResNet-18, B_L 32), windows of 50 steps, 3 rounds; the ops
+   dispatched and host time per step, engine vs plain loop (``benchmarks/engine_host.py``); the
+   engine at 1 VSW vs a plain step;
 5. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``);
 6. ``engine_transformer`` (n = 1, 4, 16, B_L 32) and ``engine_resnet18_n16``;
 7. ``multiplex`` / ``multiplex_gpu_bound``: background multiplexing beside the small and a
@@ -83,6 +84,8 @@ STEPS: tuple[Step, ...] = (
     Step("engine_resnet18", _bench("engine.py", "--device", "cuda", "--parts", "batched",
                                    "--models", "resnet18", "--vsw", "1,2,4,8", "--local-batches", "32",
                                    "--rounds", "3", "--window", "50", "--out", "{out}/engine_resnet18.json"), 90),
+    Step("engine_host", _bench("engine_host.py", "--device", "cuda", "--rounds", "5", "--window", "30",
+                               "--counts", "1,2,4,8", "--out", "{out}/engine_host.json"), 90),
     Step("engine_overhead", _bench("engine.py", "--device", "cuda", "--parts", "overhead", "--rounds", "5",
                                    "--out", "{out}/engine_overhead.json"), 30),
     # 2 rounds: 3 rounds of K = 2, 8, 32 (MLP and CNN, same and mixed optimizers) took more than
@@ -211,6 +214,18 @@ def _tune(doc: dict) -> str:
     return "; ".join(out)
 
 
+def _engine_host(doc: dict) -> str:
+    """Per (model, n): kernels (non-view ops) per step engine / plain, host time ratio (median)."""
+    out = []
+    for r in doc.get("rows", []):
+        k = r["kernel_ops_per_step"]
+        s = f"{r['model']} n{r['num_vsw']}: kernels {k['engine']}/{k['plain']}"
+        if "engine_over_plain_median" in r:
+            s += f", host x{r['engine_over_plain_median']:.2f}"
+        out.append(s)
+    return "; ".join(out)
+
+
 def _profiling(doc: dict) -> str:
     """Mean relative error of the iteration-time model per execution profiled and run."""
     by = doc.get("mean_rel_error_by_cuda_graphs") or {"?": doc["mean_rel_error"]}
@@ -220,7 +235,7 @@ def _profiling(doc: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
     "engine_overhead": _engine,
-    "packing": _packing, "tune": _tune, "profiling": _profiling,
+    "packing": _packing, "tune": _tune, "profiling": _profiling, "engine_host": _engine_host,
 }
 
 

@@ -88,6 +88,10 @@ def test_headlines_and_summary_table(tmp_path):
     assert gc.headline(steps["packing"], tmp_path) == \
         "mlp/mixed K8: IMPV +0.50, graphed/eager x1.75; cnn/same K2: IMPV -0.25"
     assert gc.headline(steps["multiplex"], tmp_path) == ""
+    (tmp_path / "engine_host.json").write_text(json.dumps({"rows": [
+        {"model": "resnet18", "num_vsw": 2, "kernel_ops_per_step": {"plain": 184, "engine": 172},
+         "engine_over_plain_median": 1.03}]}))
+    assert gc.headline(steps["engine_host"], tmp_path) == "resnet18 n2: kernels 172/184, host x1.03"
     (tmp_path / "profiling.json").write_text(json.dumps(
         {"mean_rel_error": 0.5, "mean_rel_error_by_cuda_graphs": {"auto": 0.125, "off": 0.0625}}))
     assert gc.headline(steps["profiling"], tmp_path) == \
