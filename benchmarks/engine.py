@@ -270,16 +270,7 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, window: int) -
     opt = _adam(plain_model.parameters())
     X, y = _data(batch, (256,), device)
 
-    def plain(steps: int) -> None:
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(plain_model(X), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
-        read_losses(losses)
-
+    plain = plain_loop(plain_model, opt, X, y)
     flat_model = wide_mlp().to(device)
     flat_model.load_state_dict(plain_model.state_dict())
     w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws", cuda_graphs="off")
@@ -458,6 +449,23 @@ def _rotated_rounds(variants: dict[str, Callable[[], None]], rounds: int, window
     return out
 
 
+def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+               y: torch.Tensor) -> Callable[[int], None]:
+    """A plain eager training loop (zero_grad, forward, backward, ``opt.step()``) on the whole
+    batch, each step's loss kept on the device and the window's losses read once at its end
+    (the same host work as the engine's side)."""
+    def run(steps: int) -> None:
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(X), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        read_losses(losses)
+    return run
+
+
 def plain_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
                      y: torch.Tensor) -> Callable[[int], None]:
     """A plain training step captured as one CUDA graph, by PyTorch's whole-network recipe:
@@ -520,15 +528,7 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
                 w.configure(n, 0, bl)
                 workers[name] = w
 
-            def plain(steps: int) -> None:
-                losses = []
-                for _ in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    loss = F.cross_entropy(plain_model(X), y)
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.detach())
-                read_losses(losses)
+            plain = plain_loop(plain_model, opt, X, y)
 
             def engine(name: str) -> Callable[[int], None]:
                 def run(steps: int) -> None:

@@ -133,6 +133,18 @@ def count_ops(step: Callable[[], object], steps: int = 2) -> OpCounter:
     return counters[0]
 
 
+def _plain_step(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+                y: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One plain training step on the whole batch; returns its loss, kept on the device."""
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(X), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def _contenders(model_name: str, n: int, local_batch: int, device: torch.device = torch.device("cpu")):
     """(plain step, engine step, plain_flat step, worker): all build the model from the same
     seed; the plain ones run on the ``n * B_L`` samples the engine's ``n`` VSWs split."""
@@ -146,12 +158,7 @@ def _contenders(model_name: str, n: int, local_batch: int, device: torch.device 
     w = IIDPWorker(factory().to(device), _sgd, F.cross_entropy, device=device, cuda_graphs="off")
     w.configure(n, 0, local_batch)
 
-    def plain() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(plain_model(X), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+    plain = _plain_step(plain_model, opt, X, y)
 
     def engine() -> torch.Tensor:
         return w.train_step(micro).loss_raw
@@ -161,12 +168,7 @@ def _contenders(model_name: str, n: int, local_batch: int, device: torch.device 
     FlatBuffers(flat_model, make_bucket_specs(flat_model, w.bucket_plan), flat_grads=False)
     flat_opt = _sgd(flat_model.parameters())
 
-    def plain_flat() -> torch.Tensor:
-        flat_opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(flat_model(X), y)
-        loss.backward()
-        flat_opt.step()
-        return loss.detach()
+    plain_flat = _plain_step(flat_model, flat_opt, X, y)
     return plain, engine, plain_flat, w
 
 
