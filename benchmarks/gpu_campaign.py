@@ -24,7 +24,10 @@ packing and multiplexing figures were measured once on an H200, the Tune sweep a
 5. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``);
 6. ``engine_transformer`` (n = 1, 4, 16, B_L 32) and ``engine_resnet18_n16``;
 7. ``multiplex`` / ``multiplex_gpu_bound``: background multiplexing beside the small and a
-   GPU-bound foreground.
+   GPU-bound foreground;
+8. optional (only when named in ``--only``): ``tune_evidence_mlp`` / ``tune_evidence_cnn``,
+   the packed-trials evidence at R = 27 with full packs of 8 against Tune's ASHA with 1/8 of
+   the GPU per trial (e.g. ``--only tune_evidence_mlp --budget 440``).
 
 Every step is a subprocess in its own session with its own timeout: ``min(nominal, what is
 left of the budget - a reserve for the summary)``; a step that would get less than
@@ -62,6 +65,7 @@ class Step:
     timeout_s: int                   # nominal limit
     needs_ray: bool = False
     json: bool = True                # writes OUTDIR/<name>.json
+    optional: bool = False           # runs only when named in --only (longer evidence runs)
 
 
 def _bench(script: str, *args: str) -> tuple[str, ...]:
@@ -105,6 +109,21 @@ STEPS: tuple[Step, ...] = (
     Step("multiplex_gpu_bound", _bench("multiplex.py", "--device", "cuda", "--foreground", "gpu",
                                        "--rounds", "3", "--steps", "60", "--out",
                                        "{out}/multiplex_gpu_bound.json"), 60),
+    # the packed-trials evidence (longer than the campaign's budget leaves: run with --only and
+    # --budget): packed ASHA against Tune's ASHA with 1/8 of the GPU per trial, R = 27, full
+    # packs of 8 (12 trials admitted per device), 1000 steps per unit, one round
+    Step("tune_evidence_mlp", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp",
+                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
+                                     "--trials-per-device", "12", "--num-cpus", "16",
+                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
+                                     "--out", "{out}/tune_evidence_mlp.json"), 420, needs_ray=True,
+         optional=True),
+    Step("tune_evidence_cnn", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_cnn",
+                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
+                                     "--trials-per-device", "12", "--num-cpus", "16",
+                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
+                                     "--out", "{out}/tune_evidence_cnn.json"), 420, needs_ray=True,
+         optional=True),
 )
 
 
@@ -114,6 +133,8 @@ def plan(have_ray: bool, only: set[str] | None = None) -> list[tuple[Step, str |
     for s in STEPS:
         if only is not None and s.name not in only:
             out.append((s, "not in --only"))
+        elif s.optional and only is None:
+            out.append((s, "optional: name it in --only"))
         elif s.needs_ray and not have_ray:
             out.append((s, "Ray is not importable"))
         else:
@@ -235,7 +256,7 @@ def _profiling(doc: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
     "engine_overhead": _engine,
-    "packing": _packing, "tune": _tune, "profiling": _profiling, "engine_host": _engine_host,
+    "packing": _packing, "tune": _tune, "tune_evidence_mlp": _tune, "tune_evidence_cnn": _tune, "profiling": _profiling, "engine_host": _engine_host,
 }
 
 
