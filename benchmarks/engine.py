@@ -1,7 +1,8 @@
 """IIDP engine benchmark (no Ray): measures the compared variants side by side in one run.
 
 1. Overhead: IIDP with one VSW (no GA, no process group) vs a plain PyTorch loop at the same
-   batch size (goal: <= 5 % slower).
+   batch size (goal: <= 5 % slower), measured like part 4 (windows of ``--window`` steps, order
+   rotated, both sides read their losses once per window, per-round ratios).
 2. Weight synchronisation for num_vsw = 1..4: the naive scheme (every VSW runs its own
    optimizer on the aggregated gradient, the baseline of JABAS section 4 / 7.4) vs SWS vs OWS.
 3. CPU only (skip with ``--no-dist``): two processes over gloo on 127.0.0.1, 2 VSWs each:
@@ -257,7 +258,11 @@ def _adam(p):
 
 
 # ----------------------------------------------------------------------------- parts
-def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) -> dict:
+def bench_overhead(device: torch.device, batch: int, rounds: int, window: int) -> dict:
+    """The engine at 1 VSW (no GA, no process group; eager) vs a plain loop at the same batch,
+    by the batched part's method: windows of ``window`` steps, the order rotated every round,
+    both sides keeping each step's loss on the device and reading the window's losses once at
+    its end; per-round ratios (engine / plain) and their median."""
     torch.manual_seed(0)
     plain_model = wide_mlp().to(device)
     iidp_model = wide_mlp().to(device)
@@ -265,11 +270,7 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) ->
     opt = _adam(plain_model.parameters())
     X, y = _data(batch, (256,), device)
 
-    def plain() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(plain_model(X), y).backward()
-        opt.step()
-
+    plain = plain_loop(plain_model, opt, X, y)
     flat_model = wide_mlp().to(device)
     flat_model.load_state_dict(plain_model.state_dict())
     w = IIDPWorker(iidp_model, _adam, F.cross_entropy, device=device, weight_sync="sws", cuda_graphs="off")
@@ -279,18 +280,28 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, iters: int) ->
                     cuda_graphs="off")
     wf.configure(1, 0, batch)
 
-    res = _interleaved({"plain": plain, "iidp_1vsw": lambda: w.train_step([(X, y)]),
-                        "iidp_1vsw_flat": lambda: wf.train_step([(X, y)])}, rounds, iters, 3, device)
+    def engine(worker: IIDPWorker) -> Callable[[int], None]:
+        def run(steps: int) -> None:
+            read_losses([worker.train_step([(X, y)]).loss_raw for _ in range(steps)])
+        return run
+    variants = {"plain": plain, "iidp_1vsw": engine(w), "iidp_1vsw_flat": engine(wf)}
+    for fn in variants.values():              # warm-up (allocator, lazy optimizer state)
+        fn(3)
+    times = _rotated_rounds(variants, rounds, window, device)
     w.close()
     wf.close()
-    ratio = res["iidp_1vsw"] / res["plain"]
-    ratio_flat = res["iidp_1vsw_flat"] / res["plain"]
-    print(f"[overhead] batch {batch}: plain {res['plain'] * 1e3:.2f} ms, IIDP 1 VSW "
-          f"{res['iidp_1vsw'] * 1e3:.2f} ms -> ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); "
-          f"with flat buckets {res['iidp_1vsw_flat'] * 1e3:.2f} ms -> {ratio_flat:.3f}")
-    return {"batch": batch, "plain_ms": res["plain"] * 1e3, "iidp_1vsw_ms": res["iidp_1vsw"] * 1e3,
-            "iidp_1vsw_flat_ms": res["iidp_1vsw_flat"] * 1e3, "ratio": ratio, "ratio_flat": ratio_flat,
-            "wall_ms": {k.split(":")[0]: v * 1e3 for k, v in res.items() if k.endswith(":wall")}}
+    ratios = [a / b for a, b in zip(times["iidp_1vsw"], times["plain"])]
+    ratios_flat = [a / b for a, b in zip(times["iidp_1vsw_flat"], times["plain"])]
+    med = {k: statistics.median(times[k]) * 1e3 for k in variants}
+    ratio, ratio_flat = statistics.median(ratios), statistics.median(ratios_flat)
+    print(f"[overhead] batch {batch}: plain {med['plain']:.2f} ms, IIDP 1 VSW {med['iidp_1vsw']:.2f} ms "
+          f"-> median ratio {ratio:.3f} ({(ratio - 1) * 100:+.1f}%); with flat buckets "
+          f"{med['iidp_1vsw_flat']:.2f} ms -> {ratio_flat:.3f} ({rounds} rounds x {window} steps)")
+    return {"batch": batch, "window": window, "plain_ms": med["plain"], "iidp_1vsw_ms": med["iidp_1vsw"],
+            "iidp_1vsw_flat_ms": med["iidp_1vsw_flat"], "ratio": ratio, "ratio_flat": ratio_flat,
+            "ratio_per_round": ratios, "ratio_flat_per_round": ratios_flat,
+            "ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
+            "load_average": os.getloadavg()}
 
 
 def bench_weight_sync(device: torch.device, local_batch: int, max_vsw: int, rounds: int, iters: int,
@@ -438,6 +449,23 @@ def _rotated_rounds(variants: dict[str, Callable[[], None]], rounds: int, window
     return out
 
 
+def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+               y: torch.Tensor) -> Callable[[int], None]:
+    """A plain eager training loop (zero_grad, forward, backward, ``opt.step()``) on the whole
+    batch, each step's loss kept on the device and the window's losses read once at its end
+    (the same host work as the engine's side)."""
+    def run(steps: int) -> None:
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(X), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        read_losses(losses)
+    return run
+
+
 def plain_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
                      y: torch.Tensor) -> Callable[[int], None]:
     """A plain training step captured as one CUDA graph, by PyTorch's whole-network recipe:
@@ -500,15 +528,7 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
                 w.configure(n, 0, bl)
                 workers[name] = w
 
-            def plain(steps: int) -> None:
-                losses = []
-                for _ in range(steps):
-                    opt.zero_grad(set_to_none=True)
-                    loss = F.cross_entropy(plain_model(X), y)
-                    loss.backward()
-                    opt.step()
-                    losses.append(loss.detach())
-                read_losses(losses)
+            plain = plain_loop(plain_model, opt, X, y)
 
             def engine(name: str) -> Callable[[int], None]:
                 def run(steps: int) -> None:
@@ -631,7 +651,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="batched part: models (default small_cnn,small_transformer on CPU, "
                          "resnet18,small_transformer on CUDA)")
     ap.add_argument("--vsw", default=None, help="batched part: n values (default 1,2,4)")
-    ap.add_argument("--window", type=int, default=50, help="batched part: steps per window (>= 1)")
+    ap.add_argument("--window", type=int, default=50, help="overhead and batched parts: steps per "
+                    "window (>= 1)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 21, --quick 2)")
     ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
@@ -662,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict:
               "load_average": os.getloadavg(),
               "rounds": rounds, "iters_per_round": iters}
     if "overhead" in parts:
-        result["overhead"] = [bench_overhead(device, b, rounds, iters) for b in (32, 128)]
+        result["overhead"] = [bench_overhead(device, b, rounds, args.window) for b in (32, 128)]
     if "weight_sync" in parts:
         result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
     if device.type == "cpu" and not args.no_dist and "dist" in parts:

@@ -3,23 +3,31 @@ within a fixed time budget (default 9 minutes), leaving logs, JSON and one summa
 
     python benchmarks/gpu_campaign.py OUTDIR [--budget 540] [--only a,b] [--dry-run]
 
-Steps, in priority order (a GPU session may be short: the most informative first):
+Steps, in priority order (a GPU session may be short: the most informative first; the engine,
+packing and multiplexing figures were measured once on an H200, the Tune sweep and the real
+``jabasray train`` never):
 
 1. ``cuda_tests``: every ``cuda``-marked test (``pytest -m cuda tests/``; collection errors of
    modules that need Ray where Ray is missing do not stop the others);
-2. ``engine_resnet18`` (+ ``_n16``) / ``engine_transformer``: ``benchmarks/engine.py --parts
-   batched`` on the GPU - plain eager loop, plain graphed loop, per-VSW, batched, batched +
-   graph - for n = 1, 2, 4, 8 and 16 (ResNet-18, B_L 32) and n = 1, 4, 16 (the small
-   transformer, B_L 32), windows of 50 steps, 3 rounds;
-3. ``engine_overhead``: the engine at 1 VSW vs a plain step;
-4. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``),
-   and where Ray is importable ``tune`` (packed ASHA against Tune's ASHA with one GPU per trial
+2. where Ray is importable: ``tune`` (packed ASHA against Tune's ASHA with one GPU per trial
    and with 1/8 of it per trial, the CIFAR-sized MLP, K = 8, R = 9: ``benchmarks/hyperband.py
    --device cuda``, small; the full evidence runs the same command at ``--R 27`` for
-   ``--members 8``, ``16``, ``32`` and ``--workload cifar_cnn``);
-5. ``multiplex``: background multiplexing, host-bound and GPU-bound foregrounds;
-6. ``profiling``: profiler + iteration-time model vs measured steps (``benchmarks/perf_model.py``);
-7. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch).
+   ``--members 8``, ``16``, ``32`` and ``--workload cifar_cnn``) and ``train`` (``jabasray train
+   --device cuda``, one epoch, on the GPU Ray detects);
+3. ``profiling``: profiler + iteration-time model vs measured steps, graphed and eager
+   (``benchmarks/perf_model.py``);
+4. ``engine_resnet18`` / ``engine_host`` / ``engine_overhead``: ``benchmarks/engine.py --parts
+   batched`` on the GPU - plain eager loop, plain graphed loop, per-VSW, batched, batched +
+   graph - for n = 1, 2, 4 and 8 (ResNet-18, B_L 32), windows of 50 steps, 3 rounds; the ops
+   dispatched and host time per step, engine vs plain loop (``benchmarks/engine_host.py``); the
+   engine at 1 VSW vs a plain step;
+5. ``packing``: Pack's IMPV vs K and the graphed vs eager packed step (``benchmarks/packing.py``);
+6. ``engine_transformer`` (n = 1, 4, 16, B_L 32) and ``engine_resnet18_n16``;
+7. ``multiplex`` / ``multiplex_gpu_bound``: background multiplexing beside the small and a
+   GPU-bound foreground;
+8. optional (only when named in ``--only``): ``tune_evidence_mlp`` / ``tune_evidence_cnn``,
+   the packed-trials evidence at R = 27 with full packs of 8 against Tune's ASHA with 1/8 of
+   the GPU per trial (e.g. ``--only tune_evidence_mlp --budget 440``).
 
 Every step is a subprocess in its own session with its own timeout: ``min(nominal, what is
 left of the budget - a reserve for the summary)``; a step that would get less than
@@ -57,6 +65,7 @@ class Step:
     timeout_s: int                   # nominal limit
     needs_ray: bool = False
     json: bool = True                # writes OUTDIR/<name>.json
+    optional: bool = False           # runs only when named in --only (longer evidence runs)
 
 
 def _bench(script: str, *args: str) -> tuple[str, ...]:
@@ -67,37 +76,54 @@ STEPS: tuple[Step, ...] = (
     Step("cuda_tests", ("{py}", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                         "--continue-on-collection-errors", "--junitxml", "{out}/cuda_tests.xml",
                         "tests/"), 120, json=False),
+    Step("tune", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp", "--R", "9",
+                        "--steps-per-unit", "50", "--members", "8", "--num-cpus", "8",
+                        "--contenders", "tune_asha,tune_asha_shared,packed_asha", "--rounds", "1",
+                        "--out", "{out}/tune.json"), 150, needs_ray=True),
+    Step("train", ("{py}", "-m", "jabasray.cli", "train", "--device", "cuda", "--epochs", "1",
+                   "--no-progress", "--storage-path", "{out}/runs", "--name", "campaign"), 90,
+         needs_ray=True, json=False),
+    Step("profiling", _bench("perf_model.py", "--device", "cuda", "--steps", "10", "--out",
+                             "{out}/profiling.json"), 60),
     Step("engine_resnet18", _bench("engine.py", "--device", "cuda", "--parts", "batched",
                                    "--models", "resnet18", "--vsw", "1,2,4,8", "--local-batches", "32",
-                                   "--rounds", "3", "--window", "50", "--out", "{out}/engine_resnet18.json"), 120),
-    Step("engine_resnet18_n16", _bench("engine.py", "--device", "cuda", "--parts", "batched",
-                                       "--models", "resnet18", "--vsw", "16", "--local-batches", "32",
-                                       "--rounds", "3", "--window", "50", "--out",
-                                       "{out}/engine_resnet18_n16.json"), 60),
-    Step("engine_transformer", _bench("engine.py", "--device", "cuda", "--parts", "batched",
-                                      "--models", "small_transformer", "--vsw", "1,4,16",
-                                      "--local-batches", "32", "--rounds", "3", "--window", "50",
-                                      "--out", "{out}/engine_transformer.json"), 60),
+                                   "--rounds", "3", "--window", "50", "--out", "{out}/engine_resnet18.json"), 90),
+    Step("engine_host", _bench("engine_host.py", "--device", "cuda", "--rounds", "5", "--window", "30",
+                               "--counts", "1,2,4,8", "--out", "{out}/engine_host.json"), 90),
     Step("engine_overhead", _bench("engine.py", "--device", "cuda", "--parts", "overhead", "--rounds", "5",
                                    "--out", "{out}/engine_overhead.json"), 30),
     # 2 rounds: 3 rounds of K = 2, 8, 32 (MLP and CNN, same and mixed optimizers) took more than
     # 45 s on an H200, most of it the sequential K = 32 contender
     Step("packing", _bench("packing.py", "--device", "cuda", "--ks", "2,8,32", "--repeats", "2",
                            "--steps", "20", "--out", "{out}/packing.json"), 75),
-    Step("tune", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp", "--R", "9",
-                        "--steps-per-unit", "50", "--members", "8", "--num-cpus", "8",
-                        "--contenders", "tune_asha,tune_asha_shared,packed_asha", "--rounds", "1",
-                        "--out", "{out}/tune.json"), 150, needs_ray=True),
+    Step("engine_transformer", _bench("engine.py", "--device", "cuda", "--parts", "batched",
+                                      "--models", "small_transformer", "--vsw", "1,4,16",
+                                      "--local-batches", "32", "--rounds", "3", "--window", "50",
+                                      "--out", "{out}/engine_transformer.json"), 60),
+    Step("engine_resnet18_n16", _bench("engine.py", "--device", "cuda", "--parts", "batched",
+                                       "--models", "resnet18", "--vsw", "16", "--local-batches", "32",
+                                       "--rounds", "3", "--window", "50", "--out",
+                                       "{out}/engine_resnet18_n16.json"), 60),
     Step("multiplex", _bench("multiplex.py", "--device", "cuda", "--rounds", "3", "--steps", "100",
                              "--out", "{out}/multiplex.json"), 60),
     Step("multiplex_gpu_bound", _bench("multiplex.py", "--device", "cuda", "--foreground", "gpu",
                                        "--rounds", "3", "--steps", "60", "--out",
                                        "{out}/multiplex_gpu_bound.json"), 60),
-    Step("profiling", _bench("perf_model.py", "--device", "cuda", "--steps", "10", "--out",
-                             "{out}/profiling.json"), 60),
-    Step("train", ("{py}", "-m", "jabasray.cli", "train", "--device", "cuda", "--epochs", "1",
-                   "--no-progress", "--storage-path", "{out}/runs", "--name", "campaign"), 90,
-         needs_ray=True, json=False),
+    # the packed-trials evidence (longer than the campaign's budget leaves: run with --only and
+    # --budget): packed ASHA against Tune's ASHA with 1/8 of the GPU per trial, R = 27, full
+    # packs of 8 (12 trials admitted per device), 1000 steps per unit, one round
+    Step("tune_evidence_mlp", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp",
+                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
+                                     "--trials-per-device", "12", "--num-cpus", "16",
+                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
+                                     "--out", "{out}/tune_evidence_mlp.json"), 420, needs_ray=True,
+         optional=True),
+    Step("tune_evidence_cnn", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_cnn",
+                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
+                                     "--trials-per-device", "12", "--num-cpus", "16",
+                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
+                                     "--out", "{out}/tune_evidence_cnn.json"), 420, needs_ray=True,
+         optional=True),
 )
 
 
@@ -107,6 +133,8 @@ def plan(have_ray: bool, only: set[str] | None = None) -> list[tuple[Step, str |
     for s in STEPS:
         if only is not None and s.name not in only:
             out.append((s, "not in --only"))
+        elif s.optional and only is None:
+            out.append((s, "optional: name it in --only"))
         elif s.needs_ray and not have_ray:
             out.append((s, "Ray is not importable"))
         else:
@@ -207,6 +235,18 @@ def _tune(doc: dict) -> str:
     return "; ".join(out)
 
 
+def _engine_host(doc: dict) -> str:
+    """Per (model, n): kernels (non-view ops) per step engine / plain, host time ratio (median)."""
+    out = []
+    for r in doc.get("rows", []):
+        k = r["kernel_ops_per_step"]
+        s = f"{r['model']} n{r['num_vsw']}: kernels {k['engine']}/{k['plain']}"
+        if "engine_over_plain_median" in r:
+            s += f", host x{r['engine_over_plain_median']:.2f}"
+        out.append(s)
+    return "; ".join(out)
+
+
 def _profiling(doc: dict) -> str:
     """Mean relative error of the iteration-time model per execution profiled and run."""
     by = doc.get("mean_rel_error_by_cuda_graphs") or {"?": doc["mean_rel_error"]}
@@ -216,7 +256,7 @@ def _profiling(doc: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
     "engine_overhead": _engine,
-    "packing": _packing, "tune": _tune, "profiling": _profiling,
+    "packing": _packing, "tune": _tune, "tune_evidence_mlp": _tune, "tune_evidence_cnn": _tune, "profiling": _profiling, "engine_host": _engine_host,
 }
 
 

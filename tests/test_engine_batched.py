@@ -60,6 +60,25 @@ class Conv3BN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class SharedBN(nn.Module):
+    """One BatchNorm2d called twice per forward and one never called: every VSW's
+    ``num_batches_tracked`` must count calls, as the stock forward does (the batched step
+    counts the batch for all layers at once and corrects for these two)."""
+
+    def __init__(self, **bn) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 3, 3, padding=1, bias=False)
+        self.c2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.shared = nn.BatchNorm2d(3, **bn)
+        self.unused = nn.BatchNorm2d(3, **bn)
+        self.fc = nn.Linear(3 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.shared(self.c1(x)))
+        x = F.max_pool2d(torch.relu(self.shared(self.c2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
 def _build(kind: str) -> nn.Module:
     torch.manual_seed(0)
     return {
@@ -69,6 +88,8 @@ def _build(kind: str) -> nn.Module:
         "bn2d_noaffine_cma": lambda: Conv3BN(affine=False, momentum=None),
         "bn2d_no_running_stats": lambda: Conv3BN(track_running_stats=False),
         "bn1d": lambda: NormMLP(),
+        "shared_bn": lambda: SharedBN(),
+        "shared_bn_cma": lambda: SharedBN(momentum=None),
         "bn1d_noaffine_cma": lambda: NormMLP(affine=False, momentum=None),
         "syncbn": lambda: Conv3BN(norm=nn.SyncBatchNorm),
         "instnorm_stats": lambda: Conv3BN(norm=nn.InstanceNorm2d, affine=True, track_running_stats=True),
@@ -144,6 +165,15 @@ def test_batched_equals_per_vsw_for_batchnorm_variants_across_configure(kind, me
     running statistics; layouts switched by configure (the packed statistics follow)."""
     _run_pair(kind, "adam" if method == "ows" else "sgd_momentum", [(2, 1, 3), (3, 0, 4), (5, 2, 3), (1, 1, 3)],
               method=method)
+
+
+@pytest.mark.parametrize("kind", ["shared_bn", "shared_bn_cma"])
+def test_batched_counts_a_shared_and_an_unused_batchnorm_like_per_vsw(kind):
+    bat, _ = _run_pair(kind, "sgd_momentum", [(2, 0, 3), (3, 1, 2), (1, 0, 4)])
+    steps = 3 * (1 + 2 + 1)           # GA rounds: 3 steps of 1, 3 of 2, 3 of 1
+    for r in bat.replicas():
+        assert int(r.shared.num_batches_tracked) == 2 * steps
+        assert int(r.unused.num_batches_tracked) == 0
 
 
 def test_batched_without_batchnorm_equals_plain_step_on_union():

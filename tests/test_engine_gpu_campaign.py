@@ -20,7 +20,7 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
     runs = [l for l in text if l.startswith("run ")]
     skips = [l for l in text if l.startswith("skip")]
     assert len(runs) + len(skips) == len(gc.STEPS)
-    names = [l.split()[1] for l in runs + skips]
+    names = [l.split()[1].rstrip(":") for l in runs + skips]
     assert sorted(names) == sorted(s.name for s in gc.STEPS)
     limits = [int(l.split("(limit ")[1].split(" s;")[0]) for l in runs]
     assert limits == [s.timeout_s for s, why in gc.plan(gc.importlib.util.find_spec("ray") is not None)
@@ -37,7 +37,12 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
 def test_plan_skips_ray_steps_without_ray_and_honours_only():
     p = dict((s.name, why) for s, why in gc.plan(have_ray=False))
     assert p["train"] == p["tune"] == "Ray is not importable"
-    assert all(why is None for n, why in p.items() if n not in ("train", "tune"))
+    optional = {s.name for s in gc.STEPS if s.optional}
+    assert optional == {"tune_evidence_mlp", "tune_evidence_cnn"}
+    assert all(p[n] == "optional: name it in --only" for n in optional)
+    assert all(why is None for n, why in p.items() if n not in {"train", "tune"} | optional)
+    p = dict((s.name, why) for s, why in gc.plan(have_ray=True, only={"tune_evidence_mlp"}))
+    assert p["tune_evidence_mlp"] is None and p["tune_evidence_cnn"] == "not in --only"
     p = dict((s.name, why) for s, why in gc.plan(have_ray=True, only={"packing"}))
     assert p["packing"] is None and all(why == "not in --only" for n, why in p.items() if n != "packing")
 
@@ -88,6 +93,10 @@ def test_headlines_and_summary_table(tmp_path):
     assert gc.headline(steps["packing"], tmp_path) == \
         "mlp/mixed K8: IMPV +0.50, graphed/eager x1.75; cnn/same K2: IMPV -0.25"
     assert gc.headline(steps["multiplex"], tmp_path) == ""
+    (tmp_path / "engine_host.json").write_text(json.dumps({"rows": [
+        {"model": "resnet18", "num_vsw": 2, "kernel_ops_per_step": {"plain": 184, "engine": 172},
+         "engine_over_plain_median": 1.03}]}))
+    assert gc.headline(steps["engine_host"], tmp_path) == "resnet18 n2: kernels 172/184, host x1.03"
     (tmp_path / "profiling.json").write_text(json.dumps(
         {"mean_rel_error": 0.5, "mean_rel_error_by_cuda_graphs": {"auto": 0.125, "off": 0.0625}}))
     assert gc.headline(steps["profiling"], tmp_path) == \

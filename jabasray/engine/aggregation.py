@@ -163,6 +163,10 @@ class BucketAggregation:
     """Bucket completion, local aggregation, all-reduce launches and the update (module notes)."""
 
     _bucket_hooks = True    # False: buckets complete only after backward (no overlap; ablation)
+    # this step has work on the comm lane: a process group (or flat gradient buckets), several
+    # active VSWs or a snapshot of the local gradient (else a bucket is final once its VSW
+    # finished it: no event, no launch, no wait - host work a plain step does not have)
+    _comm_work = True
 
     def _make_hook(self, vsw: _VSW, bucket: int, k: int) -> Callable[[torch.Tensor], None]:
         """The hook on parameter ``k`` of ``bucket`` (module notes, step 2): in the VSW's last
@@ -179,6 +183,8 @@ class BucketAggregation:
         if vsw.done[bucket]:
             return
         vsw.done[bucket] = True
+        if not self._comm_work:
+            return          # one VSW's gradients, nothing to aggregate, snapshot or all-reduce
         vsw.events[bucket] = self._lanes.record()    # CUDA: grads of this bucket are on this stream
         with self._lock:
             self._pending[bucket] -= 1
@@ -283,7 +289,7 @@ class BucketAggregation:
         fut = self._works[b]
         if fut is not None:
             fut.result().wait()   # CUDA/NCCL: makes the current (update) stream wait
-        elif self._lanes.is_cuda:
+        elif self._lanes.is_cuda and self._comm_work:
             self._lanes.update.wait_stream(self._lanes.comm)
 
     def _update(self, divisor: float) -> "_Timings":

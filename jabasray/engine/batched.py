@@ -16,7 +16,9 @@ accumulate in place (activation memory as for ``n`` concurrent VSWs, not ``n*(n_
 :func:`join_batches` INTERLEAVES the round's micro-batches (row ``b*n + v`` = sample ``b`` of
 VSW ``v``): one copy of the inputs, which lets every BatchNorm view its activations as
 ``[B_L, n*C, ...]`` without a copy (:mod:`.vsw_norm`); every other layer is per sample and
-indifferent to the order of rows, and so is a per-sample-mean loss.
+indifferent to the order of rows, and so is a per-sample-mean loss. Without per-VSW
+BatchNorm the order is free altogether: :func:`join_adjacent` then joins micro-batches that
+lie back to back in memory (the loader's views of one batch) as one view, without a copy.
 
 :class:`BatchedExecution` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) runs such a
 step: the main VSW's module over each GA round, BatchNorm per VSW (``_norms``, packed by the
@@ -25,6 +27,7 @@ worker), gradients accumulating in place; it uses the worker's ``_vsws``, ``_lan
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
@@ -81,6 +84,66 @@ def join_batches(parts: Sequence[Any]) -> Any:
             return type(first)(v for row in zip(*parts) for v in row)
         return type(first)(join_batches([p[i] for p in parts]) for i in range(len(first)))
     raise ValueError(f"a micro-batch leaf of type {type(first).__name__} cannot be joined")
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One view over ``parts`` when they are contiguous views of one tensor lying back to back
+    (e.g. :func:`~jabasray.engine.loader.split_batch`'s views of one batch), else ``None``."""
+    first = parts[0]
+    base = first._base
+    if base is None or first.dim() == 0 or not first.is_contiguous():
+        return None
+    rest, dtype = first.shape[1:], first.dtype
+    row = math.prod(rest)                # elements per sample
+    end = first.storage_offset() + first.shape[0] * row
+    for p in parts[1:]:
+        if (p._base is not base or p.dtype != dtype or p.shape[1:] != rest
+                or not p.is_contiguous() or p.storage_offset() != end):
+            return None
+        end += p.shape[0] * row
+    rows = (end - first.storage_offset()) // row if row else sum(int(p.shape[0]) for p in parts)
+    return first.as_strided((rows, *rest), first.stride(), first.storage_offset())
+
+
+def join_adjacent(parts: Sequence[Any]) -> Any:
+    """Concatenate ``n`` micro-batches along the sample dimension WITHOUT a copy (row
+    ``v*B_L + b`` = sample ``b`` of VSW ``v``), structure kept, when every tensor leaf's parts
+    lie back to back in memory; ``None`` otherwise (then :func:`join_batches`). For steps
+    without per-VSW BatchNorm: every layer is per sample, so the order of the rows does not
+    matter - but it must be the same for every leaf, hence all leaves or none."""
+    if len(parts) == 1:
+        return parts[0]
+    out = _join_adjacent(parts)
+    return None if out is _NOT_ADJACENT else out
+
+
+_NOT_ADJACENT = object()
+
+
+def _join_adjacent(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            return _NOT_ADJACENT
+        out = _adjacent(parts)
+        return _NOT_ADJACENT if out is None else out
+    if isinstance(first, Mapping):
+        out = {}
+        for k in first:
+            out[k] = _join_adjacent([p[k] for p in parts])
+            if out[k] is _NOT_ADJACENT:
+                return _NOT_ADJACENT
+        return out
+    if isinstance(first, (list, tuple)):
+        if _is_per_sample(first):
+            return type(first)(v for p in parts for v in p)
+        items = []
+        for i in range(len(first)):
+            items.append(_join_adjacent([p[i] for p in parts]))
+            if items[-1] is _NOT_ADJACENT:
+                return _NOT_ADJACENT
+        return type(first)(items)
+    return _NOT_ADJACENT
 
 
 class BatchedExecution:

@@ -59,7 +59,7 @@ from torch import nn
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
 from .aggregation import _VSW, BucketAggregation
-from .batched import BatchedExecution, batch_fallback_reason, join_batches
+from .batched import BatchedExecution, batch_fallback_reason, join_adjacent, join_batches
 from .buckets import (BucketPlan, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .graphs import (CUDA_GRAPH_MODES, CapturedStep, GraphCache, GraphedSteps, step_graph_blocker,
@@ -70,13 +70,20 @@ from .stats import StepStats, _DeviceScalar, _Timings, read_losses  # noqa: F401
 from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step_output, supervised_step
 from .train_metrics import add_step_metrics
 from .streams import DispatcherThread, Lanes, VSWThreadPool
-from .vsw_norm import coupling_modules, pack_norm_stats
+from .vsw_norm import VSWNorms, coupling_modules, pack_norm_stats
 from .weight_sync import ShardOptimizer, resolve_weight_sync
 
 log = logging.getLogger(__name__)
 
 MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
 VSW_EXECUTIONS = ("auto", "threads", "one_thread")
+
+
+def _join_free(parts: Sequence[Any]) -> Any:
+    """Join micro-batches in any row order (the same for every leaf): without a copy where
+    they lie back to back, else interleaved."""
+    out = join_adjacent(parts)
+    return join_batches(parts) if out is None else out
 
 
 def _clone_state(sd: dict) -> dict:
@@ -221,7 +228,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         self._forced = None if vsw_execution == "auto" else vsw_execution
         self.per_sample_loss = per_sample_loss
         self._coupling = coupling_modules(model)
-        self._norms: list = []              # (main's BatchNorm layer, PackedNormStats) per layer
+        self._norms = VSWNorms([])          # (main's BatchNorm layer, PackedNormStats) per layer
         self._packed = False                # _norms packed for the current VSWs
         self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
         self._copy_replicas = True          # this step's update copies weights to the replicas
@@ -488,7 +495,10 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         if reason is None:
             try:
                 n = self._num_vsw
-                rounds = [join_batches([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
+                # without per-VSW BatchNorm the row order is free: micro-batches that lie back
+                # to back (the loader's views of one batch) join without a copy
+                join = join_batches if self._norms.active else _join_free
+                rounds = [join([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
             except ValueError as e:
                 reason = f"micro-batches cannot be joined: {e}"
         if reason is not None:
@@ -504,6 +514,10 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
         self._next_launch = 0
         self._works = [None] * nb
         self._snapshot = [None] * nb if keep_local_grad else None
+        # (flat gradient buckets: hooks complete and launch buckets during backward, as with a
+        # process group, even when there is none)
+        self._comm_work = (self.process_group is not None or self._flat_grads
+                           or len(self._active) > 1 or self._snapshot is not None)
         self._metric_sums, self._metric_counts = {}, {}
         weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
         pg = self.process_group
@@ -550,8 +564,12 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             for v in self._active:
                 lanes.wait(lanes.update, lanes.record(lanes.vsw[v.index]))
             flat_losses = [x for vsw_losses in losses for x in vsw_losses]
-            loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device) if flat_losses
-                      else torch.zeros(1, device=self._comm_device))
+            if pg is None:          # nothing to all-reduce: one loss is the sum (no op at all)
+                loss_t = (flat_losses[0] if len(flat_losses) == 1 else torch.stack(flat_losses).sum()
+                          if flat_losses else torch.zeros((), device=self.device))
+            else:
+                loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device) if flat_losses
+                          else torch.zeros(1, device=self._comm_device))
             loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                          if pg is not None else None)
             if ragged:   # (per-VSW fallback: reading the sample count synchronises)
@@ -573,7 +591,9 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             end_ev = lanes.record(lanes.update)
         lanes.wait(lanes.current(), end_ev)
         # on the device: read once per interval (batched: the losses are already averaged)
-        loss_value = loss_t.reshape(()) if self._prescaled else (loss_t / divisor).reshape(())
+        loss_value = loss_t if self._prescaled else loss_t / divisor
+        if loss_value.dim():
+            loss_value = loss_value.reshape(())
         self._exit_comm_guard()
         if rounds is not None and self._num_vsw > 1:
             self._stale = True                         # replicas get the weights when used
