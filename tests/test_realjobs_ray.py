@@ -5,12 +5,14 @@ reads a sample; Ray Train's Result conventions; the user's LR and hooks checked 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model
+from jabasray.actors.checkpoint import latest_checkpoint
 from jabasray.actors.driver import DriverOptions
 from jabasray.actors.trainer import JabasTrainer, Result
 from jabasray.config import JobConfig, RunConfig
@@ -69,10 +71,16 @@ def reference(tmp_path_factory):
     return fit(tmp_path_factory.mktemp("ref"), "ref", 2)
 
 
-def test_file_dataset_with_forced_replacement_trains_exactly_like_in_memory(reference, folders, tmp_path):
+@pytest.fixture(scope="module")
+def files_run(folders, tmp_path_factory):
+    """The 2-epoch run over the files, re-placing every actor at each epoch."""
+    return fit(tmp_path_factory.mktemp("files"), "files", 2, folders, options={"force_replacement": True})
+
+
+def test_file_dataset_with_forced_replacement_trains_exactly_like_in_memory(reference, files_run):
     """Same samples in the same order (identical weights, B_G trajectory, LR, val metrics): the
     DataLoader path serves every sample once per epoch, also after re-placing every actor."""
-    files = fit(tmp_path, "files", 2, folders, options={"force_replacement": True})
+    files = files_run
     assert [e.replaced for e in files.history.epochs] == [False, True]
     for e in (0, 1):
         assert sum(r.samples for r in files.history.intervals if r.epoch == e) == N
@@ -80,11 +88,16 @@ def test_file_dataset_with_forced_replacement_trains_exactly_like_in_memory(refe
     assert_same(files, reference)
 
 
-def test_file_dataset_resume_equals_uninterrupted(reference, folders, tmp_path):
-    first = fit(tmp_path, "resume", 1, folders)
-    assert first.run_checkpoint.epochs_done == 1
+def test_file_dataset_resume_equals_uninterrupted(reference, files_run, folders, tmp_path):
+    """A run over the files stopped after epoch 1 (the files run's folder without its epoch-2
+    checkpoint: what such a run leaves) and fit() again with the same job resumes there and
+    ends like the uninterrupted in-memory run."""
+    shutil.copytree(files_run.path, tmp_path / "resume")
+    shutil.rmtree(tmp_path / "resume" / "checkpoints" / "epoch_0002")
+    first = latest_checkpoint(tmp_path / "resume")
+    assert first.epochs_done == 1
     second = fit(tmp_path, "resume", 2, folders)
-    assert any("resumed" in m for m in second.history.events)
+    assert any(m.startswith("resumed from") and "epoch_0001" in m for m in second.history.events)
     assert_same(second, reference)
 
 

@@ -5,10 +5,14 @@ throughput curve (deterministic counts: 1, 2, 3, then settled at 2 per rank). Th
 train the same 2 epochs must end with the same state on every rank, bit for bit:
   * uninterrupted;
   * with a forced re-placement at every epoch (every actor restarts and gets its own state);
-  * 1 epoch, then a new driver resuming from the checkpoint for the 2nd epoch.
+  * 1 epoch, then a new driver resuming from the checkpoint for the 2nd epoch (the uninterrupted
+    run's epoch-1 checkpoint, in a copy of its run folder without the epoch-2 one: the same
+    files a run stopped after epoch 1 leaves, without training that epoch again).
 Before per-rank state the re-placed and resumed runs gave every rank rank 0's learners.
 """
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -70,7 +74,10 @@ def test_forced_replacement_every_epoch_and_resume_equal_an_uninterrupted_run(ra
     assert [r.learners for r in hist_r.intervals] == counts
     assert_same_state(plain, replaced)
 
-    run(tmp_path, "resumed", epochs=1)
+    shutil.copytree(tmp_path / "plain", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "epoch_0002")
     resumed, hist_2 = run(tmp_path, "resumed", epochs=2)
+    assert [e.epoch for e in hist_2.epochs] == [0, 1]
+    assert any(m.startswith("resumed from") and "epoch_0001" in m for m in hist_2.events)
     assert [r.learners for r in hist_2.intervals] == counts
     assert_same_state(plain, resumed)
