@@ -34,7 +34,7 @@ def _job(epochs: int = 2) -> JobConfig:
 def _driver(run_dir, cls=JabasDriver, callbacks=(), failure=None, **opts):
     ds, val = tiny_data(160)
     return cls(model_fn, ds, optimizer_fn, loss_fn, _job(), PAIR, run_dir, val_dataset=val,
-               perf_model=perf_model(), options=DriverOptions(failure_grace_s=4, record_samples=True, **opts),
+               perf_model=perf_model(), options=DriverOptions(failure_grace_s=6, record_samples=True, **opts),
                callbacks=list(callbacks), failure=failure)
 
 
