@@ -30,7 +30,7 @@ def _prefill_profile_cache(storage, min_local_batch: int = 8) -> None:
     p.save(storage / ".profiles" / f"{key}.json")
 
 
-def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):
+def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys, monkeypatch):
     _prefill_profile_cache(tmp_path)
     (tmp_path / "cluster.yaml").write_text(
         "nodes:\n  - {name: f0, gpu_type: fast, num_gpus: 1, speed: 1.0}\n"
@@ -58,7 +58,12 @@ def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("jabasray train: error: name: run")
     assert err[0].endswith("pass --resume to continue it or choose another --name")
     # --resume with a changed job (another LR) is refused naming the field; the same job
-    # asked again returns the finished run's result and says so
+    # asked again returns the finished run's result and says so - both without starting Ray
+    import jabasray.actors.trainer as trainer_mod   # (the command imports ensure_ray from it)
+
+    def no_ray(*a, **kw):
+        raise AssertionError("Ray was started for a run that needs no actor")
+    monkeypatch.setattr(trainer_mod, "ensure_ray", no_ray)
     assert main(cmd[3:] + ["--resume", "--lr", "0.05", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds another job's checkpoints (job_config.lr: 0.1 -> 0.05; " \

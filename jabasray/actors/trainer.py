@@ -373,15 +373,17 @@ class JabasTrainer:
 
     def _fit(self, run_dir: StoragePath, wait: bool, lock: Any = None) -> Result | str:
         opts = self.options
+        # a job with in-memory datasets is probed in this process: a changed job is refused,
+        # and a finished run's result returned, before Ray starts; a dataset_fn job's probe
+        # runs in a Ray task, after it
+        checked = self._preflight(run_dir)
+        if checked is not None and checked[1].kind == "finished":
+            self._say(checked[1].message)
+            return Result.from_path(run_dir)
         ensure_ray(self.cluster, emulate=opts.emulate)
         cluster = self.cluster if self.cluster is not None else detect_cluster()
         check_resources(cluster, opts.emulate)
-        probe = self.probe()
-        # the run folder records the job that wrote it: resume only the same job (job_identity)
-        identity = job_identity(self.job, probe.model or {}, probe.optimizer or {},
-                                self._hook_fns, probe.dataset_size)
-        start = check_run(run_dir, identity, self.run_config.name, self.run_config.resume,
-                          self.job.epochs)
+        probe, start = checked if checked is not None else self._probe_and_check_run(run_dir)
         if start.kind == "finished":
             self._say(start.message)
             return Result.from_path(run_dir)
@@ -449,6 +451,30 @@ class JabasTrainer:
             log.info(message)
             if self.verbose >= 1:
                 print(message, flush=True)
+
+    def preflight(self) -> Any:
+        """What :meth:`fit` checks before Ray starts, for a job whose datasets are in memory
+        (its probe runs in this process): every hook on a tiny batch, then the run folder's
+        record of the job (a changed job is a one-line ValueError). Returns the
+        :class:`~jabasray.actors.job_identity.RunStart` (``kind == "finished"``: the run has
+        its result, nothing to start), or None for a ``dataset_fn`` job, whose probe runs in a
+        Ray task once Ray is up."""
+        checked = self._preflight(self.run_config.path)
+        return None if checked is None else checked[1]
+
+    def _preflight(self, run_dir: StoragePath) -> tuple[ProbeReport, Any] | None:
+        if self.hooks.dataset_fn is not None or self.hooks.val_dataset_fn is not None:
+            return None
+        return self._probe_and_check_run(run_dir)
+
+    def _probe_and_check_run(self, run_dir: StoragePath) -> tuple[ProbeReport, Any]:
+        """:meth:`probe`, then the run folder's record of the job that wrote it: resume only
+        the same job (:func:`~jabasray.actors.job_identity.check_run`)."""
+        probe = self.probe()
+        identity = job_identity(self.job, probe.model or {}, probe.optimizer or {},
+                                self._hook_fns, probe.dataset_size)
+        return probe, check_run(run_dir, identity, self.run_config.name, self.run_config.resume,
+                                self.job.epochs)
 
     def probe(self) -> ProbeReport:
         """Check every hook on a tiny batch before any actor starts (:func:`run_probe`) and

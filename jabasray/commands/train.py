@@ -322,6 +322,12 @@ def run(args: argparse.Namespace) -> int:
         lock.release()              # driver actor then holds it in its own process
         lock = None
     try:
+        # before Ray starts: every hook on a tiny batch and, with --resume, the job against the
+        # run's record (a changed job refused in one line, a finished run's result returned)
+        start = trainer.preflight()
+        if start is not None and start.kind == "finished":
+            result = trainer.fit()
+            return _done(result)
         started = ensure_ray(cluster, emulate=emulate, num_cpus=args.num_cpus,
                              address=args.ray_address)
         if args.detach:
@@ -345,6 +351,11 @@ def run(args: argparse.Namespace) -> int:
         if started:
             import ray
             ray.shutdown()
+    return _done(result)
+
+
+def _done(result: Any) -> int:
+    """The command's last line: epochs, validation accuracy, GPU-seconds, where the files are."""
     acc = result.val_accuracy
     print(f"done: {len(result.history.epochs)} epochs, "
           f"{'val acc %.4f, ' % acc if acc is not None else ''}"
