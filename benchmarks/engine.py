@@ -280,11 +280,8 @@ def bench_overhead(device: torch.device, batch: int, rounds: int, window: int) -
                     cuda_graphs="off")
     wf.configure(1, 0, batch)
 
-    def engine(worker: IIDPWorker) -> Callable[[int], None]:
-        def run(steps: int) -> None:
-            read_losses([worker.train_step([(X, y)]).loss_raw for _ in range(steps)])
-        return run
-    variants = {"plain": plain, "iidp_1vsw": engine(w), "iidp_1vsw_flat": engine(wf)}
+    variants = {"plain": plain, "iidp_1vsw": engine_loop(w, [(X, y)]),
+                "iidp_1vsw_flat": engine_loop(wf, [(X, y)])}
     for fn in variants.values():              # warm-up (allocator, lazy optimizer state)
         fn(3)
     times = _rotated_rounds(variants, rounds, window, device)
@@ -466,6 +463,14 @@ def plain_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
     return run
 
 
+def engine_loop(worker: IIDPWorker, micro: list) -> Callable[[int], None]:
+    """The engine's step on ``micro`` (its micro-batches), each step's loss kept on the device
+    and the window's losses read once at its end - the host work of :func:`plain_loop`."""
+    def run(steps: int) -> None:
+        read_losses([worker.train_step(micro).loss_raw for _ in range(steps)])
+    return run
+
+
 def plain_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
                      y: torch.Tensor) -> Callable[[int], None]:
     """A plain training step captured as one CUDA graph, by PyTorch's whole-network recipe:
@@ -530,19 +535,15 @@ def bench_batched_vs_plain(device: torch.device, model_name: str, local_batches:
 
             plain = plain_loop(plain_model, opt, X, y)
 
-            def engine(name: str) -> Callable[[int], None]:
-                def run(steps: int) -> None:
-                    read_losses([workers[name].train_step(micro).loss_raw for _ in range(steps)])
-                return run
-            variants = {"plain": plain, "batched": engine("batched")}
+            variants = {"plain": plain, "batched": engine_loop(workers["batched"], micro)}
             if n > 1:
-                variants["per_vsw"] = engine("per_vsw")
+                variants["per_vsw"] = engine_loop(workers["per_vsw"], micro)
             if graphs:
                 torch.manual_seed(0)
                 g_model = factory().to(device)
                 g_opt = torch.optim.SGD(g_model.parameters(), lr=0.01, momentum=0.9)
                 variants["plain_graph"] = plain_graph_loop(g_model, g_opt, X, y)
-                variants["batched_graph"] = engine("batched_graph")
+                variants["batched_graph"] = engine_loop(workers["batched_graph"], micro)
             for fn in variants.values():          # warm-up (allocator, lazy optimizer state,
                 fn(GRAPH_WARMUP_STEPS + 2)        # the engine's graph warm-up and capture)
             graphed = None

@@ -72,6 +72,19 @@ def _bench(script: str, *args: str) -> tuple[str, ...]:
     return ("{py}", f"benchmarks/{script}", *args)
 
 
+def _tune_evidence(workload: str) -> Step:
+    """The packed-trials evidence on ``workload`` (longer than the campaign's budget leaves:
+    run with --only and --budget): packed ASHA against Tune's ASHA with 1/8 of the GPU per
+    trial, R = 27, full packs of 8 (12 trials admitted per device), 1000 steps per unit, one
+    round."""
+    name = f"tune_evidence_{workload.removeprefix('cifar_')}"
+    return Step(name, _bench("hyperband.py", "--device", "cuda", "--workload", workload, "--R", "27",
+                             "--steps-per-unit", "1000", "--members", "8", "--trials-per-device", "12",
+                             "--num-cpus", "16", "--contenders", "tune_asha_shared,packed_asha",
+                             "--rounds", "1", "--out", f"{{out}}/{name}.json"),
+                420, needs_ray=True, optional=True)
+
+
 STEPS: tuple[Step, ...] = (
     Step("cuda_tests", ("{py}", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                         "--continue-on-collection-errors", "--junitxml", "{out}/cuda_tests.xml",
@@ -109,21 +122,8 @@ STEPS: tuple[Step, ...] = (
     Step("multiplex_gpu_bound", _bench("multiplex.py", "--device", "cuda", "--foreground", "gpu",
                                        "--rounds", "3", "--steps", "60", "--out",
                                        "{out}/multiplex_gpu_bound.json"), 60),
-    # the packed-trials evidence (longer than the campaign's budget leaves: run with --only and
-    # --budget): packed ASHA against Tune's ASHA with 1/8 of the GPU per trial, R = 27, full
-    # packs of 8 (12 trials admitted per device), 1000 steps per unit, one round
-    Step("tune_evidence_mlp", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_mlp",
-                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
-                                     "--trials-per-device", "12", "--num-cpus", "16",
-                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
-                                     "--out", "{out}/tune_evidence_mlp.json"), 420, needs_ray=True,
-         optional=True),
-    Step("tune_evidence_cnn", _bench("hyperband.py", "--device", "cuda", "--workload", "cifar_cnn",
-                                     "--R", "27", "--steps-per-unit", "1000", "--members", "8",
-                                     "--trials-per-device", "12", "--num-cpus", "16",
-                                     "--contenders", "tune_asha_shared,packed_asha", "--rounds", "1",
-                                     "--out", "{out}/tune_evidence_cnn.json"), 420, needs_ray=True,
-         optional=True),
+    _tune_evidence("cifar_mlp"),
+    _tune_evidence("cifar_cnn"),
 )
 
 

@@ -343,6 +343,7 @@ class JabasTrainer:
         self.callbacks = list(callbacks)
         self.background = background
         self.driver: JabasDriver | None = None
+        self._checked: tuple[ProbeReport, Any] | None = None   # preflight()'s, for the next fit()
 
     def fit(self, wait: bool = True) -> Result | str:
         """Run (or resume) the job; see the module docstring for what is written.
@@ -376,14 +377,14 @@ class JabasTrainer:
         # a job with in-memory datasets is probed in this process: a changed job is refused,
         # and a finished run's result returned, before Ray starts; a dataset_fn job's probe
         # runs in a Ray task, after it
-        checked = self._preflight(run_dir)
-        if checked is not None and checked[1].kind == "finished":
-            self._say(checked[1].message)
-            return Result.from_path(run_dir)
-        ensure_ray(self.cluster, emulate=opts.emulate)
-        cluster = self.cluster if self.cluster is not None else detect_cluster()
-        check_resources(cluster, opts.emulate)
-        probe, start = checked if checked is not None else self._probe_and_check_run(run_dir)
+        checked, self._checked = self._checked or self._preflight(run_dir), None
+        if checked is None or checked[1].kind != "finished":
+            ensure_ray(self.cluster, emulate=opts.emulate)
+            cluster = self.cluster if self.cluster is not None else detect_cluster()
+            check_resources(cluster, opts.emulate)
+            if checked is None:
+                checked = self._probe_and_check_run(run_dir)
+        probe, start = checked
         if start.kind == "finished":
             self._say(start.message)
             return Result.from_path(run_dir)
@@ -458,9 +459,9 @@ class JabasTrainer:
         record of the job (a changed job is a one-line ValueError). Returns the
         :class:`~jabasray.actors.job_identity.RunStart` (``kind == "finished"``: the run has
         its result, nothing to start), or None for a ``dataset_fn`` job, whose probe runs in a
-        Ray task once Ray is up."""
-        checked = self._preflight(self.run_config.path)
-        return None if checked is None else checked[1]
+        Ray task once Ray is up. :meth:`fit` then does not probe and check again."""
+        self._checked = self._preflight(self.run_config.path)     # fit() uses it, once
+        return None if self._checked is None else self._checked[1]
 
     def _preflight(self, run_dir: StoragePath) -> tuple[ProbeReport, Any] | None:
         if self.hooks.dataset_fn is not None or self.hooks.val_dataset_fn is not None:

@@ -117,6 +117,14 @@ def join_adjacent(parts: Sequence[Any]) -> Any:
     return None if out is _NOT_ADJACENT else out
 
 
+def join_any_order(parts: Sequence[Any]) -> Any:
+    """Join micro-batches in any row order (the same for every leaf), for a step without
+    per-VSW BatchNorm: without a copy where they lie back to back (:func:`join_adjacent`),
+    else interleaved (:func:`join_batches`)."""
+    out = join_adjacent(parts)
+    return join_batches(parts) if out is None else out
+
+
 _NOT_ADJACENT = object()
 
 

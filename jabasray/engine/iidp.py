@@ -59,7 +59,7 @@ from torch import nn
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
 from .aggregation import _VSW, BucketAggregation
-from .batched import BatchedExecution, batch_fallback_reason, join_adjacent, join_batches
+from .batched import BatchedExecution, batch_fallback_reason, join_any_order, join_batches
 from .buckets import (BucketPlan, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .graphs import (CUDA_GRAPH_MODES, CapturedStep, GraphCache, GraphedSteps, step_graph_blocker,
@@ -77,13 +77,6 @@ log = logging.getLogger(__name__)
 
 MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
 VSW_EXECUTIONS = ("auto", "threads", "one_thread")
-
-
-def _join_free(parts: Sequence[Any]) -> Any:
-    """Join micro-batches in any row order (the same for every leaf): without a copy where
-    they lie back to back, else interleaved."""
-    out = join_adjacent(parts)
-    return join_batches(parts) if out is None else out
 
 
 def _clone_state(sd: dict) -> dict:
@@ -497,7 +490,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
                 n = self._num_vsw
                 # without per-VSW BatchNorm the row order is free: micro-batches that lie back
                 # to back (the loader's views of one batch) join without a copy
-                join = join_batches if self._norms.active else _join_free
+                join = join_batches if self._norms.active else join_any_order
                 rounds = [join([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
             except ValueError as e:
                 reason = f"micro-batches cannot be joined: {e}"
