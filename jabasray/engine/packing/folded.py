@@ -106,7 +106,10 @@ class _MultiActivation(nn.Module):
             raise NotFoldable(f"activation input has {x.shape[0]} rows, expected {B} or {self.K_g * B}")
         if len(self.runs) == 1:
             return self.runs[0][2](x)
-        return torch.cat([mod(x[lo * B:hi * B]) for lo, hi, mod in self.runs])
+        # one split, not a slice per run: a slice's backward writes a zero-filled tensor of
+        # the whole input per run (quadratic in the pack size); the split's is one cat
+        parts = x.split([(hi - lo) * B for lo, hi, _ in self.runs])
+        return torch.cat([mod(part) for part, (_, _, mod) in zip(parts, self.runs)])
 
 
 def foldable(model: nn.Module) -> bool:
