@@ -172,6 +172,42 @@ def test_no_unit_runs_ahead_past_a_decision_point_learned_from_a_stopped_trial()
     assert discarded == 1 and decisions == {1}      # only a's unit 2, before the point was learned
 
 
+@pytest.mark.parametrize("gather", [0.0, 1e6])
+def test_the_unit_after_a_decision_point_gathers_the_members_whose_trials_go_on(gather):
+    """Once a stopped trial taught the coordinator that the scheduler decides after unit 1,
+    a and b claim their unit 1 and their trials go on at different times (b at once, a 0.3 s
+    later, as Tune processes one result after the other). With a gather window (capped by
+    wait_s = 10 s) unit 2 waits for a and trains both together; without one (gather=0) b's
+    unit 2 starts alone and a trains its unit 2 in a unit of its own."""
+    C = {"batch_size": 30, "optimizer": "sgd", "lr": 1e-1, "activation": "relu"}
+
+    async def scenario(c):
+        await c.load("x", C)
+        await c.unit("x")
+        await _until(lambda: c.units_run == 2 and not c.running)       # x's unit 2 ahead
+        await c.free("x")                                               # stopped after unit 1
+        assert c.decisions == {1}
+        await asyncio.gather(c.load("a", A), c.load("b", B))
+        await asyncio.gather(c.unit("a"), c.unit("b"))                  # unit 1 of both: run 3
+        await _until(lambda: c.units_run == 3 and not c.running)
+        assert not c.ready                                              # not run past the point
+        b2 = asyncio.ensure_future(c.unit("b"))                          # b's trial goes on at once
+        await asyncio.sleep(0.3)
+        a2, _ = await c.unit("a")                                        # a's trial 0.3 s later
+        b2, _ = await b2
+        await _until(lambda: not c.running)
+        return a2, b2, c.units_run, dict(c.idle_s)
+
+    a2, b2, units_run, idle = _run(scenario, gather=gather, max_units=2)    # nothing after unit 2
+    assert a2["units"] == b2["units"] == 2 and a2["steps"] == b2["steps"] == 4
+    if gather:
+        assert (a2["pack_size"], b2["pack_size"], units_run) == (2, 2, 4)
+        assert idle["deciding"] >= 0.25                                 # it waited for a
+    else:
+        assert (a2["pack_size"], b2["pack_size"], units_run) == (1, 1, 5)
+        assert "deciding" not in idle
+
+
 def test_a_coordinator_holding_a_set_aside_member_whose_trial_never_frees_it_exits(monkeypatch):
     """b is set aside (it does not claim unit 2) and its trial ends without a ``free``; a's
     trial frees a. With a short idle timeout the coordinator drops b and exits (it once lived

@@ -28,9 +28,13 @@ One unit of training is a barrier over the registered members, run ONE UNIT AHEA
    count is mostly wasted (two of every three trials stop at an ASHA rung). The coordinator
    learns these counts from the trials that leave (the units a trial had claimed when it was
    freed, below ``max_units``) and does not run ahead of a member that has just claimed such
-   a unit: the member joins the next unit once its trial asks for it (the others do not wait
-   for it), so a trial the scheduler keeps waits at most one unit longer there, and one it
-   stops costs no speculative compute;
+   a unit: the member joins the next unit once its trial asks for it, and one it stops
+   costs no speculative compute. The next unit waits a little for such members
+   (*deciding*: their trial claimed the unit and has neither asked again nor left), at most
+   ``gather`` times the last unit's training time (and at most ``wait_s``): the trials the
+   scheduler keeps then train in this unit with the others, instead of the pack splitting
+   into two halves that take turns, each unit half full; a trial that asks later waits at
+   most one unit longer;
 3. a member that has not claimed its result ``wait_s`` after the others were ready is *set
    aside*: its state (and unclaimed result) is kept here and its slot freed, and it re-joins
    from that state if it ever asks (for ``idle_exit_s`` at most: then it is dropped and its
@@ -89,12 +93,14 @@ class PackCoordinator:
         queue_s: a :meth:`load` finding every slot taken waits up to this long for one (FIFO;
             more trials admitted than slots: the next one is seated as soon as a member
             leaves); 0: it answers ``{"full": True}`` at once.
+        gather: a unit waits for deciding members (see the module docstring) up to this
+            fraction of the last unit's training time (at most ``wait_s``); 0: never.
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
                  threads: int = 1, device: str | None = None, wait_s: float = 2.0,
                  idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1,
-                 run_ahead: bool = True, queue_s: float = 0.0) -> None:
+                 run_ahead: bool = True, queue_s: float = 0.0, gather: float = 0.25) -> None:
         import dataclasses
 
         import cloudpickle
@@ -107,7 +113,8 @@ class PackCoordinator:
         self.max_units, self.checkpoint_every, self.run_ahead = max_units, checkpoint_every, run_ahead
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
         self.loader = ThreadPoolExecutor(1)        # builds arriving members off the training thread
-        self.queue_s = queue_s
+        self.queue_s, self.gather = queue_s, gather
+        self.last_unit_s = 0.0                     # training time of the last unit
         self.seat_waiters: list[asyncio.Future] = []   # loads waiting for a free slot (FIFO)
         self.runner = None
         self.configs: dict[str, dict] = {}         # registered members
@@ -128,6 +135,7 @@ class PackCoordinator:
         self.first_ready = 0.0                     # when the next unit could first have started
         self.running = False
         self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = 0.0                        # when the timer fires
         self.last_active = time.monotonic()
         self.watchdog: asyncio.Task | None = None
         self.units_run = 0
@@ -196,6 +204,27 @@ class PackCoordinator:
         (without ``run_ahead``) a trial that has not asked yet."""
         return [k for k in self.configs if k in self.ready or (
             not self.run_ahead and k not in self.loading and k not in self.waiting and not self._done(k))]
+
+    def _deciding(self) -> list[str]:
+        """Members that claimed a unit at a decision point and whose trial has neither asked
+        for the next one nor left yet: the scheduler is deciding about them."""
+        if not self.run_ahead:           # without run-ahead every unit waits for every trial
+            return []
+        return [k for k in self.configs if k not in self.loading and k not in self.ready
+                and k not in self.waiting and not self._done(k) and self.units[k] in self.decisions]
+
+    def _kick_at(self, when: float) -> None:
+        """Call :meth:`_kick` again at monotonic time ``when`` (or earlier, if already due)."""
+        if self.timer is not None:
+            if self.timer_at <= when:
+                return
+            self.timer.cancel()
+
+        def fire() -> None:
+            self.timer = None
+            self._kick()
+        self.timer_at = when
+        self.timer = asyncio.get_running_loop().call_later(max(0.0, when - time.monotonic()), fire)
 
     def _register(self, key: str, config: dict) -> None:
         self.loads += 1
@@ -366,7 +395,8 @@ class PackCoordinator:
         set aside), members set aside, the decision points learned, seconds
         training (``busy_s``), seconds between units by what was awaited (``idle_s``: "tune"
         -- every member's trial still busy with its report --, "behind" -- a member not yet
-        claiming its previous result --, "loading", "empty") and seconds alive."""
+        claiming its previous result --, "deciding" -- gathering members at a decision
+        point --, "loading", "empty") and seconds alive."""
         unclaimed = len(self.ready) + sum(u is not None for _, _, u in self.aside.values())
         return {"members": sorted(self.configs), "units_run": self.units_run,
                 "member_units": self.member_units, "units_discarded": self.units_discarded,
@@ -386,18 +416,19 @@ class PackCoordinator:
             self.idle_reason = "empty" if not self.configs else "tune"
             return
         behind = self._behind()
+        deciding = self._deciding()
         now = time.monotonic()
         if behind or self.loading:
             self.idle_reason = "behind" if behind else "loading"
         if self.first_ready == 0.0:
             self.first_ready = now
-        late = self.first_ready + self.wait_s - now
-        if (behind or self.loading) and late > 0:
-            if self.timer is None:
-                def fire() -> None:
-                    self.timer = None
-                    self._kick()
-                self.timer = asyncio.get_running_loop().call_later(late, fire)
+        if (behind or self.loading) and now < self.first_ready + self.wait_s:
+            self._kick_at(self.first_ready + self.wait_s)
+            return
+        gather_until = self.first_ready + min(self.wait_s, self.gather * self.last_unit_s)
+        if deciding and now < gather_until:
+            self.idle_reason = "deciding"
+            self._kick_at(gather_until)
             return
         if behind:
             self.set_aside += len(behind)
@@ -447,7 +478,8 @@ class PackCoordinator:
             results = {k: e for k in keys}
         finally:
             self.training = set()
-        self.busy_s += time.monotonic() - t0
+        self.last_unit_s = time.monotonic() - t0
+        self.busy_s += self.last_unit_s
         self.units_run += 1
         self.member_units += len(keys)
         failed = [k for k, r in results.items() if isinstance(r, Exception)]
