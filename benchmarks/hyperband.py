@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="trials Tune runs per device for packed contenders (>= --members; more "
                          "than --members keeps packs full while members wait at decision points; "
                          "default --members)")
+    ap.add_argument("--cpus-per-device", type=float, default=1.0,
+                    help="CPUs of one packed CPU device (a node of C CPUs has C // this coordinators)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of a packed CPU device's coordinator (default --cpus-per-device)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")
     ap.add_argument("--seed", type=int, default=0)
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                                           search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]),
                                           scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
         trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members,
-                           run_ahead=name != "packed_asha_sync", trials_per_device=args.trials_per_device)
+                           run_ahead=name != "packed_asha_sync", trials_per_device=args.trials_per_device,
+                           cpus_per_device=args.cpus_per_device, threads=args.threads)
         if name == "packed_asha_plain":
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,

@@ -28,6 +28,8 @@ def test_packed_is_a_class_trainable_reserving_its_share_of_a_device():
 def test_bad_arguments_are_one_line_value_errors():
     with pytest.raises(ValueError, match="trials_per_device must be an integer >= 4, got 2"):
         packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, trials_per_device=2)
+    with pytest.raises(ValueError, match="threads must be an integer >= 1, got 0"):
+        packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, threads=0)
     with pytest.raises(ValueError, match="spec must be a jabasray.tuner.TrainingSpec"):
         packed(object(), max_units=3, stream_batch=40)
     with pytest.raises(ValueError, match="stream_batch must be given"):

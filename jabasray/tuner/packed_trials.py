@@ -79,6 +79,7 @@ class PackedJob:
     token: str                          # names this sweep's coordinators
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
     trials_per_device: int = 0          # trials admitted per device (0: members_per_device)
+    threads: int = 0                    # torch threads of a CPU device's coordinator (0: cpus_per_device)
 
 
 def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
@@ -90,7 +91,8 @@ def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
 def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None = None,
            stream_batch: int | None = None, members_per_device: int | None = None,
            cpus_per_device: float = 1.0, wait_s: float = 2.0,
-           idle_exit_s: float = 60.0, run_ahead: bool = True, trials_per_device: int | None = None):
+           idle_exit_s: float = 60.0, run_ahead: bool = True, trials_per_device: int | None = None,
+           threads: int | None = None):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
     Args:
@@ -103,7 +105,12 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             reserves ``1 / members_per_device`` of a device. None (default): on a GPU as many
             as fit its memory (:mod:`jabasray.tuner.pack_size`: the space's largest
             configuration measured on one GPU in a Ray task, or ``spec.memory_fn``), on CPU 8.
-        cpus_per_device: CPUs of one device (torch threads of its coordinator) on CPU nodes.
+        cpus_per_device: CPUs of one device on CPU nodes: a node with C CPUs has
+            ``C // cpus_per_device`` devices (coordinators); its trials reserve them.
+        threads: torch threads of a CPU device's coordinator (default ``cpus_per_device``).
+            A packed step of small models is a stream of small ops that more threads slow
+            down; ``threads=1`` with ``cpus_per_device=2`` then leaves the second CPU to the
+            trial processes and Tune.
         wait_s: the longest a unit waits for a registered trial that has not claimed its
             previous unit (the trial is then set aside with its state and re-joins when it
             asks). Units run one ahead of Tune: see :mod:`jabasray.tuner.coordinator`.
@@ -133,6 +140,8 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
         check_int("members_per_device", members_per_device, min_value=1)
     if trials_per_device is not None:
         check_int("trials_per_device", trials_per_device, min_value=members_per_device or 1)
+    if threads is not None:
+        check_int("threads", threads, min_value=1)
     if stream_batch is None:
         if param_space is None or not isinstance(spec.batch_size, str):
             raise ValueError("stream_batch must be given when param_space does not hold the "
@@ -153,7 +162,7 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                     0, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
                     float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead),
-                    int(trials_per_device))
+                    int(trials_per_device), int(threads or 0))
     import ray
 
     if ray.is_initialized():            # coordinators start now, not when the first trial asks
@@ -233,7 +242,7 @@ def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
         return [(f"{base}/gpu{gpu[0]}", f"cuda:{gpu[0]}", 1)]
     cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["NodeID"] == node), 1.0)
     count = max(1, int(cpus // job.cpus_per_device))
-    threads = max(1, int(job.cpus_per_device))
+    threads = job.threads or max(1, int(job.cpus_per_device))
     return [(f"{base}/cpu{d}", None, threads) for d in range(count)]
 
 
