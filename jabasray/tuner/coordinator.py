@@ -193,11 +193,15 @@ class PackCoordinator:
         """The member has trained ``max_units`` (its trial ends; it trains no more)."""
         return self.max_units is not None and self.units[key] >= self.max_units
 
+    def _between_units(self, key: str) -> bool:
+        """Loaded, its previous result claimed and not done: the member may train next."""
+        return key not in self.loading and key not in self.ready and not self._done(key)
+
     def _trainable(self, key: str) -> bool:
-        """Loaded, its previous result claimed, not done, and its trial has asked for the
-        unit -- or, with ``run_ahead``, the unit is not past a decision point."""
-        return (key not in self.loading and key not in self.ready and not self._done(key)
-                and (key in self.waiting or (self.run_ahead and self.units[key] not in self.decisions)))
+        """Between units and its trial has asked for the next one -- or, with ``run_ahead``,
+        the unit is not past a decision point."""
+        return self._between_units(key) and (
+            key in self.waiting or (self.run_ahead and self.units[key] not in self.decisions))
 
     def _behind(self) -> list[str]:
         """Members the next unit waits for (at most ``wait_s``): an unclaimed result, or
@@ -210,8 +214,8 @@ class PackCoordinator:
         for the next one nor left yet: the scheduler is deciding about them."""
         if not self.run_ahead:           # without run-ahead every unit waits for every trial
             return []
-        return [k for k in self.configs if k not in self.loading and k not in self.ready
-                and k not in self.waiting and not self._done(k) and self.units[k] in self.decisions]
+        return [k for k in self.configs if self._between_units(k) and k not in self.waiting
+                and self.units[k] in self.decisions]
 
     def _kick_at(self, when: float) -> None:
         """Call :meth:`_kick` again at monotonic time ``when`` (or earlier, if already due)."""
@@ -416,7 +420,6 @@ class PackCoordinator:
             self.idle_reason = "empty" if not self.configs else "tune"
             return
         behind = self._behind()
-        deciding = self._deciding()
         now = time.monotonic()
         if behind or self.loading:
             self.idle_reason = "behind" if behind else "loading"
@@ -426,7 +429,7 @@ class PackCoordinator:
             self._kick_at(self.first_ready + self.wait_s)
             return
         gather_until = self.first_ready + min(self.wait_s, self.gather * self.last_unit_s)
-        if deciding and now < gather_until:
+        if now < gather_until and self._deciding():
             self.idle_reason = "deciding"
             self._kick_at(gather_until)
             return

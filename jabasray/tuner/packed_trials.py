@@ -71,7 +71,7 @@ class PackedJob:
     max_units: int                      # units after which a trial ends on its own
     members_per_device: int             # trials packed into one model per device
     checkpoint_every: int               # a unit carries the state every this many units (0: only the last)
-    cpus_per_device: float              # CPUs of one CPU "device" (a coordinator's threads)
+    cpus_per_device: float              # CPUs of one CPU "device" (its trials reserve them)
     gpu: bool                           # spec.device is CUDA: one coordinator per GPU
     space: NormalisedSpace | None       # distances for the choice of a device
     wait_s: float                       # barrier: longest wait for a member to claim its unit
@@ -79,7 +79,7 @@ class PackedJob:
     token: str                          # names this sweep's coordinators
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
     trials_per_device: int = 0          # trials admitted per device (0: members_per_device)
-    threads: int = 0                    # torch threads of a CPU device's coordinator (0: cpus_per_device)
+    threads: int = 1                    # torch threads of a CPU device's coordinator
 
 
 def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
@@ -162,7 +162,7 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                     0, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
                     float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead),
-                    int(trials_per_device), int(threads or 0))
+                    int(trials_per_device), threads or max(1, int(cpus_per_device)))
     import ray
 
     if ray.is_initialized():            # coordinators start now, not when the first trial asks
@@ -242,8 +242,7 @@ def _devices(job: PackedJob) -> list[tuple[str, str | None, int]]:
         return [(f"{base}/gpu{gpu[0]}", f"cuda:{gpu[0]}", 1)]
     cpus = next((n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["NodeID"] == node), 1.0)
     count = max(1, int(cpus // job.cpus_per_device))
-    threads = job.threads or max(1, int(job.cpus_per_device))
-    return [(f"{base}/cpu{d}", None, threads) for d in range(count)]
+    return [(f"{base}/cpu{d}", None, job.threads) for d in range(count)]
 
 
 def _register(job: PackedJob, key: str, config: dict, state: bytes | None):
