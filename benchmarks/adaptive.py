@@ -37,7 +37,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import default_out, write_json
+from common import default_out, rotated, write_json
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("static_small", "static_max", "adaptive_all", "jabas")
@@ -61,12 +61,6 @@ def time_to(epochs: list[dict], target: float, key: str) -> float | None:
         if e["val_accuracy"] is not None and e["val_accuracy"] >= target:
             return total
     return None
-
-
-def rotated(names: list[str], k: int) -> list[str]:
-    """``names`` rotated left by ``k`` (round k's order)."""
-    k %= len(names)
-    return names[k:] + names[:k]
 
 
 def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> dict:

@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 import burst_models  # noqa: E402
-from common import default_out, write_json  # noqa: E402
+from common import default_out, rotated, write_json  # noqa: E402
 from jabasray.engine.burst import BurstExecutor  # noqa: E402
 from jabasray.engine.multiplex import BackgroundRunner, BackgroundTask, MultiplexPolicy  # noqa: E402
 from jabasray.planners.burst import (BurstPlan, BurstProblem, NetworkModel,  # noqa: E402
@@ -158,7 +158,7 @@ def worker(rank: int, init_file: str, args: argparse.Namespace, out_file: str) -
             keys = list(contenders)
             rounds = []
             for rnd in range(args.rounds):
-                order = keys[rnd % len(keys):] + keys[:rnd % len(keys)]
+                order = rotated(keys, rnd)
                 row = {}
                 for key in order:
                     dist.barrier()

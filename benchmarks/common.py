@@ -28,6 +28,12 @@ def write_json(path: str | os.PathLike, doc: Any, *, indent: int = 2, announce: 
     return written
 
 
+def rotated(items: list, k: int) -> list:
+    """``items`` rotated left by ``k`` (round k's order: paired rounds rotate the contenders)."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def positive_ints(parser: Any, flag: str, text: str) -> list[int]:
     """``"16,32,64"`` -> ``[16, 32, 64]``; anything else is a CLI error (exit 2) naming ``flag``."""
     try:

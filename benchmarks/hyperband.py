@@ -51,7 +51,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import default_out, write_json  # noqa: E402
+from common import default_out, rotated, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
 EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain")   # only when named
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run("tune_asha", -1) if "tune_asha" in contenders else None   # warm-up: Ray workers, imports
         for rnd in range(args.rounds):
-            order = contenders[rnd % len(contenders):] + contenders[:rnd % len(contenders)]
+            order = rotated(contenders, rnd)
             row = {}
             for name in order:
                 r = run(name, rnd)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from common import default_out, write_json
+from common import default_out, rotated, write_json
 from jabasray.data import accuracy, load_digits_split
 from jabasray.engine.iidp import IIDPWorker
 from jabasray.engine.sma import SMAWorker
@@ -143,8 +143,7 @@ def _rank_main(rank: int, args, init_file: str, out_file: str) -> None:
         names = contenders(args.learners)
         runs = []
         for rnd, seed in enumerate(args.seeds):
-            shift = rnd % len(names)
-            for name, kind, m in names[shift:] + names[:shift]:      # order rotated per round
+            for name, kind, m in rotated(names, rnd):                # order rotated per round
                 rec = run_one(kind, m, seed, rank, train, val, args)
                 if rank == 0:
                     rec.update(name=name, kind=kind, m=m, seed=seed, round=rnd)

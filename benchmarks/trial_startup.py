@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from common import default_out, positive_ints, write_json  # noqa: E402
+from common import default_out, positive_ints, rotated, write_json  # noqa: E402
 
 
 def start_together(n: int, num_cpus: int) -> dict:
@@ -48,7 +48,6 @@ def start_together(n: int, num_cpus: int) -> dict:
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done)
             ready.append(time.time() - t0)
-        del actors
         return {"n": n, "first_s": ready[0], "median_s": statistics.median(ready), "last_s": ready[-1]}
     finally:
         ray.shutdown()
@@ -67,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     load_start = os.getloadavg()
     runs = []
     for rnd in range(args.rounds):
-        order = counts[rnd % len(counts):] + counts[:rnd % len(counts)]    # rotate each round
-        for n in order:
+        for n in rotated(counts, rnd):
             r = start_together(n, args.num_cpus) | {"round": rnd}
             runs.append(r)
             print(f"[round {rnd}] {n:3d} actors: first ready {r['first_s']:5.1f} s | median "
