@@ -20,6 +20,10 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
 * ``packed_asha_plain`` (only when named): C with A's search order (``BasicVariantGenerator``
   over the same points) instead of ``SimilaritySearch``: what the order does to ASHA's
   promotions and to the packs.
+* ``packed_asha_wave`` (only when named): C with ``SimilaritySearch(first_wave=members x
+  devices)``: the trials beyond the packs' seats start only after the first result, so the
+  first wave's processes do not share the CPUs with them while starting (time to the first
+  result; ``packed_asha/packed_asha_wave`` ratios).
 
 Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
 the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (``--workload``:
@@ -54,7 +58,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import default_out, rotated, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
-EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain")   # only when named
+EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain", "packed_asha_wave")   # only when named
 
 
 def workload_spec(name: str, steps_per_unit: int, seed: int, device: str):
@@ -181,11 +185,14 @@ def main(argv: list[str] | None = None) -> int:
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]))
-        if name in ("packed_asha", "packed_asha_sync"):
+        if name in ("packed_asha", "packed_asha_sync", "packed_asha_wave"):
+            devices = 1 if args.device == "cuda" else int(args.num_cpus // args.cpus_per_device)
+            wave = args.members * devices if name == "packed_asha_wave" else None
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
-                search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs))
+                search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs,
+                                            first_wave=wave))
         hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs)
         return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
 
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     for base, other in (("tune_asha", "packed_asha"), ("tune_asha_shared", "packed_asha"),
                         ("tune_hyperband", "packed_hyperband"),
                         ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha"),
-                        ("tune_asha", "packed_asha_plain")):
+                        ("tune_asha", "packed_asha_plain"), ("packed_asha", "packed_asha_wave")):
         for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s", "s_per_unit"):
             r = ratios(base, other, key)
             if r is not None:

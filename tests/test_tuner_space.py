@@ -79,6 +79,39 @@ def test_similarity_search_emits_each_point_once_in_similarity_order():
     assert len({c["optimizer"] for c in out[:4]}) == 1 and len({c["optimizer"] for c in out[4:]}) == 1
 
 
+@pytest.mark.parametrize("lifted_by", ["result", "complete"])
+def test_first_wave_holds_the_rest_until_a_trial_reports_and_keeps_the_order(lifted_by, tmp_path):
+    """``first_wave=3``: three trials, then None (Tune asks again) until a trial reports a result
+    or ends; then the rest, in the same order as without the limit. The gate survives
+    save/restore (an interrupted sweep restored before its first result)."""
+    configs, _ = _two_clusters()
+    space = {"lr": tune.loguniform(1e-5, 1e-1), "optimizer": tune.choice(["sgd", "adam"])}
+
+    def search(**kw):
+        s = SimilaritySearch(group_size=4, batch_size=8, points=configs, seed=3, **kw)
+        s.set_search_properties("acc", "max", space)
+        return s
+
+    plain = search()
+    reference = [plain.suggest(str(i)) for i in range(8)]
+    s = search(first_wave=3)
+    out = [s.suggest(str(i)) for i in range(3)]
+    assert [s.suggest("3"), s.suggest("3")] == [None, None]
+    s.save(str(tmp_path / "search.json"))
+    restored = search(first_wave=3)
+    restored.restore(str(tmp_path / "search.json"))
+    assert restored.suggest("3") is None
+    if lifted_by == "result":
+        restored.on_trial_result("1", {"acc": 0.5})
+    else:
+        restored.on_trial_complete("1", None, error=True)
+    out += [restored.suggest(str(i)) for i in range(3, 8)]
+    assert out == reference
+    assert restored.suggest("8") == Searcher.FINISHED
+    with pytest.raises(ValueError, match="first_wave"):
+        search(first_wave=0)
+
+
 def test_similarity_search_samples_continuous_domains():
     s = SimilaritySearch(group_size=3, batch_size=6, seed=0)
     s.set_search_properties("acc", "max", SPACE)

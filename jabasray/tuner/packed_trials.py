@@ -435,9 +435,14 @@ def _make_search_class():
 
         def __init__(self, group_size: int = 8, batch_size: int | None = None,
                      batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
-                     seed: int = 0, metric: str | None = None, mode: str | None = None) -> None:
+                     seed: int = 0, metric: str | None = None, mode: str | None = None,
+                     first_wave: int | None = None) -> None:
             super().__init__(metric=metric, mode=mode)
             check_int("group_size", group_size, min_value=1)
+            if first_wave is not None:
+                check_int("first_wave", first_wave, min_value=1)
+            self.first_wave = first_wave
+            self.opened = first_wave is None      # the first result (or end) lifts the limit
             if batch_size is not None:
                 check_int("batch_size", batch_size, min_value=1)
             self.group_size, self.batch_size = group_size, batch_size
@@ -477,6 +482,8 @@ def _make_search_class():
             return [batch[i] for g in groups for i in g]
 
         def suggest(self, trial_id: str):
+            if not self.opened and self.emitted >= self.first_wave:
+                return None                        # Tune asks again later
             if not self.buffer:
                 self.buffer = self._next_batch()
                 if not self.buffer:
@@ -484,14 +491,18 @@ def _make_search_class():
             self.emitted += 1
             return self.buffer.pop(0)
 
+        def on_trial_result(self, trial_id: str, result: dict) -> None:
+            self.opened = True
+
         def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
-            pass
+            self.opened = True
 
         def save(self, checkpoint_path: str) -> None:
             import json
             with open(checkpoint_path, "w") as f:
                 json.dump({"buffer": self.buffer, "points": self.points, "batches_done": self.batches_done,
-                           "emitted": self.emitted, "rng": repr(self.rng.getstate())}, f, default=str)
+                           "emitted": self.emitted, "opened": self.opened,
+                           "rng": repr(self.rng.getstate())}, f, default=str)
 
         def restore(self, checkpoint_path: str) -> None:
             import ast
@@ -500,6 +511,7 @@ def _make_search_class():
                 d = json.load(f)
             self.buffer, self.points = d["buffer"], d["points"]
             self.batches_done, self.emitted = d["batches_done"], d["emitted"]
+            self.opened = d.get("opened", True)
             self.rng.setstate(ast.literal_eval(d["rng"]))
 
     return _SimilaritySearch
@@ -507,14 +519,23 @@ def _make_search_class():
 
 def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
                      batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
-                     seed: int = 0, metric: str | None = None, mode: str | None = None):
+                     seed: int = 0, metric: str | None = None, mode: str | None = None,
+                     first_wave: int | None = None):
     """A Tune ``Searcher``: samples the Tuner's ``param_space`` (any Tune domain) in batches of
     ``batch_size`` (or the listed ``batch_sizes`` first) and emits each batch grouped by
     similarity (:func:`~jabasray.planners.pack_opt.similarity_order`, ``group_size``
     configurations per group), so trials that arrive together pack well. ``points``: emit
     these configurations (in similarity order per batch) instead of sampling; FINISHED after
-    the last one. Use it with ASHA (``batch_size = num_samples`` orders the whole sweep)."""
-    return _make_search_class()(group_size, batch_size, batch_sizes, points, seed, metric, mode)
+    the last one. Use it with ASHA (``batch_size = num_samples`` orders the whole sweep).
+
+    ``first_wave``: emit at most this many trials until the first trial reports a result (or
+    ends), then the rest as Tune asks. Every admitted trial is a process that starts a Ray worker
+    and imports Ray Tune, and processes started together share the CPUs, so none is ready early
+    (``benchmarks/trial_startup.py``); with packed trials admitted beyond the packs' seats
+    (``trials_per_device > members_per_device``), ``first_wave = members_per_device x devices``
+    starts the trials that train first before the ones that wait for a seat. None: no limit."""
+    return _make_search_class()(group_size, batch_size, batch_sizes, points, seed, metric, mode,
+                                first_wave)
 
 
 class PackedHyperband:
