@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]))
         if name in ("packed_asha", "packed_asha_sync", "packed_asha_wave"):
-            devices = 1 if args.device == "cuda" else int(args.num_cpus // args.cpus_per_device)
+            devices = 1 if args.device == "cuda" else max(1, int(args.num_cpus // args.cpus_per_device))
             wave = args.members * devices if name == "packed_asha_wave" else None
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,

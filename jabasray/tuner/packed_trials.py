@@ -441,8 +441,7 @@ def _make_search_class():
             check_int("group_size", group_size, min_value=1)
             if first_wave is not None:
                 check_int("first_wave", first_wave, min_value=1)
-            self.first_wave = first_wave
-            self.opened = first_wave is None      # the first result (or end) lifts the limit
+            self.wave_limit = first_wave           # None once the first result (or end) lifted it
             if batch_size is not None:
                 check_int("batch_size", batch_size, min_value=1)
             self.group_size, self.batch_size = group_size, batch_size
@@ -482,7 +481,7 @@ def _make_search_class():
             return [batch[i] for g in groups for i in g]
 
         def suggest(self, trial_id: str):
-            if not self.opened and self.emitted >= self.first_wave:
+            if self.wave_limit is not None and self.emitted >= self.wave_limit:
                 return None                        # Tune asks again later
             if not self.buffer:
                 self.buffer = self._next_batch()
@@ -492,16 +491,16 @@ def _make_search_class():
             return self.buffer.pop(0)
 
         def on_trial_result(self, trial_id: str, result: dict) -> None:
-            self.opened = True
+            self.wave_limit = None
 
         def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
-            self.opened = True
+            self.wave_limit = None
 
         def save(self, checkpoint_path: str) -> None:
             import json
             with open(checkpoint_path, "w") as f:
                 json.dump({"buffer": self.buffer, "points": self.points, "batches_done": self.batches_done,
-                           "emitted": self.emitted, "opened": self.opened,
+                           "emitted": self.emitted, "wave_limit": self.wave_limit,
                            "rng": repr(self.rng.getstate())}, f, default=str)
 
         def restore(self, checkpoint_path: str) -> None:
@@ -511,7 +510,7 @@ def _make_search_class():
                 d = json.load(f)
             self.buffer, self.points = d["buffer"], d["points"]
             self.batches_done, self.emitted = d["batches_done"], d["emitted"]
-            self.opened = d.get("opened", True)
+            self.wave_limit = d.get("wave_limit")
             self.rng.setstate(ast.literal_eval(d["rng"]))
 
     return _SimilaritySearch
