@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         run("tune_asha", -1) if "tune_asha" in contenders else None   # warm-up: Ray workers, imports
         for rnd in range(args.rounds):
             order = rotated(contenders, rnd)
-            row = {}
+            row: dict = {}
+            out["rounds"].append(row)
             for name in order:
                 r = run(name, rnd)
                 row[name] = r
@@ -239,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['errors']} errors | load {r['load_avg_after']:.1f}", flush=True)
                 if r["coordinators"]:
                     print(f"          coordinators: {r['coordinators']}", flush=True)
-            out["rounds"].append(row)
-            write_json(args.out, out)     # every finished round kept, even if a later one is cut
+                # every finished run kept, even if a later one is cut (a last round may be partial)
+                write_json(args.out, out, announce=False)
     finally:
         ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
