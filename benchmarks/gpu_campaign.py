@@ -13,14 +13,14 @@ the changes they check, or never), then the rest:
    (ResNet-18, B_L 32), windows of 50 steps, 3 rounds (goal: n VSWs at least 0.95x one plain
    worker on n x B_L, eager vs eager and graph vs graph); the engine at 1 VSW vs a plain step
    (goal: within 5 %);
-2. where Ray is importable: ``tune_evidence_mlp``, the packed-trials evidence: packed ASHA
+2. where Ray Tune imports (Ray Train needs pydantic beside Ray): ``tune_evidence_mlp``, the packed-trials evidence: packed ASHA
    against Tune's ASHA with 1/8 of the GPU per trial (what Tune users do today), the CIFAR-sized
    MLP, R = 27, full packs of 8 (12 trials admitted per device), 1000 steps per unit, one round
    (goal: 2.7x Tune's trials, best accuracy within 0.5 point); ``benchmarks/hyperband.py`` keeps
    each contender's run in its JSON as soon as it ends, so a run cut at its limit keeps the other;
 3. ``cuda_tests``: every ``cuda``-marked test (``pytest -m cuda tests/``; collection errors of
    modules that need Ray where Ray is missing do not stop the others);
-4. where Ray is importable: ``train`` (``jabasray train --device cuda``, one epoch, on the GPU Ray
+4. where Ray Tune imports: ``train`` (``jabasray train --device cuda``, one epoch, on the GPU Ray
    detects) and ``tune`` (a small sweep with all three contenders - Tune with a whole GPU per
    trial, with 1/8 of it, packed - R = 9, 50 steps per unit);
 5. ``profiling``: profiler + iteration-time model vs measured steps, graphed and eager
@@ -130,16 +130,31 @@ STEPS: tuple[Step, ...] = (
 )
 
 
-def plan(have_ray: bool, only: set[str] | None = None) -> list[tuple[Step, str | None]]:
-    """``(step, why it is skipped or None)`` for every step, in order."""
+def ray_problem() -> str | None:
+    """None when Ray Tune and Ray Train import with this Python (tried in a subprocess, so that
+    the campaign itself never holds Ray), else why not in one line: Ray missing, or one of the
+    packages it needs (Ray Train needs pydantic) missing beside it."""
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not importable"
+    r = subprocess.run([sys.executable, "-c", "import ray.tune, ray.train"], capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode == 0:
+        return None
+    last = (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1]
+    return f"Ray Tune does not import: {last}"
+
+
+def plan(ray_missing: str | None, only: set[str] | None = None) -> list[tuple[Step, str | None]]:
+    """``(step, why it is skipped or None)`` for every step, in order; ``ray_missing``: why
+    the steps that need Ray cannot run (None: they can)."""
     out = []
     for s in STEPS:
         if only is not None and s.name not in only:
             out.append((s, "not in --only"))
         elif s.optional and only is None:
             out.append((s, "optional: name it in --only"))
-        elif s.needs_ray and not have_ray:
-            out.append((s, "Ray is not importable"))
+        elif s.needs_ray and ray_missing:
+            out.append((s, ray_missing))
         else:
             out.append((s, None))
     return out
@@ -311,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget < MIN_STEP_S + RESERVE_S:
         ap.error(f"--budget must be >= {MIN_STEP_S + RESERVE_S} seconds, got {args.budget}")
     out = Path(args.outdir).resolve()
-    have_ray = importlib.util.find_spec("ray") is not None
-    steps = plan(have_ray, only)
+    steps = plan(ray_problem(), only)
     if args.dry_run:
         start = 0
         for s, skip in steps:

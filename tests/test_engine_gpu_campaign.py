@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import gpu_campaign as gc  # noqa: E402
 
 
-def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
+def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gc, "ray_problem", lambda: None)      # as on a GPU machine with Ray
     out = tmp_path / "campaign"
     assert gc.main([str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out.splitlines()
@@ -23,14 +24,11 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
     names = [l.split()[1].rstrip(":") for l in runs + skips]
     assert sorted(names) == sorted(s.name for s in gc.STEPS)
     limits = [int(l.split("(limit ")[1].split(" s;")[0]) for l in runs]
-    assert limits == [s.timeout_s for s, why in gc.plan(gc.importlib.util.find_spec("ray") is not None)
-                      if why is None]
+    assert limits == [s.timeout_s for s, why in gc.plan(None) if why is None]
     # what decides the open goals comes first (the engine's, then the packed trials' where Ray
     # is importable) and fits the budget even if each step runs to its limit
     decisive = ["engine_resnet18", "engine_overhead", "tune_evidence_mlp"]
-    have_ray = gc.importlib.util.find_spec("ray") is not None
-    first = [l.split()[1] for l in runs[:3]]
-    assert first == (decisive if have_ray else decisive[:2] + ["cuda_tests"])
+    assert [l.split()[1] for l in runs[:3]] == decisive
     assert sum(limits[:3]) <= gc.BUDGET_S - gc.RESERVE_S
     tests = [l for l in runs if l.split()[1] == "cuda_tests"][0]
     assert "-m cuda" in tests and str(out) in tests
@@ -40,18 +38,32 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys):
 
 
 def test_plan_skips_ray_steps_without_ray_and_honours_only():
-    p = dict((s.name, why) for s, why in gc.plan(have_ray=False))
+    why = "Ray Tune does not import: ImportError: pydantic is missing"
+    p = dict((s.name, why) for s, why in gc.plan(why))
     ray_steps = {"train", "tune", "tune_evidence_mlp"}
-    assert all(p[n] == "Ray is not importable" for n in ray_steps)
+    assert all(p[n] == why for n in ray_steps)
     optional = {s.name for s in gc.STEPS if s.optional}
     assert optional == {"tune_evidence_cnn"}
     assert all(p[n] == "optional: name it in --only" for n in optional)
     assert all(why is None for n, why in p.items() if n not in ray_steps | optional)
-    assert gc.plan(have_ray=True)[2] == (gc.STEPS[2], None) and gc.STEPS[2].name == "tune_evidence_mlp"
-    p = dict((s.name, why) for s, why in gc.plan(have_ray=True, only={"tune_evidence_mlp"}))
+    assert gc.plan(None)[2] == (gc.STEPS[2], None) and gc.STEPS[2].name == "tune_evidence_mlp"
+    p = dict((s.name, why) for s, why in gc.plan(None, only={"tune_evidence_mlp"}))
     assert p["tune_evidence_mlp"] is None and p["tune_evidence_cnn"] == "not in --only"
-    p = dict((s.name, why) for s, why in gc.plan(have_ray=True, only={"packing"}))
+    p = dict((s.name, why) for s, why in gc.plan(None, only={"packing"}))
     assert p["packing"] is None and all(why == "not in --only" for n, why in p.items() if n != "packing")
+
+
+def test_ray_problem_names_what_keeps_ray_tune_from_importing(monkeypatch):
+    import subprocess
+    assert gc.ray_problem() is None                       # this machine: Ray Tune imports
+    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: None)
+    assert gc.ray_problem() == "Ray is not importable"
+    monkeypatch.undo()
+    failed = subprocess.CompletedProcess([], 1, "", "Traceback ...\nImportError: `ray.train.v2` requires "
+                                         "the pydantic package, which is missing.\n")
+    monkeypatch.setattr(gc.subprocess, "run", lambda *a, **kw: failed)
+    assert gc.ray_problem() == ("Ray Tune does not import: ImportError: `ray.train.v2` requires the "
+                                "pydantic package, which is missing.")
 
 
 def test_step_timeout():
