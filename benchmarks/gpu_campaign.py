@@ -13,11 +13,12 @@ the changes they check, or never), then the rest:
    (ResNet-18, B_L 32), windows of 50 steps, 3 rounds (goal: n VSWs at least 0.95x one plain
    worker on n x B_L, eager vs eager and graph vs graph); the engine at 1 VSW vs a plain step
    (goal: within 5 %);
-2. where Ray Tune imports (Ray Train needs pydantic beside Ray): ``tune_evidence_mlp``, the packed-trials evidence: packed ASHA
-   against Tune's ASHA with 1/8 of the GPU per trial (what Tune users do today), the CIFAR-sized
-   MLP, R = 27, full packs of 8 (12 trials admitted per device), 1000 steps per unit, one round
-   (goal: 2.7x Tune's trials, best accuracy within 0.5 point); ``benchmarks/hyperband.py`` keeps
-   each contender's run in its JSON as soon as it ends, so a run cut at its limit keeps the other;
+2. where Ray Tune imports (Ray Train needs pydantic beside Ray): ``tune_evidence_mlp``, the
+   packed-trials evidence: packed ASHA against Tune's ASHA with 1/8 of the GPU per trial (what
+   Tune users do today), the CIFAR-sized MLP, R = 27, full packs of 8 (12 trials admitted per
+   device), 1000 steps per unit, one round (goal: 2.7x Tune's trials, best accuracy within 0.5
+   point); ``benchmarks/hyperband.py`` keeps each contender's run in its JSON as soon as it
+   ends, so a run cut at its limit keeps what it measured;
 3. ``cuda_tests``: every ``cuda``-marked test (``pytest -m cuda tests/``; collection errors of
    modules that need Ray where Ray is missing do not stop the others);
 4. where Ray Tune imports: ``train`` (``jabasray train --device cuda``, one epoch, on the GPU Ray
