@@ -80,7 +80,9 @@ def _bench(script: str, *args: str) -> tuple[str, ...]:
 def _tune_evidence(workload: str, timeout_s: int, optional: bool) -> Step:
     """The packed-trials evidence on ``workload``: packed ASHA against Tune's ASHA with 1/8 of
     the GPU per trial, R = 27, full packs of 8 (12 trials admitted per device), 1000 steps per
-    unit, one round; packed first, so that a run cut at its limit has measured the technique."""
+    unit, one round. Packed first: a run cut at its limit has measured the technique, and with
+    no warm-up round the first contender pays Ray's cold start (workers, imports), which counts
+    against the technique, not for it."""
     name = f"tune_evidence_{workload.removeprefix('cifar_')}"
     return Step(name, _bench("hyperband.py", "--device", "cuda", "--workload", workload, "--R", "27",
                              "--steps-per-unit", "1000", "--members", "8", "--trials-per-device", "12",
