@@ -21,7 +21,7 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   over the same points) instead of ``SimilaritySearch``: what the order does to ASHA's
   promotions and to the packs.
 * ``packed_asha_wave`` (only when named): C with ``SimilaritySearch(first_wave=members x
-  devices)``: the trials beyond the packs' seats start only after the first result, so the
+  devices)`` (or ``--first-wave``): the trials beyond the first wave start only after the first result, so the
   first wave's processes do not share the CPUs with them while starting (time to the first
   result; ``packed_asha/packed_asha_wave`` ratios).
 
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPUs of one packed CPU device (a node of C CPUs has C // this coordinators)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of a packed CPU device's coordinator (default --cpus-per-device)")
+    ap.add_argument("--first-wave", type=int, default=None,
+                    help="packed_asha_wave's first wave: trials started before the first result "
+                         "(default --members x devices: every seat of every pack)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--target", type=float, default=0.9, help="fixed target accuracy")
     ap.add_argument("--seed", type=int, default=0)
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]))
         if name in ("packed_asha", "packed_asha_sync", "packed_asha_wave"):
             devices = 1 if args.device == "cuda" else max(1, int(args.num_cpus // args.cpus_per_device))
-            wave = args.members * devices if name == "packed_asha_wave" else None
+            wave = (args.members * devices if args.first_wave is None else args.first_wave) \
+                if name == "packed_asha_wave" else None
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
@@ -259,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     for base, other in (("tune_asha", "packed_asha"), ("tune_asha_shared", "packed_asha"),
                         ("tune_hyperband", "packed_hyperband"),
                         ("tune_asha", "packed_hyperband"), ("packed_asha_sync", "packed_asha"),
-                        ("tune_asha", "packed_asha_plain"), ("packed_asha", "packed_asha_wave")):
+                        ("tune_asha", "packed_asha_plain"), ("packed_asha", "packed_asha_wave"),
+                        ("tune_asha", "packed_asha_wave")):
         for key in ("wall_s", "time_to_first_result_s", "time_to_within_1pt_s", "time_to_target_s", "s_per_unit"):
             r = ratios(base, other, key)
             if r is not None:
