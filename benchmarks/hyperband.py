@@ -21,9 +21,9 @@ Contenders (each a ``tune.Tuner`` run on the same local Ray instance, ``num_cpus
   over the same points) instead of ``SimilaritySearch``: what the order does to ASHA's
   promotions and to the packs.
 * ``packed_asha_wave`` (only when named): C with ``SimilaritySearch(first_wave=members x
-  devices)`` (or ``--first-wave``): the trials beyond the first wave start only after the first result, so the
-  first wave's processes do not share the CPUs with them while starting (time to the first
-  result; ``packed_asha/packed_asha_wave`` ratios).
+  devices)`` (or ``--first-wave``): the trials beyond the first wave start only after the first
+  result, so the first wave's processes do not share the CPUs with them while starting (time to
+  the first result; ``packed_asha/packed_asha_wave`` ratios).
 
 Same work: every contender gets the SAME configurations (the Hyperband sample for R, eta from
 the Table 3 space, seeded; ASHA runs them as its ``num_samples``), the same spec (``--workload``:
@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             self.points.append((time.perf_counter() - self.t0, float(result["accuracy"])))
             self.units[trial.trial_id] = max(self.units.get(trial.trial_id, 0), int(result["units"]))
 
+    # packed CPU devices as packed() counts them; the first wave of packed_asha_wave
+    devices = 1 if args.device == "cuda" else max(1, int(args.num_cpus // args.cpus_per_device))
+    first_wave = args.members * devices if args.first_wave is None else args.first_wave
+
     def tune_config(name: str):
         asha = dict(max_t=args.R, grace_period=1, reduction_factor=args.eta)
         if name in ("tune_asha", "tune_asha_shared"):
@@ -189,14 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=BasicVariantGenerator(points_to_evaluate=[dict(c) for c in configs]))
         if name in ("packed_asha", "packed_asha_sync", "packed_asha_wave"):
-            devices = 1 if args.device == "cuda" else max(1, int(args.num_cpus // args.cpus_per_device))
-            wave = (args.members * devices if args.first_wave is None else args.first_wave) \
-                if name == "packed_asha_wave" else None
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs,
-                                            first_wave=wave))
+                                            first_wave=first_wave if name == "packed_asha_wave" else None))
         hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs)
         return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
 

@@ -38,10 +38,10 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys, monkeypatc
 
 
 def test_plan_skips_ray_steps_without_ray_and_honours_only():
-    why = "Ray Tune does not import: ImportError: pydantic is missing"
-    p = dict((s.name, why) for s, why in gc.plan(why))
+    missing = "Ray Tune does not import: ImportError: pydantic is missing"
+    p = dict((s.name, why) for s, why in gc.plan(missing))
     ray_steps = {"train", "tune", "tune_evidence_mlp"}
-    assert all(p[n] == why for n in ray_steps)
+    assert all(p[n] == missing for n in ray_steps)
     optional = {s.name for s in gc.STEPS if s.optional}
     assert optional == {"tune_evidence_cnn"}
     assert all(p[n] == "optional: name it in --only" for n in optional)
