@@ -13,6 +13,28 @@ from pathlib import Path
 from .validation import check_float, check_int
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``(X, y)``: float64 pixels 0..16 of shape (1797, 64) and int64
+    labels, equal to ``sklearn.datasets.load_digits(return_X_y=True)``.
+
+    Read from the CSV that scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, the
+    file ``load_digits`` reads) without importing scikit-learn: that import (with SciPy) costs
+    about 2 s of CPU, paid by every process that loads the data -- each Tune trial, packed-trial
+    coordinator and job driver. Where the file is not found (another layout), the call
+    falls back to ``load_digits``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")     # locates the package, does not import it
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1], data[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+    X, y = load_digits(return_X_y=True)
+    return X, y.astype(np.int64)
+
+
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0, image: bool = True
                       ) -> tuple[TensorDataset, TensorDataset]:
     """Digits as ``(train, val)`` TensorDatasets; inputs scaled to [0, 1].
@@ -20,11 +42,9 @@ def load_digits_split(val_fraction: float = 0.2, seed: int = 0, image: bool = Tr
     ``image=True`` gives inputs of shape (N, 1, 8, 8), else (N, 64). The split is stratified
     by a fixed permutation of ``seed`` so every process builds the same split.
     """
-    from sklearn.datasets import load_digits
-
     check_float("val_fraction", val_fraction, min_value=0.0, max_value=1.0, min_exclusive=True,
                 max_exclusive=True)
-    X, y = load_digits(return_X_y=True)
+    X, y = digits_arrays()
     X = (X / 16.0).astype(np.float32)
     rng = np.random.default_rng(seed)
     val_idx, train_idx = [], []
