@@ -74,10 +74,6 @@ class NodeSpec(JsonMixin):
             check_float(f"nodes[{self.name}].tflops", self.tflops, min_value=0, min_exclusive=True)
 
     @property
-    def num_pairs(self) -> int:
-        return self.num_gpus // 2
-
-    @property
     def price_weight(self) -> float:
         """Price per GPU-second in arbitrary units, proportional to TFLOPS (Eq. 8 of JABAS)."""
         return self.tflops if self.tflops is not None else self.speed

@@ -180,13 +180,6 @@ class JabasDriver:
         """SMA: the per-pair Crossbow learner tuner of the current placement (else None)."""
         return self._learners.tuner if self._learners else None
 
-    def attach_background(self, scheduler: Any) -> None:
-        """Attach a background scheduler; it is rebalanced after every (re-)placement."""
-        self.background = scheduler
-        self._bg_deadline(scheduler)
-        if self.pool.placement:
-            scheduler.rebalance(self.gpu_actors())
-
     def _bg_deadline(self, scheduler: Any) -> None:
         """A background scheduler's Ray calls get the deadline of the driver's other calls."""
         if scheduler is not None and hasattr(scheduler, "call_timeout_s"):

@@ -568,10 +568,6 @@ class BurstExecutor:
         opt["state"] = {i: s for part in everyone for i, s in part.items()}
         return {"model": model, "optimizer": opt}
 
-    def layer_ranks(self) -> dict[str, tuple[int, int]]:
-        """``name -> (first rank, count)`` of every layer (the plan's placement)."""
-        return {layer.name: (layer.first, layer.count) for layer in self.layers}
-
 
 def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
     """Whether a layer may modify its input tensors (``inplace=True`` modules or keyword,

@@ -532,7 +532,6 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             if vsw.index > 0 and vsw.module.training != training:
                 vsw.module.train(training)
             base = vsw.index * ga_rounds
-            vsw.in_step = True
             return [base + j for j in range(ga_rounds) if sizes[base + j] > 0], []
 
         if rounds is not None:
