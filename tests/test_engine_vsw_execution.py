@@ -121,7 +121,7 @@ def test_error_in_one_thread_scheme_propagates_and_worker_stays_usable():
     bad = [(X[:4], y[:4]), (X[4:], torch.full((4,), 99))]    # class 99 out of range
     with pytest.raises(IndexError):
         w.train_step(bad)
-    assert not any(v.counting for v in w._vsws)
+    assert not any(v.in_step or v.counting for v in w._vsws)
     ref = clone(make_model(0))
     w2 = _worker("threads")
     w2.configure(2, 0, 4)

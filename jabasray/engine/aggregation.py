@@ -89,6 +89,8 @@ class _VSW:
         self.module = module
         self.buffers = FlatBuffers(module, specs, flat_grads=owner._flat_grads)
         self.sizes = [len(s.names) for s in specs]  # parameters per bucket
+        self.in_step = False                        # True while train_step runs this VSW (a
+        # comm_guard may wait for it, as a background runner waits for the autograd engine)
         self.counting = False                       # True during this VSW's last backward
         self.done = [False] * len(specs)
         self.events: list[Any] = [None] * len(specs)

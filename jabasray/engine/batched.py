@@ -174,5 +174,5 @@ class BatchedExecution:
                     self._backward(main, scaled, last=j == len(rounds) - 1)
                 self._finish_vsw(main)
         finally:
-            main.counting = False
+            main.in_step = main.counting = False
         return [losses]

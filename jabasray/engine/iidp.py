@@ -9,7 +9,8 @@ How one ``train_step`` executes, and where each part lives (read one module at a
 -------------------------------------------------------------------------------------
 1. **Micro-batch assignment**: VSW ``v`` processes ``micro_batches[v*(num_ga+1) + j]`` for
    ``j = 0 .. num_ga`` in that order (VSW 0 is the main VSW). This module.
-2. **Forward/backward**, by one of three executions:
+2. **Forward/backward**, by one of three executions (the eager step that issues the first
+   and the third op by op: :mod:`~jabasray.engine.eager`):
 
    * **batched** (:mod:`~jabasray.engine.batched`, the default wherever it is exact): after
      one-way weight sync every VSW holds the main VSW's weights, so GA round ``j`` of all ``n``
@@ -59,7 +60,8 @@ from torch import nn
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
 from .aggregation import _VSW, BucketAggregation
-from .batched import BatchedExecution, batch_fallback_reason, join_any_order, join_batches
+from .batched import BatchedExecution, batch_fallback_reason
+from .eager import EagerSteps
 from .buckets import (BucketPlan, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .graphs import (CUDA_GRAPH_MODES, CapturedStep, GraphCache, GraphedSteps, step_graph_blocker,
@@ -89,7 +91,7 @@ def _clone_state(sd: dict) -> dict:
     return out
 
 
-class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSteps):
+class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSteps):
     """Independent and Identical Data Parallelism on one device (see the module notes).
 
     Args:
@@ -467,9 +469,6 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
                              f"got {self._num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
-        lanes, B = self._lanes, self._local_batch_size
-        nb = len(self._specs)
-        ga_rounds = self._num_ga + 1
         t0 = self._clock()
 
         # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
@@ -483,131 +482,7 @@ class IIDPWorker(BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSt
             graphed = self._graph_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
             if graphed is not None:
                 return graphed
-        self._graph_grads = None          # an eager step allocates its own gradients
-        rounds = None
-        if reason is None:
-            try:
-                n = self._num_vsw
-                # without per-VSW BatchNorm the row order is free: micro-batches that lie back
-                # to back (the loader's views of one batch) join without a copy
-                join = join_batches if self._norms.active else join_any_order
-                rounds = [join([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
-            except ValueError as e:
-                reason = f"micro-batches cannot be joined: {e}"
-        if reason is not None:
-            if reason not in self._logged and self._num_vsw > 1:
-                self._logged.add(reason)
-                log.info("IIDP: per-VSW execution (%s)", reason)
-            self._refresh_replicas()
-        self._active = self._vsws[:1] if rounds is not None else self._vsws
-
-        # --- per-step state
-        self._pending = [len(self._active)] * nb
-        self._ready = [False] * nb
-        self._next_launch = 0
-        self._works = [None] * nb
-        self._snapshot = [None] * nb if keep_local_grad else None
-        # (flat gradient buckets: hooks complete and launch buckets during backward, as with a
-        # process group, even when there is none)
-        self._comm_work = (self.process_group is not None or self._flat_grads
-                           or len(self._active) > 1 or self._snapshot is not None)
-        self._metric_sums, self._metric_counts = {}, {}
-        weights = [n / B for n in sizes] if ragged else [1.0] * len(sizes)
-        pg = self.process_group
-        count_work = None
-        count_t = None
-        if ragged:
-            count_t = torch.tensor([sum(weights)], dtype=torch.float64, device=self._comm_device)
-            if pg is not None:
-                count_work = dist.all_reduce(count_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        start_ev = lanes.record()
-        training = self.model.training
-
-        def begin_vsw(vsw: _VSW) -> tuple[list[int], list[torch.Tensor]]:
-            """(on the VSW's stream) its non-empty micro-batches and its (weighted) losses"""
-            lanes.wait(lanes.vsw[vsw.index], start_ev)
-            vsw.reset()
-            vsw.set_hooks(True, self)            # bucket hooks with flat gradients only
-            vsw.buffers.begin_step()
-            if vsw.index > 0 and vsw.module.training != training:
-                vsw.module.train(training)
-            base = vsw.index * ga_rounds
-            return [base + j for j in range(ga_rounds) if sizes[base + j] > 0], []
-
-        if rounds is not None:
-            # the 1/(global decoupled workers) of step 4 folded into the loss: the gradients
-            # leave backward averaged (no extra pass over them in the update). Single device
-            # only: with a process group another rank may run per VSW this step (e.g. forming
-            # both similarity groups), and every rank must all-reduce SUMS
-            fold = pg is None
-            losses = self._run_batched(begin_vsw, rounds,
-                                       self._num_vsw / (self._global_num_workers if fold else 1))
-        elif self._execution == "threads":
-            losses = self._run_vsws_threads(begin_vsw, micro_batches, weights)
-        else:
-            losses = self._run_vsws_one_thread(begin_vsw, micro_batches, weights)
-        t_compute = self._clock() - t0
-
-        if pg is not None:
-            self._launched()      # every bucket is in flight, the guard (if any) held
-
-        # --- loss statistic (all-reduced with the gradients; waited at the end)
-        with lanes.context(lanes.update):
-            for v in self._active:
-                lanes.wait(lanes.update, lanes.record(lanes.vsw[v.index]))
-            flat_losses = [x for vsw_losses in losses for x in vsw_losses]
-            if pg is None:          # nothing to all-reduce: one loss is the sum (no op at all)
-                loss_t = (flat_losses[0] if len(flat_losses) == 1 else torch.stack(flat_losses).sum()
-                          if flat_losses else torch.zeros((), device=self.device))
-            else:
-                loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device) if flat_losses
-                          else torch.zeros(1, device=self._comm_device))
-            loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-                         if pg is not None else None)
-            if ragged:   # (per-VSW fallback: reading the sample count synchronises)
-                if count_work is not None:
-                    count_work.wait()
-                divisor = float(count_t.item())
-                if divisor <= 0:
-                    raise ValueError("micro_batches hold no samples on any device (ragged step)")
-            else:
-                divisor = float(self._global_num_workers)
-            self._copy_replicas = rounds is None
-            self._prescaled = rounds is not None and pg is None   # averaged in the loss already
-            tm = self._update(divisor)
-            comm_time = tm.comm
-            if loss_work is not None:
-                tw = time.perf_counter()
-                loss_work.wait()
-                comm_time += time.perf_counter() - tw
-            end_ev = lanes.record(lanes.update)
-        lanes.wait(lanes.current(), end_ev)
-        # on the device: read once per interval (batched: the losses are already averaged)
-        loss_value = loss_t if self._prescaled else loss_t / divisor
-        if loss_value.dim():
-            loss_value = loss_value.reshape(())
-        self._exit_comm_guard()
-        if rounds is not None and self._num_vsw > 1:
-            self._stale = True                         # replicas get the weights when used
-
-        local_grad = None
-        if keep_local_grad:
-            main = self._vsws[0].buffers
-            if self._split:
-                local_grad = torch.stack([
-                    main.grads_in_param_order(self._param_names, [s[h] for s in self._snapshot])
-                    for h in (0, 1)])
-            else:
-                local_grad = main.grads_in_param_order(self._param_names, self._snapshot)
-                if self._prescaled and divisor != 1.0:
-                    local_grad = local_grad * divisor        # the sum, before the folded average
-        self._snapshot = None
-        return StepStats(loss=loss_value, num_workers=self.num_workers,
-                         global_num_workers=self._global_num_workers, num_samples=sum(sizes),
-                         compute_time=t_compute, comm_time=comm_time, update_time=tm.optim + tm.copy,
-                         weight_sync=self._method, local_grad=local_grad, optimizer_time=tm.optim,
-                         copy_time=tm.copy, batched=rounds is not None,
-                         metric_sums=self._metric_sums, metric_counts=self._metric_counts)
+        return self._eager_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
 
     # ------------------------------------------------------------------ shared by every execution
     def _log_once(self, message: str, reason: str) -> None:

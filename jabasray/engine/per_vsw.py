@@ -63,7 +63,7 @@ class PerVSWExecution:
                         self._backward(vsw, scaled, last=k == len(idx) - 1)
                     self._finish_vsw(vsw)
                 finally:
-                    vsw.counting = False
+                    vsw.in_step = vsw.counting = False
                 return loss_sum
 
         return self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
@@ -101,7 +101,7 @@ class PerVSWExecution:
             return [loss_sum for _, loss_sum in plans]
         finally:
             for v in vsws:
-                v.counting = False
+                v.in_step = v.counting = False
 
     @staticmethod
     def _backward(vsw: "_VSW", scaled: torch.Tensor, last: bool) -> None:
