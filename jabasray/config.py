@@ -64,6 +64,9 @@ class JobConfig(JsonMixin):
     autoscale: bool = True              # re-place GPUs every epoch from the forecast trajectory
     autoscale_objective: str = "time"   # "time" | "cost" | "time_under_budget"
     cost_budget: float | None = None    # price budget per epoch for "time_under_budget"
+    replacement_cost_s: float | None = None  # seconds the auto-scaler charges a move to another
+                                        # allocation (re-placing the actors); None: the driver's
+                                        # last measured placement; 0: not charged (JABAS 6.3)
     epochs: int = 5                     # training epochs
     lr: float | None = None             # optional check: must equal the optimizer's LR (the LR at
                                         # initial_global_batch); None: the optimizer's LR as it is
@@ -118,6 +121,8 @@ class JobConfig(JsonMixin):
                                  "'time_under_budget', got None")
         if self.cost_budget is not None:
             check_float("cost_budget", self.cost_budget, min_value=0, min_exclusive=True)
+        if self.replacement_cost_s is not None:
+            check_float("replacement_cost_s", self.replacement_cost_s, min_value=0)
         check_int("epochs", self.epochs, min_value=1)
         if self.lr is not None:
             check_float("lr", self.lr, min_value=0, min_exclusive=True)

@@ -164,12 +164,82 @@ def test_time_under_budget():
     assert not d.within_budget and d.cost == pytest.approx(costs[0])
 
 
+def _key(a: Allocation) -> tuple:
+    return tuple(sorted(a.node_gpus.items()))
+
+
+@pytest.mark.parametrize("objective", ["time", "cost"])
+@pytest.mark.parametrize("traj", [[32], [64, 128, 256, 512]])
+def test_a_move_is_charged_the_re_placement_on_top_of_its_epoch(traj, objective):
+    """With a ``current`` allocation every other candidate is weighed at its epoch time plus
+    ``switch_cost_s`` (its cost: plus its GPUs' price for those seconds); the choice is the best
+    candidate so weighed, checked against the brute-force epoch times for every current
+    allocation and a range of charges; ``uncharged_choice`` names the uncharged choice when
+    the charge changed it."""
+    cl = two_node_cluster()
+    m = model()
+    ref = brute_force(cl, m, traj, 4096, 4, 8)
+    rate = {_key(a): c / t for a, t, c in ref}
+    spread = max(t for _, t, _ in ref) - min(t for _, t, _ in ref)
+    free = choose_allocation(cl, m, traj, 4096, 4, 8, objective=objective)
+    for current, _, _ in ref[::2]:
+        for s in (0.0, spread / 20, spread / 3, 10 * spread):
+            d = choose_allocation(cl, m, traj, 4096, 4, 8, objective=objective, current=current,
+                                  switch_cost_s=s)
+
+            def weighed(a, t, c):
+                extra = 0.0 if a == current else s
+                return t + extra if objective == "time" else c + extra * rate[_key(a)]
+            best = min(weighed(*r) for r in ref)
+            chosen = next(r for r in ref if r[0] == d.allocation)
+            assert weighed(*chosen) == pytest.approx(best, rel=1e-12), (current, s)
+            if s == 0.0:                          # uncharged: the paper's rule, as without current
+                assert (d.allocation, d.uncharged_choice) == (free.allocation, None)
+            else:
+                assert d.uncharged_choice == (free.allocation if free.allocation != d.allocation else None)
+            assert d.epoch_time == pytest.approx(chosen[1], rel=1e-12)   # the epoch's, not charged
+        # the driver's allocations leave out nodes with no GPU: the same allocation
+        used = Allocation({n: g for n, g in current.node_gpus.items() if g})
+        assert choose_allocation(cl, m, traj, 4096, 4, 8, objective=objective, current=used,
+                                 switch_cost_s=s).allocation == d.allocation
+        if current != free.allocation and objective == "time":
+            # the threshold: a move that the next epoch repays is made, one it does not is not
+            gain = next(t for a, t, _ in ref if a == current) - free.epoch_time
+            if gain > 0:
+                moved = choose_allocation(cl, m, traj, 4096, 4, 8, current=current, switch_cost_s=0.99 * gain)
+                kept = choose_allocation(cl, m, traj, 4096, 4, 8, current=current, switch_cost_s=1.01 * gain)
+                assert moved.allocation == free.allocation and moved.uncharged_choice is None
+                assert kept.allocation == current and kept.uncharged_choice == free.allocation
+
+
+def test_the_switch_charge_counts_against_the_budget():
+    """"time_under_budget": the re-placement's price is part of a move's cost, so a move that fits
+    the budget uncharged may not fit it charged."""
+    cl = two_node_cluster()
+    m = model()
+    ref = sorted(brute_force(cl, m, [256], 4096, 4, 8), key=lambda r: r[2])
+    cheapest, _, c0 = ref[0]
+    current = max(ref, key=lambda r: r[2])[0]              # the dearest runs now
+    budget = c0 * 1.001
+    d = choose_allocation(cl, m, [256], 4096, 4, 8, objective="time_under_budget", cost_budget=budget,
+                          current=current, switch_cost_s=0.0)
+    assert d.allocation == cheapest and d.within_budget
+    big = 1e3 * max(t for _, t, _ in ref)
+    d = choose_allocation(cl, m, [256], 4096, 4, 8, objective="time_under_budget", cost_budget=budget,
+                          current=current, switch_cost_s=big)
+    assert not d.within_budget and d.allocation == current   # nothing fits: the least charged cost
+
+
 def test_decision_json_round_trip():
     cl = two_node_cluster()
     d = choose_allocation(cl, model(), [64, 128], 2048, 4, 8)
     again = AutoscaleDecision.from_json(d.to_json())
     assert again == d
     assert isinstance(next(iter(again.plans)), int)
+    other = next(c.allocation for c in d.candidates if c.epoch_time and not c.allocation.same_gpus(d.allocation))
+    kept = choose_allocation(cl, model(), [64, 128], 2048, 4, 8, current=other, switch_cost_s=1e9)
+    assert kept.allocation == other and kept.uncharged_choice == d.allocation
+    assert AutoscaleDecision.from_json(kept.to_json()) == kept
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -180,6 +250,7 @@ def test_decision_json_round_trip():
     (dict(trajectory=[64, 0]), r"trajectory\[1\]"),
     (dict(dataset_size=0), "dataset_size"),
     (dict(adapt_interval=0), "adapt_interval"),
+    (dict(switch_cost_s=-1.0), "switch_cost_s"),
 ])
 def test_bad_input(kw, field):
     args = dict(cluster=two_node_cluster(), model=model(), trajectory=[64], dataset_size=100,
@@ -209,3 +280,10 @@ def test_epoch_time_and_breakdown_json_round_trip():
     assert IterationBreakdown.from_json(b.to_json()) == b
     bad = epoch_time(["gA", "gA"], m, [16], 100, 3, 8)
     assert EpochTime.from_json(bad.to_json()) == bad
+
+
+@pytest.mark.parametrize("value", [-1.0, "x", float("nan")])
+def test_job_config_replacement_cost_names_the_field(value):
+    from jabasray.config import JobConfig
+    with pytest.raises(ValueError, match=r"^replacement_cost_s must be a number in \[0, inf\], got"):
+        JobConfig(replacement_cost_s=value)

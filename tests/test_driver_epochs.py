@@ -77,9 +77,10 @@ class ScriptedPool:
         self.placement = None
 
 
-def _driver(tmp_path, epochs: int, phi: float) -> JabasDriver:
+def _driver(tmp_path, epochs: int, phi: float, replacement_cost_s: float | None = 0.0) -> JabasDriver:
     job = JobConfig(epochs=epochs, initial_global_batch=16, min_global_batch=16, max_global_batch=768,
-                    min_local_batch=4, adapt_interval=2, alpha=1.0, gamma=0.9, autoscale=True, seed=0)
+                    min_local_batch=4, adapt_interval=2, alpha=1.0, gamma=0.9, autoscale=True, seed=0,
+                    replacement_cost_s=replacement_cost_s)
     driver = JabasDriver(model_fn, None, optimizer_fn, loss_fn, job, CLUSTER, tmp_path / "run",
                          perf_model=perf_model({"fast": 1.0}), options=DriverOptions(evaluate=False),
                          dataset_size=N)
@@ -95,6 +96,8 @@ def no_object_store(monkeypatch):
 
 
 SCALING = re.compile(r"after epoch (\d+): auto-scaling (\{.*\}) -> (\{.*\})")
+KEEPING = re.compile(r"after epoch (\d+): keeping (\{.*\}): the next epoch on (\{.*\}) would not repay "
+                     r"re-placing the actors \((.*) s\)")
 
 
 def _decisions(events: list[str]) -> dict[int, tuple[dict, dict]]:
@@ -142,3 +145,54 @@ def test_a_finished_run_resumed_with_more_epochs_plans_its_next_epoch_first(tmp_
     decisions = _decisions(hist.events)
     expected = decisions[2][1] if 2 in decisions else first.epochs[1].allocation
     assert hist.epochs[2].allocation == expected
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_a_move_the_next_epoch_does_not_repay_is_not_made_and_the_event_says_so(tmp_path):
+    """The same scripted job with moves free (the paper's rule) and with a re-placement charge no
+    epoch repays: charged, every epoch runs on the first allocation, and after every epoch whose
+    free choice differs from it an event names that choice (the choice without the charge does
+    not depend on the current allocation, so it is the free run's next allocation)."""
+    free = _driver(tmp_path / "free", epochs=4, phi=0.0, replacement_cost_s=0.0).run()
+    assert _decisions(free.events), "the scenario must make the auto-scaler change the allocation"
+    charged = _driver(tmp_path / "charged", epochs=4, phi=0.0, replacement_cost_s=1e6).run()
+    assert _decisions(charged.events) == {}
+    first = charged.epochs[0].allocation
+    assert first == free.epochs[0].allocation
+    assert all(rec.allocation == first for rec in charged.epochs)
+    kept = {int(m.group(1)): (ast.literal_eval(m.group(2)), ast.literal_eval(m.group(3)), m.group(4))
+            for m in map(KEEPING.fullmatch, charged.events) if m}
+    assert kept == {k: (first, free.epochs[k].allocation, "1000000.0")
+                    for k in range(1, 4) if free.epochs[k].allocation != first}
+    assert kept, "the charge must have kept at least one move"
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_by_default_a_move_is_charged_what_the_last_placement_took(tmp_path, monkeypatch):
+    """``replacement_cost_s=None``: the auto-scaler is charged the seconds the driver's last
+    placement of the actors took (here a placement that sleeps 0.2 s)."""
+    import time
+
+    import jabasray.actors.driver as drv
+    charges = []
+    real = drv.next_allocation
+
+    def spy(*args, **kw):
+        charges.append(kw["switch_cost_s"])
+        return real(*args, **kw)
+    monkeypatch.setattr(drv, "next_allocation", spy)
+    driver = _driver(tmp_path, epochs=3, phi=0.0, replacement_cost_s=None)
+    place = driver.pool.place
+    took = []
+
+    def slow_place(*args, **kw):
+        t = time.perf_counter()
+        time.sleep(0.2)
+        place(*args, **kw)
+        took.append(time.perf_counter() - t)
+    driver.pool.place = slow_place
+    driver.run()
+    assert len(charges) == 2 and took                # decisions after epochs 1 and 2
+    assert all(c >= 0.2 for c in charges)
+    assert charges[0] == pytest.approx(took[0], abs=0.05)          # the first placement's time
+    assert charges[-1] == pytest.approx(took[-1], abs=0.05)        # then the latest placement's

@@ -50,7 +50,7 @@ from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
 from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_allocation, job_cluster,
-                        multi_node, ray_cpus, slots_for)
+                        multi_node, next_allocation, ray_cpus, slots_for)
 from .pool import ActorPool
 from .rendezvous import backend_for, preflight
 from .reconcile import reconcile, reconcile_with_ray, remap_allocation, same_shape
@@ -151,6 +151,7 @@ class JabasDriver:
                               rendezvous_ports=opts.rendezvous_ports,
                               bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
+        self._placement_s: float | None = None   # seconds the last placement took (the re-placement charge)
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._profile_notes: list[str] = []  # where the last profiling measured each GPU type
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
@@ -418,7 +419,18 @@ class JabasDriver:
         """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
         cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
         return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
-                              fixed=not self.job.autoscale or self._burst is not None)
+                              fixed=self._fixed_allocation())
+
+    def _fixed_allocation(self) -> bool:
+        """Every GPU, always: no auto-scaling, or DeepPool's fixed G (burst)."""
+        return not self.job.autoscale or self._burst is not None
+
+    def _replacement_cost(self) -> float:
+        """Seconds the auto-scaler charges a move to another allocation: ``job.replacement_cost_s``,
+        else what the last placement of the actors took (0 before any)."""
+        if self.job.replacement_cost_s is not None:
+            return float(self.job.replacement_cost_s)
+        return self._placement_s or 0.0
 
     def _plan(self, slots: list[Slot], global_batch: int) -> Plan:
         """The plan policy (:meth:`jabasray.planners.job_planner.JobPlanner.plan`) on the GPUs of
@@ -459,6 +471,7 @@ class JabasDriver:
         if self.pool.runs(slots) and not force:
             return False
         placed_before = self.pool.placement is not None
+        t_place = time.perf_counter()
         if placed_before:
             self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
         if self.options.emulate and self.options.emulation == "wait":
@@ -481,6 +494,7 @@ class JabasDriver:
             self._burst.placed()
         if self.background is not None:
             self.background.rebalance(self.gpu_actors())
+        self._placement_s = time.perf_counter() - t_place
         return placed_before
 
     def _worker_state(self) -> dict:
@@ -635,9 +649,15 @@ class JabasDriver:
         with more epochs (its final epoch planned nothing)."""
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
-        allocation = self._choose_allocation(state.cluster, forecast)
+        switch_s = self._replacement_cost()
+        allocation, unpaid = next_allocation(job_cluster(state.cluster, self.job), self.planner.model, forecast,
+                                             self.dataset_size, self.job, fixed=self._fixed_allocation(),
+                                             current=state.allocation, switch_cost_s=switch_s)
         if allocation != state.allocation:
             self._event(f"after epoch {state.epochs_done}: auto-scaling {state.allocation} -> {allocation}")
+        elif unpaid is not None:
+            self._event(f"after epoch {state.epochs_done}: keeping {allocation}: the next epoch on {unpaid} "
+                        f"would not repay re-placing the actors ({switch_s:.1f} s)")
         return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
 
     def _maybe_reprofile(self) -> None:

@@ -114,16 +114,30 @@ def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[
                                                         job).allocation.node_gpus)
 
 
-def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
-                   dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
+def next_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
+                    dataset_size: int, job: JobConfig, fixed: bool = False,
+                    current: dict[str, int] | None = None, switch_cost_s: float = 0.0
+                    ) -> tuple[dict[str, int], dict[str, int] | None]:
     """The allocation a job runs next on ``cluster``: every GPU when ``fixed`` (no
     ``job.autoscale``, or burst parallelism's fixed G), else the auto-scaler (JABAS 6.3) over all
     candidate allocations on the ``forecast`` B_G trajectory (None or empty: the initial phase,
-    B_G^init for every interval of the epoch)."""
+    B_G^init for every interval of the epoch), a move away from ``current`` charged
+    ``switch_cost_s`` seconds (:mod:`jabasray.planners.autoscale` notes). Also returns the
+    allocation the auto-scaler would have chosen without that charge where it differs (else
+    None)."""
     if fixed:
-        return full_allocation(cluster)
-    return autoscale_allocation(cluster, model, forecast or initial_trajectory(job, dataset_size),
-                                dataset_size, job)
+        return full_allocation(cluster), None
+    d = choose_for_job(cluster, model, forecast or initial_trajectory(job, dataset_size), dataset_size,
+                       job, current=current, switch_cost_s=switch_cost_s)
+    other = d.uncharged_choice
+    return (normalize_allocation(cluster, d.allocation.node_gpus),
+            normalize_allocation(cluster, other.node_gpus) if other is not None else None)
+
+
+def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
+                   dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
+    """:func:`next_allocation` for a job that runs on no allocation yet (nothing to move from)."""
+    return next_allocation(cluster, model, forecast, dataset_size, job, fixed)[0]
 
 
 def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from ..config import JobConfig
 from ..types import ClusterSpec, Plan, unit_gpu, units_num_gpus
-from .autoscale import AutoscaleDecision, choose_allocation, epoch_time
+from .autoscale import Allocation, AutoscaleDecision, choose_allocation, epoch_time
 from .correction import CorrectedModel, OnlineCorrection
 from .config_solver import LocalBatchBound
 from .plan_policy import solve_for_batch
@@ -54,11 +54,16 @@ def batch_trajectory(trajectory: Sequence[float]) -> list[int]:
 
 
 def choose_for_job(cluster: ClusterSpec, model: Any, trajectory: Sequence[float], dataset_size: int,
-                   job: JobConfig) -> AutoscaleDecision:
-    """:func:`.autoscale.choose_allocation` with the job's settings and plan policy (module notes)."""
+                   job: JobConfig, current: dict[str, int] | None = None,
+                   switch_cost_s: float = 0.0) -> AutoscaleDecision:
+    """:func:`.autoscale.choose_allocation` with the job's settings and plan policy (module notes);
+    ``current`` (``{node: GPUs}``): the allocation the job runs, other candidates charged
+    ``switch_cost_s`` seconds of re-placement."""
     return choose_allocation(cluster, model, batch_trajectory(trajectory), dataset_size, job.adapt_interval,
                              job.min_local_batch, objective=job.autoscale_objective,
-                             cost_budget=job.cost_budget, tolerance=plan_tolerance(job))
+                             cost_budget=job.cost_budget, tolerance=plan_tolerance(job),
+                             current=Allocation(dict(current)) if current else None,
+                             switch_cost_s=switch_cost_s)
 
 
 def rank_configs(plan: Plan, pairs: Sequence[int], learners: Sequence[int] | None = None
