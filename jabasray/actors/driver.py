@@ -650,13 +650,13 @@ class JabasDriver:
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
         switch_s = self._replacement_cost()
-        allocation, unpaid = next_allocation(job_cluster(state.cluster, self.job), self.planner.model, forecast,
+        allocation, uncharged = next_allocation(job_cluster(state.cluster, self.job), self.planner.model, forecast,
                                              self.dataset_size, self.job, fixed=self._fixed_allocation(),
                                              current=state.allocation, switch_cost_s=switch_s)
         if allocation != state.allocation:
             self._event(f"after epoch {state.epochs_done}: auto-scaling {state.allocation} -> {allocation}")
-        elif unpaid is not None:
-            self._event(f"after epoch {state.epochs_done}: keeping {allocation}: the next epoch on {unpaid} "
+        elif uncharged is not None:
+            self._event(f"after epoch {state.epochs_done}: keeping {allocation}: the next epoch on {uncharged} "
                         f"would not repay re-placing the actors ({switch_s:.1f} s)")
         return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
 

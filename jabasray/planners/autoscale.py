@@ -281,8 +281,8 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         raise ValueError(f"trajectory: no allocation can run it; e.g. {cands[-1].reason}")
 
     best, within = _pick(feasible, objective, cost_budget)
-    unpaid = _pick(feasible, objective, cost_budget, charge_switch=False)[0]
-    uncharged = None if unpaid.allocation.same_gpus(best.allocation) else unpaid.allocation
+    free = _pick(feasible, objective, cost_budget, charge_switch=False)[0]
+    uncharged = None if free.allocation.same_gpus(best.allocation) else free.allocation
     if not within:
         log.warning("no allocation meets cost_budget %.4g (cheapest costs %.4g); using the cheapest",
                     cost_budget, best.cost)
