@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,8 +44,11 @@ FAST = ClusterSpec(nodes=[NodeSpec("n0", "fast", 1, speed=1.0)])
 
 class Recorder(DriverCallback):
     def __init__(self) -> None:
-        self.intervals, self.epochs, self.events = [], [], []
+        self.intervals, self.epochs, self.events, self.phases = [], [], [], []
         self.drivers = set()
+
+    def on_phase(self, driver, phase):
+        self.phases.append((phase, len(self.intervals)))    # and how many intervals came before
 
     def on_interval(self, driver, record):
         self.intervals.append((record.epoch, record.interval))
@@ -113,7 +117,10 @@ def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(r
     run.dataset.release()
 
     seen = Recorder()
-    result = run_client.follow(name, [seen])       # reattach: follows the restarted driver
+    bare = []          # a callback with only some hooks (no on_phase): what it has is called
+    plain = SimpleNamespace(on_interval=lambda d, r: bare.append(r.interval),
+                            on_epoch=lambda d, r: None, on_event=lambda d, m: None)
+    result = run_client.follow(name, [seen, plain])   # reattach: follows the restarted driver
     assert [e.epoch for e in result.history.epochs] == [0, 1]
     restart = [m for m in result.history.events if "driver actor restarted" in m]
     assert len(restart) == 1 and "incarnation 2" in restart[0]
@@ -122,6 +129,10 @@ def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(r
     assert result.run_checkpoint.epochs_done == 2
     # the restarted incarnation redid epoch 1 from its start; the client saw it and its events
     assert seen.epochs == [1] and seen.intervals[0] == (1, 0) and seen.drivers == {"RemoteDriver"}
+    assert bare == [i for _, i in seen.intervals]
+    # what the restarted driver did before its first interval reached the client as phases
+    assert [p for p, _ in seen.phases][-2:] == ["placing 1 GPU actor", "training"]
+    assert all(n == 0 for _, n in seen.phases)       # no re-placement after it
     assert any("driver actor restarted" in m for m in seen.events)
     # nothing of the old incarnation survives; after the end nothing at all
     assert all(n not in our_named_actors(ray) for n in old_gpu)

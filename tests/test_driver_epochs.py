@@ -196,3 +196,35 @@ def test_by_default_a_move_is_charged_what_the_last_placement_took(tmp_path, mon
     assert all(c >= 0.2 for c in charges)
     assert charges[0] == pytest.approx(took[0], abs=0.05)          # the first placement's time
     assert charges[-1] == pytest.approx(took[-1], abs=0.05)        # then the latest placement's
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_phases_say_what_the_driver_does_before_each_interval_that_waits_for_it(tmp_path):
+    """``on_phase``: the model's building, then the placement of the first allocation's actors
+    and "training" before the first interval; every later placement (a move) and "training"
+    just before the first interval on the new allocation; nothing else between intervals."""
+    from jabasray.actors.driver import DriverCallback
+
+    class Seen(DriverCallback):
+        def __init__(self) -> None:
+            self.log: list = []
+
+        def on_phase(self, driver, phase):
+            self.log.append(("phase", phase))
+
+        def on_interval(self, driver, record):
+            if not self.log or self.log[-1] != ("interval", record.epoch):
+                self.log.append(("interval", record.epoch))
+
+    driver = _driver(tmp_path, epochs=4, phi=0.0)
+    seen = Seen()
+    driver.callbacks.append(seen)
+    hist = driver.run()
+    gpus = [sum(rec.allocation.values()) for rec in hist.epochs]
+    expected = [("phase", "building the iteration-time model")]
+    for epoch, n in enumerate(gpus):
+        if epoch == 0 or hist.epochs[epoch].allocation != hist.epochs[epoch - 1].allocation:
+            expected += [("phase", f"placing {n} GPU actor{'s' if n != 1 else ''}"), ("phase", "training")]
+        expected.append(("interval", epoch))
+    assert seen.log == expected
+    assert len({tuple(sorted(r.allocation.items())) for r in hist.epochs}) > 1   # a move happened

@@ -3,6 +3,8 @@ callbacks, Ray's own RunConfig converted or refused, Ray's TBXLoggerCallback wri
 files read back by TensorBoard's own reader, one console line per epoch, a compact Result repr."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
@@ -47,7 +49,7 @@ def test_console_reporter_bar_counts_samples_and_prints_epoch_lines(capsys):
     epoch = EpochRecord(epoch=0, allocation={"n0": 2}, gpu_types=["fast"] * 2, trajectory=[8, 16],
                         predicted_trajectory=[], train_loss=1.5, val_accuracy=0.5, time_s=2.0,
                         gpu_seconds=4.0, samples=10, throughput=5.0)
-    interval = SimpleNamespace(samples=6, global_batch=8, local_batch=4, phi=0.5, loss=1.25)
+    interval = SimpleNamespace(samples=6, global_batch=8, local_batch=4, phi=0.5, loss=1.25, time_s=0.5)
     bar = ConsoleReporter(bar=True)
     bar.start(total=10)
     bar.on_interval(None, interval)
@@ -59,8 +61,29 @@ def test_console_reporter_bar_counts_samples_and_prints_epoch_lines(capsys):
     bar.close()
     out, err = capsys.readouterr()
     assert out.splitlines() == [epoch_line(epoch)] and "re-placing" in err and "sample" in err
+    # start-up: the phase is the bar's description until training starts; the bar's clock
+    # (rate, time left) restarts at the first interval
+    slow = ConsoleReporter(bar=True)
+    slow.start(total=10)
+    slow.on_phase(None, "placing 2 GPU actors")
+    assert str(slow.bar).startswith("placing 2 GPU actors...")
+    time.sleep(1.0)
+    slow.on_phase(None, "training")
+    assert slow.bar.desc == ""
+    slow.on_interval(None, interval)      # the clock restarted as the interval's 0.5 s began
+    assert slow.bar.n == 6 and 0.5 <= slow.bar.format_dict["elapsed"] < 0.9
+    assert 9 < slow.bar.format_dict["rate"] < 12.1              # 6 samples in 0.5-0.6 s
+    slow.on_phase(None, "placing 1 GPU actor")                # a re-placement: shown, and then
+    assert str(slow.bar).startswith("placing 1 GPU actor...")
+    time.sleep(0.3)
+    slow.on_phase(None, "training")
+    slow.on_interval(None, interval)                          # no second restart of the clock
+    assert slow.bar.format_dict["elapsed"] >= 0.8 and slow.bar.desc == "" and slow.bar.n == 10
+    slow.close()
+    capsys.readouterr()
     plain = ConsoleReporter()                                 # capsys: stderr is not a terminal
     plain.start(total=10)
+    plain.on_phase(None, "profiling the model")               # no bar: nothing printed
     plain.on_interval(None, interval)
     plain.on_epoch(None, epoch)
     assert plain.bar is None and plain.lines == [epoch_line(epoch)]

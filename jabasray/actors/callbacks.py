@@ -3,7 +3,9 @@ Ray Tune's own logger callbacks (:class:`TuneCallbackAdapter`).
 
 **Console.** One line per epoch (:func:`jabasray.actors.metrics.epoch_line`) on stdout, the
 driver's events on stderr, and a tqdm bar of the samples trained on stderr when it is a
-terminal (``jabasray train`` always shows it unless ``--no-progress``). ``JabasTrainer(verbose=)``
+terminal (``jabasray train`` always shows it unless ``--no-progress``). Until training starts
+the bar's description is the driver's phase (``on_phase``: profiling, placing the actors), and
+its clock (rate, time left) starts with the first interval's training. ``JabasTrainer(verbose=)``
 as Ray's ``verbose``: 0 nothing, 1 this reporter, 2 also the actors' INFO log lines.
 
 **Trackers.** ``RunConfig(callbacks=[...])`` takes Ray's logger callbacks unchanged -
@@ -31,7 +33,7 @@ import os
 import sys
 from typing import Any, Iterable, Sequence
 
-from .driver_options import DriverCallback
+from .driver_options import TRAINING_PHASE, DriverCallback
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,8 @@ class ConsoleReporter(DriverCallback):
         self.bar: Any = None
         self.total: int | None = None
         self.lines: list[str] = []     # the epoch lines printed (tests, summaries)
+        self.phase: str | None = None  # what the driver does until its next interval
+        self._training = False         # training has begun (the bar's clock restarted)
 
     def start(self, total: int | None = None) -> None:
         """Show the bar (``total`` samples), once the run has passed its checks."""
@@ -173,7 +177,20 @@ class ConsoleReporter(DriverCallback):
             self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
                             leave=False)
 
+    def on_phase(self, driver: Any, phase: str) -> None:
+        """The bar's description until training (re)starts (without a bar: nothing; the
+        events and epoch lines say what happened)."""
+        self.phase = phase
+        if self.bar is not None:
+            self.bar.set_description_str("" if phase == TRAINING_PHASE else f"{phase}...")
+
     def on_interval(self, driver: Any, record: Any) -> None:
+        if self.bar is not None and not self._training:
+            # the bar's clock (rate, time left) starts with the first interval's training, not
+            # with Ray's start, the checks, profiling and the actors' start before it
+            self.bar.reset(total=self.total)
+            self.bar.start_t = self.bar.last_print_t = self.bar.start_t - max(0.0, record.time_s)
+        self._training = True
         if self.bar is not None:
             left = None if self.total is None else max(0, self.total - self.bar.n)
             self.bar.update(record.samples if left is None else min(left, record.samples))

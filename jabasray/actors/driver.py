@@ -44,7 +44,7 @@ from ..storage import StoragePath, as_storage_path
 from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
-from .driver_options import DriverCallback, DriverOptions, check_driver_inputs
+from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
@@ -192,11 +192,15 @@ class JabasDriver:
 
         self._reconcile_start()
         if self.options.preflight:   # every GPU node reaches the rendezvous port (one line if not)
+            self._phase("checking that the GPU nodes reach the rendezvous ports")
             self._start_notes.append(preflight(gpu_ray_nodes(self.cluster, self.options.emulate),
                                                ports=self.options.rendezvous_ports,
                                                timeout_s=self.options.preflight_timeout_s))
         self._data_ref = ray.put(self.dataset) if self.dataset is not None else None
         self._val_ref = ray.put(self.val_dataset) if self.val_dataset is not None else None
+        if not self._burst:
+            self._phase("profiling the model" if self._given_model is None and not self._profiles
+                        else "building the iteration-time model")
         self._use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
         self._start_notes += self._profile_notes
         ctl = AdaptiveBatchController(self.job)
@@ -472,6 +476,7 @@ class JabasDriver:
             return False
         placed_before = self.pool.placement is not None
         t_place = time.perf_counter()
+        self._phase(f"placing {len(slots)} GPU actor{'s' if len(slots) != 1 else ''}")
         if placed_before:
             self._event(f"epoch {epoch + 1}: re-placing actors for allocation {state.allocation}")
         if self.options.emulate and self.options.emulation == "wait":
@@ -495,6 +500,7 @@ class JabasDriver:
         if self.background is not None:
             self.background.rebalance(self.gpu_actors())
         self._placement_s = time.perf_counter() - t_place
+        self._phase(TRAINING_PHASE)
         return placed_before
 
     def _worker_state(self) -> dict:
@@ -708,6 +714,15 @@ class JabasDriver:
         if dead == set(failure.dead_ranks):
             return failure
         return ActorFailure(sorted(dead), failure.cause, failure.failed_ranks)
+
+    def _phase(self, phase: str) -> None:
+        """Tell the callbacks what the driver does until its next interval (``on_phase``; a
+        callback without it is skipped)."""
+        log.info("%s", phase)
+        for cb in self.callbacks:
+            on_phase = getattr(cb, "on_phase", None)
+            if on_phase is not None:
+                on_phase(self, phase)
 
     def _event(self, message: str) -> None:
         log.warning(message) if "failure" in message else log.info(message)

@@ -160,6 +160,9 @@ class _Progress(DriverCallback):
     def on_event(self, driver: Any, message: str) -> None:
         self.sink._append("event", message)
 
+    def on_phase(self, driver: Any, phase: str) -> None:
+        self.sink._append("phase", phase)
+
 
 class DriverActor:
     """The Ray actor hosting one run's driver (module notes). Created by

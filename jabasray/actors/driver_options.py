@@ -197,6 +197,15 @@ class DriverCallback:
     def on_event(self, driver: "JabasDriver", message: str) -> None:
         pass
 
+    def on_phase(self, driver: "JabasDriver", phase: str) -> None:
+        """What the driver does until its next interval reports: start-up steps and
+        re-placements ("profiling the model", "placing 4 GPU actors"), then
+        :data:`TRAINING_PHASE` once the actors are placed and the intervals begin."""
+        pass
 
-__all__ = ["DriverOptions", "DriverCallback", "check_driver_inputs", "check_actor_env",
+
+TRAINING_PHASE = "training"   # the phase after every placement: intervals follow
+
+
+__all__ = ["DriverOptions", "DriverCallback", "TRAINING_PHASE", "check_driver_inputs", "check_actor_env",
            "check_port_range", "NCCL_DEBUG_LEVELS"]

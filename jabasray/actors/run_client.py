@@ -206,7 +206,9 @@ def follow(name: str, callbacks: Sequence[DriverCallback] = (), poll_s: float = 
             incarnation = reply["incarnation"]
             for kind, item in reply["items"]:
                 for cb in callbacks:
-                    getattr(cb, f"on_{kind}")(view, item)
+                    hook = getattr(cb, f"on_{kind}", None)   # on_phase is optional
+                    if hook is not None:
+                        hook(view, item)
             since = reply["next"]
             if reply["outcome"] is not None:
                 break
