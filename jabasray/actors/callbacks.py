@@ -166,7 +166,6 @@ class ConsoleReporter(DriverCallback):
         self.bar: Any = None
         self.total: int | None = None
         self.lines: list[str] = []     # the epoch lines printed (tests, summaries)
-        self.phase: str | None = None  # what the driver does until its next interval
         self._training = False         # training has begun (the bar's clock restarted)
 
     def start(self, total: int | None = None) -> None:
@@ -180,7 +179,6 @@ class ConsoleReporter(DriverCallback):
     def on_phase(self, driver: Any, phase: str) -> None:
         """The bar's description until training (re)starts (without a bar: nothing; the
         events and epoch lines say what happened)."""
-        self.phase = phase
         if self.bar is not None:
             self.bar.set_description_str("" if phase == TRAINING_PHASE else f"{phase}...")
 

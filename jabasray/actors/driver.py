@@ -49,7 +49,7 @@ from .fanout import ActorFailure
 from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
-from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_allocation, job_cluster,
+from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_cluster,
                         multi_node, next_allocation, ray_cpus, slots_for)
 from .pool import ActorPool
 from .rendezvous import backend_for, preflight
@@ -420,14 +420,17 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ allocation and plans
     def _choose_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None) -> dict[str, int]:
-        """:func:`.placement.job_allocation` (burst: DeepPool's fixed G, all GPUs)."""
-        cluster = job_cluster(cluster, self.job)   # SMA/burst: pairs only
-        return job_allocation(cluster, self.planner.model, forecast, self.dataset_size, self.job,
-                              fixed=self._fixed_allocation())
+        """The allocation to place on ``cluster``, with nothing to move from (:meth:`_next_allocation`)."""
+        return self._next_allocation(cluster, forecast)[0]
 
-    def _fixed_allocation(self) -> bool:
-        """Every GPU, always: no auto-scaling, or DeepPool's fixed G (burst)."""
-        return not self.job.autoscale or self._burst is not None
+    def _next_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None,
+                         current: dict[str, int] | None = None, switch_cost_s: float = 0.0
+                         ) -> tuple[dict[str, int], dict[str, int] | None]:
+        """:func:`.placement.next_allocation` for this job: SMA and burst on pairs only, burst on
+        DeepPool's fixed G (all GPUs), as is a job without auto-scaling."""
+        return next_allocation(job_cluster(cluster, self.job), self.planner.model, forecast, self.dataset_size,
+                               self.job, fixed=not self.job.autoscale or self._burst is not None,
+                               current=current, switch_cost_s=switch_cost_s)
 
     def _replacement_cost(self) -> float:
         """Seconds the auto-scaler charges a move to another allocation: ``job.replacement_cost_s``,
@@ -656,9 +659,7 @@ class JabasDriver:
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
         switch_s = self._replacement_cost()
-        allocation, uncharged = next_allocation(job_cluster(state.cluster, self.job), self.planner.model, forecast,
-                                             self.dataset_size, self.job, fixed=self._fixed_allocation(),
-                                             current=state.allocation, switch_cost_s=switch_s)
+        allocation, uncharged = self._next_allocation(state.cluster, forecast, state.allocation, switch_s)
         if allocation != state.allocation:
             self._event(f"after epoch {state.epochs_done}: auto-scaling {state.allocation} -> {allocation}")
         elif uncharged is not None:

@@ -134,12 +134,6 @@ def next_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] 
             normalize_allocation(cluster, other.node_gpus) if other is not None else None)
 
 
-def job_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
-                   dataset_size: int, job: JobConfig, fixed: bool = False) -> dict[str, int]:
-    """:func:`next_allocation` for a job that runs on no allocation yet (nothing to move from)."""
-    return next_allocation(cluster, model, forecast, dataset_size, job, fixed)[0]
-
-
 def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
     """Ranks for an allocation (see module docstring for the layout)."""
     allocation = normalize_allocation(cluster, allocation)
