@@ -237,14 +237,15 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
     notes). Never raises for a bad hook: the error comes back as ``ProbeReport.error``."""
     import torch
 
-    from ..engine.loader import batch_size, gather_rows, split_batch
+    from ..engine.loader import batch_size, split_batch
     from ..engine.step import autocast, check_loss, check_metrics, split_step_output, supervised_step
     from ..engine.evaluation import default_eval_fn
 
     hooks, loss_fn = named_hooks(hooks), named("loss_fn", loss_fn)
     try:
         train, val = build_datasets(hooks, dataset, val_dataset)
-        rows = gather_rows(train, list(range(min(2, len(train)))), hooks.collate_fn)
+        data_hook = "dataset_fn" if hooks.dataset_fn is not None else "dataset"
+        rows = batch_rows(train, min(2, len(train)), hooks.collate_fn, data_hook)
         model = model_fn()
         opt = optimizer_fn([p for p in model.parameters() if p.requires_grad])
         lr = float(opt.param_groups[0]["lr"])
@@ -260,7 +261,8 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
             loss = check_loss(split_step_output(step(model, rows), hook)[0], hook)
         loss.backward()
         if val is not None:
-            vrows = gather_rows(val, list(range(min(2, len(val)))), hooks.collate_fn)
+            vrows = batch_rows(val, min(2, len(val)), hooks.collate_fn,
+                               "val_dataset_fn" if hooks.val_dataset_fn is not None else "val_dataset")
             eval_fn = hooks.eval_fn or default_eval_fn(loss_fn)
             model.eval()
             with torch.no_grad(), autocast(device, precision):
@@ -268,7 +270,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
                               "eval_fn" if hooks.eval_fn is not None else "the default eval_fn")
         profile_rows = None
         if want_profile_rows:
-            profile_rows = _profile_rows(train, hooks.collate_fn, hooks.step_fn)
+            profile_rows = _profile_rows(train, hooks.collate_fn, hooks.step_fn, data_hook)
         from .job_identity import model_signature, optimizer_identity
         return ProbeReport(len(train), len(val) if val is not None else None, lr,
                            profile_rows=profile_rows, model=model_signature(model),
@@ -281,16 +283,47 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         return ProbeReport(0, None, 0.0, error=msg, hook_error=e if isinstance(e, HookError) else None)
 
 
-def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None) -> Any:
-    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
-    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
-    list of samples (the profiler batches them with ``collate_fn`` and runs the step on them);
-    None when neither applies."""
-    import torch
+def batch_rows(ds: Any, k: int, collate_fn: Callable | None, hook: str) -> Any:
+    """The first ``k`` samples of ``ds`` as one batch, batched as training and the profiler
+    batch them (:func:`jabasray.engine.loader.gather_rows`, which the profiler's batches go
+    through too). Samples that torch's ``default_collate`` cannot batch (no ``collate_fn``)
+    are a one-line ValueError naming ``hook``, the dataset's source; a ``collate_fn`` that
+    raises is a :class:`HookError` naming ``collate_fn``."""
+    from torch.utils.data import TensorDataset
 
     from ..engine.loader import gather_rows
+
+    try:
+        return gather_rows(ds, list(range(k)), collate_fn)
+    except HookError:
+        raise
+    except Exception as e:  # noqa: BLE001 - default_collate's error, explained in one line
+        if collate_fn is not None or isinstance(ds, TensorDataset):
+            raise
+        try:                    # the samples read: the error was batching them
+            [ds[i] for i in range(k)]
+        except Exception:       # noqa: BLE001 - reading failed: that error, as it was
+            raise e from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        cause = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        if len(cause) > 200:
+            cause = cause[:197] + "..."
+        raise ValueError(f"{hook}: samples cannot be batched by torch's default_collate ({cause}); "
+                         f"pass collate_fn=... (a list of samples -> one batch)") from e
+
+
+def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None,
+                  hook: str = "dataset") -> Any:
+    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
+    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
+    list of samples (the profiler batches them as training does: ``collate_fn``, else
+    ``default_collate``, and runs the step on them); None when neither applies. The rows are
+    batched here first (:func:`batch_rows`): samples the profiler could not batch are refused
+    now, in one line naming ``hook``."""
+    import torch
+
     k = min(PROFILE_SAMPLES, len(train))
-    rows = gather_rows(train, list(range(k)), collate_fn)
+    rows = batch_rows(train, k, collate_fn, hook)
     if (isinstance(rows, (list, tuple)) and len(rows) == 2
             and all(isinstance(t, torch.Tensor) for t in rows)):
         return torch.utils.data.TensorDataset(*rows)

@@ -155,29 +155,26 @@ def _param_bytes(model: nn.Module) -> int:
 
 
 def _batch_fn(data: Any, collate_fn: Callable | None = None) -> Callable[[int], Any]:
-    """``data``: a callable n -> batch, or an indexable dataset of (x, y) / TensorDataset;
-    batches cycle through it. With ``collate_fn`` (the job's own, e.g. dict batches for a
-    ``step_fn``) a batch is ``collate_fn`` of n samples of any type."""
+    """``n -> batch`` of n samples cycling through ``data`` (a callable ``n -> batch`` is used
+    as it is). An indexable dataset is batched as training batches it
+    (:func:`jabasray.engine.loader.gather_rows`): a ``TensorDataset`` by direct indexing (a
+    tuple of tensors), any other dataset by ``collate_fn`` of the samples - the job's own,
+    else torch's ``default_collate`` (so (x, y) pairs, dicts of tensors, ... give the batch a
+    training step sees)."""
     if callable(data) and not hasattr(data, "__getitem__"):
         return data
-    tensors = getattr(data, "tensors", None)
-    if tensors is not None and (len(tensors) == 2 or collate_fn is not None):
-        # a TensorDataset is indexed directly, as training's loader does (no collate_fn)
-        def take(n: int) -> tuple[Any, ...]:
-            idx = torch.arange(n) % len(tensors[0])
-            return tuple(t[idx] for t in tensors)
-        return take
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        if collate_fn is not None:
-            def collate_items(n: int) -> Any:
-                return collate_fn([data[i % len(data)] for i in range(n)])
-            return collate_items
+        from ..engine.loader import gather_rows
 
-        def take_items(n: int) -> tuple[Any, Any]:
-            items = [data[i % len(data)] for i in range(n)]
-            return torch.stack([x for x, _ in items]), torch.as_tensor([y for _, y in items])
-        return take_items
-    raise ValueError(f"data must be a dataset of (input, target) pairs or a callable n -> batch, got {data!r}")
+        size = len(data)
+        if size < 1:
+            raise ValueError("data must hold at least one sample, got an empty dataset")
+
+        def take(n: int) -> Any:
+            return gather_rows(data, [i % size for i in range(n)], collate_fn)
+        return take
+    raise ValueError(f"data must be a map-style dataset (with __len__ and __getitem__) or a "
+                     f"callable n -> batch, got {type(data).__name__}")
 
 
 def estimate_memory(model: nn.Module, sample: Callable[[int], tuple[Any, Any]],
