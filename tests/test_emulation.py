@@ -7,12 +7,15 @@ scales the engine's compute time. No timing is asserted.
 """
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from actors_helpers import loss_fn, model_fn, optimizer_fn, tiny_data
 from jabasray.actors import gpu_actor
 from jabasray.actors.driver_options import DriverOptions
-from jabasray.actors.emulation import compute_sleep, host_keeps_up, wait_overrun, wait_sleep
+from jabasray.actors.emulation import StepTimer, compute_sleep, host_keeps_up, wait_overrun, wait_sleep
 from jabasray.actors.gpu_actor import GPUActor, IntervalRequest
 from jabasray.actors.placement import Slot
 from jabasray.actors.rendezvous import Rendezvous
@@ -38,6 +41,9 @@ def test_bad_emulation_mode_is_a_one_line_error():
 class FixedTimer:
     """A StepTimer stand-in: every step used ``cpu`` CPU seconds in ``wall`` wall seconds."""
     cpu = wall = 0.0
+
+    def __init__(self, helper_cpu=None):
+        self.helper_cpu = helper_cpu
 
     def __enter__(self):
         return self
@@ -99,3 +105,41 @@ def test_wait_emulation_plans_without_shared_cores():
     shared = job_perf_model(model_fn, None, cluster, JobConfig(), **kw)
     fair = job_perf_model(model_fn, None, cluster, JobConfig(), shared_host=False, **kw)
     assert shared.host_devices == 2 and fair.host_devices is None
+
+
+def _burn(seconds: float) -> None:
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+
+
+def test_step_timer_counts_the_computing_threads_only():
+    """The "wait" rule's CPU time is this thread's plus the helper threads' the engine reports
+    (its VSW dispatchers), never another thread's: a thread burning 60 ms of CPU while the
+    timed block sleeps adds nothing, a helper counter that grows by 0.5 s adds exactly that."""
+    other = threading.Thread(target=_burn, args=(0.06,))
+    with StepTimer() as t:
+        other.start()
+        other.join()
+    assert t.cpu < 0.02 and t.wall >= 0.06
+    helper = iter([10.0, 10.5])
+    with StepTimer(lambda: next(helper)) as t:
+        _burn(0.02)
+    assert 0.52 <= t.cpu < 0.6
+
+
+def test_vsw_dispatchers_count_their_jobs_cpu():
+    from jabasray.engine.streams import VSWThreadPool
+
+    pool = VSWThreadPool(2)
+    try:
+        assert pool.cpu_s == 0.0
+        pool.run([lambda: None, lambda: _burn(0.03), lambda: _burn(0.02)])
+        assert 0.05 <= pool.cpu_s < 0.09
+        pool.resize(1)                     # a stopped thread keeps its share in the total
+        assert pool.cpu_s >= 0.05
+        before = pool.cpu_s
+        pool.run([lambda: _burn(0.02), lambda: None])   # the caller's job is not the pool's
+        assert pool.cpu_s - before < 0.01
+    finally:
+        pool.close()

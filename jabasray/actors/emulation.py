@@ -12,12 +12,17 @@ take. Two rules for the sleep:
   emulated GPUs on 2 cores then runs each of them at a quarter of its speed, and comparisons of
   allocations of different sizes (GPU-seconds) are biased against the larger one.
 
-* ``"wait"`` (fair): the emulated step time is the step's *CPU* time ``t_cpu`` (the process's
-  CPU seconds over the step, which do not grow while the actor waits for a core) divided by
-  ``s``: the actor sleeps until ``t_cpu / s`` seconds after the step began,
+* ``"wait"`` (fair): the emulated step time is the step's *compute CPU* time ``t_cpu`` divided
+  by ``s``: the CPU seconds, over the step, of the threads that compute it - the stepping
+  thread (forward, backward and the update run there on CPU) and the engine's VSW dispatcher
+  threads (:meth:`jabasray.engine.iidp.IIDPWorker.helper_cpu_s`) - which do not grow while the
+  actor waits for a core. Not counted: the collective's transport threads and the engine's
+  communication thread (an emulated GPU's link is not its compute: as on a GPU, communication
+  shows through the wall time, below) and Ray's own threads (their bursts would be stretched by
+  1 / s into noise). The actor sleeps until ``t_cpu / s`` seconds after the step began,
   ``sleep = max(0, t_cpu / s - wall)`` (the wall time includes the all-reduce's wait for slower
-  actors, so a step never takes less than the slowest actor's emulated time, as on GPUs). Each emulated GPU's time then depends only on its own
-  work and speed, not on how many others share the host, as long as the host keeps up:
+  actors, so a step never takes less than the slowest actor's emulated time, as on GPUs). Each
+  emulated GPU's time then depends only on its own work and speed, not on how many others share the host, as long as the host keeps up:
   every actor needs on average ``s`` of a core, so the sum of the placed actors' speeds must not
   exceed the host's cores (:func:`host_keeps_up`). When it does not, a step's wall compute time
   exceeds ``t_cpu / s`` - the *overrun* (:func:`wait_overrun`), reported per interval (``IntervalReply.emulation_overrun``) and
@@ -29,7 +34,7 @@ Speeds >= 1 cannot be emulated by either rule (no sleep; the actor warns once).
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..validation import check_choice
 
@@ -69,16 +74,24 @@ def host_keeps_up(speeds: Iterable[float], host_cpus: float) -> bool:
 
 
 class StepTimer:
-    """Wall and process-CPU seconds of one step: ``with StepTimer() as t: ...; t.wall, t.cpu``."""
+    """Wall and compute-CPU seconds of one step: ``with StepTimer(helper_cpu) as t: ...;
+    t.wall, t.cpu``; ``cpu`` is this thread's CPU time plus the growth of ``helper_cpu()``,
+    the cumulative CPU seconds of the other threads that compute the step (None: none)."""
+
+    def __init__(self, helper_cpu: Callable[[], float] | None = None) -> None:
+        self._helper = helper_cpu
 
     def __enter__(self) -> "StepTimer":
-        self._w0, self._c0 = time.perf_counter(), time.process_time()
+        self._h0 = self._helper() if self._helper is not None else 0.0
+        self._w0, self._c0 = time.perf_counter(), time.thread_time()
         self.wall = self.cpu = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._w0
-        self.cpu = time.process_time() - self._c0
+        self.cpu = time.thread_time() - self._c0
+        if self._helper is not None:
+            self.cpu += self._helper() - self._h0
 
 
 def check_emulation(mode: str) -> str:

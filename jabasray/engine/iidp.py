@@ -548,6 +548,13 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
             self.configure(cfg["num_vsw"], cfg["num_ga"], cfg["local_batch_size"])
         self.sync_replicas()
 
+    def helper_cpu_s(self) -> float:
+        """CPU seconds the VSW dispatcher threads spent computing so far (per-VSW execution on
+        CPU runs VSWs 1..n-1 there; the caller's own thread and the communication thread are not
+        counted): with the caller's ``time.thread_time`` the step's compute CPU, which the
+        "wait" emulation scales (:mod:`jabasray.actors.emulation`)."""
+        return self._pool.cpu_s
+
     def close(self) -> None:
         """Stop the VSW threads, drop captured graphs and remove the hooks from the main model."""
         self._graphs.clear()

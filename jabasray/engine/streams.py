@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
@@ -131,6 +132,7 @@ class DispatcherThread:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.cpu_s = 0.0        # this thread's CPU seconds in its jobs so far (time.thread_time)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -140,10 +142,15 @@ class DispatcherThread:
             if job is None:
                 return
             fn, fut = job
+            t0 = time.thread_time()
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.cpu_s += time.thread_time() - t0
                 fut.set_exception(e)
+            else:
+                self.cpu_s += time.thread_time() - t0
+                fut.set_result(result)
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
@@ -162,18 +169,27 @@ class VSWThreadPool:
 
     def __init__(self, num_workers: int = 0) -> None:
         self._threads: list[DispatcherThread] = []
+        self._stopped_cpu_s = 0.0
         self.resize(num_workers)
 
     @property
     def size(self) -> int:
         return len(self._threads)
 
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the pool's threads spent in their jobs so far (threads stopped by a
+        ``resize`` keep theirs in the total)."""
+        return self._stopped_cpu_s + sum(t.cpu_s for t in self._threads)
+
     def resize(self, num_workers: int) -> None:
         """Hold exactly ``num_workers`` threads (existing threads are kept)."""
         while len(self._threads) < num_workers:
             self._threads.append(DispatcherThread(f"vsw-{len(self._threads) + 1}"))
         while len(self._threads) > num_workers:
-            self._threads.pop().stop()
+            t = self._threads.pop()
+            t.stop()
+            self._stopped_cpu_s += t.cpu_s
 
     def run(self, fns: Sequence[Callable[[], Any]]) -> list[Any]:
         """Run ``fns[0]`` inline and ``fns[i]`` on thread ``i-1``; return all results.
