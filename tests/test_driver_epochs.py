@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -137,7 +138,11 @@ def test_a_finished_run_resumed_with_more_epochs_plans_its_next_epoch_first(tmp_
     first = _driver(tmp_path, epochs=2, phi=0.0).run()
     more = _driver(tmp_path, epochs=3, phi=0.0)
     hist = more.run()
-    assert len(hist.epochs) == 3 and hist.epochs[:2] == first.epochs
+    assert len(hist.epochs) == 3 and hist.epochs[0] == first.epochs[0]
+    # the decision for epoch 3, made on resuming, is recorded beside epoch 2 (the first run,
+    # which ended there, decided nothing after its final epoch)
+    assert first.epochs[1].decision == {} and hist.epochs[1].decision
+    assert replace(hist.epochs[1], decision={}) == first.epochs[1]
     state = more.last_checkpoint.load_driver_state()
     assert state.epochs_done == 3
     # epoch 3 ran with a forecast made from epochs 1-2, on the allocation chosen for it
@@ -229,3 +234,41 @@ def test_phases_say_what_the_driver_does_before_each_interval_that_waits_for_it(
         expected.append(("interval", epoch))
     assert seen.log == expected
     assert len({tuple(sorted(r.allocation.items())) for r in hist.epochs}) > 1   # a move happened
+
+
+@pytest.mark.usefixtures("no_object_store")
+@pytest.mark.parametrize("charge", [0.0, 0.02])
+def test_the_auto_scalers_choice_is_recomputed_from_metrics_json(tmp_path, charge):
+    """Every epoch-end decision is in ``metrics.json`` beside the epoch it follows: each
+    candidate's predicted epoch time and re-placement charge. Read back, the objective's argmin
+    over those numbers (time, then Eq. 8 cost, then fewer GPUs, the charge added to every move)
+    is the allocation chosen, the next epoch ran on it, and that epoch's own estimate is the
+    chosen candidate's predicted time."""
+    import json
+
+    _driver(tmp_path, epochs=4, phi=0.0, replacement_cost_s=charge).run()
+    epochs = json.loads((tmp_path / "run" / "metrics.json").read_text())["epochs"]
+
+    def gpus(alloc: dict) -> dict:
+        return {node: n for node, n in alloc.items() if n}
+
+    assert [bool(e["decision"]) for e in epochs] == [True, True, True, False]
+    moved = 0
+    for e, after in zip(epochs, epochs[1:]):
+        d = e["decision"]
+        assert (d["objective"], gpus(d["current"]), d["switch_s"]) == ("time", gpus(e["allocation"]), charge)
+        feasible = [c for c in d["candidates"] if c["epoch_time_s"] is not None]
+        assert len(d["candidates"]) == 3 ** 3 - 1 and feasible
+        for c in d["candidates"]:
+            assert c["switch_s"] == (0.0 if gpus(c["allocation"]) == gpus(d["current"]) else charge)
+
+        def weighed(c: dict) -> tuple:
+            t = c["epoch_time_s"] + c["switch_s"]
+            return t, c["cost"] * t / c["epoch_time_s"], c["num_gpus"]
+        best = min(feasible, key=weighed)
+        assert gpus(best["allocation"]) == gpus(d["chosen"])
+        assert d["predicted_epoch_s"] == best["epoch_time_s"]
+        assert gpus(after["allocation"]) == gpus(d["chosen"])
+        assert after["predicted_time_s"] == pytest.approx(best["epoch_time_s"], rel=1e-12)
+        moved += gpus(d["chosen"]) != gpus(d["current"])
+    assert moved, "the scenario must move at least once"

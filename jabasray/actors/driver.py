@@ -37,6 +37,7 @@ from ..adaptive.forecast import forecast_next_epoch
 from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
+from ..planners.interval_model import EmulationFit, HostCosts, plan_interval_terms
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
@@ -46,9 +47,11 @@ from .burst_host import BurstIntervals
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
+from . import interval_costs
 from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
-from .metrics import EpochTally, IntervalRecord, MetricsHistory, epoch_record, interval_record, save_metrics
+from .metrics import (EpochTally, IntervalRecord, MetricsHistory, decision_record, epoch_record,
+                      interval_record, save_metrics)
 from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_cluster,
                         multi_node, next_allocation, ray_cpus, slots_for)
 from .pool import ActorPool
@@ -152,6 +155,9 @@ class JabasDriver:
                               bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
         self._placement_s: float | None = None   # seconds the last placement took (the re-placement charge)
+        # host terms of an interval and the emulation's cost, measured on the placed actors
+        self._host_costs: HostCosts | None = None
+        self._emulation_fits: dict[str, EmulationFit] = {}
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._profile_notes: list[str] = []  # where the last profiling measured each GPU type
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \
@@ -271,7 +277,13 @@ class JabasDriver:
         ``perf_model``); the planner's caches and correction start again."""
         self._base_model = model
         target = self._fit_target()
-        self.planner.use_model(model if target is None else self.allreduce.fitted(target))
+        if target is None:
+            self.planner.use_model(model)
+            return
+        fitted = self.allreduce.fitted(target)
+        if self._host_costs is not None and hasattr(fitted, "with_measured_costs"):
+            fitted = fitted.with_measured_costs(self._host_costs, self._emulation_fits)
+        self.planner.use_model(fitted)
 
     def _fit_target(self) -> Any:
         """The model measured fits apply to: the profiled one (None for a given perf_model)."""
@@ -286,6 +298,24 @@ class JabasDriver:
         key = self.allreduce.due(target, len(slots), multi_node(slots))
         if key is not None and self.allreduce.measure(key, target, self.pool.call_all) is not None:
             self._use_model(self._base_model)
+
+    def _measure_costs(self, slots: list[Slot]) -> None:
+        """After a placement: the host terms of an interval and, on emulated GPUs running IIDP,
+        the emulation's cost, timed by the placed actors (:mod:`.interval_costs`, one collective
+        call within ``call_timeout_s``); the next plans and predictions use them. Not for a
+        given ``perf_model`` or burst parallelism (no IIDP model to carry them)."""
+        if self._fit_target() is None or self._burst:
+            return
+        model = self.planner.alloc_model(len(slots), multi_node(slots))
+        points = interval_costs.probe_points(model, slots[0].gpu_type) \
+            if self.options.emulate and self.job.sync != "sma" else []
+        t0 = time.perf_counter()
+        replies = self.pool.call_all("probe_costs", points, self.job.adapt_interval)
+        costs = interval_costs.host_costs(replies, time.perf_counter() - t0)
+        fits = interval_costs.emulation_fits(replies, points, model)
+        self._host_costs, self._emulation_fits = costs, fits
+        self._event(interval_costs.describe(costs, fits))
+        self._use_model(self._base_model)
 
     def _adopt_fits(self, state: DriverState) -> None:
         """The all-reduce fits a checkpoint's ``state`` holds (measured before a resume or a
@@ -425,7 +455,7 @@ class JabasDriver:
 
     def _next_allocation(self, cluster: ClusterSpec, forecast: Sequence[float] | None,
                          current: dict[str, int] | None = None, switch_cost_s: float = 0.0
-                         ) -> tuple[dict[str, int], dict[str, int] | None]:
+                         ) -> tuple[dict[str, int], dict[str, int] | None, Any]:
         """:func:`.placement.next_allocation` for this job: SMA and burst on pairs only, burst on
         DeepPool's fixed G (all GPUs), as is a job without auto-scaling."""
         return next_allocation(job_cluster(cluster, self.job), self.planner.model, forecast, self.dataset_size,
@@ -498,6 +528,7 @@ class JabasDriver:
                         rank_state_refs=[ray.put(st) for st in sma.states] if sma is not None else None)
         self._placed_epoch, self._learners = epoch, learners
         self._measure_allreduce(slots)
+        self._measure_costs(slots)
         if self._burst:
             self._burst.placed()
         if self.background is not None:
@@ -594,7 +625,8 @@ class JabasDriver:
         plan = self._plan(self.pool.slots, target)
         t0 = time.perf_counter()
         configs = self._rank_configs(plan)
-        self.pool.configure(configs)
+        reconfigured = self.pool.configure(configs)
+        t_train = time.perf_counter()
         layout = [m * (ga + 1) for m, ga, *_ in configs]   # = layout_for(...) without SMA
         run_batch = plan.local_batch_size * sum(layout)   # B_G* that runs (SMA: tuned m)
         req = IntervalRequest.for_job(job, state.epochs_done, state.iteration, cursor, n, run_batch,
@@ -603,12 +635,18 @@ class JabasDriver:
                                       record_samples=self.options.record_samples)
         replies, end = self.pool.train(req, deadline_s=interval_deadline(
             self.options, plan.iteration_time * req.num_iterations))
-        dt, iterations = time.perf_counter() - t0, replies[0].num_iterations
+        t_end = time.perf_counter()
+        dt, iterations = t_end - t0, replies[0].num_iterations
+        predicted = plan_interval_terms(plan, iterations, self._host_costs, configure=reconfigured) \
+            if self._fit_target() is not None else {"steps": plan.iteration_time * iterations}
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,
                               global_batch=run_batch, local_batch=plan.local_batch_size, plan=plan,
                               learners=[m for m, *_ in configs] if self._learners else [],
-                              layout=list(layout), predicted_time_s=plan.iteration_time * iterations)
+                              layout=list(layout), predicted_time_s=sum(predicted.values()),
+                              predicted_terms=predicted,
+                              measured_terms=interval_costs.measured_terms(
+                                  replies, t_end - t_train, t_train - t0))
         if iterations > 0:   # online correction (if on): measured vs predicted
             self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time, dt / iterations)
         if self._learners is not None and end < n:
@@ -659,7 +697,10 @@ class JabasDriver:
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
         switch_s = self._replacement_cost()
-        allocation, uncharged = self._next_allocation(state.cluster, forecast, state.allocation, switch_s)
+        allocation, uncharged, decision = self._next_allocation(state.cluster, forecast,
+                                                                state.allocation, switch_s)
+        if decision is not None and self.metrics.epochs:   # beside the epoch that ends here
+            self.metrics.epochs[-1].decision = decision_record(decision, state.allocation, switch_s)
         if allocation != state.allocation:
             self._event(f"after epoch {state.epochs_done}: auto-scaling {state.allocation} -> {allocation}")
         elif uncharged is not None:

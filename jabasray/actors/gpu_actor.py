@@ -120,6 +120,27 @@ class IntervalReply(JsonMixin):
     metric_sums: dict[str, float] = field(default_factory=dict)  # step_fn metrics: sum of mean x
                                                                  # samples over the interval (float64)
     metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
+    terms: dict[str, float] = field(default_factory=dict)  # seconds of this call by interval term
+                                 # (planners.interval_model.TERMS: steps incl. the emulation's
+                                 # sleep, loader, similarity, read)
+
+
+PROBE_REPEATS = 4   # timed repetitions per term in probe_costs (the median or mean is kept)
+
+
+def timed(items: Any, terms: dict[str, float], key: str) -> Any:
+    """Yield from ``items``, adding the seconds spent waiting for each item to ``terms[key]``
+    (the loader's share of an interval: reading and splitting each iteration's batch)."""
+    it = iter(items)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            terms[key] += time.perf_counter() - t0
+            return
+        terms[key] += time.perf_counter() - t0
+        yield item
 
 
 SHARE_DEVICES_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"   # Ray leaves the variable alone
@@ -445,26 +466,22 @@ class GPUActor(BackgroundHostMixin):
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
         if hasattr(self.worker, "comm_guard"):
             self.worker.comm_guard = self.bg_foreground_critical if hosting else None
-        batches_iter = self.interval_batches(req.epoch, cursor, req.num_iterations,
-                                             req.local_batch, req.layout)
+        terms = dict.fromkeys(("steps", "loader", "similarity", "read"), 0.0)
+        batches_iter = timed(self.interval_batches(req.epoch, cursor, req.num_iterations,
+                                                   req.local_batch, req.layout), terms, "loader")
         for k, (batches, it) in enumerate(batches_iter):
             lr = self._apply_lr(req, global_batch, req.iteration + k)
             lrs.append(lr)
             last = k == req.num_iterations - 1 or it.epoch_end
             keep = bool(req.similarity and last and (self.world_size > 1 or self.slot.solo))
             with self.bg_foreground_step():      # no-op unless background jobs are hosted
-                with StepTimer() as timer:
+                with StepTimer(getattr(self.worker, "helper_cpu_s", None)) as timer:
                     stats = self.worker.train_step(batches, ragged=it.ragged,
                                                    keep_local_grad="split" if keep and self.slot.solo else keep)
-                if self.emulate:
-                    if self.emulation == "wait":
-                        s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
-                        overrun += wait_overrun(timer.cpu, stats.compute_time, self.slot.speed)
-                    else:
-                        s = emulation_sleep(stats.compute_time, self.slot.speed)
-                    if s > 0:
-                        time.sleep(s)
-                        slept += s
+                s, over = self._emulate(timer, stats)
+                slept += s
+                overrun += over
+                terms["steps"] += timer.wall + s
             losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
             merge_metric_sums(msums, mcounts, getattr(stats, "metric_sums", {}),
                               getattr(stats, "metric_counts", {}))
@@ -477,7 +494,9 @@ class GPUActor(BackgroundHostMixin):
             comm += stats.comm_time
             update += stats.update_time
             if keep:
+                t_sim = time.perf_counter()
                 phi = self._group_similarity(stats.local_grad)
+                terms["similarity"] += time.perf_counter() - t_sim
             cursor = it.next_cursor
             self._step_scheduler(epoch_end=it.epoch_end)
         wall = time.perf_counter() - t_start
@@ -486,7 +505,9 @@ class GPUActor(BackgroundHostMixin):
                         "emulation by %.2fs of %.2fs this interval (sum of the placed speeds > "
                         "host cores?)", self.slot.rank, self.slot.gpu_type, self.slot.speed,
                         overrun, wall)
+        t_read = time.perf_counter()
         losses = read_losses(losses)           # one device read per interval, not per step
+        terms["read"] = time.perf_counter() - t_read
         return IntervalReply(rank=self.slot.rank, num_iterations=len(losses), samples=samples,
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=update,
@@ -494,7 +515,142 @@ class GPUActor(BackgroundHostMixin):
                              end_cursor=cursor, losses=losses, lrs=lrs, served_digest=digest,
                              served=served, sma_restarts=list(self._sma_restarts),
                              metric_sums={k: float(v) for k, v in msums.items()},  # one read per interval
-                             metric_counts=mcounts)
+                             metric_counts=mcounts, terms=terms)
+
+    def _emulate(self, timer: StepTimer, stats: Any) -> tuple[float, float]:
+        """The emulation's sleep after a step timed by ``timer`` (:mod:`.emulation`): ``(slept
+        seconds, "wait" overrun seconds)``; (0, 0) on a real GPU."""
+        if not self.emulate:
+            return 0.0, 0.0
+        if self.emulation == "wait":
+            s = wait_sleep(timer.cpu, timer.wall, self.slot.speed)
+            over = wait_overrun(timer.cpu, stats.compute_time, self.slot.speed)
+        else:
+            s, over = emulation_sleep(stats.compute_time, self.slot.speed), 0.0
+        if s > 0:
+            time.sleep(s)
+        return s, over
+
+    def _own_step_time(self, timer: StepTimer, slept: float) -> float:
+        """This GPU's own iteration time for a step: under the "wait" emulation the rule's
+        target ``cpu / speed`` (its wall time also holds the wait for slower peers in the
+        all-reduce), else wall + sleep."""
+        if self.emulate and self.emulation == "wait" and self.slot.speed < 1.0:
+            return max(timer.cpu, 0.0) / self.slot.speed
+        return timer.wall + slept
+
+    def probe_costs(self, points: list[tuple[int, int]], num_iterations: int,
+                    repeats: int = PROBE_REPEATS) -> dict:
+        """Collective (every rank, same arguments): time this actor's host terms of an interval
+        (:mod:`jabasray.planners.interval_model`) and, for each ``(B_L, n_vsw)`` of ``points``,
+        its own iteration time as training runs it (:meth:`_own_step_time`, ``repeats`` steps
+        after one untimed step), on a throwaway worker over the job's process group, so the
+        job's model, optimizer, data order and LR are untouched. ``points`` is empty where no
+        step is probed (real GPUs, SMA, burst). Returns a dict: ``rank``, ``gpu_type``,
+        ``work_s`` (this call's own seconds), ``loader`` ([samples, seconds] of reading one
+        iteration's batch: at each point, between its steps as in an interval, else alone),
+        ``similarity_s``, ``read_s``, ``configure_s`` and ``steps`` (per point, the seconds of
+        each timed step)."""
+        import torch
+
+        t_call = time.perf_counter()
+        out: dict = {"rank": self.slot.rank, "gpu_type": self.slot.gpu_type, "loader": [],
+                     "steps": [], "similarity_s": 0.0, "read_s": 0.0, "configure_s": 0.0}
+        device = torch.device(self.device)
+        n_iter = max(1, int(num_iterations))
+        model = getattr(self.worker, "model", None)
+        numel = sum(p.numel() for p in (model if model is not None else self.model_fn()).parameters()
+                    if p.requires_grad)
+        grad = torch.ones((2, numel) if self.slot.solo else numel, device=device)
+        self._group_similarity(grad)                # untimed: connections warm
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            self._group_similarity(grad)
+        out["similarity_s"] = (time.perf_counter() - t0) / repeats
+        scalars = [torch.zeros((), device=device) for _ in range(n_iter)]
+        t0 = time.perf_counter()
+        read_losses(scalars)
+        out["read_s"] = time.perf_counter() - t0
+        if points:
+            out["steps"], out["loader"], out["configure_s"], out["similarity_s"] = \
+                self._probe_steps(points, repeats, device, grad)
+        else:                                       # the loader alone, at the smallest batch
+            bl = self.job.min_local_batch
+            self._read_batch(bl, 1, 0, device)      # untimed: the first read warms the source
+            t0 = time.perf_counter()
+            for r in range(repeats):
+                self._read_batch(bl, 1, r + 1, device)
+            out["loader"] = [[bl, (time.perf_counter() - t0) / repeats]]
+        out["work_s"] = time.perf_counter() - t_call
+        return out
+
+    def _read_batch(self, local_batch: int, num_vsw: int, k: int, device: Any) -> list:
+        """The ``k``-th probe batch of ``num_vsw`` micro-batches of ``local_batch`` samples,
+        read, moved and split as an interval's iteration is (:meth:`interval_batches`)."""
+        from ..engine.loader import split_batch, to_device
+
+        size = local_batch * num_vsw
+        # the sampler's share of the iteration (its indices are not used: a probe reads its own)
+        self._sampler.iteration(0, 0, local_batch, [num_vsw] * self.world_size, rank=self.slot.rank)
+        idx = np.arange(k * size, (k + 1) * size, dtype=np.int64) % self.dataset_size
+        return split_batch(to_device(next(iter(self.data.batches([idx]))), device), [local_batch] * num_vsw)
+
+    def _probe_steps(self, points: list[tuple[int, int]], repeats: int, device: Any, grad: Any
+                     ) -> tuple[list[list[list[float]]], list[list[float]], float, float]:
+        """:meth:`probe_costs`' steps: a throwaway IIDP worker (the job's engine options, the
+        job's process group) configured at each point in turn, one untimed iteration, then
+        ``repeats`` timed ones, each as an interval runs it: read the batch (timed: the
+        loader), step, the emulation's sleep; at the first point each timed step is followed by
+        a timed similarity collective, as an interval's last step is (its wait for the ranks
+        still sleeping included). Then, once the ranks are level again (a barrier: a configure
+        is a call of its own), configured back to the first point, timed. Returns (own
+        iteration time of each timed step per point, [samples, loader seconds] per point, the
+        configure's seconds, the similarity's median seconds); a step's times are its own
+        (:meth:`_own_step_time`) and its pace (wall + sleep: the own time or the wait for a
+        slower rank, as an interval measures its steps)."""
+        import statistics
+
+        import torch
+        import torch.distributed as dist
+
+        from ..engine.iidp import IIDPWorker
+
+        torch.manual_seed(self.job.seed)
+        probe = IIDPWorker(self.model_fn(), self.optimizer_fn, self.loss_fn, device=self.device,
+                           process_group=self.group, weight_sync=self.job.weight_sync,
+                           bucket_cap_mb=self.bucket_cap_mb, step_fn=self.hooks.step_fn,
+                           precision=self.job.precision, grad_clip_norm=self.job.grad_clip_norm,
+                           per_sample_loss=self.job.per_sample_loss, cuda_graphs=self.job.cuda_graphs)
+        steps, loader, similarity = [], [], []
+        try:
+            for i, (bl, n) in enumerate(points):
+                probe.configure(n, 0, bl)
+                times, paces, reads = [], [], []
+                for r in range(1 + repeats):
+                    t0 = time.perf_counter()
+                    batches = self._read_batch(bl, n, r, device)
+                    reads.append(time.perf_counter() - t0)
+                    with StepTimer(probe.helper_cpu_s) as timer:
+                        stats = probe.train_step(batches)
+                    slept, _ = self._emulate(timer, stats)
+                    if r:
+                        times.append(self._own_step_time(timer, slept))
+                        paces.append(timer.wall + slept)
+                        if i == 0:
+                            t0 = time.perf_counter()
+                            self._group_similarity(grad)
+                            similarity.append(time.perf_counter() - t0)
+                steps.append([times, paces])
+                loader.append([bl * n, statistics.median(reads[1:])])
+            if self.group is not None:
+                dist.barrier(group=self.group)
+            t0 = time.perf_counter()
+            probe.configure(points[0][1], 0, points[0][0])
+            configure_s = time.perf_counter() - t0
+        finally:
+            if hasattr(probe, "close"):
+                probe.close()
+        return steps, loader, configure_s, statistics.median(similarity)
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:

@@ -49,7 +49,7 @@ class IntervalRecord(JsonMixin):
     samples: int = 0                 # samples trained in the interval (all actors)
     learners: list[int] = field(default_factory=list)  # sync="sma": learners per rank (else [])
     layout: list[int] = field(default_factory=list)    # decoupled workers per rank (sampler layout)
-    predicted_time_s: float | None = None  # model's prediction of time_s: plan.iteration_time x iterations
+    predicted_time_s: float | None = None  # model's prediction of time_s: the sum of predicted_terms
     burst: dict | None = None        # parallelism="burst": per-layer GPU counts, planned vs measured
                                      # iteration time (actors.burst_host.burst_record)
     served_digest: int | None = None  # digest of the indices all ranks served (engine.sampler)
@@ -57,6 +57,11 @@ class IntervalRecord(JsonMixin):
     train_metric_sums: dict[str, float] = field(default_factory=dict)  # step_fn metrics, all ranks:
                                       # sum of mean x samples (float64)
     train_metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
+    predicted_terms: dict[str, float] = field(default_factory=dict)  # the prediction by term
+                                      # (planners.interval_model.TERMS), seconds
+    measured_terms: dict[str, float] = field(default_factory=dict)   # the same terms as they ran
+                                      # (actors.interval_costs.measured_terms); time_s minus their
+                                      # sum is the driver's own bookkeeping between the calls
 
     @property
     def train_metrics(self) -> dict[str, float]:
@@ -101,6 +106,8 @@ class EpochRecord(JsonMixin):
                                               # source ("measured" on the placed actors or
                                               # "profiled"), span, world size, alpha, beta, K, N_G
                                               # (actors.allreduce_fit.fit_description); {}: one GPU
+    decision: dict = field(default_factory=dict)  # the auto-scaler's choice made after this epoch
+                                              # for the next one (decision_record); {}: none
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -235,6 +242,20 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        served_exactly_once=None if dataset_size is None
                        else tally.served_exactly_once(dataset_size),
                        allreduce_fit=dict(allreduce_fit or {}))
+
+
+def decision_record(decision: Any, current: dict[str, int], switch_s: float) -> dict:
+    """What the auto-scaler weighed (:class:`jabasray.planners.autoscale.AutoscaleDecision`),
+    as plain JSON: the objective, the allocation the job ran, the re-placement charge, every
+    candidate (allocation, predicted epoch seconds, seconds charged for moving to it, Eq. 8
+    cost, GPUs, why it is infeasible where it is) and the allocation chosen with its predicted
+    epoch time. The next epoch's record holds what then ran (its ``time_s``,
+    ``predicted_time_s``), so every prediction sits beside its outcome."""
+    return {"objective": decision.objective, "current": dict(current), "switch_s": float(switch_s),
+            "chosen": dict(decision.allocation.node_gpus), "predicted_epoch_s": float(decision.epoch_time),
+            "candidates": [{"allocation": dict(c.allocation.node_gpus), "num_gpus": c.allocation.num_gpus,
+                            "epoch_time_s": c.epoch_time, "switch_s": c.switch_s, "cost": c.cost,
+                            "reason": c.reason} for c in decision.candidates]}
 
 
 def reduce_metrics(shards: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:

@@ -131,11 +131,14 @@ class ActorPool:
         counts (:func:`.metrics.reduce_metrics`, exact for per-sample means)."""
         return reduce_metrics(self.call_all("evaluate", val_ref))
 
-    def configure(self, configs: list[tuple]) -> None:
-        """``configure`` every rank (one collective call) unless nothing changed since the last."""
-        if tuple(configs) != self._applied:
-            self.call_all("configure", per_rank=list(configs))
-            self._applied = tuple(configs)
+    def configure(self, configs: list[tuple]) -> bool:
+        """``configure`` every rank (one collective call) unless nothing changed since the last;
+        whether it called."""
+        if tuple(configs) == self._applied:
+            return False
+        self.call_all("configure", per_rank=list(configs))
+        self._applied = tuple(configs)
+        return True
 
     def shutdown(self) -> None:
         """Release all actors, placement groups and the rendezvous server."""

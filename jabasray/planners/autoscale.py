@@ -17,8 +17,11 @@ Implementation notes
   through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
   exhausted), the plan policy's plan for it (``plan_policy.solve_for_batch``, the same plan
   the driver runs) (B_G* samples per iteration, predicted time t), and runs
-  min(p, ceil(remaining samples / B_G*)) iterations; the epoch time is the sum of t over all
-  iterations. The epoch's last iteration may be ragged (fewer samples); it is charged a full
+  min(p, ceil(remaining samples / B_G*)) iterations - one interval; the epoch time is the sum
+  of the intervals' predicted terms (:func:`.interval_model.plan_interval_terms`: t per
+  iteration plus, once measured on placed actors, the host terms of each interval, a new plan
+  charged its configure call), exactly what the driver records as each interval's
+  prediction. The epoch's last iteration may be ragged (fewer samples); it is charged a full
   iteration time (the model has no per-sample term for a partial step). Each distinct B_G is
   solved once per (group H, N_G, multi-node) - a memo shared by all candidates.
 * The performance model is re-targeted per allocation when it offers
@@ -52,6 +55,7 @@ from ..config import AUTOSCALE_OBJECTIVES
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, Plan, node_units
 from ..validation import check_choice, check_float, check_int
+from .interval_model import host_costs_of, plan_interval_terms
 from .plan_policy import DEFAULT_TOLERANCE, NoPlanError, solve_for_batch
 
 log = logging.getLogger(__name__)
@@ -208,6 +212,7 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
     memo: dict[int, Plan | str] = {} if cache is None else cache
     plans: dict[int, Plan] = {}
     remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
+    costs, previous = host_costs_of(model), None
     while remaining > 0:
         bg = traj[min(chunk, len(traj) - 1)]
         plan = memo.get(bg)
@@ -217,7 +222,10 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
             return EpochTime(None, iters, plans, f"B_G={bg}: {plan}")
         plans[bg] = plan
         n = min(adapt_interval, math.ceil(remaining / plan.global_batch_size))
-        total += n * plan.iteration_time
+        # the interval's named terms (interval_model): Eq. 6 for its n iterations plus the host
+        # terms measured on the placed actors (none before they were measured)
+        total += sum(plan_interval_terms(plan, n, costs, configure=plan != previous).values())
+        previous = plan
         iters += n
         remaining -= n * plan.global_batch_size
         chunk += 1

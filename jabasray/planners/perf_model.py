@@ -37,6 +37,14 @@ the cores, so compute terms (t_vsw, t_update, t_overhead) are multiplied by N_G 
 the auto-scaler then no longer sees 4 actors on 2 cores as twice the compute of 2. None (real
 GPUs): no such term.
 
+Measured on the placed actors (ours, :mod:`.interval_model`): ``host_costs``, the terms of an
+interval around its iterations (the driver's call, the loader, the similarity collective ...),
+which :func:`.interval_model.interval_terms` adds per interval; and on CPU-emulated GPUs
+``emulation_fits``, per GPU type the line ``t = a + b t_model`` from this model's iteration time
+to the one the placed actors take (the term ``t_emulation = t - t_model``; see
+:class:`.interval_model.EmulationFit` for why the emulation costs more than the profile's hot
+loop).
+
 Weight sync chosen by the model (``weight_sync="auto"``; ours, replacing the fixed threshold
 when the profile carries a contention measurement). Eq. 6 is evaluated for SWS and for OWS and
 the faster is taken (a tie goes to SWS: one optimizer call, no shard bookkeeping). With Eq. 5
@@ -81,6 +89,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
+from .interval_model import EmulationFit, HostCosts
 from .libra_model import measured_slowdowns
 from ..profiles import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
@@ -104,6 +113,7 @@ class IterationBreakdown(JsonMixin):
     total: float      # Eq. 6 + t_overhead
     t_overhead: float = 0.0  # per-step host overhead of the profile (see module notes)
     weight_sync: str = ""    # "sws" | "ows": the method these terms are for
+    t_emulation: float = 0.0  # emulated GPUs: the emulation's cost beyond the model (EmulationFit)
 
 
 def throughput_fit(point: BatchProfile) -> tuple[float, float]:
@@ -148,6 +158,11 @@ class PerfModel:
         :func:`measured_fit` replaces the profiles' fit of the same span (the Profile objects
         stay as profiled). ``with_measured_fits`` returns a copy with other fits (new caches).
 
+    host_costs : :class:`.interval_model.HostCosts` measured on the placed actors (None: not
+        measured; the interval is then Eq. 6 alone). emulation_fits : ``{gpu_type:
+        EmulationFit}`` measured on placed emulated GPUs (module notes). ``with_measured_costs``
+        returns a copy with others.
+
     ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation (sharing the
     allocation-independent t_vsw memo); the auto-scaler uses it. The object satisfies the solver's model protocol
     (``iteration_time``, ``max_local_batch``, ``max_num_vsw``) and also offers the vectorised
@@ -156,7 +171,9 @@ class PerfModel:
 
     def __init__(self, profiles: Mapping[str, Profile], num_gpus: int = 2, multi_node: bool = False,
                  weight_sync: str = "auto", r_buffer: float = 0.5, host_devices: int | None = None,
-                 measured_fits: Mapping[tuple[int, bool], AllReduceFit] | None = None) -> None:
+                 measured_fits: Mapping[tuple[int, bool], AllReduceFit] | None = None,
+                 host_costs: HostCosts | None = None,
+                 emulation_fits: Mapping[str, EmulationFit] | None = None) -> None:
         if not isinstance(profiles, Mapping) or not profiles:
             raise ValueError(f"profiles must be a non-empty mapping gpu_type -> Profile, got {profiles!r}")
         for k, v in profiles.items():
@@ -169,6 +186,8 @@ class PerfModel:
         self.r_buffer = check_float("r_buffer", r_buffer, min_value=0)
         self.host_devices = None if host_devices is None else check_int("host_devices", host_devices, min_value=1)
         self.measured_fits = dict(measured_fits or {})
+        self.host_costs = host_costs
+        self.emulation_fits = dict(emulation_fits or {})
         self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
         self._comm: dict[str, float] = {}
         self._slow: dict[str, tuple[float, float] | None] = {}
@@ -176,8 +195,18 @@ class PerfModel:
     def for_allocation(self, num_gpus: int, multi_node: bool) -> "PerfModel":
         m = PerfModel(self.profiles, num_gpus=num_gpus, multi_node=multi_node,
                       weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices,
-                      measured_fits=self.measured_fits)
+                      measured_fits=self.measured_fits, host_costs=self.host_costs,
+                      emulation_fits=self.emulation_fits)
         m._cache = self._cache   # t_vsw and zeta depend on the profiles only, not the allocation
+        return m
+
+    def with_measured_costs(self, host_costs: HostCosts | None,
+                            emulation_fits: Mapping[str, EmulationFit] | None) -> "PerfModel":
+        """This model with the host costs and emulation fits measured on placed actors (class
+        notes): a new object (t_vsw's memo is shared)."""
+        m = self.for_allocation(self.num_gpus, self.multi_node)
+        m.host_costs = host_costs
+        m.emulation_fits = dict(emulation_fits or {})
         return m
 
     def with_measured_fits(self, fits: Mapping[tuple[int, bool], AllReduceFit]) -> "PerfModel":
@@ -349,23 +378,35 @@ class PerfModel:
             t_comm = ows_comm_phase(t_comm, hidden, *slow)
         t_over = self.profile(gpu).step_overhead * share
         total = t_vsw * num_ga + t_fwd + max(t_bwd, t_comm) + t_update + t_over
+        fit = self.emulation_fits.get(gpu)
+        t_emul = fit.time(total) - total if fit is not None else 0.0
         return IterationBreakdown(t_vsw=t_vsw, t_fwd=t_fwd, t_bwd=t_bwd, t_comm=t_comm,
-                                  t_update=t_update, num_ga=num_ga, total=total, t_overhead=t_over,
-                                  weight_sync=method)
+                                  t_update=t_update, num_ga=num_ga, total=total + t_emul,
+                                  t_overhead=t_over, weight_sync=method, t_emulation=t_emul)
+
+    def model_iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
+        """Eq. 6 (+ the step overhead) without the emulation's measured cost: the x of
+        :class:`.interval_model.EmulationFit`."""
+        b = self.breakdown(gpu, local_batch, num_vsw, num_ga)
+        return b.total - b.t_emulation
 
     def iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
         """Eq. 6 (+ the profile's step overhead), seconds per iteration."""
         return self.breakdown(gpu, local_batch, num_vsw, num_ga).total
 
     def iteration_times(self, gpu: str, local_batch: int, num_vsw: int, num_ga: np.ndarray) -> np.ndarray:
-        """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA)."""
+        """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA, and so is an
+        emulation fit of it)."""
         b = self.breakdown(gpu, local_batch, num_vsw, 0)
-        return b.t_vsw * np.asarray(num_ga, dtype=float) + b.total
+        model = b.total - b.t_emulation + b.t_vsw * np.asarray(num_ga, dtype=float)
+        fit = self.emulation_fits.get(gpu)
+        return model if fit is None else np.maximum(0.0, fit.a + fit.b * model)
 
     def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
         return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
                          weight_sync=self.weight_sync, r_buffer=self.r_buffer, host_devices=self.host_devices,
-                         measured_fits=self.measured_fits)
+                         measured_fits=self.measured_fits, host_costs=self.host_costs,
+                         emulation_fits=self.emulation_fits)
 
     def __repr__(self) -> str:
         return (f"PerfModel(types={sorted(self.profiles)}, num_gpus={self.num_gpus}, "

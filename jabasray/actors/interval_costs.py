@@ -1,0 +1,126 @@
+"""The host terms of an interval and the emulation's cost, measured on the placed GPU actors.
+
+After every placement the driver asks each actor to time the terms of an interval that Eq. 6
+leaves out (:meth:`jabasray.actors.gpu_actor.GPUActor.probe_costs`, one collective call) and
+turns the answers into what the iteration-time model carries
+(:mod:`jabasray.planners.interval_model`): a :class:`HostCosts` and, on CPU-emulated GPUs, one
+:class:`EmulationFit` per GPU type. The same terms are measured again in every interval the
+actors train (``IntervalReply.terms``) and recorded beside the prediction
+(:func:`measured_terms`), so that a wrong term shows at once.
+
+Pure functions over the replies (no Ray): the driver makes the call.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any, Sequence
+
+from ..planners.interval_model import TERMS, EmulationFit, HostCosts
+
+log = logging.getLogger(__name__)
+
+
+def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
+    """The ``(B_L, n_vsw)`` points the placed actors time their step at: the profile's two
+    extremes, (smallest B_L, 1 VSW) and (largest B_L, its n_max), the ends of the range the
+    solver plans in; [] for a model without profiles."""
+    profiles = getattr(model, "profiles", None)
+    if not profiles or gpu_type not in profiles:
+        return []
+    prof = profiles[gpu_type]
+    first, last = prof.batches[0], prof.batches[-1]
+    points = [(first.local_batch, 1), (last.local_batch, last.max_num_vsw)]
+    return points if points[0] != points[1] else points[:1]
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``y = a + b x`` with ``a, b >= 0`` (a cost never falls with
+    its size): one distinct x gives ``(mean y, 0)``."""
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    if b <= 0:
+        return max(0.0, my), 0.0
+    a = my - b * mx
+    if a < 0:                        # through the origin instead
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, b
+
+
+def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
+    """:class:`HostCosts` from every rank's :meth:`probe_costs` answer and the seconds the
+    driver waited for the call: each term is the slowest rank's (an interval ends with its last
+    rank); the call's own cost is its wait beyond the slowest rank's work; a configure is a call
+    of its own plus the slowest rank's configure."""
+    slowest = max(float(r["work_s"]) for r in replies)
+    call = max(0.0, float(call_s) - slowest)
+    by_size: dict[int, float] = {}
+    for r in replies:
+        for samples, secs in r["loader"]:
+            by_size[int(samples)] = max(by_size.get(int(samples), 0.0), float(secs))
+    fixed, per_sample = line_fit(sorted(by_size.items()))
+    return HostCosts(call_s=call,
+                     configure_s=call + max(float(r["configure_s"]) for r in replies),
+                     loader_fixed_s=fixed, loader_per_sample_s=per_sample,
+                     similarity_s=max(float(r["similarity_s"]) for r in replies),
+                     read_s=max(float(r["read_s"]) for r in replies))
+
+
+def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int]],
+                   model: Any) -> dict[str, EmulationFit]:
+    """``{gpu_type: EmulationFit}`` from the probed steps, each point's measured iteration time
+    against ``model.model_iteration_time`` there (the model retargeted to the placement); {}
+    when nothing was probed or the model cannot say. The measured time is what an interval
+    measures: on a placement of one GPU type, the slowest rank's mean pace (wall + sleep: each
+    step ends with an all-reduce, so n ranks run at the pace of the slowest); on mixed types
+    the pace of a fast type is the slow type's, so each type's own times are taken instead
+    (per step the slowest rank of the type, the median over the steps)."""
+    predict = getattr(model, "model_iteration_time", None)
+    if not points or predict is None:
+        return {}
+    by_type: dict[str, list] = {}
+    for r in replies:
+        if len(r.get("steps") or []) == len(points):
+            by_type.setdefault(r["gpu_type"], []).append(r["steps"])
+    fits = {}
+    for gpu, ranks in by_type.items():
+        pairs = []
+        for i, (bl, n) in enumerate(points):
+            if len(by_type) == 1:
+                measured = max(statistics.fmean(rank[i][1]) for rank in ranks)
+            else:
+                own = [rank[i][0] for rank in ranks]
+                measured = statistics.median(max(float(o[k]) for o in own)
+                                             for k in range(min(len(o) for o in own)))
+            pairs.append((predict(gpu, bl, n, 0), measured))
+        fits[gpu] = EmulationFit.through(pairs)
+    return fits
+
+
+def measured_terms(replies: Sequence[Any], call_s: float, configure_s: float) -> dict[str, float]:
+    """The terms of an interval as it ran (:data:`TERMS`, seconds): each of the actors' own
+    terms (``IntervalReply.terms``: steps with the emulation's sleep, loader, similarity, read)
+    at its slowest rank, as :func:`host_costs` takes the probe's; the train call's wait beyond
+    the slowest rank's whole call; and the configure call."""
+    out = {t: max(float((getattr(r, "terms", None) or {}).get(t, 0.0)) for r in replies) for t in TERMS}
+    out["call"] = max(0.0, float(call_s) - max(r.wall_time for r in replies))
+    out["configure"] = float(configure_s)
+    return out
+
+
+def describe(costs: HostCosts, fits: dict[str, EmulationFit]) -> str:
+    """One log line of what was measured."""
+    parts = [f"call {costs.call_s * 1e3:.1f} ms", f"configure {costs.configure_s * 1e3:.1f} ms",
+             f"loader {costs.loader_fixed_s * 1e3:.2f} ms + {costs.loader_per_sample_s * 1e6:.1f} us/sample",
+             f"similarity {costs.similarity_s * 1e3:.1f} ms", f"read {costs.read_s * 1e3:.2f} ms"]
+    parts += [f"{g} emulation t = {f.a * 1e3:.2f} ms + {f.b:.2f} t_model" for g, f in sorted(fits.items())]
+    return "interval costs measured on the placed actors: " + ", ".join(parts)
+
+
+__all__ = ["probe_points", "line_fit", "host_costs", "emulation_fits", "measured_terms", "describe"]
