@@ -4,7 +4,8 @@ the next interval's plan and the next epoch's predicted time are made with the u
 
 Exact bookkeeping: the test replays the driver's records through its own
 :class:`OnlineCorrection` (c <- c (t_meas / t_pred)^w per interval, t_pred the plan's
-per-iteration time, t_meas the interval's time / iterations) and checks that
+per-iteration time, t_meas the time of the interval's iterations (its measured "steps" term)
+/ iterations) and checks that
 
 * each interval's plan is the uncorrected plan with its time multiplied by the factor the
   replay holds before that interval (one GPU type: the correction scales every time alike);
@@ -69,7 +70,8 @@ def test_measured_times_correct_the_next_plans_and_the_next_epoch_estimate(ray_s
                 replay.factor("fast") * uncorrected.iteration_time, rel=1e-9)
             assert rec.predicted_time_s == pytest.approx(rec.plan.iteration_time * rec.num_iterations,
                                                          rel=1e-12)
-            replay.observe(["fast"], rec.plan.iteration_time, rec.time_s / rec.num_iterations)
+            replay.observe(["fast"], rec.plan.iteration_time,
+                           rec.measured_terms["steps"] / rec.num_iterations)   # the iterations alone
 
     factor = drv.planner.correction.factor("fast")
     assert factor == pytest.approx(replay.factor("fast"), rel=1e-12)

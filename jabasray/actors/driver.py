@@ -647,8 +647,10 @@ class JabasDriver:
                               predicted_terms=predicted,
                               measured_terms=interval_costs.measured_terms(
                                   replies, t_end - t_train, t_train - t0))
-        if iterations > 0:   # online correction (if on): measured vs predicted
-            self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time, dt / iterations)
+        if iterations > 0:   # online correction (if on): the iterations' time, measured vs predicted
+            steps = rec.measured_terms.get("steps", 0.0)
+            self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
+                                 (steps if steps > 0 else dt) / iterations)
         if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)

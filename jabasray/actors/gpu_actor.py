@@ -128,6 +128,19 @@ class IntervalReply(JsonMixin):
 PROBE_REPEATS = 4   # timed repetitions per term in probe_costs (the median or mean is kept)
 
 
+def interval_read_time(waits: list[float], num_iterations: int) -> float:
+    """Seconds per iteration an interval of ``num_iterations`` iterations waits for its batches,
+    from the waits of a probe's reads through one batch source: the first read (which starts
+    the source) once, the median later read for the others, over ``num_iterations``."""
+    import statistics
+
+    if not waits:
+        return 0.0
+    later = statistics.median(waits[1:]) if len(waits) > 1 else waits[0]
+    n = max(1, int(num_iterations))
+    return (waits[0] + (n - 1) * later) / n
+
+
 def timed(items: Any, terms: dict[str, float], key: str) -> Any:
     """Yield from ``items``, adding the seconds spent waiting for each item to ``terms[key]``
     (the loader's share of an interval: reading and splitting each iteration's batch)."""
@@ -573,34 +586,40 @@ class GPUActor(BackgroundHostMixin):
         out["read_s"] = time.perf_counter() - t0
         if points:
             out["steps"], out["loader"], out["configure_s"], out["similarity_s"] = \
-                self._probe_steps(points, repeats, device, grad)
+                self._probe_steps(points, repeats, n_iter, device, grad)
         else:                                       # the loader alone, at the smallest batch
-            bl = self.job.min_local_batch
-            self._read_batch(bl, 1, 0, device)      # untimed: the first read warms the source
-            t0 = time.perf_counter()
-            for r in range(repeats):
-                self._read_batch(bl, 1, r + 1, device)
-            out["loader"] = [[bl, (time.perf_counter() - t0) / repeats]]
+            waits = [w for w, _ in self._probe_reads(self.job.min_local_batch, 1, n_iter, device)]
+            out["loader"] = [[self.job.min_local_batch, interval_read_time(waits, n_iter)]]
         out["work_s"] = time.perf_counter() - t_call
         return out
 
-    def _read_batch(self, local_batch: int, num_vsw: int, k: int, device: Any) -> list:
-        """The ``k``-th probe batch of ``num_vsw`` micro-batches of ``local_batch`` samples,
-        read, moved and split as an interval's iteration is (:meth:`interval_batches`)."""
+    def _probe_reads(self, local_batch: int, num_vsw: int, count: int, device: Any) -> Any:
+        """Yield ``(seconds waited, micro-batches)`` for ``count`` probe iterations of
+        ``num_vsw`` micro-batches of ``local_batch`` samples, read as an interval reads them
+        (:meth:`interval_batches`: the sampler's plan, one batch source for the whole interval,
+        so a DataLoader's workers prefetch the later batches while the caller steps; each batch
+        moved and split); the wait for each is timed."""
         from ..engine.loader import split_batch, to_device
 
         size = local_batch * num_vsw
-        # the sampler's share of the iteration (its indices are not used: a probe reads its own)
-        self._sampler.iteration(0, 0, local_batch, [num_vsw] * self.world_size, rank=self.slot.rank)
-        idx = np.arange(k * size, (k + 1) * size, dtype=np.int64) % self.dataset_size
-        return split_batch(to_device(next(iter(self.data.batches([idx]))), device), [local_batch] * num_vsw)
+        t0 = time.perf_counter()
+        for _ in range(count):   # the sampler's share (its indices unused: a probe reads its own)
+            self._sampler.iteration(0, 0, local_batch, [num_vsw] * self.world_size, rank=self.slot.rank)
+        index_lists = [np.arange(k * size, (k + 1) * size, dtype=np.int64) % self.dataset_size
+                       for k in range(count)]
+        source = iter(self.data.batches(index_lists))
+        for _ in range(count):
+            batch = split_batch(to_device(next(source), device), [local_batch] * num_vsw)
+            yield time.perf_counter() - t0, batch
+            t0 = time.perf_counter()
 
-    def _probe_steps(self, points: list[tuple[int, int]], repeats: int, device: Any, grad: Any
-                     ) -> tuple[list[list[list[float]]], list[list[float]], float, float]:
+    def _probe_steps(self, points: list[tuple[int, int]], repeats: int, num_iterations: int,
+                     device: Any, grad: Any) -> tuple[list[list[list[float]]], list[list[float]], float, float]:
         """:meth:`probe_costs`' steps: a throwaway IIDP worker (the job's engine options, the
         job's process group) configured at each point in turn, one untimed iteration, then
-        ``repeats`` timed ones, each as an interval runs it: read the batch (timed: the
-        loader), step, the emulation's sleep; at the first point each timed step is followed by
+        at least ``repeats`` timed ones (an interval's ``num_iterations`` at least), each as an
+        interval runs it: read the batch (:meth:`_probe_reads`, timed: the loader), step, the
+        emulation's sleep; at the first point each timed step is followed by
         a timed similarity collective, as an interval's last step is (its wait for the ranks
         still sleeping included). Then, once the ranks are level again (a barrier: a configure
         is a call of its own), configured back to the first point, timed. Returns (own
@@ -626,10 +645,9 @@ class GPUActor(BackgroundHostMixin):
             for i, (bl, n) in enumerate(points):
                 probe.configure(n, 0, bl)
                 times, paces, reads = [], [], []
-                for r in range(1 + repeats):
-                    t0 = time.perf_counter()
-                    batches = self._read_batch(bl, n, r, device)
-                    reads.append(time.perf_counter() - t0)
+                count = max(1 + repeats, num_iterations)
+                for r, (wait, batches) in enumerate(self._probe_reads(bl, n, count, device)):
+                    reads.append(wait)
                     with StepTimer(probe.helper_cpu_s) as timer:
                         stats = probe.train_step(batches)
                     slept, _ = self._emulate(timer, stats)
@@ -641,7 +659,7 @@ class GPUActor(BackgroundHostMixin):
                             self._group_similarity(grad)
                             similarity.append(time.perf_counter() - t0)
                 steps.append([times, paces])
-                loader.append([bl * n, statistics.median(reads[1:])])
+                loader.append([bl * n, interval_read_time(reads, num_iterations)])
             if self.group is not None:
                 dist.barrier(group=self.group)
             t0 = time.perf_counter()
