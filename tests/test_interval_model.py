@@ -13,7 +13,7 @@ import pytest
 from jabasray.actors.interval_costs import (emulation_fits, host_costs, line_fit, measured_terms,
                                             probe_points)
 from jabasray.planners.autoscale import epoch_time
-from jabasray.planners.interval_model import (TERMS, EmulationFit, HostCosts, interval_terms,
+from jabasray.planners.interval_model import (TERMS, EmulationCost, HostCosts, interval_terms,
                                               plan_interval_terms, rank_samples)
 from jabasray.planners.perf_model import PerfModel
 from jabasray.planners.plan_policy import solve_for_batch
@@ -52,19 +52,27 @@ def test_rank_samples_counts_a_solo_gpu_twice():
     assert terms == interval_terms(0.01, 4, COSTS, 48, False)
 
 
-def test_emulation_fit_through_points():
-    fit = EmulationFit.through([(0.001, 0.005), (0.004, 0.011)])
-    assert (fit.a, fit.b) == pytest.approx((0.003, 2.0), rel=1e-9)
-    assert fit.time(0.002) == pytest.approx(0.007, rel=1e-9)
-    one = EmulationFit.through([(0.002, 0.005)])             # one point: an offset
+def test_emulation_cost_is_the_least_squares_line_with_its_signs_kept():
+    cost = EmulationCost.through([(0.001, 0.005), (0.004, 0.011)])
+    assert (cost.a, cost.b) == pytest.approx((0.003, 2.0))
+    assert cost.time(0.002) == pytest.approx(0.007)
+    xs = [0.001, 0.002, 0.003, 0.005]
+    ys = [0.004, 0.0061, 0.0079, 0.0121]
+    b = (sum(x * y for x, y in zip(xs, ys)) - sum(xs) * sum(ys) / 4) / (sum(x * x for x in xs) - sum(xs) ** 2 / 4)
+    got = EmulationCost.through(list(zip(xs, ys)))
+    assert (got.a, got.b) == pytest.approx((sum(ys) / 4 - b * sum(xs) / 4, b), rel=1e-9)
+    # a negative intercept: through the origin instead
+    origin = EmulationCost.through([(0.001, 0.001), (0.004, 0.010)])
+    assert (origin.a, origin.b) == (0.0, pytest.approx((0.001 * 0.001 + 0.004 * 0.010) / (0.001 ** 2 + 0.004 ** 2)))
+    one = EmulationCost.through([(0.002, 0.005)])             # one point: an offset
     assert (one.a, one.b) == pytest.approx((0.003, 1.0))
-    falling = EmulationFit.through([(0.001, 0.006), (0.004, 0.005)])   # noise: never a speed-up
+    falling = EmulationCost.through([(0.001, 0.006), (0.004, 0.005)])   # noise: never a speed-up
     assert falling.b == 1.0 and falling.a == pytest.approx(0.0055 - 0.0025)
-    assert EmulationFit(a=-1.0, b=1.0).time(0.5) == 0.0
-    with pytest.raises(ValueError, match="b"):
-        EmulationFit(a=0.0, b=0.0)
+    for bad in (dict(a=-0.001, b=1.0), dict(a=0.0, b=0.0)):
+        with pytest.raises(ValueError, match="emulation_cost"):
+            EmulationCost(**bad)
     with pytest.raises(ValueError, match="point"):
-        EmulationFit.through([])
+        EmulationCost.through([])
 
 
 def _model(**kw) -> PerfModel:
@@ -74,8 +82,8 @@ def _model(**kw) -> PerfModel:
 
 def test_perf_model_adds_the_emulation_term_to_eq6():
     plain = _model()
-    fit = EmulationFit(a=0.002, b=1.5)
-    emu = plain.with_measured_costs(COSTS, {"slow": fit})
+    cost = EmulationCost(a=0.002, b=1.5)
+    emu = plain.with_measured_costs(COSTS, {"slow": cost})
     for bl, n, ga in itertools.product((8, 16, 24), (1, 2), (0, 2)):
         base = plain.breakdown("slow", bl, n, ga)
         got = emu.breakdown("slow", bl, n, ga)
@@ -87,8 +95,8 @@ def test_perf_model_adds_the_emulation_term_to_eq6():
         assert vec == pytest.approx(got.total, rel=1e-12)
     # the measured costs travel with every copy the planners make
     other = emu.for_allocation(2, True)
-    assert other.host_costs is COSTS and other.emulation_fits == {"slow": fit}
-    assert emu.with_profiles(emu.profiles).emulation_fits == {"slow": fit}
+    assert other.host_costs is COSTS and other.emulation_fits == {"slow": cost}
+    assert emu.with_profiles(emu.profiles).emulation_fits == {"slow": cost}
 
 
 def test_epoch_time_sums_the_interval_terms_of_the_plans_run():
@@ -135,30 +143,40 @@ def test_line_fit_never_negative():
     assert (a, b) == pytest.approx((1.0, 2.0))
 
 
+def test_probe_points_are_the_profiles_two_points_per_local_batch():
+    model = _model()
+    prof = model.profiles["fast"]
+    want = []
+    for b in prof.batches:
+        want += [(b.local_batch, 1)] + ([(b.local_batch, b.max_num_vsw)] if b.max_num_vsw > 1 else [])
+    assert probe_points(model, "fast") == want
+    assert probe_points(model, "other") == [] and probe_points(object(), "fast") == []
+
+
 def test_emulation_fits_take_the_pace_or_each_types_own_time():
     model = _model()
-    points = probe_points(model, "fast")
-    prof = model.profiles["fast"]
-    assert points == [(prof.batches[0].local_batch, 1), (prof.batches[-1].local_batch,
-                                                          prof.batches[-1].max_num_vsw)]
+    points = [(8, 1), (8, 4), (16, 1)]
     x = [model.model_iteration_time("fast", bl, n, 0) for bl, n in points]
     # per point [own times, paces] of three timed steps
     r0 = {"gpu_type": "fast", "steps": [[[0.010, 0.020, 0.012], [0.011, 0.021, 0.013]],
-                                        [[0.050, 0.040, 0.041], [0.052, 0.044, 0.060]]]}
+                                        [[0.050, 0.040, 0.041], [0.052, 0.044, 0.060]],
+                                        [[0.020, 0.020, 0.020], [0.020, 0.020, 0.020]]]}
     r1 = {"gpu_type": "fast", "steps": [[[0.011, 0.011, 0.011], [0.012, 0.022, 0.016]],
-                                        [[0.044, 0.044, 0.060], [0.051, 0.045, 0.061]]]}
-    # one GPU type: the slowest rank's mean pace: r1 at both points (.0167 > .015, .0523 > .052)
+                                        [[0.044, 0.044, 0.060], [0.051, 0.045, 0.061]],
+                                        [[0.030, 0.030, 0.030], [0.030, 0.030, 0.031]]]}
+    # one GPU type: the slowest rank's mean pace (r1 at every point) against the model's time
     fits = emulation_fits([r0, r1], points, model)
-    want = EmulationFit.through([(x[0], (0.012 + 0.022 + 0.016) / 3), (x[1], (0.051 + 0.045 + 0.061) / 3)])
+    want = EmulationCost.through([(x[0], (0.012 + 0.022 + 0.016) / 3), (x[1], (0.051 + 0.045 + 0.061) / 3),
+                                  (x[2], (0.030 + 0.030 + 0.031) / 3)])
     assert (fits["fast"].a, fits["fast"].b) == pytest.approx((want.a, want.b), rel=1e-12)
     # mixed types: each type's own times, per step its slowest rank, the median over steps:
-    # (.011, .020, .012) -> .012 and (.050, .044, .060) -> .050
+    # (.011, .020, .012) -> .012, (.050, .044, .060) -> .050, (.03, .03, .03) -> .03
     y = [model.model_iteration_time("slow", bl, n, 0) for bl, n in points]
-    slow = {"gpu_type": "slow", "steps": [[[0.1, 0.1, 0.1], [0.1, 0.1, 0.1]], [[0.3, 0.3, 0.3], [0.3, 0.3, 0.3]]]}
+    slow = {"gpu_type": "slow", "steps": [[[0.1] * 3, [0.1] * 3], [[0.3] * 3, [0.3] * 3], [[0.2] * 3, [0.2] * 3]]}
     fits = emulation_fits([r0, r1, slow], points, model)
-    want = EmulationFit.through([(x[0], 0.012), (x[1], 0.050)])
+    want = EmulationCost.through([(x[0], 0.012), (x[1], 0.050), (x[2], 0.030)])
     assert (fits["fast"].a, fits["fast"].b) == pytest.approx((want.a, want.b), rel=1e-12)
-    want = EmulationFit.through([(y[0], 0.1), (y[1], 0.3)])
+    want = EmulationCost.through([(y[0], 0.1), (y[1], 0.3), (y[2], 0.2)])
     assert (fits["slow"].a, fits["slow"].b) == pytest.approx((want.a, want.b), rel=1e-12)
     assert emulation_fits([r0], [], model) == {}
     assert emulation_fits([{"gpu_type": "fast", "steps": []}], points, model) == {}

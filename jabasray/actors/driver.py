@@ -37,7 +37,7 @@ from ..adaptive.forecast import forecast_next_epoch
 from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
-from ..planners.interval_model import EmulationFit, HostCosts, plan_interval_terms
+from ..planners.interval_model import EmulationCost, HostCosts, plan_interval_terms
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
@@ -157,7 +157,7 @@ class JabasDriver:
         self._placement_s: float | None = None   # seconds the last placement took (the re-placement charge)
         # host terms of an interval and the emulation's cost, measured on the placed actors
         self._host_costs: HostCosts | None = None
-        self._emulation_fits: dict[str, EmulationFit] = {}
+        self._emulation_fits: dict[str, EmulationCost] = {}
         self._start_notes: list[str] = []   # what the reconciliation at start changed (events)
         self._profile_notes: list[str] = []  # where the last profiling measured each GPU type
         self._buckets = LibraBucketPlans(model_fn, self._profile_data, loss_fn, opts.bucket_cap_mb) \

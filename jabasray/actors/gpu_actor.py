@@ -125,7 +125,7 @@ class IntervalReply(JsonMixin):
                                  # sleep, loader, similarity, read)
 
 
-PROBE_REPEATS = 4   # timed repetitions per term in probe_costs (the median or mean is kept)
+PROBE_REPEATS = 3   # timed repetitions per term in probe_costs (an interval's p at least, for steps)
 
 
 def interval_read_time(waits: list[float], num_iterations: int) -> float:

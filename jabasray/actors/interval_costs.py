@@ -4,7 +4,7 @@ After every placement the driver asks each actor to time the terms of an interva
 leaves out (:meth:`jabasray.actors.gpu_actor.GPUActor.probe_costs`, one collective call) and
 turns the answers into what the iteration-time model carries
 (:mod:`jabasray.planners.interval_model`): a :class:`HostCosts` and, on CPU-emulated GPUs, one
-:class:`EmulationFit` per GPU type. The same terms are measured again in every interval the
+:class:`EmulationCost` per GPU type. The same terms are measured again in every interval the
 actors train (``IntervalReply.terms``) and recorded beside the prediction
 (:func:`measured_terms`), so that a wrong term shows at once.
 
@@ -16,22 +16,22 @@ import logging
 import statistics
 from typing import Any, Sequence
 
-from ..planners.interval_model import TERMS, EmulationFit, HostCosts
+from ..planners.interval_model import TERMS, EmulationCost, HostCosts
 
 log = logging.getLogger(__name__)
 
 
 def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
-    """The ``(B_L, n_vsw)`` points the placed actors time their step at: the profile's two
-    extremes, (smallest B_L, 1 VSW) and (largest B_L, its n_max), the ends of the range the
-    solver plans in; [] for a model without profiles."""
+    """The ``(B_L, n_vsw)`` points the placed actors time their step at: every profiled B_L at
+    n_vsw = 1 and at its n_max (the two points of Eq. 1 the profile measured), in the profile's
+    order; [] for a model without profiles."""
     profiles = getattr(model, "profiles", None)
     if not profiles or gpu_type not in profiles:
         return []
-    prof = profiles[gpu_type]
-    first, last = prof.batches[0], prof.batches[-1]
-    points = [(first.local_batch, 1), (last.local_batch, last.max_num_vsw)]
-    return points if points[0] != points[1] else points[:1]
+    points = []
+    for b in profiles[gpu_type].batches:
+        points += [(b.local_batch, 1)] + ([(b.local_batch, b.max_num_vsw)] if b.max_num_vsw > 1 else [])
+    return points
 
 
 def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -73,14 +73,14 @@ def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
 
 
 def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int]],
-                   model: Any) -> dict[str, EmulationFit]:
-    """``{gpu_type: EmulationFit}`` from the probed steps, each point's measured iteration time
-    against ``model.model_iteration_time`` there (the model retargeted to the placement); {}
-    when nothing was probed or the model cannot say. The measured time is what an interval
-    measures: on a placement of one GPU type, the slowest rank's mean pace (wall + sleep: each
-    step ends with an all-reduce, so n ranks run at the pace of the slowest); on mixed types
-    the pace of a fast type is the slow type's, so each type's own times are taken instead
-    (per step the slowest rank of the type, the median over the steps)."""
+                   model: Any) -> dict[str, EmulationCost]:
+    """``{gpu_type: EmulationCost}`` from the probed steps: the line through every point's
+    (``model.model_iteration_time`` there, measured iteration time) pair (the model retargeted
+    to the placement); {} when nothing was probed or the model cannot say. The measured time is
+    what an interval measures: on a placement of one GPU type, the slowest rank's mean pace
+    (wall + sleep: each step ends with an all-reduce, so n ranks run at the pace of the
+    slowest); on mixed types the pace of a fast type is the slow type's, so each type's own
+    times are taken instead (per step the slowest rank of the type, the median over the steps)."""
     predict = getattr(model, "model_iteration_time", None)
     if not points or predict is None:
         return {}
@@ -99,7 +99,7 @@ def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int]],
                 measured = statistics.median(max(float(o[k]) for o in own)
                                              for k in range(min(len(o) for o in own)))
             pairs.append((predict(gpu, bl, n, 0), measured))
-        fits[gpu] = EmulationFit.through(pairs)
+        fits[gpu] = EmulationCost.through(pairs)
     return fits
 
 
@@ -114,12 +114,12 @@ def measured_terms(replies: Sequence[Any], call_s: float, configure_s: float) ->
     return out
 
 
-def describe(costs: HostCosts, fits: dict[str, EmulationFit]) -> str:
+def describe(costs: HostCosts, fits: dict[str, EmulationCost]) -> str:
     """One log line of what was measured."""
     parts = [f"call {costs.call_s * 1e3:.1f} ms", f"configure {costs.configure_s * 1e3:.1f} ms",
              f"loader {costs.loader_fixed_s * 1e3:.2f} ms + {costs.loader_per_sample_s * 1e6:.1f} us/sample",
              f"similarity {costs.similarity_s * 1e3:.1f} ms", f"read {costs.read_s * 1e3:.2f} ms"]
-    parts += [f"{g} emulation t = {f.a * 1e3:.2f} ms + {f.b:.2f} t_model" for g, f in sorted(fits.items())]
+    parts += [f"{g} emulation t = {c.a * 1e3:.2f} ms + {c.b:.2f} t_model" for g, c in sorted(fits.items())]
     return "interval costs measured on the placed actors: " + ", ".join(parts)
 
 

@@ -7,7 +7,7 @@ the README's job measured at 20-30 % of an interval). An interval's prediction i
 sum of these named terms, each measured on the path it predicts:
 
 * ``steps``      = n x t_iter, Eq. 6 (+ the profile's step overhead and, on emulated GPUs, the
-  emulation's own cost, :class:`EmulationFit`) for the interval's n iterations;
+  emulation's own cost, :class:`EmulationCost`) for the interval's n iterations;
 * ``loader``     = n x (a_l + b_l x samples per rank and iteration): reading and splitting each
   iteration's batch on the actor (:class:`HostCosts`, ``loader_fixed_s`` and ``loader_per_sample_s``);
 * ``similarity`` = the two-group similarity collective of section 6.1 and its cosine, once per
@@ -63,37 +63,43 @@ class HostCosts(JsonMixin):
 
 
 @dataclass(frozen=True)
-class EmulationFit(JsonMixin):
-    """An emulated GPU's iteration time against the model's: ``t = a + b t_model`` (seconds).
+class EmulationCost(JsonMixin):
+    """What a CPU-emulated GPU type's iteration takes against the model: ``t = a + b t_model``.
 
-    A CPU-emulated GPU of speed s takes its step's *CPU* seconds over s ("wait" emulation,
-    :mod:`jabasray.actors.emulation`). The profile measures compute in a hot loop on an idle
-    core; a placed actor's step costs more CPU than that: after every emulation sleep its caches
-    are cold, and its process time also counts the collective's transport threads and Ray's own.
-    Both grow with the step (``b``) and per step (``a``). The placed actors time steps at two
-    profiled points as training runs them, and the line through the two (measured, predicted)
-    pairs is this fit; :class:`~.perf_model.PerfModel` adds ``t - t_model`` as the term
-    ``t_emulation``. Real GPUs have none.
+    Why (a measured deviation from the profile's numbers): a GPU emulated at speed s takes its
+    step's compute CPU seconds over s ("wait" emulation, :mod:`jabasray.actors.emulation`), and
+    the ranks of a placement step together. The profile measures compute in a hot loop on an
+    idle core; on the placed actors a step costs more: after every emulation sleep the caches
+    are cold, and the ranks' all-reduce waits for the last of them, which the shared cores
+    delay - a cost per step (``a``) and one that grows with the step (``b``). So the placed
+    actors time their steps at every profiled point (each B_L at n_vsw = 1 and at n_max) as
+    training runs them (:meth:`jabasray.actors.gpu_actor.GPUActor.probe_costs`), this line is
+    fitted to the (model time, measured time) pairs by least squares, and
+    :class:`~.perf_model.PerfModel` adds ``t - t_model`` as the term ``t_emulation``. One line
+    over all points, not a ratio per point: on two cores a step's time varies by +-20 % from
+    one step to the next, and a per-point table would learn that noise. Real GPUs have none:
+    their profile is measured in a task holding a GPU of the type.
     """
 
-    a: float          # seconds per iteration
+    a: float          # seconds per iteration, >= 0
     b: float          # dimensionless, > 0
 
     def __post_init__(self) -> None:
-        check_float("emulation_fit.a", self.a)
-        check_float("emulation_fit.b", self.b, min_value=0, min_exclusive=True)
+        check_float("emulation_cost.a", self.a, min_value=0)
+        check_float("emulation_cost.b", self.b, min_value=0, min_exclusive=True)
 
     def time(self, model_time: float) -> float:
-        """The emulated iteration time ``a + b t_model`` for a model time (never negative)."""
-        return max(0.0, self.a + self.b * model_time)
+        """The emulated iteration time ``a + b t_model``."""
+        return self.a + self.b * model_time
 
     @classmethod
-    def through(cls, points: list[tuple[float, float]]) -> "EmulationFit":
-        """The line through ``(model time, measured time)`` points: least squares for two or
-        more distinct model times; a pure offset (b = 1) for one point or coinciding times, or
-        when the slope comes out non-positive (noise), since the emulation never speeds a step up."""
+    def through(cls, points: list[tuple[float, float]]) -> "EmulationCost":
+        """Least squares over ``(model time, measured time)`` points with ``a >= 0, b > 0`` (a
+        step never costs less than nothing, and never less the more the model predicts): the
+        line through the origin where the free intercept would be negative, a pure offset
+        (b = 1) where the slope would not be positive or all model times coincide."""
         if not points:
-            raise ValueError("emulation fit needs at least one (model time, measured time) point, got []")
+            raise ValueError("emulation cost needs at least one (model time, measured time) point, got []")
         xs = [float(x) for x, _ in points]
         ys = [float(y) for _, y in points]
         n = len(xs)
@@ -102,8 +108,11 @@ class EmulationFit(JsonMixin):
         if n >= 2 and sxx > 1e-18 * max(1.0, mx * mx):
             b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
             if b > 0:
-                return cls(a=my - b * mx, b=b)
-        return cls(a=my - mx, b=1.0)
+                a = my - b * mx
+                if a >= 0:
+                    return cls(a=a, b=b)
+                return cls(a=0.0, b=sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+        return cls(a=max(0.0, my - mx), b=1.0)
 
 
 def interval_terms(iteration_time: float, num_iterations: int, costs: HostCosts | None,
@@ -144,5 +153,5 @@ def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None
     return interval_terms(plan.iteration_time, num_iterations, costs, rank_samples(plan), configure)
 
 
-__all__ = ["TERMS", "HostCosts", "EmulationFit", "interval_terms", "host_costs_of", "rank_samples",
+__all__ = ["TERMS", "HostCosts", "EmulationCost", "interval_terms", "host_costs_of", "rank_samples",
            "plan_interval_terms"]

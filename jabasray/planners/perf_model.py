@@ -41,8 +41,9 @@ Measured on the placed actors (ours, :mod:`.interval_model`): ``host_costs``, th
 interval around its iterations (the driver's call, the loader, the similarity collective ...),
 which :func:`.interval_model.interval_terms` adds per interval; and on CPU-emulated GPUs
 ``emulation_fits``, per GPU type the line ``t = a + b t_model`` from this model's iteration time
-to the one the placed actors take (the term ``t_emulation = t - t_model``; see
-:class:`.interval_model.EmulationFit` for why the emulation costs more than the profile's hot
+to the one the placed actors take, fitted over every profiled point (the term ``t_emulation =
+t - t_model``; see
+:class:`.interval_model.EmulationCost` for why the emulation costs more than the profile's hot
 loop).
 
 Weight sync chosen by the model (``weight_sync="auto"``; ours, replacing the fixed threshold
@@ -89,7 +90,7 @@ from typing import Mapping
 import numpy as np
 
 from ..config import WEIGHT_SYNC_METHODS, choose_weight_sync
-from .interval_model import EmulationFit, HostCosts
+from .interval_model import EmulationCost, HostCosts
 from .libra_model import measured_slowdowns
 from ..profiles import AllReduceFit, BatchProfile, Profile
 from ..serialization import JsonMixin
@@ -113,7 +114,7 @@ class IterationBreakdown(JsonMixin):
     total: float      # Eq. 6 + t_overhead
     t_overhead: float = 0.0  # per-step host overhead of the profile (see module notes)
     weight_sync: str = ""    # "sws" | "ows": the method these terms are for
-    t_emulation: float = 0.0  # emulated GPUs: the emulation's cost beyond the model (EmulationFit)
+    t_emulation: float = 0.0  # emulated GPUs: the emulation's cost beyond the model (EmulationCost)
 
 
 def throughput_fit(point: BatchProfile) -> tuple[float, float]:
@@ -160,7 +161,7 @@ class PerfModel:
 
     host_costs : :class:`.interval_model.HostCosts` measured on the placed actors (None: not
         measured; the interval is then Eq. 6 alone). emulation_fits : ``{gpu_type:
-        EmulationFit}`` measured on placed emulated GPUs (module notes). ``with_measured_costs``
+        EmulationCost}`` measured on placed emulated GPUs (module notes). ``with_measured_costs``
         returns a copy with others.
 
     ``for_allocation(num_gpus, multi_node)`` returns a copy for another allocation (sharing the
@@ -173,7 +174,7 @@ class PerfModel:
                  weight_sync: str = "auto", r_buffer: float = 0.5, host_devices: int | None = None,
                  measured_fits: Mapping[tuple[int, bool], AllReduceFit] | None = None,
                  host_costs: HostCosts | None = None,
-                 emulation_fits: Mapping[str, EmulationFit] | None = None) -> None:
+                 emulation_fits: Mapping[str, EmulationCost] | None = None) -> None:
         if not isinstance(profiles, Mapping) or not profiles:
             raise ValueError(f"profiles must be a non-empty mapping gpu_type -> Profile, got {profiles!r}")
         for k, v in profiles.items():
@@ -201,7 +202,7 @@ class PerfModel:
         return m
 
     def with_measured_costs(self, host_costs: HostCosts | None,
-                            emulation_fits: Mapping[str, EmulationFit] | None) -> "PerfModel":
+                            emulation_fits: Mapping[str, EmulationCost] | None) -> "PerfModel":
         """This model with the host costs and emulation fits measured on placed actors (class
         notes): a new object (t_vsw's memo is shared)."""
         m = self.for_allocation(self.num_gpus, self.multi_node)
@@ -386,7 +387,7 @@ class PerfModel:
 
     def model_iteration_time(self, gpu: str, local_batch: int, num_vsw: int, num_ga: int) -> float:
         """Eq. 6 (+ the step overhead) without the emulation's measured cost: the x of
-        :class:`.interval_model.EmulationFit`."""
+        :class:`.interval_model.EmulationCost`."""
         b = self.breakdown(gpu, local_batch, num_vsw, num_ga)
         return b.total - b.t_emulation
 
@@ -395,12 +396,12 @@ class PerfModel:
         return self.breakdown(gpu, local_batch, num_vsw, num_ga).total
 
     def iteration_times(self, gpu: str, local_batch: int, num_vsw: int, num_ga: np.ndarray) -> np.ndarray:
-        """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA, and so is an
-        emulation fit of it)."""
+        """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA, and so is its
+        emulation cost)."""
         b = self.breakdown(gpu, local_batch, num_vsw, 0)
         model = b.total - b.t_emulation + b.t_vsw * np.asarray(num_ga, dtype=float)
         fit = self.emulation_fits.get(gpu)
-        return model if fit is None else np.maximum(0.0, fit.a + fit.b * model)
+        return model if fit is None else fit.a + fit.b * model
 
     def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
         return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
