@@ -16,8 +16,12 @@ order, search); the four contenders run in that round in an order rotated by one
 Per contender and round: time to the target accuracy (training time: the intervals' wall time
 summed over the epochs until the first epoch whose validation accuracy reaches ``--target``;
 actor start-up and re-placement are excluded - start-up of Ray actors on a 2-core host is an
-artefact of the emulation - and reported apart) and GPU-seconds to it (each epoch's training
-time x its emulated GPUs); the per-round ratios to ``static_small`` and their medians.
+artefact of the emulation - and reported apart), the same including them (wall clock from the
+start of ``fit()`` to the end of that epoch: start-up, placements and re-placements,
+evaluation and checkpoints included; taken by a driver callback at each epoch's end) and
+GPU-seconds to it (each epoch's training time x its emulated GPUs); the per-round ratios to
+``static_small`` and their medians. The job uses ``JobConfig``'s defaults where the fields below
+do not set them (e.g. the LR scaling rule, ``jabasray.adaptive.lr_scaling``).
 
     flock /tmp/jabasray-bench.lock python benchmarks/adaptive.py     # ~15 min on 2 cores
     python benchmarks/adaptive.py --seeds 0 --epochs 3 --variants jabas static_small
@@ -53,20 +57,47 @@ def variant_job(name: str, base, small: int):
     return replace(base, adaptive=True, autoscale=True)
 
 
-def time_to(epochs: list[dict], target: float, key: str) -> float | None:
-    """Cumulative ``key`` over epochs until the first epoch whose val accuracy >= target."""
+def time_to(epochs: list[dict], target: float, key: str, cumulative: bool = True) -> float | None:
+    """``key`` summed over the epochs until the first epoch whose val accuracy >= target
+    (``cumulative=False``: ``key`` of that epoch, for a clock that already counts from the
+    start); None if no epoch reaches it."""
     total = 0.0
     for e in epochs:
-        total += e[key]
+        if e.get(key) is None:
+            return None
+        total = total + e[key] if cumulative else e[key]
         if e["val_accuracy"] is not None and e["val_accuracy"] >= target:
             return total
     return None
+
+
+class EpochClock:
+    """Driver callback: the wall clock (``time.perf_counter``) at each epoch's end and at each
+    phase change (start-up steps, placements, re-placements), taken in the driver's process
+    (the benchmark runs the driver in-process, ``driver="local"``)."""
+
+    def __init__(self) -> None:
+        self.epoch_end: dict[int, float] = {}
+        self.phases: list[tuple[float, str]] = []
+
+    def on_interval(self, driver, record) -> None:
+        pass
+
+    def on_event(self, driver, message) -> None:
+        pass
+
+    def on_epoch(self, driver, record) -> None:
+        self.epoch_end[record.epoch] = time.perf_counter()
+
+    def on_phase(self, driver, phase) -> None:
+        self.phases.append((time.perf_counter(), phase))
 
 
 def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> dict:
     import shutil
 
     from jabasray.actors.driver import DriverOptions
+    from jabasray.actors.driver_options import TRAINING_PHASE
     from jabasray.actors.trainer import JabasTrainer
     from jabasray.config import RunConfig
     from jabasray.models import DigitsCNN
@@ -76,29 +107,49 @@ def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> di
     if run_dir.exists():
         shutil.rmtree(run_dir)
     load = os.getloadavg()
+    clock = EpochClock()
     t = time.perf_counter()
     res = JabasTrainer(DigitsCNN, train, None, None, job, cluster=cluster,
                        run_config=RunConfig(str(runs_dir), name), val_dataset=val,
-                       perf_model=PerfModel(profiles),
+                       perf_model=PerfModel(profiles), callbacks=[clock],
                        options=DriverOptions(emulation="wait", driver="local")).fit()
+    total_wall = time.perf_counter() - t
     epochs = []
     for e in res.history.epochs:
         train_time = sum(r.time_s for r in res.history.intervals if r.epoch == e.epoch)
+        end = clock.epoch_end.get(e.epoch)
         epochs.append({"epoch": e.epoch, "allocation": e.allocation, "num_gpus": len(e.gpu_types),
                        "trajectory": e.trajectory, "forecast": e.predicted_trajectory,
                        "val_accuracy": e.val_accuracy, "wall_s": e.time_s, "train_s": train_time,
                        "gpu_seconds_train": train_time * len(e.gpu_types),
+                       # wall clock from the start of fit() to this epoch's end (start-up,
+                       # re-placements, evaluation and checkpoints included)
+                       "wall_clock_s": end - t if end is not None else None,
                        "throughput": e.throughput})
+    # start-up: fit() until the first interval; then every later placement phase until training
+    # resumed (re-placements by the auto-scaler)
+    first = next((i for i, (_, phase) in enumerate(clock.phases) if phase == TRAINING_PHASE), None)
+    startup = clock.phases[first][0] - t if first is not None else None
+    replacement, begun = 0.0, None
+    for when, phase in clock.phases[first + 1:] if first is not None else []:
+        if phase != TRAINING_PHASE:
+            begun = when if begun is None else begun
+        elif begun is not None:
+            replacement, begun = replacement + when - begun, None
     return {"job": job.to_dict(), "epochs": epochs, "events": res.history.events,
-            "final_val_accuracy": res.val_accuracy, "total_wall_s": time.perf_counter() - t,
+            "final_val_accuracy": res.val_accuracy, "total_wall_s": total_wall,
+            "startup_s": startup, "replacement_s": replacement,
             "load_average_before": load, "load_average_after": os.getloadavg()}
 
 
 def summarise(rounds: list[dict], target: float) -> dict:
-    """Per round and contender: time and GPU-seconds to the target; per-round ratios to
-    static_small; medians over rounds (None where a contender missed the target)."""
+    """Per round and contender: time to the target (training time; and wall clock from the
+    start of fit(), start-up and re-placements included) and GPU-seconds to it; per-round
+    ratios to static_small; medians over rounds (None where a contender missed the target)."""
     per = {}
-    for metric, key in (("time_to_target_s", "train_s"), ("gpu_seconds_to_target", "gpu_seconds_train")):
+    for metric, key, cumulative in (("time_to_target_s", "train_s", True),
+                                    ("time_to_target_wall_s", "wall_clock_s", False),
+                                    ("gpu_seconds_to_target", "gpu_seconds_train", True)):
         table = {}
         for name in VARIANTS:
             values, ratios = [], []
@@ -107,8 +158,8 @@ def summarise(rounds: list[dict], target: float) -> dict:
                 base = rd["runs"].get("static_small")
                 if r is None:
                     continue
-                v = time_to(r["epochs"], target, key)
-                b = time_to(base["epochs"], target, key) if base is not None else None
+                v = time_to(r["epochs"], target, key, cumulative)
+                b = time_to(base["epochs"], target, key, cumulative) if base is not None else None
                 values.append(v)
                 ratios.append(v / b if v is not None and b else None)
             if not values:
@@ -171,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     runs_dir = HERE / "out" / "adaptive_runs"
     try:
         for k, seed in enumerate(args.seeds):
-            base = JobConfig(epochs=args.epochs, lr=0.1, lr_scaling="sqrt",
+            base = JobConfig(epochs=args.epochs, lr=0.1,
                              initial_global_batch=args.small, min_global_batch=args.small,
                              max_global_batch=args.max_batch, min_local_batch=8, adapt_interval=5,
                              alpha=0.1, gamma=0.5, warmup_iterations=10, seed=seed)
@@ -184,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"seed {seed} {name:13s} acc {[round(e['val_accuracy'], 3) for e in r['epochs']]} "
                       f"GPUs {[e['num_gpus'] for e in r['epochs']]} "
                       f"train {sum(e['train_s'] for e in r['epochs']):.1f}s "
-                      f"({r['total_wall_s']:.0f}s wall, load {r['load_average_before'][0]:.1f})",
+                      f"({r['total_wall_s']:.0f}s wall: start-up {r['startup_s'] or 0:.0f}s, "
+                      f"re-placements {r['replacement_s']:.0f}s; load {r['load_average_before'][0]:.1f})",
                       flush=True)
             rounds.append({"seed": seed, "order": order, "runs": runs})
     finally:

@@ -72,7 +72,8 @@ class JobConfig(JsonMixin):
                                         # initial_global_batch); None: the optimizer's LR as it is
     precision: str = "fp32"             # "fp32" | "bf16" | "fp16" (autocast; fp16: GradScaler)
     grad_clip_norm: float | None = None # clip the global (all-reduced) gradient to this L2 norm
-    lr_scaling: str = "sqrt"            # LR follows B_G: "linear" | "sqrt" | "none"
+    lr_scaling: str = "none"            # LR vs B_G: "none" (the user's LR whatever B_G) | "sqrt" |
+                                        # "linear"; why "none" by default: adaptive.lr_scaling
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
     per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the

@@ -1,17 +1,38 @@
 """Learning-rate scaling with the global batch size (JABAS section 2.1 and 6.1).
 
-When adaptive batching moves B_G, the learning rate follows by a scaling rule [Goyal et al.,
-Krizhevsky]: with base learning rate eta_0 tuned for base batch B_0,
+When adaptive batching moves B_G, the learning rate may follow by a scaling rule. With eta_0 the
+user's LR at the base batch B_0 (``JobConfig.initial_global_batch``):
 
-    linear:  eta(B) = eta_0 * B / B_0
-    sqrt:    eta(B) = eta_0 * sqrt(B / B_0)      (the rule JABAS' implementation applies to SimiGrad)
-    none:    eta(B) = eta_0
+    none:    eta(B) = eta_0                      (the default, see below)
+    sqrt:    eta(B) = eta_0 * sqrt(B / B_0)      (what the JABAS and SimiGrad implementations apply)
+    linear:  eta(B) = eta_0 * B / B_0            (Goyal et al. 2017, section 2.1)
 
 Optional linear warm-up over the first W iterations (iteration counted from 0):
 
     eta_t = eta(B) * min(1, (t + 1) / W)
 
 so the first step already moves (eta_0 / W instead of 0) and iteration W - 1 reaches eta(B).
+
+Why the default is "none" (a documented deviation from the JABAS and SimiGrad code). JABAS
+section 2.1 asks for a rule that adjusts the LR by the factor of the B_G change (it cites
+AdaScale and Krizhevsky's rules), and both implementations multiply the user's scheduled LR by
+sqrt(B / B_0) (SimiGrad's also has switches to damp or disable it). Every such rule raises the
+LR whenever B_G grows. They are derived for the regime where gradient noise limits the step;
+Goyal et al. (section 2.2) note that the linear rule breaks down early in training, when the
+network changes rapidly, and pair it with a warm-up of several epochs, as JABAS' and SimiGrad's
+example scripts do. What bounds the step there is the curvature, not the batch: SGD with
+momentum beta is stable along a direction of curvature lambda only while
+eta * lambda < 2 (1 + beta), and training sharpens the loss until lambda_max approaches that
+limit for the LR it runs at (Cohen et al. 2021, "edge of stability"; SGD settles below it, the
+closer the larger the batch). A tuned LR thus has little headroom early on. SimiGrad's rule
+grows B_G on the initial loss plateau, where the gradient is noise-dominated (Phi < gamma, as
+it should), and a rule that scales the LR with it raises the step just as the loss leaves the
+plateau and the curvature rises: the step diverges. With "none", B_G still adapts, and a larger
+B_G lowers the gradient noise as an LR decay would (Smith et al. 2018, "Don't decay the
+learning rate, increase the batch size": noise scale g = eta N / (B (1 - m))), while the LR
+never exceeds the one the user validated. "sqrt" and "linear" stay available for jobs whose
+base LR has that headroom (a warm-up that covers the early phase, a base LR from a large-batch
+recipe).
 """
 from __future__ import annotations
 
