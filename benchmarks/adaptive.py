@@ -101,8 +101,6 @@ def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> di
     from jabasray.actors.trainer import JabasTrainer
     from jabasray.config import RunConfig
     from jabasray.models import DigitsCNN
-    from jabasray.planners.perf_model import PerfModel
-
     run_dir = runs_dir / name
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -111,7 +109,7 @@ def run_one(name: str, job, cluster, train, val, profiles, runs_dir: Path) -> di
     t = time.perf_counter()
     res = JabasTrainer(DigitsCNN, train, None, None, job, cluster=cluster,
                        run_config=RunConfig(str(runs_dir), name), val_dataset=val,
-                       perf_model=PerfModel(profiles), callbacks=[clock],
+                       profiles=profiles, callbacks=[clock],
                        options=DriverOptions(emulation="wait", driver="local")).fit()
     total_wall = time.perf_counter() - t
     epochs = []
