@@ -20,6 +20,11 @@ timings and the gradient similarity Phi of the two GPU groups (JABAS section 6.1
   collective: an all-reduce of a ``[2, P]`` tensor in which each actor fills only its group's row;
   Phi = cosine(row 0, row 1) is then the same on every actor.
 
+Each interval's reply also says what its terms took on this actor (``IntervalReply.terms``:
+steps with the emulation's sleep, loader, similarity, read), and right after a placement
+``probe_costs`` times the same terms and the step at every profiled point on a throwaway
+worker, for the iteration-time model (:mod:`jabasray.planners.interval_model`).
+
 CPU emulation of a GPU type (``speed`` < 1, :mod:`jabasray.actors.emulation`): after each step
 the actor sleeps so that the step takes what the emulated device would take: ``"compute"``
 (``compute_time * (1 / speed - 1)``, the measured wall compute time scaled) or ``"wait"`` (the
@@ -562,8 +567,9 @@ class GPUActor(BackgroundHostMixin):
         step is probed (real GPUs, SMA, burst). Returns a dict: ``rank``, ``gpu_type``,
         ``work_s`` (this call's own seconds), ``loader`` ([samples, seconds] of reading one
         iteration's batch: at each point, between its steps as in an interval, else alone),
-        ``similarity_s``, ``read_s``, ``configure_s`` and ``steps`` (per point, the seconds of
-        each timed step)."""
+        ``similarity_s`` (after a step where steps are probed, as in an interval), ``read_s``,
+        ``configure_s`` and ``steps`` (per point, ``[own seconds, pace seconds]`` of each timed
+        step, :meth:`_probe_steps`)."""
         import torch
 
         t_call = time.perf_counter()
