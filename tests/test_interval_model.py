@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from jabasray.actors.interval_costs import (emulation_fits, host_costs, line_fit, measured_terms,
+from jabasray.actors.interval_costs import (emulation_fits, host_costs, measured_terms,
                                             probe_points)
 from jabasray.planners.autoscale import epoch_time
-from jabasray.planners.interval_model import (TERMS, EmulationCost, HostCosts, interval_terms,
+from jabasray.planners.interval_model import (TERMS, EmulationCost, HostCosts, interval_terms, line_fit,
                                               plan_interval_terms, rank_samples)
 from jabasray.planners.perf_model import PerfModel
 from jabasray.planners.plan_policy import solve_for_batch

@@ -637,8 +637,8 @@ class JabasDriver:
             self.options, plan.iteration_time * req.num_iterations))
         t_end = time.perf_counter()
         dt, iterations = t_end - t0, replies[0].num_iterations
-        predicted = plan_interval_terms(plan, iterations, self._host_costs, configure=reconfigured) \
-            if self._fit_target() is not None else {"steps": plan.iteration_time * iterations}
+        # no host costs (a given model, burst): Eq. 6 alone
+        predicted = plan_interval_terms(plan, iterations, self._host_costs, configure=reconfigured)
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,
                               global_batch=run_batch, local_batch=plan.local_batch_size, plan=plan,

@@ -12,13 +12,10 @@ Pure functions over the replies (no Ray): the driver makes the call.
 """
 from __future__ import annotations
 
-import logging
 import statistics
 from typing import Any, Sequence
 
-from ..planners.interval_model import TERMS, EmulationCost, HostCosts
-
-log = logging.getLogger(__name__)
+from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit
 
 
 def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
@@ -32,25 +29,6 @@ def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
     for b in profiles[gpu_type].batches:
         points += [(b.local_batch, 1)] + ([(b.local_batch, b.max_num_vsw)] if b.max_num_vsw > 1 else [])
     return points
-
-
-def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares ``(a, b)`` of ``y = a + b x`` with ``a, b >= 0`` (a cost never falls with
-    its size): one distinct x gives ``(mean y, 0)``."""
-    xs = [float(x) for x, _ in points]
-    ys = [float(y) for _, y in points]
-    n = len(xs)
-    if n == 0:
-        return 0.0, 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    if b <= 0:
-        return max(0.0, my), 0.0
-    a = my - b * mx
-    if a < 0:                        # through the origin instead
-        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    return a, b
 
 
 def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
@@ -123,4 +101,4 @@ def describe(costs: HostCosts, fits: dict[str, EmulationCost]) -> str:
     return "interval costs measured on the placed actors: " + ", ".join(parts)
 
 
-__all__ = ["probe_points", "line_fit", "host_costs", "emulation_fits", "measured_terms", "describe"]
+__all__ = ["probe_points", "host_costs", "emulation_fits", "measured_terms", "describe"]

@@ -31,7 +31,7 @@ Pure: no torch, no ray.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from ..serialization import JsonMixin
 from ..types import Plan, unit_gpu
@@ -94,25 +94,36 @@ class EmulationCost(JsonMixin):
 
     @classmethod
     def through(cls, points: list[tuple[float, float]]) -> "EmulationCost":
-        """Least squares over ``(model time, measured time)`` points with ``a >= 0, b > 0`` (a
-        step never costs less than nothing, and never less the more the model predicts): the
-        line through the origin where the free intercept would be negative, a pure offset
-        (b = 1) where the slope would not be positive or all model times coincide."""
+        """:func:`line_fit` over ``(model time, measured time)`` points (``a >= 0``: a step never
+        costs less than nothing); a pure offset (b = 1) where it finds no positive slope (one
+        model time, or noise), since the emulation never speeds a step up."""
         if not points:
             raise ValueError("emulation cost needs at least one (model time, measured time) point, got []")
-        xs = [float(x) for x, _ in points]
-        ys = [float(y) for _, y in points]
-        n = len(xs)
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if n >= 2 and sxx > 1e-18 * max(1.0, mx * mx):
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-            if b > 0:
-                a = my - b * mx
-                if a >= 0:
-                    return cls(a=a, b=b)
-                return cls(a=0.0, b=sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+        a, b = line_fit(points)
+        if b > 0:
+            return cls(a=a, b=b)
+        mx = sum(float(x) for x, _ in points) / len(points)
+        my = sum(float(y) for _, y in points) / len(points)
         return cls(a=max(0.0, my - mx), b=1.0)
+
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(a, b)`` of ``y = a + b x`` with ``a, b >= 0`` (a cost never falls with
+    its size): one distinct x gives ``(mean y, 0)``."""
+    xs = [float(x) for x, _ in points]
+    ys = [float(y) for _, y in points]
+    n = len(xs)
+    if n == 0:
+        return 0.0, 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    if b <= 0:
+        return max(0.0, my), 0.0
+    a = my - b * mx
+    if a < 0:                        # through the origin instead
+        return 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, b
 
 
 def interval_terms(iteration_time: float, num_iterations: int, costs: HostCosts | None,
@@ -153,5 +164,5 @@ def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None
     return interval_terms(plan.iteration_time, num_iterations, costs, rank_samples(plan), configure)
 
 
-__all__ = ["TERMS", "HostCosts", "EmulationCost", "interval_terms", "host_costs_of", "rank_samples",
+__all__ = ["TERMS", "HostCosts", "EmulationCost", "line_fit", "interval_terms", "host_costs_of", "rank_samples",
            "plan_interval_terms"]
