@@ -116,8 +116,8 @@ def autoscale_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[
 
 def next_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] | None,
                     dataset_size: int, job: JobConfig, fixed: bool = False,
-                    current: dict[str, int] | None = None, switch_cost_s: float = 0.0
-                    ) -> tuple[dict[str, int], dict[str, int] | None, Any]:
+                    current: dict[str, int] | None = None, switch_cost_s: float = 0.0,
+                    plan_cache: dict | None = None) -> tuple[dict[str, int], dict[str, int] | None, Any]:
     """The allocation a job runs next on ``cluster``: every GPU when ``fixed`` (no
     ``job.autoscale``, or burst parallelism's fixed G), else the auto-scaler (JABAS 6.3) over all
     candidate allocations on the ``forecast`` B_G trajectory (None or empty: the initial phase,
@@ -125,11 +125,12 @@ def next_allocation(cluster: ClusterSpec, model: Any, forecast: Sequence[float] 
     ``switch_cost_s`` seconds (:mod:`jabasray.planners.autoscale` notes). Also returns the
     allocation the auto-scaler would have chosen without that charge where it differs (else
     None), and the auto-scaler's :class:`~jabasray.planners.autoscale.AutoscaleDecision`
-    (None when ``fixed``)."""
+    (None when ``fixed``). ``plan_cache``: the job planner's
+    (:attr:`jabasray.planners.job_planner.JobPlanner.plan_cache`), kept across decisions."""
     if fixed:
         return full_allocation(cluster), None, None
     d = choose_for_job(cluster, model, forecast or initial_trajectory(job, dataset_size), dataset_size,
-                       job, current=current, switch_cost_s=switch_cost_s)
+                       job, current=current, switch_cost_s=switch_cost_s, plan_cache=plan_cache)
     other = d.uncharged_choice
     return (normalize_allocation(cluster, d.allocation.node_gpus),
             normalize_allocation(cluster, other.node_gpus) if other is not None else None, d)

@@ -13,6 +13,17 @@ Implementation notes
   of an allocation is its list of units in node order. Candidates are sorted by GPU count, then
   by preferring earlier nodes; restricted to even counts this is the paper's list for
   N1 = 4 x g_A, N2 = 2 x g_B: (g_A, g_A), (g_B, g_B), (g_A x 4), (g_A, g_A, g_B, g_B), ...
+* Large clusters (a deviation from section 6.3, whose list grows as prod_i (m_i / 2 + 1): 3^64
+  candidates for 256 GPUs in nodes of four): beyond ``MAX_CANDIDATES`` candidates, nodes alike
+  in everything the model and Eq. 8 read (GPU type, GPU count, memory, speed, TFLOPS) are one
+  class, and a candidate takes a GPU total from each class, packed onto the class's first nodes
+  (:func:`class_allocations`). Interchangeable nodes give the same group H whichever of them
+  hold the GPUs, and packing spans the fewest nodes and leaves at most one solo GPU per class,
+  so within a class nothing faster is lost. Totals go by single GPUs where the product of the
+  classes' choices stays within the limit, else by whole nodes, else by whole nodes on a
+  doubling ladder (0, 1, 2, 4, ... nodes and all of them): the last is a coarser search than
+  the paper's and can miss an allocation between two rungs. The driver and the simulator call
+  the same function, so they choose among the same candidates.
 * Epoch time (``epoch_time``): the trajectory holds one global batch per p iterations. Walking
   through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
   exhausted), the plan policy's plan for it (``plan_policy.solve_for_batch``, the same plan
@@ -164,15 +175,73 @@ class AutoscaleDecision(JsonMixin):
 
 
 # ---------------------------------------------------------------------------- enumeration
-def enumerate_allocations(cluster: ClusterSpec) -> list[Allocation]:
-    """All prod_i (m_i + 1) - 1 allocations of GPUs (see module notes for the order)."""
+MAX_CANDIDATES = 2048   # candidates beyond which identical nodes are taken as one class (notes)
+
+
+def enumerate_allocations(cluster: ClusterSpec, max_candidates: int = MAX_CANDIDATES) -> list[Allocation]:
+    """The candidate allocations (module notes): all prod_i (m_i + 1) - 1 of them while that is
+    at most ``max_candidates``, else the reduced set of :func:`class_allocations`."""
     if not isinstance(cluster, ClusterSpec):
         raise ValueError(f"cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    check_int("max_candidates", max_candidates, min_value=1)
+    if math.prod(n.num_gpus + 1 for n in cluster.nodes) - 1 > max_candidates:
+        return class_allocations(cluster, max_candidates)
     names = [n.name for n in cluster.nodes]
     combos = itertools.product(*(range(n.num_gpus + 1) for n in cluster.nodes))
-    allocs = [c for c in combos if any(c)]
-    allocs.sort(key=lambda c: (sum(c), tuple(-p for p in c)))
-    return [Allocation(dict(zip(names, c))) for c in allocs]
+    return _ordered(names, [c for c in combos if any(c)])
+
+
+def _ordered(names: list[str], combos: Sequence[Sequence[int]]) -> list[Allocation]:
+    """Allocations sorted by GPU count, then preferring earlier nodes (module notes)."""
+    ordered = sorted(set(tuple(c) for c in combos), key=lambda c: (sum(c), tuple(-p for p in c)))
+    return [Allocation(dict(zip(names, c))) for c in ordered]
+
+
+def node_classes(cluster: ClusterSpec) -> list[list[int]]:
+    """Indices of interchangeable nodes, cluster order: nodes alike in GPU type, GPU count,
+    memory, speed and TFLOPS (everything the model and Eq. 8 read of a node)."""
+    classes: dict[tuple, list[int]] = {}
+    for i, n in enumerate(cluster.nodes):
+        classes.setdefault((n.gpu_type, n.num_gpus, n.memory_gb, n.speed, n.tflops), []).append(i)
+    return list(classes.values())
+
+
+def _class_levels(num_nodes: int, gpus_per_node: int, granularity: str) -> list[int]:
+    """GPU totals one class of ``num_nodes`` nodes offers at a granularity: every GPU count,
+    whole nodes, or whole nodes on a doubling ladder (0, 1, 2, 4, ... nodes and all of them)."""
+    if granularity == "gpu":
+        return list(range(num_nodes * gpus_per_node + 1))
+    if granularity == "node":
+        return [k * gpus_per_node for k in range(num_nodes + 1)]
+    ladder = {0, num_nodes}
+    k = 1
+    while k < num_nodes:
+        ladder.add(k)
+        k *= 2
+    return sorted(k * gpus_per_node for k in ladder)
+
+
+def class_allocations(cluster: ClusterSpec, max_candidates: int = MAX_CANDIDATES) -> list[Allocation]:
+    """Candidates of a large cluster (module notes, "Large clusters"): per class of
+    interchangeable nodes (:func:`node_classes`) a GPU total, packed onto the class's first
+    nodes (full nodes, then the remainder on the next one); totals at the finest granularity
+    whose candidate count stays within ``max_candidates`` (every GPU count, whole nodes, whole
+    nodes on a doubling ladder - the last is used whatever its count)."""
+    classes = node_classes(cluster)
+    sizes = [(len(c), cluster.nodes[c[0]].num_gpus) for c in classes]
+    for granularity in ("gpu", "node", "ladder"):
+        levels = [_class_levels(k, m, granularity) for k, m in sizes]
+        if math.prod(len(lv) for lv in levels) - 1 <= max_candidates:
+            break
+    combos = []
+    for totals in itertools.product(*levels):
+        counts = [0] * len(cluster.nodes)
+        for members, total, (_, m) in zip(classes, totals, sizes):
+            for j, node in enumerate(members):
+                counts[node] = max(0, min(m, total - j * m))
+        if any(counts):
+            combos.append(counts)
+    return _ordered([n.name for n in cluster.nodes], combos)
 
 
 # ---------------------------------------------------------------------------- epoch time
@@ -250,11 +319,15 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
                       cost_budget: float | None = None,
                       allocations: Sequence[Allocation] | None = None,
                       tolerance: float = DEFAULT_TOLERANCE, current: Allocation | None = None,
-                      switch_cost_s: float = 0.0) -> AutoscaleDecision:
+                      switch_cost_s: float = 0.0,
+                      plan_cache: dict[tuple, dict[int, Plan | str]] | None = None) -> AutoscaleDecision:
     """Evaluate every candidate allocation on the trajectory and pick one by ``objective``.
 
     ``current``: the allocation the job runs now (None: none, e.g. the first placement); every
     other candidate is charged ``switch_cost_s`` seconds of re-placement (module notes).
+    ``plan_cache``: plans (or why there is none) per (group H, N_G, multi-node) and B_G, kept by
+    the caller across calls while the model stays the same (the answers are the same; a new
+    forecast mostly asks for B_G already solved); None: a memo for this call only.
     Raises ValueError when no allocation can run the trajectory (the message gives the reason
     of the largest allocation).
     """
@@ -270,7 +343,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_float("switch_cost_s", switch_cost_s, min_value=0)
     cl = cluster
     allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
-    memo: dict[tuple, dict[int, Plan | str]] = {}
+    memo: dict[tuple, dict[int, Plan | str]] = {} if plan_cache is None else plan_cache
     plans_of: dict[tuple, dict[int, Plan]] = {}
     cands: list[CandidateEstimate] = []
     for alloc in allocs:
@@ -323,4 +396,5 @@ def _pick(feasible: Sequence[CandidateEstimate], objective: str, cost_budget: fl
 
 
 __all__ = ["Allocation", "AutoscaleDecision", "CandidateEstimate", "EpochTime", "OBJECTIVES",
-           "enumerate_allocations", "epoch_time", "choose_allocation"]
+           "enumerate_allocations", "class_allocations", "node_classes", "MAX_CANDIDATES", "epoch_time",
+           "choose_allocation"]

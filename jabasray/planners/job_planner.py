@@ -55,15 +55,15 @@ def batch_trajectory(trajectory: Sequence[float]) -> list[int]:
 
 def choose_for_job(cluster: ClusterSpec, model: Any, trajectory: Sequence[float], dataset_size: int,
                    job: JobConfig, current: dict[str, int] | None = None,
-                   switch_cost_s: float = 0.0) -> AutoscaleDecision:
+                   switch_cost_s: float = 0.0, plan_cache: dict | None = None) -> AutoscaleDecision:
     """:func:`.autoscale.choose_allocation` with the job's settings and plan policy (module notes);
     ``current`` (``{node: GPUs}``): the allocation the job runs, other candidates charged
-    ``switch_cost_s`` seconds of re-placement."""
+    ``switch_cost_s`` seconds of re-placement; ``plan_cache``: :attr:`JobPlanner.plan_cache`."""
     return choose_allocation(cluster, model, batch_trajectory(trajectory), dataset_size, job.adapt_interval,
                              job.min_local_batch, objective=job.autoscale_objective,
                              cost_budget=job.cost_budget, tolerance=plan_tolerance(job),
                              current=Allocation(dict(current)) if current else None,
-                             switch_cost_s=switch_cost_s)
+                             switch_cost_s=switch_cost_s, plan_cache=plan_cache)
 
 
 def rank_configs(plan: Plan, pairs: Sequence[int], learners: Sequence[int] | None = None
@@ -106,6 +106,9 @@ class JobPlanner:
         self.model = model
         self._alloc_models: dict[tuple[int, bool], Any] = {}
         self._plans: dict[tuple, Plan] = {}
+        # the auto-scaler's plans per (group H, N_G, multi-node) and B_G, across its decisions
+        # (:func:`.autoscale.choose_allocation`); dropped with the model's other caches
+        self.plan_cache: dict[tuple, dict] = {}
 
     def use_model(self, model: Any) -> None:
         """Plan with ``model`` from now on (profiled or re-profiled; None: no model, burst mode),
@@ -119,6 +122,7 @@ class JobPlanner:
         self.model = model
         self._alloc_models.clear()
         self._plans.clear()
+        self.plan_cache.clear()
 
     def alloc_model(self, num_gpus: int, multi_node: bool) -> Any:
         """The model retargeted to an allocation (``for_allocation``, if any), built once per
@@ -155,6 +159,7 @@ class JobPlanner:
             return
         self.correction.observe(gpu_types, predicted, measured)
         self._plans.clear()
+        self.plan_cache.clear()
 
     def reprofile_note(self) -> str | None:
         """Why the profile should be re-measured (some factor beyond the correction's threshold,
