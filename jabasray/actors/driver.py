@@ -50,6 +50,7 @@ from .fanout import ActorFailure
 from . import interval_costs
 from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
+from .model_record import ModelRecord, resumed_record
 from .metrics import (EpochTally, IntervalRecord, MetricsHistory, decision_record, epoch_record,
                       interval_record, save_metrics)
 from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_cluster,
@@ -155,6 +156,9 @@ class JabasDriver:
                               bundle_cpus=loader_cpus(hooks))
         self._placed_epoch = -1
         self._placement_s: float | None = None   # seconds the last placement took (the re-placement charge)
+        self._placed_now_s: float | None = None  # ... when it was this epoch's (EpochRecord.placement_s)
+        self._model_record: ModelRecord | None = None   # model.json: what the plans were made with
+        self._model_used: Any = None   # the model the planner was last given (_use_model)
         # host terms of an interval and the emulation's cost, measured on the placed actors
         self._host_costs: HostCosts | None = None
         self._emulation_fits: dict[str, EmulationCost] = {}
@@ -197,6 +201,7 @@ class JabasDriver:
         import ray
 
         self._reconcile_start()
+        self._model_record = resumed_record(self.run_dir, self.job, self.cluster, self.dataset_size)
         if self.options.preflight:   # every GPU node reaches the rendezvous port (one line if not)
             self._phase("checking that the GPU nodes reach the rendezvous ports")
             self._start_notes.append(preflight(gpu_ray_nodes(self.cluster, self.options.emulate),
@@ -209,6 +214,7 @@ class JabasDriver:
                         else "building the iteration-time model")
         self._use_model(None if self._burst else self._build_model(refresh=self.options.reprofile))
         self._start_notes += self._profile_notes
+        self._model_record.note_initial(self._model_used)
         ctl = AdaptiveBatchController(self.job)
         state, worker_state = self._restore_or_start(ctl)
         restarts = 0
@@ -277,13 +283,19 @@ class JabasDriver:
         ``perf_model``); the planner's caches and correction start again."""
         self._base_model = model
         target = self._fit_target()
-        if target is None:
-            self.planner.use_model(model)
-            return
-        fitted = self.allreduce.fitted(target)
-        if self._host_costs is not None and hasattr(fitted, "with_measured_costs"):
-            fitted = fitted.with_measured_costs(self._host_costs, self._emulation_fits)
-        self.planner.use_model(fitted)
+        if target is not None:
+            model = self.allreduce.fitted(target)
+            if self._host_costs is not None and hasattr(model, "with_measured_costs"):
+                model = model.with_measured_costs(self._host_costs, self._emulation_fits)
+        self.planner.use_model(model)
+        self._model_used = model
+
+    def _note_model(self, epoch: int) -> None:
+        """The run's ``model.json`` (:mod:`.model_record`): the model that plans ``epoch``
+        (written when it differs from the previous epoch's)."""
+        rec = self._model_record
+        if rec is not None and rec.note(self._model_used, epoch):
+            rec.save(self.run_dir)
 
     def _fit_target(self) -> Any:
         """The model measured fits apply to: the profiled one (None for a given perf_model)."""
@@ -460,7 +472,8 @@ class JabasDriver:
         DeepPool's fixed G (all GPUs), as is a job without auto-scaling."""
         return next_allocation(job_cluster(cluster, self.job), self.planner.model, forecast, self.dataset_size,
                                self.job, fixed=not self.job.autoscale or self._burst is not None,
-                               current=current, switch_cost_s=switch_cost_s)
+                               current=current, switch_cost_s=switch_cost_s,
+                               plan_cache=self.planner.plan_cache)
 
     def _replacement_cost(self) -> float:
         """Seconds the auto-scaler charges a move to another allocation: ``job.replacement_cost_s``,
@@ -533,7 +546,7 @@ class JabasDriver:
             self._burst.placed()
         if self.background is not None:
             self.background.rebalance(self.gpu_actors())
-        self._placement_s = time.perf_counter() - t_place
+        self._placement_s = self._placed_now_s = time.perf_counter() - t_place
         self._phase(TRAINING_PHASE)
         return placed_before
 
@@ -563,7 +576,9 @@ class JabasDriver:
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
+        self._placed_now_s = None
         state, replaced = self._place_live(state, worker_state)
+        self._note_model(state.epochs_done)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
             self._save(replace(state, adaptive=ctl.state_dict(), metrics=self.metrics), worker_state)
@@ -661,14 +676,17 @@ class JabasDriver:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
         metrics of the epoch."""
         epoch, slots = state.epochs_done, self.pool.slots
+        t_end = time.perf_counter()
         worker_state = self._worker_state()   # burst: also completes every rank's model
         val_metrics = self.pool.evaluate(self._val_ref) if self._evaluates else {}
+        eval_s = time.perf_counter() - t_end
         trajectory = ctl.end_epoch()
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
                               predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch,
-                              dataset_size=self.dataset_size, allreduce_fit=self._fit_used(slots))
+                              dataset_size=self.dataset_size, allreduce_fit=self._fit_used(slots),
+                              placement_s=self._placed_now_s, eval_s=eval_s)
         if record.served_exactly_once is False:
             self._event(f"epoch {epoch + 1}: exactly-once failure: the actors served "
                         f"{tally.samples} samples whose digest is not that of the dataset's "

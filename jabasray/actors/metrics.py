@@ -108,6 +108,10 @@ class EpochRecord(JsonMixin):
                                               # (actors.allreduce_fit.fit_description); {}: one GPU
     decision: dict = field(default_factory=dict)  # the auto-scaler's choice made after this epoch
                                               # for the next one (decision_record); {}: none
+    placement_s: float | None = None          # seconds placing the actors took before this epoch
+                                              # (start, re-placement; None: the actors stayed)
+    eval_s: float = 0.0                       # seconds of the epoch end: the actors' state read
+                                              # for the checkpoint and the validation
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -225,12 +229,14 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                  gpu_types: list[str], trajectory: list[int], forecast: Sequence[float],
                  val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
                  time_s: float, dataset_size: int | None = None,
-                 allreduce_fit: dict | None = None) -> EpochRecord:
+                 allreduce_fit: dict | None = None, placement_s: float | None = None,
+                 eval_s: float = 0.0) -> EpochRecord:
     """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
     the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
     ``time_s``, GPU-seconds = ``time_s`` x the number of GPUs and, given ``dataset_size``,
     whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`),
-    and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`)."""
+    and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`);
+    ``placement_s`` and ``eval_s``: the epoch's placement and epoch-end seconds."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
@@ -241,7 +247,8 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        train_metrics=tally.train_metrics,
                        served_exactly_once=None if dataset_size is None
                        else tally.served_exactly_once(dataset_size),
-                       allreduce_fit=dict(allreduce_fit or {}))
+                       allreduce_fit=dict(allreduce_fit or {}), placement_s=placement_s,
+                       eval_s=float(eval_s))
 
 
 def decision_record(decision: Any, current: dict[str, int], switch_s: float) -> dict:

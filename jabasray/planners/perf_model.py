@@ -85,7 +85,7 @@ import bisect
 import logging
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -218,6 +218,38 @@ class PerfModel:
         return m
 
     # ------------------------------------------------------------ profile look-up
+    def to_record(self) -> dict:
+        """What this model is built from, as plain JSON (:meth:`from_record` rebuilds an equal
+        model): the profiles, the weight-sync setting, the OWS buffer, the emulation host's
+        devices, the measured all-reduce fits, host costs and emulation fits. A run writes it
+        whenever its model changes (``model.json``), so that the simulator can replay the run
+        with the model the driver planned with."""
+        return {"profiles": {g: p.to_dict() for g, p in self.profiles.items()},
+                "weight_sync": self.weight_sync, "r_buffer": self.r_buffer,
+                "host_devices": self.host_devices,
+                "measured_fits": [[n, multi, f.to_dict()] for (n, multi), f in self.measured_fits.items()],
+                "host_costs": self.host_costs.to_dict() if self.host_costs is not None else None,
+                "emulation_fits": {g: f.to_dict() for g, f in self.emulation_fits.items()}}
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any], num_gpus: int = 2, multi_node: bool = False) -> "PerfModel":
+        """The model :meth:`to_record` describes (for ``num_gpus``/``multi_node``, as
+        ``for_allocation``). ValueError (one line) naming a missing field."""
+        missing = [k for k in ("profiles", "weight_sync") if k not in record]
+        if missing:
+            raise ValueError(f"model record: missing field(s) {missing}; it must hold profiles, "
+                             f"weight_sync and optionally r_buffer, host_devices, measured_fits, "
+                             f"host_costs, emulation_fits")
+        costs = record.get("host_costs")
+        return cls({g: Profile.from_dict(p) for g, p in record["profiles"].items()},
+                   num_gpus=num_gpus, multi_node=multi_node, weight_sync=record["weight_sync"],
+                   r_buffer=record.get("r_buffer", 0.5), host_devices=record.get("host_devices"),
+                   measured_fits={(int(n), bool(multi)): AllReduceFit.from_dict(f)
+                                  for n, multi, f in record.get("measured_fits", [])},
+                   host_costs=HostCosts.from_dict(costs) if costs is not None else None,
+                   emulation_fits={g: EmulationCost.from_dict(f)
+                                   for g, f in (record.get("emulation_fits") or {}).items()})
+
     def profile(self, gpu: str) -> Profile:
         try:
             return self.profiles[gpu]
