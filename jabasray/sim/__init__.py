@@ -1,0 +1,1 @@
+"""The JABAS loop on a simulated clock (no Ray, no torch)."""
