@@ -225,6 +225,7 @@ class PerfModel:
         whenever its model changes (``model.json``), so that the simulator can replay the run
         with the model the driver planned with."""
         return {"profiles": {g: p.to_dict() for g, p in self.profiles.items()},
+                "num_gpus": self.num_gpus, "multi_node": self.multi_node,
                 "weight_sync": self.weight_sync, "r_buffer": self.r_buffer,
                 "host_devices": self.host_devices,
                 "measured_fits": [[n, multi, f.to_dict()] for (n, multi), f in self.measured_fits.items()],
@@ -232,9 +233,8 @@ class PerfModel:
                 "emulation_fits": {g: f.to_dict() for g, f in self.emulation_fits.items()}}
 
     @classmethod
-    def from_record(cls, record: Mapping[str, Any], num_gpus: int = 2, multi_node: bool = False) -> "PerfModel":
-        """The model :meth:`to_record` describes (for ``num_gpus``/``multi_node``, as
-        ``for_allocation``). ValueError (one line) naming a missing field."""
+    def from_record(cls, record: Mapping[str, Any]) -> "PerfModel":
+        """The model :meth:`to_record` describes. ValueError (one line) naming a missing field."""
         missing = [k for k in ("profiles", "weight_sync") if k not in record]
         if missing:
             raise ValueError(f"model record: missing field(s) {missing}; it must hold profiles, "
@@ -242,7 +242,8 @@ class PerfModel:
                              f"host_costs, emulation_fits")
         costs = record.get("host_costs")
         return cls({g: Profile.from_dict(p) for g, p in record["profiles"].items()},
-                   num_gpus=num_gpus, multi_node=multi_node, weight_sync=record["weight_sync"],
+                   num_gpus=int(record.get("num_gpus", 2)), multi_node=bool(record.get("multi_node", False)),
+                   weight_sync=record["weight_sync"],
                    r_buffer=record.get("r_buffer", 0.5), host_devices=record.get("host_devices"),
                    measured_fits={(int(n), bool(multi)): AllReduceFit.from_dict(f)
                                   for n, multi, f in record.get("measured_fits", [])},
