@@ -267,13 +267,14 @@ def _retarget(model: Any, num_gpus: int, multi_node: bool) -> Any:
 def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int], dataset_size: int,
                adapt_interval: int, min_local_batch: int,
                cache: dict[int, Plan | str] | None = None,
-               tolerance: float = DEFAULT_TOLERANCE) -> EpochTime:
+               tolerance: float = DEFAULT_TOLERANCE, tables: dict | None = None) -> EpochTime:
     """Predicted epoch time of group H for a B_G trajectory (module notes). ``model`` must already
     describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> plan
     (or the reason there is none). Plans come from :func:`.plan_policy.solve_for_batch` with
     ``tolerance``: the plan the driver will run. A B_G below what the group can run (the policy
     would raise it to its floor) makes the group infeasible here: the auto-scaler does not pick
-    an allocation that cannot run the forecast batch sizes."""
+    an allocation that cannot run the forecast batch sizes. ``tables``: the solver's tables for
+    ``model`` (:func:`.config_solver.cached_table`)."""
     traj = _check_trajectory(trajectory)
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
@@ -286,7 +287,7 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
         bg = traj[min(chunk, len(traj) - 1)]
         plan = memo.get(bg)
         if plan is None:
-            plan = memo[bg] = _plan_or_reason(bg, group_gpus, model, min_local_batch, tolerance)
+            plan = memo[bg] = _plan_or_reason(bg, group_gpus, model, min_local_batch, tolerance, tables)
         if isinstance(plan, str):
             return EpochTime(None, iters, plans, f"B_G={bg}: {plan}")
         plans[bg] = plan
@@ -302,9 +303,10 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
 
 
 def _plan_or_reason(bg: int, group_gpus: Sequence[str], model: Any, min_local_batch: int,
-                    tolerance: float) -> Plan | str:
+                    tolerance: float, tables: dict | None = None) -> Plan | str:
     try:
-        plan = solve_for_batch(bg, list(group_gpus), model, min_local_batch, tolerance=tolerance)
+        plan = solve_for_batch(bg, list(group_gpus), model, min_local_batch, tolerance=tolerance,
+                               tables=tables)
     except NoPlanError as e:
         return e.reason
     if plan.requested_global_batch_size != bg:    # raised to the group's floor
@@ -343,15 +345,21 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_float("switch_cost_s", switch_cost_s, min_value=0)
     cl = cluster
     allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
-    memo: dict[tuple, dict[int, Plan | str]] = {} if plan_cache is None else plan_cache
+    memo: dict[tuple, dict] = {} if plan_cache is None else plan_cache
+    # per (N_G, multi-node): the model retargeted once and its solver tables, for every
+    # candidate of that size (and, in a plan cache, every later decision)
+    retargeted = memo.setdefault(("retargeted models",), {})
     plans_of: dict[tuple, dict[int, Plan]] = {}
     cands: list[CandidateEstimate] = []
     for alloc in allocs:
         group = alloc.group_gpus(cl)
         key = (tuple(group), alloc.num_gpus, alloc.multi_node)
-        m = _retarget(model, alloc.num_gpus, alloc.multi_node)
+        size = (alloc.num_gpus, alloc.multi_node)
+        if size not in retargeted:
+            retargeted[size] = (_retarget(model, *size), {})
+        m, tables = retargeted[size]
         est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
-                         cache=memo.setdefault(key, {}), tolerance=tolerance)
+                         cache=memo.setdefault(key, {}), tolerance=tolerance, tables=tables)
         switch = 0.0 if current is None or alloc.same_gpus(current) else float(switch_cost_s)
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
         cands.append(CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations, est.reason, switch))

@@ -244,6 +244,35 @@ def _reachability(tables: Sequence[np.ndarray], total: int, threshold: float) ->
     return out
 
 
+def _power_sumset(allowed: np.ndarray, count: int, limit: int) -> np.ndarray:
+    """The ``count``-fold sumset allowed + ... + allowed (up to ``limit``) by doubling:
+    O(log count) convolutions instead of ``count``."""
+    result, base = None, allowed
+    while count:
+        if count & 1:
+            result = base if result is None else _sumset(result, base, limit)
+        count >>= 1
+        if count:
+            base = _sumset(base, base, limit)
+    return result
+
+
+def _feasible(groups: Sequence[tuple[np.ndarray, int]], total: int, threshold: float) -> bool:
+    """Whether the units, ``count`` alike per (table, count) of ``groups``, can take exactly
+    ``total`` workers with every time <= ``threshold`` (the last entry of
+    :func:`_reachability`, each group's sumset by :func:`_power_sumset`)."""
+    reach = np.zeros(total + 1, dtype=bool)
+    reach[0] = True
+    for best, count in groups:
+        allowed = best <= threshold
+        if not allowed.any():
+            return False
+        reach = _sumset(reach, _power_sumset(allowed, count, total), total)
+        if not reach.any():
+            return False
+    return bool(reach[total])
+
+
 def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float, list[int]] | None:
     """Exact ``min over k_1+...+k_N = total, k_j >= 1 of max_j tables[j][k_j]``.
 
@@ -253,10 +282,20 @@ def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float,
     n = len(tables)
     if n == 0 or total < n:
         return None
-    tabs = [np.array(t[: total - n + 2], dtype=float) for t in tables]
-    for t in tabs:
-        t[0] = np.inf                        # every GPU takes at least one worker
-    cands = np.unique(np.concatenate([t[np.isfinite(t)] for t in tabs]))
+    # units given the same table (GPUs of one type) are handled once, with their count
+    distinct: dict[int, tuple[np.ndarray, int]] = {}
+    tabs = []
+    for t in tables:
+        key = id(t)
+        if key not in distinct:
+            arr = np.array(t[: total - n + 2], dtype=float)
+            arr[0] = np.inf                  # every GPU takes at least one worker
+            distinct[key] = (arr, 0)
+        arr, count = distinct[key]
+        distinct[key] = (arr, count + 1)
+        tabs.append(arr)
+    groups = list(distinct.values())
+    cands = np.unique(np.concatenate([t[np.isfinite(t)] for t, _ in groups]))
     if cands.size == 0:
         return None
     # Necessary condition, monotone in T: every GPU has an admissible k, the smallest
@@ -264,12 +303,12 @@ def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float,
 
     def necessary(T: float) -> bool:
         lo = hi = 0
-        for t in tabs:
+        for t, count in groups:
             ok = np.flatnonzero(t <= T)
             if ok.size == 0:
                 return False
-            lo += int(ok[0])
-            hi += int(ok[-1])
+            lo += count * int(ok[0])
+            hi += count * int(ok[-1])
         return lo <= total <= hi
 
     lo_i, hi_i = 0, len(cands) - 1
@@ -284,27 +323,27 @@ def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float,
     start = lo_i
     # Gallop from the lower bound to the first exactly feasible threshold, then bisect.
     step, prev, probe = 1, start - 1, start
-    found: tuple[int, list[np.ndarray]] | None = None
+    found: int | None = None
     while probe < len(cands):
-        r = _reachability(tabs, total, cands[probe])
-        if r is not None and r[-1][total]:
-            found = (probe, r)
+        if _feasible(groups, total, cands[probe]):
+            found = probe
             break
         prev, probe, step = probe, min(len(cands) - 1, probe + step), step * 2
         if prev == len(cands) - 1:
             break
     if found is None:
         return None
-    lo_i, hi_i = prev + 1, found[0]
-    best_r = found[1]
+    lo_i, hi_i = prev + 1, found
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
-        r = _reachability(tabs, total, cands[mid])
-        if r is not None and r[-1][total]:
-            hi_i, best_r = mid, r
+        if _feasible(groups, total, cands[mid]):
+            hi_i = mid
         else:
             lo_i = mid + 1
     T = float(cands[hi_i])
+    best_r = _reachability(tabs, total, T)   # per unit, for the backtracking
+    if best_r is None or not best_r[-1][total]:   # cannot happen: T was feasible
+        raise RuntimeError("min_max_assignment: the feasible threshold is not reachable unit by unit")
     # Backtrack: GPU j takes the fastest admissible k that leaves a reachable remainder.
     ks = [0] * n
     s = total
@@ -352,11 +391,30 @@ def max_global_batch(group_size: int, max_local_batch: int) -> int:
     return 2 * max_local_batch * group_size * MAX_WORKERS_PER_GPU
 
 
+def cached_table(tables: dict | None, model: Any, gpu: str, local_batch: int, max_workers: int,
+                 max_vsw: int) -> _TypeTable:
+    """:func:`fastest_per_worker_count`, kept in ``tables`` (None: not kept) per (unit, B_L,
+    n_max): a table for K workers is the first K + 1 entries of any longer one (each entry is
+    the fastest configuration with exactly k workers, whatever the length), so the longest
+    computed serves every shorter request. The caller keeps ``tables`` for ONE model whose times
+    do not change (the auto-scaler's plan cache, dropped with the model)."""
+    if tables is None:
+        return fastest_per_worker_count(model, gpu, local_batch, max_workers, max_vsw)
+    key = (gpu, local_batch, max_vsw)
+    hit = tables.get(key)
+    if hit is None or len(hit.best) <= max_workers:
+        hit = tables[key] = fastest_per_worker_count(model, gpu, local_batch, max_workers, max_vsw)
+    if len(hit.best) == max_workers + 1:
+        return hit
+    return _TypeTable(hit.best[:max_workers + 1], hit.nvsw[:max_workers + 1], hit.nga[:max_workers + 1])
+
+
 def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, local_batch: int,
-                      incumbent: float | None = None) -> tuple[Plan | None, LocalBatchOutcome]:
+                      incumbent: float | None = None, tables: dict | None = None
+                      ) -> tuple[Plan | None, LocalBatchOutcome]:
     """Alg. 1 lines 8-23 for ONE local batch size: the optimal (n_vsw, n_GA) per GPU of the group
     at this B_L, or None with the reason in the outcome. ``incumbent``: a throughput to beat
-    (exact pruning, line 24); None solves unconditionally."""
+    (exact pruning, line 24); None solves unconditionally. ``tables``: see :func:`cached_table`."""
     gpus = list(gpus)
     model = unit_model(model)
     n_h = len(gpus)
@@ -368,18 +426,18 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
         return None, LocalBatchOutcome(local_batch, m, note=f"skipped: M={m} needs more than "
                                        f"{MAX_WORKERS_PER_GPU} decoupled workers per GPU (search bound)")
     max_workers = min(m - n_h + 1, MAX_WORKERS_PER_GPU)
-    tables: dict[str, _TypeTable] = {}
+    per_type: dict[str, _TypeTable] = {}
     missing = []
     for g in types:
         nmax = int(model.max_num_vsw(g, local_batch))
         if nmax < 1:
             missing.append(g)
             continue
-        tables[g] = fastest_per_worker_count(model, g, local_batch, max_workers, nmax)
+        per_type[g] = cached_table(tables, model, g, local_batch, max_workers, nmax)
     if missing:
         return None, LocalBatchOutcome(local_batch, m, note=f"no configuration: {missing} "
                                        f"cannot run one VSW at this B_L")
-    arrays = [tables[g].best for g in gpus]
+    arrays = [per_type[g].best for g in gpus]
     # Exact pruning: even the necessary lower bound of T cannot beat the incumbent.
     lb = max(float(np.min(a[1:])) for a in arrays)
     if incumbent is not None and local_batch * m * 2 / lb <= incumbent:
@@ -390,7 +448,7 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
                                        "cannot be split over the group")
     t_iter, ks = res
     thp = local_batch * m * 2 / t_iter
-    workers = [WorkerConfig(g, int(tables[g].nvsw[k]), int(tables[g].nga[k])) for g, k in zip(gpus, ks)]
+    workers = [WorkerConfig(g, int(per_type[g].nvsw[k]), int(per_type[g].nga[k])) for g, k in zip(gpus, ks)]
     common, per_worker = _weight_syncs(model, workers, local_batch)
     plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
                 workers=workers, iteration_time=t_iter,

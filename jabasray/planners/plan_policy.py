@@ -81,10 +81,10 @@ def _pick(plans: list[Plan], global_batch: int, tolerance: float) -> Plan:
 
 
 def _solve(global_batch: int, gpus: list[str], model: Any, candidates: list[int],
-           tolerance: float) -> tuple[Plan | None, list[str]]:
+           tolerance: float, tables: dict | None = None) -> tuple[Plan | None, list[str]]:
     plans, notes = [], []
     for bl in candidates:
-        plan, outcome = solve_local_batch(global_batch, gpus, model, bl)
+        plan, outcome = solve_local_batch(global_batch, gpus, model, bl, tables=tables)
         if plan is not None:
             plans.append(plan)
         else:
@@ -96,7 +96,7 @@ def _solve(global_batch: int, gpus: list[str], model: Any, candidates: list[int]
 
 def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_local_batch: int,
                     tolerance: float = DEFAULT_TOLERANCE,
-                    local_batches: Sequence[int] | None = None) -> Plan:
+                    local_batches: Sequence[int] | None = None, tables: dict | None = None) -> Plan:
     """The plan that runs B_G = ``global_batch`` on group H = ``gpus`` (module notes).
 
     Args:
@@ -108,6 +108,8 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
         min_local_batch: min B_L; every B_L is a multiple of it.
         tolerance: fraction of B_G within which B_G* counts as "near" (>= 0).
         local_batches: restrict the candidate B_L (multiples of ``min_local_batch``).
+        tables: the solver's per-type tables kept across calls on the same ``model``
+            (:func:`.config_solver.cached_table`; None: computed for this call).
     Raises:
         NoPlanError (a ValueError) when no configuration exists; ValueError on bad input.
     """
@@ -127,12 +129,12 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
         raise NoPlanError(f"{global_batch} is too large for {len(gg)} GPU unit(s): it must be <= {limit} "
                           f"(search bound: at most {MAX_WORKERS_PER_GPU} decoupled workers per GPU "
                           f"at B_L {candidates[-1]})")
-    plan, notes = _solve(global_batch, gg, model, candidates, tolerance)
+    plan, notes = _solve(global_batch, gg, model, candidates, tolerance, tables)
     if plan is None:
         floor = 2 * len(gg) * candidates[0]
         if global_batch < floor:
             log.info("B_G %d is too small for %d GPU units; running B_G %d", global_batch, len(gg), floor)
-            plan, notes = _solve(floor, gg, model, candidates, tolerance)
+            plan, notes = _solve(floor, gg, model, candidates, tolerance, tables)
     if plan is None:
         raise NoPlanError(f"no configuration for global batch {global_batch} on GPUs {gg} "
                           f"(min_local_batch={min_local_batch}): {'; '.join(notes)}")
