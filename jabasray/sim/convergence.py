@@ -81,7 +81,7 @@ Trace rows and how the model reads them:
   integrated exactly segment by segment (:meth:`ConvergenceModel.step`). That reproduces the
   progress column of a trace recorded here exactly from its iterations, and Pollux's (summed
   online from exponential averages) within 1 % (median over rows) up to B = 4 M0, and within
-  3-17 % at 8-32 M0, where the averages lag the fast early change of the statistics.
+  17 % at 8-64 M0, where the averages lag the fast early change of the statistics.
 * Between batch sizes, statistics are interpolated linearly in B between the two neighbouring
   traces (Pollux's ``get_grad_stats``), grad_sqr and grad_var apart; outside the traced range
   the nearest trace is used. ``batch=None`` reads the reference trace.
