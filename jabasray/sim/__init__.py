@@ -7,4 +7,6 @@ policies decide, a time model (the iteration-time model from profiles) and a con
 * :mod:`.replay`: a recorded run re-simulated beside what ran.
 * :mod:`.clusters`: the JABAS paper's clusters (Table 1) at any size; profiles of unmeasured types.
 * :mod:`.jabas_profiles`: the JABAS quick start's published V100/P100 profiles.
+* :mod:`.convergence`: progress per sample, the metric and the two groups' similarity at a batch
+  from gradient statistics (Pollux's traces, or runs recorded by benchmarks/record_convergence.py).
 """
