@@ -73,7 +73,6 @@ def remove_leftovers(run: str) -> tuple[int, int]:
     """Kill the run's named GPU actors and remove its recorded placement groups that still
     exist. Returns (actors killed, placement groups removed)."""
     import ray
-    from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     actors = 0
@@ -89,7 +88,7 @@ def remove_leftovers(run: str) -> tuple[int, int]:
     table = ray.util.placement_group_table()
     for pg_hex in (kv_get(run, "pgs") or b"").decode().split():
         if table.get(pg_hex, {}).get("state") not in (None, "REMOVED"):
-            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_hex)))
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_hex)))
             groups += 1
     kv_put(run, "pgs", b"")
     return actors, groups
