@@ -5,14 +5,15 @@ Design notes:
 
 * **Name.** One actor per run: ``driver:<run name>`` in the Ray namespace ``jabasray``
   (:data:`NAMESPACE`), ``lifetime="detached"`` (a client that disconnects does not end it),
-  no CPU (it only orchestrates), on the head node or ``DriverOptions.driver_node`` (soft node
-  affinity, so a restart after that node died lands elsewhere), ``max_restarts =
-  DriverOptions.driver_max_restarts``. With ``driver_node`` given it asks for
-  :data:`DRIVER_CPUS` instead of none, because Ray 2.60 ignores a soft node affinity for an
-  actor that asks for no resource at all (it then lands on any node, seen in
-  tests/test_cluster_faults.py); a node without CPUs then cannot host the driver. Without it the
-  driver holds nothing, so the GPU actors' placement bundles (which reserve loader CPUs) can take
-  every CPU of a node.
+  on the head node or ``DriverOptions.driver_node`` (soft node affinity, so a restart after that
+  node died lands elsewhere), ``max_restarts = DriverOptions.driver_max_restarts``. It asks for
+  :data:`DRIVER_CPUS`, a token share of a CPU (it only orchestrates): Ray 2.60 ignores a soft
+  node affinity for an actor that asks for no resource at all and places it on any node (about
+  half the time on another one, where a local run folder does not exist;
+  tests/test_driver_node.py). The price: a node must have that share free to host the driver
+  (a head started with no CPUs never does, and the driver then runs elsewhere), and on the
+  driver's node GPU bundles that reserve whole loader CPUs fit one fewer time when they would
+  have taken every CPU.
 * **The run's spec lives in Ray's GCS key-value store**, not in the actor's constructor
   arguments: Ray keeps large constructor arguments in the object store, owned by the creating
   client, so the restart of a detached actor whose client has left would fail
@@ -53,7 +54,8 @@ from .run_record import NAMESPACE, kv_delete_run, kv_get, kv_key, kv_put   # noq
 log = logging.getLogger(__name__)
 
 DRIVER_PREFIX = "driver:"       # driver actor name = DRIVER_PREFIX + run name
-DRIVER_CPUS = 0.001             # CPUs the driver actor asks for with driver_node (module notes)
+DRIVER_CPUS = 0.001             # CPUs the driver actor asks for: with none, Ray ignores its node
+                                # affinity (module notes)
 FINISHED_LINGER_S = 120.0       # an ended run waits this long for a client to collect its outcome
 FOLLOWER_ACTIVE_S = 3.0         # a follower that polled this recently still gets the outcome
 DONE_STATES = ("finished", "stopped", "failed")
@@ -296,7 +298,7 @@ class DriverActor:
 
     def status(self) -> dict:
         """Where the run is: state, epochs, the running epoch's samples and B_G, the last epoch
-        record and the last events."""
+        record and the last events; where the driver runs (``pid``, ``node`` IP, ``node_id``)."""
         import ray
 
         with self._lock:
@@ -306,7 +308,8 @@ class DriverActor:
         cur = drv.position[0] if drv else 0
         done_in_epoch = sum(r.samples for r in drv.metrics.intervals if r.epoch == cur) if drv else 0
         return {"name": self.run_name, "state": self.state, "incarnation": self.incarnation,
-                "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "run_dir": self.run_dir,
+                "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "run_dir": self.run_dir,
                 "epochs": self.epochs, "epochs_done": len(drv.metrics.epochs) if drv else 0,
                 "epoch": cur, "samples": done_in_epoch, "dataset_size": self.dataset_size,
                 "global_batch": interval.global_batch if interval else None,

@@ -88,8 +88,9 @@ def _driver_node(options: DriverOptions) -> str:
 
 def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: DriverOptions) -> Any:
     """Start run ``name``'s driver actor with :class:`JabasDriver` ``(*driver_args,
-    **driver_kwargs)`` (module notes of :mod:`.driver_actor`). Refused (ValueError, one line)
-    when a driver of that name exists. Returns the actor handle."""
+    **driver_kwargs)`` (module notes of :mod:`.driver_actor`) on the head node or
+    ``options.driver_node``: :data:`DRIVER_CPUS` CPUs and a soft node affinity to it. Refused
+    (ValueError, one line) when a driver of that name exists. Returns the actor handle."""
     import ray
     from ray import cloudpickle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -100,7 +101,7 @@ def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: Drive
     try:
         return ray.remote(DriverActor).options(
             name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached",
-            num_cpus=DRIVER_CPUS if options.driver_node else 0,
+            num_cpus=DRIVER_CPUS,
             resources=dict(options.driver_resources or {}), max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
