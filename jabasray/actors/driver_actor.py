@@ -29,6 +29,9 @@ Design notes:
   interrupted epoch is redone) and the events say so.
 * **Progress** (interval and epoch records, events) is appended to a buffer of the current
   incarnation; a client polls ``poll(since, incarnation)`` and replays it into its callbacks.
+  A detached run's ``RunConfig.callbacks`` come with the spec and run here, the Tune loggers
+  writing into the run folder (:class:`~jabasray.actors.callbacks.RunTrackers`), finished
+  before the outcome is handed out.
 * **Stop** is checked between intervals (or, with ``at_epoch_end``, after the epoch's
   checkpoint): :class:`StopRequested` leaves :meth:`JabasDriver.run`, whose ``finally`` releases
   the GPU actors and placement groups. Checkpoints are written at epoch ends, so the final
@@ -46,6 +49,7 @@ import threading
 import warnings
 from typing import Any
 
+from .callbacks import RunTrackers, tracker_callbacks
 from .driver import JabasDriver
 from .driver_options import DriverCallback
 from .run_folder import run_lock
@@ -165,6 +169,16 @@ class _Progress(DriverCallback):
         self.sink._append("phase", phase)
 
 
+def _close(trackers: RunTrackers | None, failed: bool) -> None:
+    """End the run's tracker callbacks (their failure is logged: the run's outcome stands)."""
+    if trackers is None:
+        return
+    try:
+        trackers.finish(failed)
+    except Exception:  # noqa: BLE001 - a logger must not change the run's outcome
+        log.exception("the logger callbacks of the run failed to finish")
+
+
 class DriverActor:
     """The Ray actor hosting one run's driver (module notes). Created by
     :func:`jabasray.actors.run_client.start_run`; ``run_name`` is the only argument."""
@@ -207,10 +221,14 @@ class DriverActor:
             blob = kv_get(self.run_name, "spec")
             if blob is None:
                 raise RuntimeError(f"run {self.run_name}: its spec is gone from the Ray KV store")
-            args, kwargs = cloudpickle.loads(blob)
+            args, kwargs, run_callbacks = cloudpickle.loads(blob)
             kwargs = dict(kwargs, callbacks=[_Progress(self)])
             self.driver = ActorJabasDriver(*args, run_name=self.run_name, incarnation=self.incarnation,
                                            restart_note=note, **kwargs)
+            # a detached run's RunConfig.callbacks run here (callbacks module notes)
+            user, trackers = tracker_callbacks(run_callbacks, self.driver.run_dir, self.run_name,
+                                               self.driver.job.to_dict())
+            self.driver.callbacks += [*user, *([trackers] if trackers else [])]
             self.run_dir = str(self.driver.run_dir)
             self.epochs, self.dataset_size = self.driver.job.epochs, self.driver.dataset_size
             self.state = "running"
@@ -221,14 +239,22 @@ class DriverActor:
             # incarnation died: its lock is stale
             lock = run_lock(self.driver.run_dir, named_driver=True).acquire(take_over=self.restarted)
             self.driver.lock = lock
+            if trackers is not None:
+                trackers.start()
             try:
                 try:
                     history = self.driver.run()
                 finally:
                     lock.release()
-                self._end("finished", history)
             except StopRequested as stop:
+                _close(trackers, failed=False)
                 self._stopped(str(stop))
+            except BaseException:
+                _close(trackers, failed=True)
+                raise
+            else:
+                _close(trackers, failed=False)   # their files are in the run folder before the end
+                self._end("finished", history)
         except BaseException as e:  # noqa: BLE001 - reported to the client, which re-raises it
             log.exception("run %s failed", self.run_name)
             self._outcome = ("error", e)
