@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +25,33 @@ ACCELERATOR_LABEL = "ray.io/accelerator-type"   # Ray's node label naming a node
 # it runs both groups' decoupled workers itself, as two equal halves of its VSWs. Solvers see a
 # unit as a type name; a solo unit's name is its GPU type with this suffix.
 SOLO_SUFFIX = "/solo"
+
+
+def accelerator_type_of(device_name: str) -> str | None:
+    """Ray's accelerator type of an NVIDIA device called ``device_name`` (what Ray 2.60 puts in
+    a GPU node's ``accelerator_type:<TYPE>`` resource and ``ray.io/accelerator-type`` label), by
+    Ray's rule written out here so that the profiler needs no Ray: after the first word (the
+    vendor or "Tesla"), any all-capital words followed by the leading capitals and digits of
+    the next word, which must hold a digit, joined by ``-`` (``NVIDIA A100-SXM4-80GB`` ->
+    ``A100``, ``NVIDIA RTX PRO 6000 Blackwell`` -> ``RTX-PRO-6000``); otherwise the name
+    without a leading ``NVIDIA``, spaces as ``-`` (``NVIDIA GeForce RTX 4090`` ->
+    ``GeForce-RTX-4090``). None for an empty name. ``tests/test_ray_internals.py`` checks this
+    against Ray's own rule."""
+    words = device_name.split()
+    if len(words) >= 2 and re.fullmatch(r"\w+", words[0]):
+        caps: list[str] = []
+        for word in words[1:]:
+            model = re.match(r"[A-Z0-9]*", word).group(0)
+            if any(c.isdigit() for c in model):
+                name = "-".join([*caps, model])
+                if len(name) > 1:
+                    return name
+                break
+            if not re.fullmatch(r"[A-Z]+", word):
+                break
+            caps.append(word)
+    rest = re.sub(r"^NVIDIA\s+", "", device_name).strip()
+    return rest.replace(" ", "-") or None
 
 
 def solo_unit(gpu_type: str) -> str:

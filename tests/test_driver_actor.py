@@ -61,14 +61,17 @@ class Recorder(DriverCallback):
         self.events.append(message)
 
 
-def trainer(tmp_path, name, epochs, cluster=FAST, driver="actor", callbacks=(), held=False):
+def trainer(tmp_path, name, epochs, cluster=FAST, driver="actor", callbacks=(), held=False,
+            run_callbacks=()):
     """A run of ``job(epochs)`` on 200 digits; ``held``: its reads wait mid-epoch 1 (after
-    200 + 40 rows) until the test releases them (``trainer(...).dataset.release()``)."""
+    200 + 40 rows) until the test releases them (``trainer(...).dataset.release()``);
+    ``run_callbacks``: its ``RunConfig.callbacks``."""
     ds, val = tiny_data(200)
     if held:
         ds = HeldRows(ds, tmp_path, after=200 + 40)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=cluster,
-                        run_config=RunConfig(str(tmp_path), name), val_dataset=val,
+                        run_config=RunConfig(str(tmp_path), name, callbacks=list(run_callbacks)),
+                        val_dataset=val,
                         perf_model=perf_model(), options=DriverOptions(driver=driver),
                         callbacks=callbacks)
 
@@ -141,6 +144,41 @@ def test_killed_driver_process_restarts_and_finishes_like_an_uninterrupted_run(r
     assert_no_leftovers(ray)
     with pytest.raises(ValueError, match=r"^run 'killed' has no running driver .*; running runs: none$"):
         run_client.status(name)
+
+
+def test_detached_run_feeds_its_loggers_in_the_run_folder_and_follow_prints_epochs(ray_session, tmp_path, capsys):
+    """``fit(wait=False)`` with Ray's TensorBoard and CSV loggers in RunConfig.callbacks: they
+    run in the driver actor (no client follows the run while it trains) and write into the
+    run folder; ``run_client.follow(name)`` without callbacks prints the epoch lines."""
+    import csv
+
+    from ray.tune.logger import CSVLoggerCallback, TBXLoggerCallback
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    name = "tracked"
+    run = trainer(tmp_path, name, 2, run_callbacks=[TBXLoggerCallback(), CSVLoggerCallback()])
+    assert run.fit(wait=False) == name
+    capsys.readouterr()
+    result = run_client.follow(name)
+    out = capsys.readouterr().out
+    epochs, intervals = result.history.epochs, result.history.intervals
+    assert [ln.split(":")[0] for ln in out.splitlines() if ln.startswith("epoch ")] == ["epoch 1", "epoch 2"]
+    folder = tmp_path / name
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    got = [e.value for e in acc.Scalars("ray/tune/epoch/train_loss")]
+    assert got == pytest.approx([e.train_loss for e in epochs], rel=1e-6)
+    loss = acc.Scalars("ray/tune/interval/loss")
+    assert [e.value for e in loss] == pytest.approx([r.loss for r in intervals], rel=1e-6)
+    with open(folder / "progress.csv") as f:
+        rows = list(csv.DictReader(f))
+    # one row per result (every interval, then its epoch); the first result (an interval) set
+    # the columns, so the rows of intervals carry their loss
+    assert [int(r["training_iteration"]) for r in rows] == list(range(1, len(intervals) + len(epochs) + 1))
+    assert [float(r["interval/loss"]) for r in rows if r["interval/loss"]] == \
+        pytest.approx([r.loss for r in intervals], rel=1e-6)
+    assert not (tmp_path / "jabasray_logs").exists() and not os.path.exists("jabasray_logs")
+    assert_no_leftovers(ray_session)
 
 
 SCRIPT = '''

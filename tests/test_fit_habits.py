@@ -3,6 +3,7 @@ callbacks, Ray's own RunConfig converted or refused, Ray's TBXLoggerCallback wri
 files read back by TensorBoard's own reader, one console line per epoch, a compact Result repr."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -89,6 +90,60 @@ def test_console_reporter_bar_counts_samples_and_prints_epoch_lines(capsys):
     assert plain.bar is None and plain.lines == [epoch_line(epoch)]
     out, err = capsys.readouterr()
     assert out.splitlines() == [epoch_line(epoch)] and err == ""
+
+
+def test_trackers_of_a_run_on_remote_storage_write_into_the_run_folder(tmp_path, monkeypatch):
+    """Ray's TensorBoard and CSV loggers of a run whose folder is on a remote filesystem (here
+    a SubTreeFileSystem: pyarrow's own, not "local") write into a temporary folder that is
+    uploaded into the run folder at every epoch end and at the end - not into the client's
+    working folder - and the temporary folder is removed."""
+    import csv
+
+    import pyarrow.fs
+    from ray.tune.logger import CSVLoggerCallback, TBXLoggerCallback
+
+    from jabasray.actors.callbacks import tracker_callbacks
+    from jabasray.actors.metrics import EpochRecord
+    from jabasray.storage import resolve
+
+    cwd, root = tmp_path / "cwd", tmp_path / "bucket"
+    cwd.mkdir()
+    root.mkdir()
+    monkeypatch.chdir(cwd)
+    run = resolve("runs/r", pyarrow.fs.SubTreeFileSystem(str(root), pyarrow.fs.LocalFileSystem()))
+    assert not run.is_local
+    user, trackers = tracker_callbacks([TBXLoggerCallback(), CSVLoggerCallback()], run, "r", JOB.to_dict())
+    assert user == [] and trackers is not None
+    trackers.start()
+    staging = trackers.staging
+    epochs = [EpochRecord(epoch=e, allocation={"n0": 1}, gpu_types=["fast"], trajectory=[24],
+                          predicted_trajectory=[], train_loss=1.0 / (e + 1), val_accuracy=0.5,
+                          time_s=1.0, gpu_seconds=1.0, samples=24, throughput=24.0) for e in range(2)]
+    trackers.on_epoch(None, epochs[0])
+    assert (root / "runs" / "r" / "progress.csv").is_file()      # uploaded at the epoch's end
+    trackers.on_epoch(None, epochs[1])
+    trackers.finish(failed=False)
+    files = sorted(p.name for p in (root / "runs" / "r").iterdir())
+    assert "progress.csv" in files and any(f.startswith("events.out.tfevents.") for f in files)
+    with open(root / "runs" / "r" / "progress.csv") as f:
+        assert [float(r["epoch/train_loss"]) for r in csv.DictReader(f)] == [1.0, 0.5]
+    assert list(cwd.iterdir()) == [] and not os.path.exists(staging)
+
+
+def test_a_detached_run_refuses_callbacks_it_cannot_send_before_any_work(tmp_path):
+    import threading
+
+    class Holding(DriverCallback):
+        def __init__(self):
+            self.lock = threading.Lock()        # cannot be pickled
+
+    ds, _ = tiny_data(64)
+    tr = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JOB, cluster=CLUSTER,
+                      run_config=RunConfig(str(tmp_path), "held", callbacks=[Holding()]))
+    with pytest.raises(ValueError, match=r"^callbacks: RunConfig.callbacks\[0\] \(Holding\) cannot be "
+                                         r"sent to the driver actor of a detached run \(TypeError: "):
+        tr.fit(wait=False)
+    assert list(tmp_path.iterdir()) == []       # nothing done
 
 
 def test_ray_run_configs_are_converted_or_refused_in_one_line():

@@ -9,7 +9,9 @@ variables are set, so the driver actor and the GPU actors reach the same endpoin
 * resume on S3 equals the uninterrupted run (weights, momentum, B_G trajectory, LRs);
 * the driver actor killed mid-epoch restarts, resumes from the checkpoint on S3 and ends like the
   uninterrupted run;
-* a driver that cannot see the checkpoint Ray's key-value store names refuses in one line.
+* a driver that cannot see the checkpoint Ray's key-value store names refuses in one line;
+* a detached run's TensorBoard and CSV loggers (RunConfig.callbacks, run by the driver actor)
+  end up in the run folder on S3, not in a local folder.
 """
 from __future__ import annotations
 
@@ -56,14 +58,16 @@ def s3(without_session_ray):
         server.stop()
 
 
-def trainer(name: str, epochs: int, cluster=FAST, driver: str = "local", held_in=None) -> JabasTrainer:
+def trainer(name: str, epochs: int, cluster=FAST, driver: str = "local", held_in=None,
+            callbacks=()) -> JabasTrainer:
     """A run of ``job(epochs)`` on 200 digits; ``held_in`` (a local folder): its reads wait
-    mid-epoch 1 (after 200 + 40 rows) until the test releases them."""
+    mid-epoch 1 (after 200 + 40 rows) until the test releases them; ``callbacks``: its
+    ``RunConfig.callbacks``."""
     ds, val = tiny_data(200)
     if held_in is not None:
         ds = HeldRows(ds, held_in, after=200 + 40)
     return JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, job(epochs), cluster=cluster,
-                        run_config=RunConfig(STORAGE, name), val_dataset=val,
+                        run_config=RunConfig(STORAGE, name, callbacks=list(callbacks)), val_dataset=val,
                         perf_model=perf_model(), options=DriverOptions(driver=driver))
 
 
@@ -182,3 +186,18 @@ def test_driver_refuses_when_the_checkpoint_ray_recorded_is_not_visible(s3):
     assert msg.endswith("sees no such checkpoint (newest it sees: epoch_0000); the storage is "
                         "unreachable from this node or not shared with it; refusing to start "
                         "from an older state") and "\n" not in msg
+
+
+def test_detached_run_on_s3_writes_its_loggers_into_the_run_folder(s3, tmp_path, monkeypatch):
+    from ray.tune.logger import CSVLoggerCallback, TBXLoggerCallback
+
+    monkeypatch.chdir(tmp_path)         # a ./jabasray_logs folder would show up here
+    name = "tracked"
+    run = trainer(name, 1, driver="actor", callbacks=[TBXLoggerCallback(), CSVLoggerCallback()])
+    assert run.fit(wait=False) == name
+    result = run_client.follow(name, ())
+    keys = {k[len(f"runs/{name}/"):] for k in s3.keys("bkt", f"runs/{name}/")}
+    assert "progress.csv" in keys and any(k.startswith("events.out.tfevents.") for k in keys), keys
+    csv_text = resolve(f"{STORAGE}/{name}/progress.csv").read_text()
+    assert len(csv_text.strip().splitlines()) == 1 + len(result.history.intervals) + 1   # header, results
+    assert os.listdir(tmp_path) == []

@@ -29,6 +29,23 @@ def test_versions_outside_the_tested_range_are_one_line(version, ok):
         assert "\n" not in msg and f"Ray {version} is outside the range" in msg and "2.60" in msg
 
 
+def test_pyproject_admits_exactly_the_tested_ray_releases():
+    """pyproject's ``ray`` requirement is TESTED_RAY: from its oldest minor release up to, not
+    including, the minor release after its newest one (a Ray pip would install is one the
+    suite passed on)."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    ray_reqs = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "ray"]
+    assert len(ray_reqs) == 1
+    (lo_major, lo_minor), (hi_major, hi_minor) = ti.TESTED_RAY
+    assert ray_reqs[0].specifier == SpecifierSet(f">={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}")
+
+
 def test_a_missing_internal_is_named_and_stops_require(monkeypatch):
     from ray.tune.schedulers import hyperband as hb
 

@@ -15,9 +15,17 @@ as Ray's ``verbose``: 0 nothing, 1 this reporter, 2 also the actors' INFO log li
 drives Ray's callback API as Tune drives it for one trial: ``setup()``, ``on_trial_start``,
 one ``on_trial_result`` per interval and per epoch, ``on_trial_complete`` (or
 ``on_trial_error``) and ``on_experiment_end``. The trial is a :class:`RunTrial`: the run's name,
-its ``JobConfig`` as ``config``, and as ``local_path`` the run folder (a local run; TensorBoard
-event files land beside ``metrics.json``, so ``tensorboard --logdir <storage_path>`` shows every
-run) or ``./jabasray_logs/<name>`` for a run on remote storage (Ray's loggers write local files).
+its ``JobConfig`` as ``config``, and as ``local_path`` the run folder, so that TensorBoard event
+files and ``progress.csv`` land beside ``metrics.json`` (``tensorboard --logdir <storage_path>``
+shows every run). Ray's loggers write local files: for a run on remote storage (S3, GCS, ...)
+:class:`RunTrackers` gives them a temporary folder and uploads what they wrote into the run
+folder, through the run's filesystem, at every epoch end and at the end.
+
+**Where they run.** In the process that follows the run: ``fit()``'s (the driver in this
+process, or the driver actor's progress replayed here). A detached run (``fit(wait=False)``,
+``jabasray train --detach``) has no such process: its ``RunConfig.callbacks`` travel to the
+driver actor (cloudpickled with the job; :func:`check_sendable` refuses one that cannot, in one
+line, before any work) and run there.
 
 A result carries every scalar field of the record (and every dict of scalars, flattened with
 ``/``: validation metrics, and any training metrics the records gain) under ``interval/...`` or
@@ -30,7 +38,9 @@ import dataclasses
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 from typing import Any, Iterable, Sequence
 
 from .driver_options import TRAINING_PHASE, DriverCallback
@@ -136,25 +146,95 @@ class TuneCallbackAdapter(DriverCallback):
         self.callback.on_experiment_end(trials=[self.trial])
 
 
+class RunTrackers(DriverCallback):
+    """Ray Tune callbacks of one run, fed its records over one :class:`RunTrial` whose
+    ``local_path`` is the run folder, or for a run on remote storage a temporary folder
+    uploaded into the run folder at every epoch end and by :meth:`finish` (module notes)."""
+
+    def __init__(self, callbacks: Sequence[Any], run_dir: Any, name: str, config: dict) -> None:
+        from ..storage import as_storage_path
+
+        self.callbacks, self.name, self.config = list(callbacks), name, dict(config)
+        self.run_dir = as_storage_path(run_dir)
+        self.adapters: list[TuneCallbackAdapter] = []
+        self.staging: str | None = None      # the temporary folder of a remote run folder
+
+    def start(self) -> None:
+        """The trial's folder, then ``setup`` and ``on_trial_start`` of every callback."""
+        if self.run_dir.is_local:
+            local = str(self.run_dir.local_path)
+        else:
+            self.staging = local = tempfile.mkdtemp(prefix=f"jabasray-{self.name}-logs-")
+        trial = RunTrial(self.name, self.config, local, str(self.run_dir.parent.name or self.name))
+        self.adapters = [TuneCallbackAdapter(cb, trial) for cb in self.callbacks]
+        for a in self.adapters:
+            a.start()
+
+    def on_interval(self, driver: Any, record: Any) -> None:
+        for a in self.adapters:
+            a.on_interval(driver, record)
+
+    def on_epoch(self, driver: Any, record: Any) -> None:
+        for a in self.adapters:
+            a.on_epoch(driver, record)
+        self.upload()
+
+    def finish(self, failed: bool) -> None:
+        """End the trial (``on_trial_complete`` or ``on_trial_error``, ``on_experiment_end``),
+        upload what the callbacks wrote and remove the temporary folder."""
+        try:
+            for a in self.adapters:
+                a.finish(failed)
+            self.upload()
+        finally:
+            if self.staging is not None:
+                shutil.rmtree(self.staging, ignore_errors=True)
+                self.staging = None
+
+    def upload(self) -> None:
+        """Copy every file of the temporary folder into the run folder (remote storage only);
+        a failed upload is logged, never the run's failure."""
+        if self.staging is None:
+            return
+        try:
+            for folder, _, files in os.walk(self.staging):
+                if not files:
+                    continue
+                rel = os.path.relpath(folder, self.staging).replace(os.sep, "/")
+                target = self.run_dir if rel == "." else self.run_dir / rel
+                target.mkdir()
+                for f in files:
+                    (target / f).upload(os.path.join(folder, f))
+        except Exception as e:  # noqa: BLE001 - the trackers' files must not fail the run
+            log.warning("run %s: could not upload the logger callbacks' files to %s: %s",
+                        self.name, self.run_dir, e)
+
+
 def tracker_callbacks(callbacks: Iterable[Any], run_dir: Any, name: str, config: dict
-                      ) -> tuple[list[Any], list[TuneCallbackAdapter]]:
-    """Split ``RunConfig.callbacks`` into the driver callbacks (as given) and adapters of Ray
-    Tune callbacks over one :class:`RunTrial` of the run ``name`` in ``run_dir``."""
-    driver, adapters = [], []
-    trial = None
+                      ) -> tuple[list[Any], RunTrackers | None]:
+    """Split ``RunConfig.callbacks`` into the driver callbacks (as given) and the
+    :class:`RunTrackers` of its Ray Tune callbacks in run ``name``'s folder ``run_dir``
+    (None: there are none)."""
+    driver, tune = [], []
     for cb in callbacks:
-        if not is_tune_callback(cb):
-            driver.append(cb)
-            continue
-        if trial is None:
-            local = str(run_dir.local_path) if run_dir.is_local else os.path.abspath(
-                os.path.join("jabasray_logs", name))
-            if not run_dir.is_local:
-                log.info("run %s is on remote storage: Ray's logger callbacks write into %s",
-                         name, local)
-            trial = RunTrial(name, config, local, str(run_dir.parent.name or name))
-        adapters.append(TuneCallbackAdapter(cb, trial))
-    return driver, adapters
+        (tune if is_tune_callback(cb) else driver).append(cb)
+    return driver, (RunTrackers(tune, run_dir, name, config) if tune else None)
+
+
+def check_sendable(callbacks: Sequence[Any]) -> None:
+    """One-line ValueError when a callback cannot travel to the driver actor of a detached run
+    (it must survive cloudpickle, as the job does)."""
+    from ray import cloudpickle
+
+    for i, cb in enumerate(callbacks):
+        try:
+            cloudpickle.dumps(cb)
+        except Exception as e:  # noqa: BLE001 - whatever pickling raises: one line
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"callbacks: RunConfig.callbacks[{i}] ({type(cb).__name__}) cannot be "
+                             f"sent to the driver actor of a detached run ({type(e).__name__}"
+                             f"{': ' + text if text else ''}); make it picklable or follow the run "
+                             f"with fit() so that it runs in this process") from None
 
 
 class ConsoleReporter(DriverCallback):
@@ -222,5 +302,5 @@ def console_reporter(callbacks: Sequence[Any]) -> ConsoleReporter | None:
     return next((cb for cb in callbacks if isinstance(cb, ConsoleReporter)), None)
 
 
-__all__ = ["scalar_metrics", "RunTrial", "TuneCallbackAdapter", "tracker_callbacks",
-           "ConsoleReporter", "console_reporter", "is_tune_callback"]
+__all__ = ["scalar_metrics", "RunTrial", "TuneCallbackAdapter", "RunTrackers", "tracker_callbacks",
+           "check_sendable", "ConsoleReporter", "console_reporter", "is_tune_callback"]

@@ -5,14 +5,15 @@ Design notes:
 
 * **Name.** One actor per run: ``driver:<run name>`` in the Ray namespace ``jabasray``
   (:data:`NAMESPACE`), ``lifetime="detached"`` (a client that disconnects does not end it),
-  no CPU (it only orchestrates), on the head node or ``DriverOptions.driver_node`` (soft node
-  affinity, so a restart after that node died lands elsewhere), ``max_restarts =
-  DriverOptions.driver_max_restarts``. With ``driver_node`` given it asks for
-  :data:`DRIVER_CPUS` instead of none, because Ray 2.60 ignores a soft node affinity for an
-  actor that asks for no resource at all (it then lands on any node, seen in
-  tests/test_cluster_faults.py); a node without CPUs then cannot host the driver. Without it the
-  driver holds nothing, so the GPU actors' placement bundles (which reserve loader CPUs) can take
-  every CPU of a node.
+  on the head node or ``DriverOptions.driver_node`` (soft node affinity, so a restart after that
+  node died lands elsewhere), ``max_restarts = DriverOptions.driver_max_restarts``. It asks for
+  :data:`DRIVER_CPUS`, a token share of a CPU (it only orchestrates): Ray 2.60 ignores a soft
+  node affinity for an actor that asks for no resource at all and places it on any node (about
+  half the time on another one, where a local run folder does not exist;
+  tests/test_driver_node.py). The price: a node must have that share free to host the driver
+  (a head started with no CPUs never does, and the driver then runs elsewhere), and on the
+  driver's node GPU bundles that reserve whole loader CPUs fit one fewer time when they would
+  have taken every CPU.
 * **The run's spec lives in Ray's GCS key-value store**, not in the actor's constructor
   arguments: Ray keeps large constructor arguments in the object store, owned by the creating
   client, so the restart of a detached actor whose client has left would fail
@@ -28,6 +29,9 @@ Design notes:
   interrupted epoch is redone) and the events say so.
 * **Progress** (interval and epoch records, events) is appended to a buffer of the current
   incarnation; a client polls ``poll(since, incarnation)`` and replays it into its callbacks.
+  A detached run's ``RunConfig.callbacks`` come with the spec and run here, the Tune loggers
+  writing into the run folder (:class:`~jabasray.actors.callbacks.RunTrackers`), finished
+  before the outcome is handed out.
 * **Stop** is checked between intervals (or, with ``at_epoch_end``, after the epoch's
   checkpoint): :class:`StopRequested` leaves :meth:`JabasDriver.run`, whose ``finally`` releases
   the GPU actors and placement groups. Checkpoints are written at epoch ends, so the final
@@ -45,6 +49,7 @@ import threading
 import warnings
 from typing import Any
 
+from .callbacks import RunTrackers, tracker_callbacks
 from .driver import JabasDriver
 from .driver_options import DriverCallback
 from .run_folder import run_lock
@@ -53,7 +58,8 @@ from .run_record import NAMESPACE, kv_delete_run, kv_get, kv_key, kv_put   # noq
 log = logging.getLogger(__name__)
 
 DRIVER_PREFIX = "driver:"       # driver actor name = DRIVER_PREFIX + run name
-DRIVER_CPUS = 0.001             # CPUs the driver actor asks for with driver_node (module notes)
+DRIVER_CPUS = 0.001             # CPUs the driver actor asks for: with none, Ray ignores its node
+                                # affinity (module notes)
 FINISHED_LINGER_S = 120.0       # an ended run waits this long for a client to collect its outcome
 FOLLOWER_ACTIVE_S = 3.0         # a follower that polled this recently still gets the outcome
 DONE_STATES = ("finished", "stopped", "failed")
@@ -73,7 +79,6 @@ def remove_leftovers(run: str) -> tuple[int, int]:
     """Kill the run's named GPU actors and remove its recorded placement groups that still
     exist. Returns (actors killed, placement groups removed)."""
     import ray
-    from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     actors = 0
@@ -89,7 +94,7 @@ def remove_leftovers(run: str) -> tuple[int, int]:
     table = ray.util.placement_group_table()
     for pg_hex in (kv_get(run, "pgs") or b"").decode().split():
         if table.get(pg_hex, {}).get("state") not in (None, "REMOVED"):
-            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_hex)))
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_hex)))
             groups += 1
     kv_put(run, "pgs", b"")
     return actors, groups
@@ -164,6 +169,16 @@ class _Progress(DriverCallback):
         self.sink._append("phase", phase)
 
 
+def _close(trackers: RunTrackers | None, failed: bool) -> None:
+    """End the run's tracker callbacks (their failure is logged: the run's outcome stands)."""
+    if trackers is None:
+        return
+    try:
+        trackers.finish(failed)
+    except Exception:  # noqa: BLE001 - a logger must not change the run's outcome
+        log.exception("the logger callbacks of the run failed to finish")
+
+
 class DriverActor:
     """The Ray actor hosting one run's driver (module notes). Created by
     :func:`jabasray.actors.run_client.start_run`; ``run_name`` is the only argument."""
@@ -206,10 +221,14 @@ class DriverActor:
             blob = kv_get(self.run_name, "spec")
             if blob is None:
                 raise RuntimeError(f"run {self.run_name}: its spec is gone from the Ray KV store")
-            args, kwargs = cloudpickle.loads(blob)
+            args, kwargs, run_callbacks = cloudpickle.loads(blob)
             kwargs = dict(kwargs, callbacks=[_Progress(self)])
             self.driver = ActorJabasDriver(*args, run_name=self.run_name, incarnation=self.incarnation,
                                            restart_note=note, **kwargs)
+            # a detached run's RunConfig.callbacks run here (callbacks module notes)
+            user, trackers = tracker_callbacks(run_callbacks, self.driver.run_dir, self.run_name,
+                                               self.driver.job.to_dict())
+            self.driver.callbacks += [*user, *([trackers] if trackers else [])]
             self.run_dir = str(self.driver.run_dir)
             self.epochs, self.dataset_size = self.driver.job.epochs, self.driver.dataset_size
             self.state = "running"
@@ -220,14 +239,22 @@ class DriverActor:
             # incarnation died: its lock is stale
             lock = run_lock(self.driver.run_dir, named_driver=True).acquire(take_over=self.restarted)
             self.driver.lock = lock
+            if trackers is not None:
+                trackers.start()
             try:
                 try:
                     history = self.driver.run()
                 finally:
                     lock.release()
-                self._end("finished", history)
             except StopRequested as stop:
+                _close(trackers, failed=False)
                 self._stopped(str(stop))
+            except BaseException:
+                _close(trackers, failed=True)
+                raise
+            else:
+                _close(trackers, failed=False)   # their files are in the run folder before the end
+                self._end("finished", history)
         except BaseException as e:  # noqa: BLE001 - reported to the client, which re-raises it
             log.exception("run %s failed", self.run_name)
             self._outcome = ("error", e)
@@ -297,7 +324,7 @@ class DriverActor:
 
     def status(self) -> dict:
         """Where the run is: state, epochs, the running epoch's samples and B_G, the last epoch
-        record and the last events."""
+        record and the last events; where the driver runs (``pid``, ``node`` IP, ``node_id``)."""
         import ray
 
         with self._lock:
@@ -307,7 +334,8 @@ class DriverActor:
         cur = drv.position[0] if drv else 0
         done_in_epoch = sum(r.samples for r in drv.metrics.intervals if r.epoch == cur) if drv else 0
         return {"name": self.run_name, "state": self.state, "incarnation": self.incarnation,
-                "pid": os.getpid(), "node": ray.util.get_node_ip_address(), "run_dir": self.run_dir,
+                "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "run_dir": self.run_dir,
                 "epochs": self.epochs, "epochs_done": len(drv.metrics.epochs) if drv else 0,
                 "epoch": cur, "samples": done_in_epoch, "dataset_size": self.dataset_size,
                 "global_batch": interval.global_batch if interval else None,

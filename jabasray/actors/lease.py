@@ -46,7 +46,9 @@ def s3_client(filesystem: Any) -> Any:
     ``AWS_*`` environment variables, the shared config, the instance profile)."""
     import botocore.session
 
-    opts = filesystem.__reduce__()[1][0]     # the filesystem's own constructor arguments
+    from .ray_internals import s3_filesystem_options
+
+    opts = s3_filesystem_options(filesystem)  # only its region is public (ray_internals)
     endpoint = opts.get("endpoint_override") or None
     if endpoint and "://" not in endpoint:
         endpoint = f"{opts.get('scheme') or 'https'}://{endpoint}"

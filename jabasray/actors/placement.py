@@ -337,10 +337,10 @@ def free_cluster(cluster: ClusterSpec, free_per_node: dict[str, dict[str, float]
 def free_resources_per_node(settle_s: float = 10.0) -> dict[str, dict[str, float]]:
     """The free resources of every live Ray node, once they stopped changing (resources just
     released come back asynchronously): read every 0.5 s until two reads agree, at most
-    ``settle_s``. Ray has no public per-node API for this: it is ``ray._private.state``'s."""
+    ``settle_s``. Ray has no public per-node API for this (:mod:`.ray_internals`)."""
     import time
 
-    from ray._private.state import available_resources_per_node
+    from .ray_internals import available_resources_per_node
 
     t_end = time.monotonic() + settle_s
     last = available_resources_per_node()

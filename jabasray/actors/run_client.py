@@ -86,21 +86,24 @@ def _driver_node(options: DriverOptions) -> str:
                      f"{', '.join(n['NodeManagerAddress'] + ' ' + n['NodeID'][:12] for n in nodes)}")
 
 
-def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: DriverOptions) -> Any:
+def start_run(name: str, driver_args: tuple, driver_kwargs: dict, options: DriverOptions,
+              callbacks: Sequence[Any] = ()) -> Any:
     """Start run ``name``'s driver actor with :class:`JabasDriver` ``(*driver_args,
-    **driver_kwargs)`` (module notes of :mod:`.driver_actor`). Refused (ValueError, one line)
-    when a driver of that name exists. Returns the actor handle."""
+    **driver_kwargs)`` (module notes of :mod:`.driver_actor`) on the head node or
+    ``options.driver_node``: :data:`DRIVER_CPUS` CPUs and a soft node affinity to it.
+    ``callbacks`` (``RunConfig.callbacks`` of a detached run) run in the actor. Refused
+    (ValueError, one line) when a driver of that name exists. Returns the actor handle."""
     import ray
     from ray import cloudpickle
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     check_name_free(name)
     node = _driver_node(options)
-    kv_put(name, "spec", cloudpickle.dumps((tuple(driver_args), dict(driver_kwargs))))
+    kv_put(name, "spec", cloudpickle.dumps((tuple(driver_args), dict(driver_kwargs), list(callbacks))))
     try:
         return ray.remote(DriverActor).options(
             name=driver_actor_name(name), namespace=NAMESPACE, lifetime="detached",
-            num_cpus=DRIVER_CPUS if options.driver_node else 0,
+            num_cpus=DRIVER_CPUS,
             resources=dict(options.driver_resources or {}), max_restarts=options.driver_max_restarts,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True)).remote(name)
     except ValueError:   # created by someone else since the check
@@ -168,10 +171,26 @@ def stop(name: str, at_epoch_end: bool = False, wait: bool = True, poll_s: float
     return st
 
 
-def follow(name: str, callbacks: Sequence[DriverCallback] = (), poll_s: float = 0.5,
+def follow(name: str, callbacks: Sequence[DriverCallback] | None = None, poll_s: float = 0.5,
            restart_timeout_s: float = 600.0) -> Any:
     """Stream run ``name``'s progress into ``callbacks`` until it ends; return its ``Result``
-    (a stopped run: the completed epochs) or raise the driver's error. Then the actor exits."""
+    (a stopped run: the completed epochs) or raise the driver's error. Then the actor exits.
+    ``callbacks`` None: the console, as ``fit()`` shows it (one line per epoch on stdout, the
+    events on stderr, a progress bar on a terminal); ``()``: nothing."""
+    if callbacks is None:
+        from .callbacks import ConsoleReporter
+
+        reporter = ConsoleReporter()
+        try:
+            st = status(name)
+            total = (st["epochs"] or 0) * (st["dataset_size"] or 0) or None
+        except ValueError:   # restarting (or unknown: the follow below says so in one line)
+            total = None
+        reporter.start(total)
+        try:
+            return follow(name, [reporter], poll_s, restart_timeout_s)
+        finally:
+            reporter.close()
     import ray
     from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 

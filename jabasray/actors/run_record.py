@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from ..errors import StorageUnavailable
 from ..storage import StoragePath, explain
+from . import ray_internals
 from .run_folder import MARKER, read_marker, write_marker
 
 log = logging.getLogger(__name__)
@@ -43,18 +44,23 @@ def kv_key(run: str, what: str) -> bytes:
 
 
 def kv_put(run: str, what: str, value: bytes) -> None:
-    from ray.experimental import internal_kv
-    internal_kv._internal_kv_put(kv_key(run, what), value, overwrite=True, namespace=NAMESPACE)
+    """Store ``value`` as run ``run``'s ``what`` in Ray's key-value store."""
+    ray_internals.kv_put(kv_key(run, what), value, namespace=NAMESPACE)
 
 
 def kv_get(run: str, what: str) -> bytes | None:
-    from ray.experimental import internal_kv
-    return internal_kv._internal_kv_get(kv_key(run, what), namespace=NAMESPACE)
+    """Run ``run``'s ``what`` from Ray's key-value store (None: none)."""
+    return ray_internals.kv_get(kv_key(run, what), namespace=NAMESPACE)
+
+
+def kv_delete(run: str, what: str) -> None:
+    """Delete run ``run``'s ``what`` from Ray's key-value store."""
+    ray_internals.kv_delete(kv_key(run, what), namespace=NAMESPACE)
 
 
 def kv_delete_run(run: str) -> None:
-    from ray.experimental import internal_kv
-    internal_kv._internal_kv_del(f"run/{run}/".encode(), del_by_prefix=True, namespace=NAMESPACE)
+    """Delete every key of run ``run`` from Ray's key-value store."""
+    ray_internals.kv_delete(f"run/{run}/".encode(), namespace=NAMESPACE, prefix=True)
 
 
 def _ray_up() -> bool:
@@ -104,8 +110,7 @@ class RunRecord:
 
     def forget(self) -> None:
         if _ray_up():
-            from ray.experimental import internal_kv
-            internal_kv._internal_kv_del(kv_key(self.name, self._what), namespace=NAMESPACE)
+            kv_delete(self.name, self._what)
 
     # ------------------------------------------------------------------ the steps
     def begin(self) -> str:

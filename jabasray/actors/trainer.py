@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 from ..config import JobConfig, RunConfig, is_ray_run_config, run_config_from_ray
 from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
-from .callbacks import ConsoleReporter, console_reporter, tracker_callbacks
+from .callbacks import ConsoleReporter, check_sendable, console_reporter, tracker_callbacks
 from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
@@ -350,10 +350,15 @@ class JabasTrainer:
 
         With the actor driver (the default) and ``wait=False``, return the run's name as soon as
         its driver actor is started (follow it with ``jabasray attach NAME`` or
-        :func:`jabasray.actors.run_client.follow`)."""
+        :func:`jabasray.actors.run_client.follow`). ``RunConfig.callbacks`` (TensorBoard, CSV,
+        ... loggers) then run in the driver actor, which must be able to receive them
+        (one-line ValueError before any work); ``JabasTrainer(callbacks=...)`` run only in a
+        process that follows the run."""
         opts = self.options
         if not wait and opts.driver != "actor":
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")
+        if not wait:
+            check_sendable(self._detached_callbacks())
         run_dir = self.run_config.path     # resolved here: a bad URI is one line, before Ray
         cache = (as_storage_path(opts.profile_cache_dir) if opts.profile_cache_dir
                  else run_dir.parent / ".profiles")
@@ -400,8 +405,9 @@ class JabasTrainer:
                       failure=self.run_config.failure_config,
                       force_resume=self.run_config.resume == "force",
                       checkpoint=self.run_config.checkpoint_config)
-        # the console and Ray's logger callbacks (RunConfig.callbacks), fed in this process
-        callbacks, adapters = tracker_callbacks(self.run_config.callbacks, run_dir,
+        # the console and Ray's logger callbacks (RunConfig.callbacks), fed in this process; a
+        # detached run's RunConfig.callbacks run in its driver actor (callbacks module notes)
+        callbacks, trackers = tracker_callbacks(self.run_config.callbacks, run_dir,
                                                 self.run_config.name, self.job.to_dict())
         callbacks = [*self.callbacks, *callbacks]
         reporter = console_reporter(callbacks)
@@ -409,15 +415,16 @@ class JabasTrainer:
             reporter = ConsoleReporter()
             callbacks.append(reporter)
         if not wait:
-            adapters, reporter = [], None
-        callbacks += adapters
+            trackers, reporter = None, None
+        if trackers is not None:
+            callbacks.append(trackers)
         self.driver = JabasDriver(*args, **kwargs, callbacks=callbacks)  # checks the input
         self.driver.lock = lock
         record = RunRecord(self.run_config.name, run_dir)
         done = start.checkpoint.epochs_done if start.checkpoint is not None else 0
         try:
-            for a in adapters:
-                a.start()
+            if trackers is not None:
+                trackers.start()
             if reporter is not None:
                 reporter.start(max(0, self.job.epochs - done) * probe.dataset_size)
             if opts.driver == "actor":
@@ -425,7 +432,8 @@ class JabasTrainer:
                 self.driver = None
                 run_client.check_name_free(self.run_config.name)
                 record.begin()                # the marker, and Ray's record of it (run_record)
-                run_client.start_run(self.run_config.name, args, kwargs, opts)
+                run_client.start_run(self.run_config.name, args, kwargs, opts,
+                                     callbacks=() if wait else self._detached_callbacks())
                 if not wait:
                     return self.run_config.name
                 result = run_client.follow(self.run_config.name, callbacks)
@@ -436,15 +444,20 @@ class JabasTrainer:
                                     self.driver.last_checkpoint or latest_checkpoint(run_dir))
                 record.forget()
         except BaseException:
-            for a in adapters:
-                a.finish(failed=True)
+            if trackers is not None:
+                trackers.finish(failed=True)
             raise
         finally:
             if reporter is not None:
                 reporter.close()
-        for a in adapters:
-            a.finish(failed=False)
+        if trackers is not None:
+            trackers.finish(failed=False)
         return result
+
+    def _detached_callbacks(self) -> list[Any]:
+        """What a detached run's driver actor runs: ``RunConfig.callbacks`` but a console
+        reporter (the actor has no console)."""
+        return [cb for cb in self.run_config.callbacks if not isinstance(cb, ConsoleReporter)]
 
     def _say(self, message: str | None) -> None:
         """One console line of ``fit()`` (``verbose`` >= 1), also logged."""

@@ -69,6 +69,7 @@ from torch import nn
 from ..storage import StoragePath, as_storage_path
 from ..validation import check_choice, check_float, check_int
 from ..profiles import AllReduceFit, BatchProfile, Profile, profile_cache_key
+from ..types import accelerator_type_of
 
 log = logging.getLogger(__name__)
 
@@ -570,13 +571,10 @@ def gpu_type_name(device_name: str) -> str:
     """The GPU type ``ClusterSpec.from_ray`` gives a GPU called ``device_name``: Ray's
     accelerator type for it (its ``accelerator_type:<TYPE>`` resource and
     ``ray.io/accelerator-type`` label; ``NVIDIA A100-SXM4-80GB`` -> ``A100``), lower-cased, so
-    that a profile written by ``jabasray profile`` on that GPU matches the detected type. A name
-    Ray's rule gives nothing for: its letters and digits, ``_`` for the rest."""
-    try:
-        from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager
-        accel = NvidiaGPUAcceleratorManager._gpu_name_to_accelerator_type(device_name)
-    except Exception:  # noqa: BLE001 - Ray missing or its private helper moved: the fallback
-        accel = None
+    that a profile written by ``jabasray profile`` on that GPU matches the detected type (the
+    rule: :func:`jabasray.types.accelerator_type_of`; no Ray here). A name the rule gives
+    nothing for: its letters and digits, ``_`` for the rest."""
+    accel = accelerator_type_of(device_name)
     if accel:
         return str(accel).lower()
     return "".join(c if c.isalnum() else "_" for c in device_name.lower()).strip("_")

@@ -17,7 +17,8 @@ public hooks ``on_trial_remove`` / ``choose_trial_to_run``), jabasray uses:
 * ``ray.tune.result.DONE``.
 
 Tune may change any of them in a minor release. :data:`TESTED_RAY` is the range of Ray
-releases the tuner's tests passed on (``pyproject.toml`` bounds Ray to it);
+releases the suite passed on (one constant for every internal jabasray uses, kept in
+:mod:`jabasray.actors.ray_internals`; ``pyproject.toml`` bounds Ray to it);
 :func:`problems` lists, one line each, an installed Ray outside that range and every internal
 above that is missing. :func:`require` (called before a scheduler is built) raises
 :class:`TuneInternalsError` for a missing internal and logs a warning for an untested version;
@@ -29,33 +30,19 @@ import inspect
 import logging
 from types import SimpleNamespace
 
-log = logging.getLogger(__name__)
+from ..actors import ray_internals
+from ..actors.ray_internals import TESTED_RAY
 
-TESTED_RAY = ((2, 60), (2, 60))   # (major, minor) of the oldest and newest Ray tested, inclusive
+log = logging.getLogger(__name__)
 
 
 class TuneInternalsError(RuntimeError):
     """The installed Ray lacks a Tune internal jabasray.tuner uses (one line)."""
 
 
-def _minor(version: str) -> tuple[int, int] | None:
-    try:
-        major, minor = version.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return None
-
-
 def version_problem(version: str) -> str | None:
     """One line when Ray ``version`` is outside :data:`TESTED_RAY`, else None."""
-    lo, hi = TESTED_RAY
-    v = _minor(version)
-    if v is not None and lo <= v <= hi:
-        return None
-    tested = f"{lo[0]}.{lo[1]}" + ("" if lo == hi else f" to {hi[0]}.{hi[1]}")
-    return (f"Ray {version} is outside the range jabasray.tuner was tested with (Ray {tested}): "
-            f"it relies on Tune internals (jabasray/tuner/tune_internals.py); run "
-            f"tests/test_tuner_ray.py on it, then widen TESTED_RAY and pyproject's bound")
+    return ray_internals.version_problem(version, "jabasray.tuner", "jabasray/tuner/tune_internals.py")
 
 
 def _has(obj: object, name: str, params: tuple[str, ...] | None = None) -> bool:
