@@ -16,14 +16,20 @@ Implementation notes
 * Large clusters (a deviation from section 6.3, whose list grows as prod_i (m_i / 2 + 1): 3^64
   candidates for 256 GPUs in nodes of four): beyond ``MAX_CANDIDATES`` candidates, nodes alike
   in everything the model and Eq. 8 read (GPU type, GPU count, memory, speed, TFLOPS) are one
-  class, and a candidate takes a GPU total from each class, packed onto the class's first nodes
-  (:func:`class_allocations`). Interchangeable nodes give the same group H whichever of them
-  hold the GPUs, and packing spans the fewest nodes and leaves at most one solo GPU per class,
-  so within a class nothing faster is lost. Totals go by single GPUs where the product of the
-  classes' choices stays within the limit, else by whole nodes, else by whole nodes on a
-  doubling ladder (0, 1, 2, 4, ... nodes and all of them): the last is a coarser search than
-  the paper's and can miss an allocation between two rungs. The driver and the simulator call
-  the same function, so they choose among the same candidates.
+  class (:func:`class_allocations`). Interchangeable nodes give the same group H whichever of
+  them hold which count, so a class first offers every multiset of per-node counts - the same
+  choice as the full list, without its permutations. Where that is still too many, a class
+  offers each GPU total once, split pairs first (fewest nodes, even counts, so the most pairs
+  and fewest solo GPUs: usually, not always, the fastest split), else whole nodes, else whole
+  nodes on a doubling ladder (0, 1, 2, 4, ... nodes and all of them). These coarser levels
+  search less than the paper and can miss a better allocation between their steps. The driver
+  and the simulator call the same function, so they choose among the same candidates.
+* Pruning (ours; the same choice, found faster): a candidate whose epoch cannot be shorter
+  than N samples over the sum of its GPUs' peak throughputs (:func:`epoch_lower_bound`; each
+  GPU's best samples per second under the model at any B_L, n_vsw and n_GA) is not estimated
+  once a candidate already estimated is faster (or cheaper, objective "cost") than that bound,
+  with the re-placement charge and without it; candidates are estimated in the order of their
+  bounds. Its record says "pruned" with the bound instead of an epoch time.
 * Epoch time (``epoch_time``): the trajectory holds one global batch per p iterations. Walking
   through the epoch, chunk c uses B_G = trajectory[c] (the last value once the trajectory is
   exhausted), the plan policy's plan for it (``plan_policy.solve_for_batch``, the same plan
@@ -206,39 +212,67 @@ def node_classes(cluster: ClusterSpec) -> list[list[int]]:
     return list(classes.values())
 
 
-def _class_levels(num_nodes: int, gpus_per_node: int, granularity: str) -> list[int]:
-    """GPU totals one class of ``num_nodes`` nodes offers at a granularity: every GPU count,
-    whole nodes, or whole nodes on a doubling ladder (0, 1, 2, 4, ... nodes and all of them)."""
+def _class_levels(num_nodes: int, gpus_per_node: int, granularity: str) -> list[tuple[int, ...]]:
+    """The per-node GPU counts one class of ``num_nodes`` interchangeable nodes offers (its
+    nodes in order) at a granularity (module notes, "Large clusters"): every multiset of counts
+    ("exact": which of the alike nodes holds which count changes nothing), every GPU total split
+    pairs first ("gpu"), whole nodes ("node"), or whole nodes on a doubling ladder ("ladder")."""
+    m = gpus_per_node
+    if granularity == "exact":
+        return [tuple(sorted(c, reverse=True))
+                for c in itertools.combinations_with_replacement(range(m + 1), num_nodes)]
     if granularity == "gpu":
-        return list(range(num_nodes * gpus_per_node + 1))
-    if granularity == "node":
-        return [k * gpus_per_node for k in range(num_nodes + 1)]
-    ladder = {0, num_nodes}
-    k = 1
-    while k < num_nodes:
-        ladder.add(k)
-        k *= 2
-    return sorted(k * gpus_per_node for k in ladder)
+        return [_pairs_first(total, num_nodes, m) for total in range(num_nodes * m + 1)]
+    nodes = range(num_nodes + 1)
+    if granularity == "ladder":
+        ladder, k = {0, num_nodes}, 1
+        while k < num_nodes:
+            ladder.add(k)
+            k *= 2
+        nodes = sorted(ladder)
+    return [tuple([m] * k + [0] * (num_nodes - k)) for k in nodes]
+
+
+def _pairs_first(total: int, num_nodes: int, per_node: int) -> tuple[int, ...]:
+    """``total`` GPUs over ``num_nodes`` nodes of ``per_node``: of two splits - full nodes in
+    order, and nodes at even counts where the rest still fits - the one on one node if either
+    is, else with the fewer solo GPUs (odd counts), else on fewer nodes."""
+    def split(even_first: bool) -> tuple[int, ...]:
+        counts, left = [], total
+        for j in range(num_nodes):
+            take = min(per_node, left)
+            if even_first and take % 2 and take > 1 and \
+                    left - (take - 1) <= (num_nodes - j - 1) * per_node:
+                take -= 1
+            counts.append(take)
+            left -= take
+        return tuple(counts)
+
+    def key(counts: tuple[int, ...]) -> tuple:
+        used = sum(1 for c in counts if c)
+        return (used > 1, sum(c % 2 for c in counts), used)
+
+    return min((split(False), split(True)), key=key)
 
 
 def class_allocations(cluster: ClusterSpec, max_candidates: int = MAX_CANDIDATES) -> list[Allocation]:
     """Candidates of a large cluster (module notes, "Large clusters"): per class of
-    interchangeable nodes (:func:`node_classes`) a GPU total, packed onto the class's first
-    nodes (full nodes, then the remainder on the next one); totals at the finest granularity
-    whose candidate count stays within ``max_candidates`` (every GPU count, whole nodes, whole
-    nodes on a doubling ladder - the last is used whatever its count)."""
+    interchangeable nodes (:func:`node_classes`) the per-node GPU counts of the finest
+    granularity whose candidate count stays within ``max_candidates`` (:func:`_class_levels`:
+    exact, GPU totals, whole nodes, whole nodes on a doubling ladder - the last is used
+    whatever its count)."""
     classes = node_classes(cluster)
     sizes = [(len(c), cluster.nodes[c[0]].num_gpus) for c in classes]
-    for granularity in ("gpu", "node", "ladder"):
+    for granularity in ("exact", "gpu", "node", "ladder"):
         levels = [_class_levels(k, m, granularity) for k, m in sizes]
         if math.prod(len(lv) for lv in levels) - 1 <= max_candidates:
             break
     combos = []
-    for totals in itertools.product(*levels):
+    for choice in itertools.product(*levels):
         counts = [0] * len(cluster.nodes)
-        for members, total, (_, m) in zip(classes, totals, sizes):
-            for j, node in enumerate(members):
-                counts[node] = max(0, min(m, total - j * m))
+        for members, per_node in zip(classes, choice):
+            for node, g in zip(members, per_node):
+                counts[node] = g
         if any(counts):
             combos.append(counts)
     return _ordered([n.name for n in cluster.nodes], combos)
@@ -322,7 +356,8 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
                       allocations: Sequence[Allocation] | None = None,
                       tolerance: float = DEFAULT_TOLERANCE, current: Allocation | None = None,
                       switch_cost_s: float = 0.0,
-                      plan_cache: dict[tuple, dict[int, Plan | str]] | None = None) -> AutoscaleDecision:
+                      plan_cache: dict[tuple, dict[int, Plan | str]] | None = None,
+                      prune: bool = True) -> AutoscaleDecision:
     """Evaluate every candidate allocation on the trajectory and pick one by ``objective``.
 
     ``current``: the allocation the job runs now (None: none, e.g. the first placement); every
@@ -330,6 +365,9 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     ``plan_cache``: plans (or why there is none) per (group H, N_G, multi-node) and B_G, kept by
     the caller across calls while the model stays the same (the answers are the same; a new
     forecast mostly asks for B_G already solved); None: a memo for this call only.
+    ``prune``: skip the candidates that cannot be chosen (:func:`epoch_lower_bound`; objectives
+    "time" and "cost"); their estimate says so instead of an epoch time. False: every candidate
+    is estimated (the same choice, slower).
     Raises ValueError when no allocation can run the trajectory (the message gives the reason
     of the largest allocation).
     """
@@ -349,22 +387,48 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     # per (N_G, multi-node): the model retargeted once and its solver tables, for every
     # candidate of that size (and, in a plan cache, every later decision)
     retargeted = memo.setdefault(("retargeted models",), {})
+    peaks = memo.setdefault(("peak throughput",), {})
     plans_of: dict[tuple, dict[int, Plan]] = {}
-    cands: list[CandidateEstimate] = []
-    for alloc in allocs:
-        group = alloc.group_gpus(cl)
-        key = (tuple(group), alloc.num_gpus, alloc.multi_node)
+
+    def switch_of(alloc: Allocation) -> float:
+        return 0.0 if current is None or alloc.same_gpus(current) else float(switch_cost_s)
+
+    def bound_of(alloc: Allocation) -> float | None:
         size = (alloc.num_gpus, alloc.multi_node)
         if size not in retargeted:
             retargeted[size] = (_retarget(model, *size), {})
-        m, tables = retargeted[size]
+        if size not in peaks:
+            peaks[size] = peak_throughputs(retargeted[size][0], cl.gpu_types, min_local_batch)
+        return epoch_lower_bound(alloc, cl, peaks[size], dataset_size)
+
+    bounds = [bound_of(a) for a in allocs] if prune and objective in ("time", "cost") else [None] * len(allocs)
+    order = sorted(range(len(allocs)), key=lambda i: (bounds[i] is not None, bounds[i] or 0.0, i))
+    best_free = best_charged = math.inf      # the objective's value of the best so far
+    estimates: dict[int, CandidateEstimate] = {}
+    for i in order:
+        alloc, lb = allocs[i], bounds[i]
+        group = alloc.group_gpus(cl)
+        switch = switch_of(alloc)
+        if lb is not None:
+            rate = alloc.price_rate(cl) if objective == "cost" else 1.0
+            if lb * rate > best_free and (lb + switch) * rate > best_charged:
+                estimates[i] = CandidateEstimate(alloc, group, None, None, 0, f"pruned: at least "
+                                                 f"{lb:.4g} s, slower than the best", switch)
+                continue
+        key = (tuple(group), alloc.num_gpus, alloc.multi_node)
+        m, tables = retargeted.setdefault((alloc.num_gpus, alloc.multi_node),
+                                          (_retarget(model, alloc.num_gpus, alloc.multi_node), {}))
         est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
                          cache=memo.setdefault(key, {}), tolerance=tolerance, tables=tables)
-        switch = 0.0 if current is None or alloc.same_gpus(current) else float(switch_cost_s)
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
-        cands.append(CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations, est.reason, switch))
+        c = estimates[i] = CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations,
+                                             est.reason, switch)
         if est.epoch_time is not None:
             plans_of[key] = est.plans
+            value = 0 if objective == "time" else 1
+            best_free = min(best_free, c.weighed(False)[value])
+            best_charged = min(best_charged, c.weighed(True)[value])
+    cands = [estimates[i] for i in range(len(allocs))]
     feasible = [c for c in cands if c.epoch_time is not None]
     if not feasible:
         raise ValueError(f"trajectory: no allocation can run it; e.g. {cands[-1].reason}")
@@ -381,6 +445,47 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
                              epoch_time=float(best.epoch_time), cost=float(best.cost),
                              iterations=best.iterations, plans=dict(plans), within_budget=within,
                              candidates=cands, uncharged_choice=uncharged)
+
+
+def peak_throughputs(model: Any, gpu_types: Sequence[str], min_local_batch: int) -> dict[str, float] | None:
+    """An upper bound on the samples per second one GPU of each type can train under ``model``
+    (retargeted to an allocation): the largest ``B_L n_vsw (n_GA + 1) / t(B_L, n_vsw, n_GA)``
+    over every B_L the solver may choose (multiples of min B_L), n_vsw <= n_max and n_GA >= 0.
+    Eq. 6 is affine in n_GA, t = t_0 + s n_GA, so over n_GA this ratio is largest at n_GA = 0
+    or in the limit, ``B_L n_vsw max(1 / t_0, 1 / s)``. None when the model is not affine in
+    n_GA (checked at three points) or has no such answers: then nothing is pruned."""
+    out: dict[str, float] = {}
+    for g in gpu_types:
+        try:
+            max_bl = int(model.max_local_batch(g))
+        except (AttributeError, ValueError):
+            return None
+        best = 0.0
+        for bl in range(min_local_batch, max_bl + 1, min_local_batch):
+            for n in range(1, int(model.max_num_vsw(g, bl)) + 1):
+                t0, t1, t2 = (float(model.iteration_time(g, bl, n, ga)) for ga in (0, 1, 2))
+                slope = t1 - t0
+                if t0 <= 0 or slope <= 0 or not math.isclose(t2 - t1, slope, rel_tol=1e-9, abs_tol=1e-15):
+                    return None
+                best = max(best, bl * n / min(t0, slope))
+        if best <= 0:
+            return None
+        out[g] = best
+    return out
+
+
+def epoch_lower_bound(alloc: Allocation, cluster: ClusterSpec, peaks: dict[str, float] | None,
+                      dataset_size: int) -> float | None:
+    """A lower bound on any epoch time of ``alloc``: every iteration lasts at least as long as
+    each GPU needs for its samples, so an epoch's N samples take at least N over the sum of the
+    GPUs' peak throughputs (:func:`peak_throughputs`); the intervals' host terms only add. None
+    without peaks. The auto-scaler skips ("prunes") a candidate whose bound, re-placement
+    included, is already above the best candidate's weighed time (or cost): it cannot be
+    chosen, with the charge or without it."""
+    if peaks is None:
+        return None
+    total = sum(g * peaks[cluster.node(n).gpu_type] for n, g in alloc.node_gpus.items())
+    return dataset_size / total if total > 0 else None
 
 
 def _pick(feasible: Sequence[CandidateEstimate], objective: str, cost_budget: float | None,
@@ -405,4 +510,4 @@ def _pick(feasible: Sequence[CandidateEstimate], objective: str, cost_budget: fl
 
 __all__ = ["Allocation", "AutoscaleDecision", "CandidateEstimate", "EpochTime", "OBJECTIVES",
            "enumerate_allocations", "class_allocations", "node_classes", "MAX_CANDIDATES", "epoch_time",
-           "choose_allocation"]
+           "choose_allocation", "peak_throughputs", "epoch_lower_bound"]

@@ -370,7 +370,13 @@ def _weight_syncs(model: Any, workers: Sequence[WorkerConfig], local_batch: int)
     fn = getattr(model, "weight_sync_method", None)
     if not callable(fn):
         return "auto", ["auto"] * len(workers)
-    per = [str(fn(w.gpu, local_batch, w.num_vsw)) for w in workers]
+    known: dict[tuple[str, int], str] = {}   # units of one type and VSW count: asked once
+    per = []
+    for w in workers:
+        key = (w.gpu, w.num_vsw)
+        if key not in known:
+            known[key] = str(fn(w.gpu, local_batch, w.num_vsw))
+        per.append(known[key])
     return (per[0] if len(set(per)) == 1 else "mixed"), per
 
 
@@ -439,7 +445,7 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
                                        f"cannot run one VSW at this B_L")
     arrays = [per_type[g].best for g in gpus]
     # Exact pruning: even the necessary lower bound of T cannot beat the incumbent.
-    lb = max(float(np.min(a[1:])) for a in arrays)
+    lb = max(float(np.min(t.best[1:])) for t in per_type.values())
     if incumbent is not None and local_batch * m * 2 / lb <= incumbent:
         return None, LocalBatchOutcome(local_batch, m, note="pruned: cannot beat the incumbent")
     res = min_max_assignment(arrays, m)

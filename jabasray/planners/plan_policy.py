@@ -133,7 +133,7 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
     if plan is None:
         floor = 2 * len(gg) * candidates[0]
         if global_batch < floor:
-            log.info("B_G %d is too small for %d GPU units; running B_G %d", global_batch, len(gg), floor)
+            log.debug("B_G %d is too small for %d GPU units; running B_G %d", global_batch, len(gg), floor)
             plan, notes = _solve(floor, gg, model, candidates, tolerance, tables)
     if plan is None:
         raise NoPlanError(f"no configuration for global batch {global_batch} on GPUs {gg} "
