@@ -12,7 +12,7 @@ import sys
 import typing
 
 # name -> module under jabasray.commands; modules are imported only when present.
-SUBCOMMANDS = ("train", "plan", "profile", "tune", "runs")  # runs: status, attach, stop
+SUBCOMMANDS = ("train", "plan", "profile", "tune", "simulate", "runs")  # runs: status, attach, stop
 
 
 class _Parser(argparse.ArgumentParser):

@@ -175,20 +175,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--call-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a call to the GPU actors may take before they count as hung "
                         "(an actor failure: killed, the epoch redone)")
+    add_job_arguments(p, EMBEDDED_DEFAULTS, "with --script")
+    p.set_defaults(func=run)
+
+
+def add_job_arguments(p: argparse.ArgumentParser, defaults: dict[str, Any], other: str) -> None:
+    """One ``--<field>`` option per ``JobConfig`` field (dest ``job_<field>``), its help naming
+    the command's default (``defaults``, else the field's) and, where they differ, the field's
+    own default used ``other`` (e.g. "with --script"); :func:`job_config_from_args` reads them."""
     hints = typing.get_type_hints(JobConfig)
     job = p.add_argument_group("job (JobConfig fields)")
     for f in dataclasses.fields(JobConfig):
         tp, optional = _field_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        default = EMBEDDED_DEFAULTS.get(f.name, f.default)
-        text = f"(default {default}" + (f"; with --script {f.default})" if default != f.default else ")")
+        default = defaults.get(f.name, f.default)
+        text = f"(default {default}" + (f"; {other} {f.default})" if default != f.default else ")")
         if tp is bool:
             job.add_argument(flag, dest=f"job_{f.name}", action=argparse.BooleanOptionalAction,
                              default=None, help=text)
         else:
             job.add_argument(flag, dest=f"job_{f.name}", type=_parser_for(tp, f.name), default=None,
                              metavar=tp.__name__.upper(), help=text)
-    p.set_defaults(func=run)
 
 
 def _parser_for(tp: Any, name: str) -> Any:
@@ -208,9 +215,10 @@ def _parser_for(tp: Any, name: str) -> Any:
     return parse
 
 
-def job_config_from_args(args: argparse.Namespace, embedded: bool) -> JobConfig:
-    """JobConfig from the ``--<field>`` options (embedded defaults when training the default)."""
-    values = dict(EMBEDDED_DEFAULTS) if embedded else {}
+def job_config_from_args(args: argparse.Namespace, embedded: bool | dict[str, Any]) -> JobConfig:
+    """JobConfig from the ``--<field>`` options (embedded defaults when training the default;
+    a dict: those defaults)."""
+    values = dict(embedded) if isinstance(embedded, dict) else dict(EMBEDDED_DEFAULTS) if embedded else {}
     for f in dataclasses.fields(JobConfig):
         v = getattr(args, f"job_{f.name}", None)
         if v is not None:

@@ -74,6 +74,16 @@ def cluster_from_arg(text: str) -> ClusterSpec:
     return ClusterSpec.from_file(text)
 
 
+def paper_type(name: str) -> str:
+    """Table 1's name of a GPU type named as CUDA names it (``Tesla V100-PCIE-16GB`` ->
+    ``v100``); a name it does not know stays as it is."""
+    low = name.lower().replace("-", " ").replace("_", " ")
+    for key in sorted(PAPER_GPUS, key=len, reverse=True):
+        if key.replace("-", " ") in low or key.replace("-", "") in low.replace(" ", ""):
+            return key
+    return name
+
+
 def derived_profile(reference: Profile, reference_node: NodeSpec, node: NodeSpec) -> Profile:
     """A profile of ``node``'s GPU type derived from ``reference`` measured on
     ``reference_node``'s (module notes: compute by TFLOPS, local batches and VSWs by memory)."""
@@ -132,5 +142,5 @@ def type_profiles(profiles: dict[str, Profile], cluster: ClusterSpec, reference:
     return out, notes
 
 
-__all__ = ["PAPER_GPUS", "PAPER_CLUSTERS", "paper_cluster", "cluster_from_arg", "derived_profile",
+__all__ = ["PAPER_GPUS", "PAPER_CLUSTERS", "paper_cluster", "cluster_from_arg", "paper_type", "derived_profile",
            "type_profiles"]

@@ -113,6 +113,9 @@ OPTIONAL_COLUMNS = ("similarity",)
 # M0 of the shipped traces (traces/README.md): a Pollux row of progress is a dataset's worth of
 # steps at M0 (cifar10 50000 / 128 = 390.6); cifar10's own M0 trace (B = 128) is not shipped.
 PACKAGED_REFERENCE_BATCH = {"bert": 12, "cifar10": 128, "digits": 16, "imagenet": 200}
+# samples per epoch and the metric of the shipped traces' jobs (traces/README.md)
+PACKAGED_DATASET_SIZE = {"bert": 88641, "cifar10": 50000, "digits": 1408, "imagenet": 1281167}
+PACKAGED_METRIC = {"bert": "f1", "cifar10": "accuracy", "digits": "accuracy", "imagenet": "accuracy"}
 _TRACE_NAME = re.compile(r"^validation-(\d+)\.csv$")
 
 
@@ -292,6 +295,7 @@ def packaged_model(app: str, **kwargs: Any) -> "ConvergenceModel":
     """A :class:`ConvergenceModel` fitted on the traces shipped for ``app``, with the M0 they
     were recorded at (:data:`PACKAGED_REFERENCE_BATCH`); ``kwargs`` go to the constructor."""
     kwargs.setdefault("reference_batch", PACKAGED_REFERENCE_BATCH.get(app))
+    kwargs.setdefault("metric_name", PACKAGED_METRIC.get(app, "accuracy"))
     return ConvergenceModel(**kwargs).fit(packaged_trace_dir(app))
 
 
@@ -309,6 +313,7 @@ class ConvergenceModel:
             False: the raw interpolated values.
         higher_is_better: direction of the metric; None: from the reference trace, as Pollux
             (first row below last row means the metric grows).
+        metric_name: what the traces' metric is (the simulated runs' validation metric).
 
     Fitted attributes:
         traces_ (dict[int, ConvergenceTrace]): the traces, by batch size, ascending.
@@ -325,7 +330,7 @@ class ConvergenceModel:
     """
 
     def __init__(self, reference_batch: int | None = None, envelope: bool = True,
-                 higher_is_better: bool | None = None) -> None:
+                 higher_is_better: bool | None = None, metric_name: str = "accuracy") -> None:
         if reference_batch is not None:
             check_int("reference_batch", reference_batch, min_value=1)
         if not isinstance(envelope, bool):
@@ -335,6 +340,9 @@ class ConvergenceModel:
         self.reference_batch = reference_batch
         self.envelope = envelope
         self.higher_is_better = higher_is_better
+        if not isinstance(metric_name, str) or not metric_name:
+            raise ValueError(f"metric_name must be a non-empty string, got {metric_name!r}")
+        self.metric_name = metric_name
 
     # -------------------------------------------------------------------------------- fit
     def fit(self, traces: Any) -> "ConvergenceModel":

@@ -28,8 +28,9 @@ as the iteration-time model (``jabasray simulate --replay`` measures that agains
 run). Each simulated interval's ``predicted_terms`` are its time by term; ``measured_terms``
 stay empty (nothing was measured). Losses are not simulated (NaN).
 
-A replay (:mod:`.replay`) passes a :class:`Recorded` run: its per-epoch models, its measured
-placement and epoch-end seconds, its re-placement charges and its similarities instead of the
+A replay (:mod:`.replay`) passes a :class:`Recorded` run (its per-epoch models, its measured
+placement and epoch-end seconds, its re-placement charges) and its similarities
+(:class:`.convergence.ReplaySimilarity`), which any simulation may also take instead of the
 convergence model's.
 """
 from __future__ import annotations
@@ -57,9 +58,6 @@ class Recorded(Protocol):
     def model(self, epochs_done: int | None) -> Any:
         """The iteration-time model that planned epoch ``epochs_done`` (None: the initial
         allocation's)."""
-
-    def phi(self, epoch: int, interval: int) -> float | None:
-        """The similarity the run measured in that interval (None: none recorded)."""
 
     def placement_s(self, epoch: int) -> float | None:
         """Seconds the placement before ``epoch`` took (None: the run placed nothing)."""
@@ -100,7 +98,7 @@ class SimRun:
 def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size: int, model: Any,
              convergence: Any = None, *, placement_s: float = 30.0, eval_s: float = 0.0,
              target: float | None = None, stop_at_target: bool = False,
-             recorded: Recorded | None = None) -> SimRun:
+             recorded: Recorded | None = None, similarities: Any = None) -> SimRun:
     """Simulate ``job`` under ``policy`` on ``cluster`` (module notes).
 
     Args:
@@ -117,13 +115,19 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
         target: the metric's target (time to target); None: none.
         stop_at_target: end the run at the first epoch that reaches ``target``.
         recorded: a recorded run to replay (:class:`Recorded`).
+        similarities: recorded similarities per (epoch, interval)
+            (:class:`.convergence.ReplaySimilarity`, its fallback answering intervals it does
+            not hold) instead of the convergence model's; an interval neither answers keeps B_G.
     """
-    if convergence is None and recorded is None:
-        raise ValueError("convergence must be given (a convergence model) unless a recorded run "
-                         "gives the similarities (--replay)")
+    if convergence is None and similarities is None:
+        raise ValueError("convergence must be given (a convergence model) unless recorded "
+                         "similarities are (--replay)")
     if placement_s < 0 or eval_s < 0:
         raise ValueError(f"placement_s and eval_s must be >= 0 seconds, got {placement_s} and {eval_s}")
     cluster = job_cluster(cluster, job)
+    # the validation metric the target is for: the convergence model's (its name and direction)
+    metric_name = getattr(convergence, "metric_name", "accuracy")
+    higher = bool(getattr(convergence, "higher_is_better_", True))
     planner = JobPlanner(job, dataset_size)
     in_use = recorded.model(None) if recorded is not None else model
     planner.use_model(in_use)
@@ -172,9 +176,7 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
             model = planner.alloc_model(len(slots), state.units(allocation)[1])
             terms = plan_interval_terms(plan, n, host_costs_of(model), configure=reconfigured)
             t = sum(terms.values())
-            phi = recorded.phi(epoch, interval) if recorded is not None else None
-            if phi is None and convergence is not None:
-                phi = convergence.similarity(state.progress, run_batch)
+            phi = _phi(similarities, convergence, epoch, interval, state.progress, run_batch)
             if convergence is not None:
                 state.progress = convergence.step(state.progress, run_batch, served)
             history.intervals.append(IntervalRecord(
@@ -197,7 +199,7 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
         state.trajectories.append(list(trajectory))
         metrics = recorded.val_metrics(epoch) if recorded is not None else {}
         if convergence is not None:
-            metrics = {getattr(convergence, "metric_name", "accuracy"): float(convergence.metric(state.progress))}
+            metrics = {metric_name: float(convergence.metric(state.progress))}
         epoch_s = clock - t_epoch
         cost += epoch_s * sum(price[name] * g for name, g in allocation.items())
         record = EpochRecord(
@@ -210,8 +212,7 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
             served_exactly_once=covered and cursor == dataset_size, val_metrics=metrics,
             lr=_lr(ctl, job, max(0, iteration - 1)), placement_s=placed_s, eval_s=end_s)
         history.epochs.append(record)
-        value = next(iter(metrics.values()), None) if metrics else None
-        if reached is None and target is not None and value is not None and value >= target:
+        if reached is None and reaches(metrics.get(metric_name), target, higher):
             reached = clock
         if epoch + 1 == job.epochs or (stop_at_target and reached is not None):
             break
@@ -222,11 +223,30 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
         if nxt.allocation != allocation:
             history.events.append(f"after epoch {epoch + 1}: auto-scaling {allocation} -> {nxt.allocation}")
         allocation, forecast = dict(nxt.allocation), list(nxt.forecast)
-    final = history.epochs[-1]
-    final_metric = next(iter(final.val_metrics.values()), None) if final.val_metrics else None
+    final_metric = history.epochs[-1].val_metrics.get(metric_name)
     return SimRun(policy=policy.name, history=history, time_s=clock, time_to_target_s=reached,
                   gpu_seconds=sum(e.gpu_seconds for e in history.epochs), cost=cost,
                   replacements=replacements, final_metric=final_metric, gpus_over_time=gpus_over_time)
+
+
+def reaches(value: float | None, target: float | None, higher_is_better: bool = True) -> bool:
+    """Whether a validation ``value`` is at ``target`` (at or above it; at or below it for a
+    metric where lower is better, e.g. a loss)."""
+    if value is None or target is None:
+        return False
+    return value >= target if higher_is_better else value <= target
+
+
+def _phi(similarities: Any, convergence: Any, epoch: int, interval: int, progress: float,
+         batch: int) -> float | None:
+    """The interval's similarity: recorded (``similarities``), else the convergence model's;
+    None where neither has one (the rule then keeps B_G, as the driver does without Phi)."""
+    if similarities is not None:
+        try:
+            return similarities.similarity(epoch, interval, progress, batch)
+        except ValueError:          # not recorded, and no fallback model
+            return None
+    return float(convergence.similarity(progress, batch))
 
 
 def _lr(ctl: AdaptiveBatchController, job: JobConfig, iteration: int) -> float:
@@ -234,4 +254,4 @@ def _lr(ctl: AdaptiveBatchController, job: JobConfig, iteration: int) -> float:
     return ctl.lr(iteration) if job.lr is not None else float("nan")
 
 
-__all__ = ["simulate", "SimRun", "Recorded"]
+__all__ = ["simulate", "SimRun", "Recorded", "reaches"]

@@ -25,7 +25,8 @@ from ..actors.metrics import MetricsHistory
 from ..actors.model_record import load_model_record
 from ..planners.perf_model import PerfModel
 from ..storage import StoragePath, as_storage_path
-from .loop import SimRun, simulate
+from .convergence import ReplaySimilarity
+from .loop import SimRun, reaches, simulate
 from .policies import JabasPolicy
 
 
@@ -48,7 +49,7 @@ class RecordedRun:
             raise ValueError(f"run folder {run_dir}: model.json records no model (the run was given "
                              f"an iteration-time model that cannot say what it is built from)")
         self._models: dict[int, PerfModel] = {}
-        self._phis = {(r.epoch, r.interval): r.phi for r in self.history.intervals}
+        self.similarities = ReplaySimilarity({(r.epoch, r.interval): r.phi for r in self.history.intervals})
 
     @property
     def job(self):
@@ -61,9 +62,6 @@ class RecordedRun:
         if key not in self._models:
             self._models[key] = PerfModel.from_record(rec)
         return self._models[key]
-
-    def phi(self, epoch: int, interval: int) -> float | None:
-        return self._phis.get((epoch, interval))
 
     def _epoch(self, epoch: int):
         return self.history.epochs[epoch] if epoch < len(self.history.epochs) else None
@@ -163,14 +161,13 @@ def _s(x: float | None) -> str:
 
 
 def _time_to_target(history: MetricsHistory, target: float | None) -> float | None:
-    """End of the first epoch whose first validation metric reaches ``target`` (epoch times summed)."""
+    """End of the first epoch whose validation accuracy reaches ``target`` (epoch times summed)."""
     if target is None:
         return None
     clock = 0.0
     for e in history.epochs:
         clock += e.time_s
-        value = next(iter(e.val_metrics.values()), e.val_accuracy) if e.val_metrics else e.val_accuracy
-        if value is not None and value >= target:
+        if reaches(e.val_metrics.get("accuracy", e.val_accuracy), target):
             return clock
     return None
 
@@ -183,7 +180,7 @@ def _plans(history: MetricsHistory, epoch: int) -> list[tuple]:
 
 def replay(run_dir: str | StoragePath, target: float | None = None) -> ReplayReport:
     """Re-simulate the JABAS run in ``run_dir`` and compare it epoch by epoch (module notes);
-    ``target``: a validation metric to time (the recorded run's metrics are replayed)."""
+    ``target``: a validation accuracy to time (the recorded run's metrics are replayed)."""
     rec = RecordedRun(run_dir)
     recorded = rec.history
     job = rec.job
@@ -191,7 +188,7 @@ def replay(run_dir: str | StoragePath, target: float | None = None) -> ReplayRep
         from dataclasses import replace
         job = replace(job, epochs=len(recorded.epochs))
     sim = simulate(JabasPolicy(), job, rec.record.cluster, rec.record.dataset_size, None,
-                   recorded=rec, target=target)
+                   recorded=rec, similarities=rec.similarities, target=target)
     rows = []
     for r, s in zip(recorded.epochs, sim.history.epochs):
         rows.append(EpochComparison(r.epoch, {k: v for k, v in r.allocation.items() if v},
@@ -199,7 +196,7 @@ def replay(run_dir: str | StoragePath, target: float | None = None) -> ReplayRep
                                     _plans(recorded, r.epoch) == _plans(sim.history, s.epoch),
                                     r.time_s, s.time_s))
     notes = []
-    if any(e.decision.get("switch_s") is None for e in recorded.epochs[:-1]):
+    if job.autoscale and any(not e.decision for e in recorded.epochs[:-1]):
         notes.append("some epochs record no auto-scaling decision (no auto-scaling, or a run older "
                      "than the decision records): the simulator decided those itself")
     return ReplayReport(as_storage_path(run_dir).name, rows, sim,
