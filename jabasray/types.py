@@ -9,6 +9,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
@@ -150,10 +151,16 @@ class ClusterSpec(JsonMixin):
         return sorted({n.gpu_type for n in self.nodes})
 
     def node(self, name: str) -> NodeSpec:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise ValueError(f"node must be one of {[n.name for n in self.nodes]}, got {name!r}")
+        found = self._by_name.get(name)
+        if found is None:
+            raise ValueError(f"node must be one of {[n.name for n in self.nodes]}, got {name!r}")
+        return found
+
+    @cached_property
+    def _by_name(self) -> dict[str, NodeSpec]:
+        # the auto-scaler looks nodes up by name for every candidate (a spec is not changed
+        # after it is built: frozen, and its list is never mutated in place)
+        return {n.name: n for n in self.nodes}
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ClusterSpec":

@@ -103,8 +103,13 @@ def test_interpolation_between_profiled_batch_sizes():
     assert m.breakdown("g", 16, 1, 0).t_fwd == pytest.approx(0.3 * m.vsw_time("g", 16, 1))
     assert m.max_num_vsw("g", 16) == 2          # the larger neighbour's n_max
     assert m.max_num_vsw("g", 8) == 4 and m.max_num_vsw("g", 24) == 2
-    # below the smallest profiled size: same throughput as B_L = 8
-    assert m.vsw_time("g", 4, 1) == pytest.approx(0.010 / 2)
+    # below the smallest profiled size: the line through B_L 8 and 24 (slope 1 ms per sample,
+    # 2 ms fixed), not the smallest size's throughput (5 ms)
+    assert m.vsw_time("g", 4, 1) == pytest.approx(0.010 - 4 * 0.001)
+    # a line with a negative intercept (the time grows faster than B_L): proportional to B_L
+    steep = PerfModel({"g": hand_profile(batches=[BatchProfile(8, 1, 0.010, 0.010, 0.4),
+                                                  BatchProfile(24, 1, 0.040, 0.040, 0.2)])})
+    assert steep.vsw_time("g", 4, 1) == pytest.approx(0.010 / 2)
     # above max B_L: nothing fits
     assert m.max_num_vsw("g", 32) == 0
     with pytest.raises(ValueError, match="local_batch must be <= max local batch 24"):

@@ -124,10 +124,11 @@ def test_equal_batch_plan_is_the_smallest_equal_split_and_the_slowest_gpu_sets_t
     model = _model().for_allocation(6, True)
     units = ["fast", "slow", "slow"]                  # three pairs: 6 GPUs
     b_max = min(model.max_local_batch(g) for g in ("fast", "slow"))
-    for bg in (1, 6, 7, 96, 100, 6 * b_max, 6 * b_max + 1, 1000):
-        plan = equal_batch_plan(bg, units, model)
-        # brute force: the fewest accumulation steps k, then the smallest b, with 6 k b >= B_G
-        k, b = min(((k, b) for k in range(1, 60) for b in range(1, b_max + 1) if 6 * k * b >= bg))
+    for bg, min_bl in itertools.product((1, 6, 7, 96, 100, 6 * b_max, 6 * b_max + 1, 1000), (1, 8)):
+        plan = equal_batch_plan(bg, units, model, min_bl)
+        # brute force: the fewest accumulation steps k, then the smallest b >= min B_L, with
+        # 6 k b >= B_G
+        k, b = min(((k, b) for k in range(1, 60) for b in range(min_bl, b_max + 1) if 6 * k * b >= bg))
         assert (plan.local_batch_size, plan.global_batch_size) == (b, 6 * k * b)
         assert {(w.num_vsw, w.num_ga) for w in plan.workers} == {(1, k - 1)}
         assert plan.iteration_time == max(model.iteration_time(g, b, 1, k - 1) for g in ("fast", "slow"))
@@ -142,7 +143,7 @@ def test_pollux_picks_the_grid_batch_of_greatest_goodput():
     model = planner.alloc_model(6, True)
     direct = []
     for m in batch_grid(JOB.min_global_batch, JOB.max_global_batch):
-        plan = equal_batch_plan(m, ["fast", "slow", "slow"], model)
+        plan = equal_batch_plan(m, ["fast", "slow", "slow"], model, JOB.min_local_batch)
         direct.append((plan.global_batch_size / plan.iteration_time * conv.efficiency(123.0, plan.global_batch_size), m))
     assert best_goodput(state, alloc) == (max(direct)[1], pytest.approx(max(direct)[0], rel=1e-12))
     assert batch_grid(32, 256)[:3] == [32, 35, 39] and batch_grid(32, 256)[-1] == 256

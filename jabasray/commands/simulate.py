@@ -111,9 +111,12 @@ def run(args: argparse.Namespace) -> int:
     result = compare(policies, job, cluster, dataset_size, model, convergence, out, placement_s=args.placement_s,
                      eval_s=args.eval_s, target=args.target, stop_at_target=args.stop_at_target,
                      progress=progress)
+    what = "time to target" if args.target is not None else "time"
     for name, row in result["policies"].items():
         if row.get("time_vs_jabas") is not None:
-            print(f"{name:>9}: time x{row['time_vs_jabas']:.2f}, cost x{row['cost_vs_jabas']:.2f} of JABAS")
+            print(f"{name:>9}: {what} x{row['time_vs_jabas']:.2f}, cost x{row['cost_vs_jabas']:.2f} of JABAS")
+        elif "jabas" in result["policies"]:
+            print(f"{name:>9}: no ratio to JABAS (the target was missed)")
     print(f"wrote {out}/comparison.json, comparison.png and a run folder per policy")
     return 0
 

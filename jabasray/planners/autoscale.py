@@ -382,8 +382,8 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     check_int("min_local_batch", min_local_batch, min_value=1)
     check_float("switch_cost_s", switch_cost_s, min_value=0)
     cl = cluster
-    allocs = list(allocations) if allocations is not None else enumerate_allocations(cl)
     memo: dict[tuple, dict] = {} if plan_cache is None else plan_cache
+    allocs, groups = _candidates(cl, allocations, memo)
     # per (N_G, multi-node): the model retargeted once and its solver tables, for every
     # candidate of that size (and, in a plan cache, every later decision)
     retargeted = memo.setdefault(("retargeted models",), {})
@@ -406,8 +406,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     best_free = best_charged = math.inf      # the objective's value of the best so far
     estimates: dict[int, CandidateEstimate] = {}
     for i in order:
-        alloc, lb = allocs[i], bounds[i]
-        group = alloc.group_gpus(cl)
+        alloc, lb, group = allocs[i], bounds[i], groups[i]
         switch = switch_of(alloc)
         if lb is not None:
             rate = alloc.price_rate(cl) if objective == "cost" else 1.0
@@ -445,6 +444,21 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
                              epoch_time=float(best.epoch_time), cost=float(best.cost),
                              iterations=best.iterations, plans=dict(plans), within_budget=within,
                              candidates=cands, uncharged_choice=uncharged)
+
+
+def _candidates(cluster: ClusterSpec, allocations: Sequence[Allocation] | None,
+                memo: dict) -> tuple[list[Allocation], list[list[str]]]:
+    """The candidates (given, else :func:`enumerate_allocations`) and their groups H; the
+    enumerated ones kept in ``memo`` while the cluster stays the same."""
+    if allocations is not None:
+        allocs = list(allocations)
+        return allocs, [a.group_gpus(cluster) for a in allocs]
+    kept = memo.get(("candidates",))
+    if kept is None or kept["cluster"] != cluster:
+        allocs = enumerate_allocations(cluster)
+        kept = memo[("candidates",)] = {"cluster": cluster, "allocs": allocs,
+                                        "groups": [a.group_gpus(cluster) for a in allocs]}
+    return kept["allocs"], kept["groups"]
 
 
 def peak_throughputs(model: Any, gpu_types: Sequence[str], min_local_batch: int) -> dict[str, float] | None:

@@ -27,9 +27,14 @@ Local batch sizes between two profiled sizes B_a < B_L < B_b (this is our choice
 only profiles multiples of min B_L): each profiled point keeps its own Eq. 1 fit, t_vsw is
 computed at both points for the requested n and interpolated linearly in B_L; zeta is
 interpolated linearly; n_max is taken from B_b (memory use grows with B_L, so the larger
-neighbour's limit is the safe one). Below the smallest profiled size the throughput of the
-smallest size is assumed (t_vsw proportional to B_L). Above max B_L^g there is no
-configuration (``max_num_vsw`` returns 0, ``iteration_time`` raises).
+neighbour's limit is the safe one). Below the smallest profiled size B_0 (only the equal-batch
+baselines of the simulator ask there: the solver's B_L are the profiled multiples of min B_L),
+t_vsw follows the line through the two smallest profiled sizes, t(B_L) = t(B_0) + s (B_L - B_0),
+s the slope between them: a step keeps its fixed part (kernel launches, a GPU not filled)
+however small its batch; with one profiled size, or a line that does not fall with B_L
+(s <= 0, or a negative intercept), t_vsw is proportional to B_L (the smallest size's
+throughput). Above max B_L^g there is no configuration (``max_num_vsw`` returns 0,
+``iteration_time`` raises).
 
 Emulation on one host (ours): ``host_devices`` is how many emulated GPUs the host can run at
 once (its cores / torch threads per actor). With N_G > host_devices the emulated GPUs time-share
@@ -300,8 +305,8 @@ class PerfModel:
         a, b, w = self._neighbours(prof, local_batch)
         if b is None:
             t = vsw_time_at(a, num_vsw)
-            if local_batch != a.local_batch:  # below the smallest profiled size
-                t *= local_batch / a.local_batch
+            if local_batch != a.local_batch:  # below the smallest profiled size (module notes)
+                t = _below_smallest(prof, local_batch, num_vsw, t)
             zeta = a.zeta
         else:
             t = (1 - w) * vsw_time_at(a, num_vsw) + w * vsw_time_at(b, num_vsw)
@@ -445,6 +450,20 @@ class PerfModel:
     def __repr__(self) -> str:
         return (f"PerfModel(types={sorted(self.profiles)}, num_gpus={self.num_gpus}, "
                 f"multi_node={self.multi_node}, weight_sync={self.weight_sync!r})")
+
+
+def _below_smallest(prof: Profile, local_batch: int, num_vsw: int, t0: float) -> float:
+    """t_vsw below the smallest profiled B_L (module notes): the line through the two smallest
+    profiled sizes, else proportional to B_L; ``t0`` is t_vsw at the smallest size."""
+    a = prof.batches[0]
+    linear = t0 * local_batch / a.local_batch
+    if len(prof.batches) < 2:
+        return linear
+    b = prof.batches[1]
+    slope = (vsw_time_at(b, num_vsw) - t0) / (b.local_batch - a.local_batch)
+    if slope <= 0 or t0 - slope * a.local_batch < 0:
+        return linear
+    return t0 + slope * (local_batch - a.local_batch)
 
 
 def measured_fit(fits: Mapping[tuple[int, bool], AllReduceFit], num_gpus: int, multi_node: bool

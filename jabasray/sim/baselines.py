@@ -8,7 +8,10 @@ GPU (the straggler effect of section 2.2). In the terms of the iteration-time mo
 * N GPUs run B_G: each runs k = ceil(B_G / (N * b_max)) decoupled workers in sequence (one
   worker plus k - 1 gradient-accumulation steps), b_max the largest local batch that fits on
   EVERY allocated GPU (the smallest memory sets it), and the local batch is
-  b = ceil(B_G / (N * k)), so B_G* = N * k * b >= B_G (the rounding Pollux and SimiGrad make);
+  b = max(min B_L, ceil(B_G / (N * k))), so B_G* = N * k * b >= B_G (the rounding Pollux and
+  SimiGrad make). ``min B_L`` is the job's (``JobConfig.min_local_batch``), the bound JABAS's
+  plans keep too: every policy runs the same job, so a baseline on many GPUs runs a larger
+  global batch than asked rather than smaller local batches than the job allows;
 * the iteration time is max over the allocated GPU types of Eq. 6 at (b, n_vsw = 1,
   n_GA = k - 1): ``model.iteration_time`` of :class:`jabasray.planners.perf_model.PerfModel`,
   all-reduce of the allocation's N_G included;
@@ -30,21 +33,24 @@ from ..types import Plan, WorkerConfig, unit_gpu, units_num_gpus
 from ..validation import check_int
 
 
-def equal_batch_plan(global_batch: int, units: Sequence[str], model: Any) -> Plan:
+def equal_batch_plan(global_batch: int, units: Sequence[str], model: Any, min_local_batch: int = 1) -> Plan:
     """The plan of an equal-local-batch baseline for B_G = ``global_batch`` on the GPU units
     ``units`` (group H, :func:`jabasray.actors.placement.group_gpus`) with ``model`` retargeted
-    to the allocation (module notes). ValueError when even b = 1 does not fit some GPU."""
+    to the allocation, no local batch below ``min_local_batch`` (module notes). ValueError when
+    ``min_local_batch`` does not fit some GPU."""
     check_int("global_batch", global_batch, min_value=1)
+    check_int("min_local_batch", min_local_batch, min_value=1)
     units = list(units)
     if not units:
         raise ValueError("units must list at least one GPU unit, got []")
     num_gpus = units_num_gpus(units)
     types = sorted({unit_gpu(u)[0] for u in units})
     b_max = min(int(model.max_local_batch(g)) for g in types)
-    if b_max < 1:
-        raise ValueError(f"units: no local batch fits on every GPU type of {types}")
+    if b_max < min_local_batch:
+        raise ValueError(f"min_local_batch {min_local_batch} does not fit on every GPU type of "
+                         f"{types} (largest common local batch {b_max})")
     k = max(1, math.ceil(global_batch / (num_gpus * b_max)))
-    b = math.ceil(global_batch / (num_gpus * k))
+    b = max(min_local_batch, math.ceil(global_batch / (num_gpus * k)))
     t = max(model.iteration_time(g, b, 1, k - 1) for g in types)
     return Plan(global_batch_size=num_gpus * k * b, local_batch_size=b,
                 workers=[WorkerConfig(u, 1, k - 1) for u in units], iteration_time=float(t),

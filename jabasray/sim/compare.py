@@ -69,17 +69,19 @@ def compare(policies: Sequence[str], job: JobConfig, cluster: ClusterSpec, datas
 
 
 def comparison(runs: dict[str, SimRun], target: float | None) -> dict:
-    """The comparison of simulated runs (module notes): rows per policy, and time (to the
-    target where every policy reached it, else to the end) and cost normalised to JABAS's."""
+    """The comparison of simulated runs (module notes): rows per policy, and their time and
+    cost normalised to JABAS's - to the target when there is one (None for a policy, or for
+    all, where it or JABAS did not reach it: a run that misses the target is not faster), else
+    to the end of the epochs. A run that stops at the target costs what it held until then."""
     rows = {name: run.summary() for name, run in runs.items()}
     ref = rows.get("jabas")
+    key = "time_to_target_s" if target is not None else "time_s"
     for row in rows.values():
         if ref is None:
             break
-        t_key = "time_to_target_s" if row["time_to_target_s"] is not None and \
-            ref["time_to_target_s"] is not None else "time_s"
-        row["time_vs_jabas"] = row[t_key] / ref[t_key] if ref[t_key] else None
-        row["cost_vs_jabas"] = row["cost"] / ref["cost"] if ref["cost"] else None
+        ok = row[key] is not None and ref[key]
+        row["time_vs_jabas"] = row[key] / ref[key] if ok else None
+        row["cost_vs_jabas"] = row["cost"] / ref["cost"] if ok and ref["cost"] else None
     return {"target": target, "policies": rows}
 
 
@@ -93,11 +95,12 @@ def plot_comparison(result: dict, path: str | StoragePath) -> StoragePath:
     rows = result["policies"]
     names = list(rows)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    if all(rows[n].get("time_vs_jabas") is not None for n in names):
+    if any(rows[n].get("time_vs_jabas") is not None for n in names):
         xs = range(len(names))
-        ax1.bar([x - 0.2 for x in xs], [rows[n]["time_vs_jabas"] for n in names], 0.4, label="time")
-        ax1.bar([x + 0.2 for x in xs], [rows[n]["cost_vs_jabas"] for n in names], 0.4, label="cost")
-        ax1.set_xticks(list(xs), names)
+        ax1.bar([x - 0.2 for x in xs], [rows[n]["time_vs_jabas"] or 0.0 for n in names], 0.4, label="time")
+        ax1.bar([x + 0.2 for x in xs], [rows[n]["cost_vs_jabas"] or 0.0 for n in names], 0.4, label="cost")
+        ax1.set_xticks(list(xs), [n if rows[n]["time_vs_jabas"] is not None else f"{n}\n(missed)"
+                                  for n in names])
         ax1.axhline(1.0, color="grey", lw=0.6)
         ax1.set_ylabel("normalised to JABAS")
         ax1.set_title("Time to target and cost (Eq. 8)" if result.get("target") is not None

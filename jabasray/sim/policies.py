@@ -102,7 +102,8 @@ class Policy:
 
     def plan(self, state: SimState, allocation: dict[str, int], batch: int) -> Plan:
         units, multi = state.units(allocation)
-        return equal_batch_plan(batch, units, state.planner.alloc_model(units_num_gpus(units), multi))
+        return equal_batch_plan(batch, units, state.planner.alloc_model(units_num_gpus(units), multi),
+                                state.job.min_local_batch)
 
     def next_epoch(self, state: SimState, allocation: dict[str, int]) -> NextEpoch:
         return NextEpoch(allocation)
@@ -197,7 +198,7 @@ def best_goodput(state: SimState, allocation: dict[str, int]) -> tuple[int, floa
     model = state.planner.alloc_model(units_num_gpus(units), multi)
     best = (state.job.min_global_batch, -1.0)
     for m in batch_grid(state.job.min_global_batch, state.job.max_global_batch):
-        plan = equal_batch_plan(m, units, model)
+        plan = equal_batch_plan(m, units, model, state.job.min_local_batch)
         g = goodput(plan, state.convergence.efficiency(state.progress, plan.global_batch_size))
         if g > best[1]:
             best = (m, g)
