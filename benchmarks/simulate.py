@@ -16,8 +16,8 @@ their FLOPs per sample (0.56 / 4.1 GFLOPs) and its gradients by their parameters
 an estimate, said beside every figure. Jobs: ImageNet as the paper's Table 4 for ResNet-50
 (gamma 0.1, B_G 256-32768, alpha 0.1, p 100, 90 epochs, target top-1 0.75 - the trace's
 ceiling is 0.757, the paper's target 0.76); CIFAR-10 from B_G 128 to 4096 (gamma 0.1, p 100,
-100 epochs, target 0.93); every policy keeps the job's min B_L (``--min-local-batch``, 8; the
-profiles start at 32, below it the model follows the line through their two smallest sizes).
+100 epochs, target 0.93); every policy keeps the job's min B_L (``--min-local-batch``, 32, the
+profiles' smallest size), so on many GPUs the baselines start above B_G^init.
 A placement (start, re-placement) takes ``--placement-s`` (30 s).
 
     python benchmarks/simulate.py replay jabasray_runs/<main> benchmarks/out/adaptive_runs/* --target 0.93
@@ -116,9 +116,9 @@ def main() -> None:
     s.add_argument("--sizes", nargs="+", type=int, default=list(SIZES))
     s.add_argument("--policies", nargs="+", default=["static", "simigrad", "pollux", "pollux-as", "jabas"])
     s.add_argument("--placement-s", type=float, default=30.0)
-    s.add_argument("--min-local-batch", type=int, default=8,
-                   help="every policy's min B_L (the profiles start at 32: below, the model's line "
-                        "through their two smallest sizes)")
+    s.add_argument("--min-local-batch", type=int, default=32,
+                   help="every policy's min B_L (default: the profiles' smallest size; below it "
+                        "the model follows the line through their two smallest sizes)")
     for p in (r, s):
         p.add_argument("--out", default=None)
     args = ap.parse_args()
