@@ -120,14 +120,21 @@ def missing_internals(include_pyarrow: bool = True) -> list[str]:
 def problems(version: str | None = None) -> list[str]:
     """One line per problem: Ray ``version`` (default: the installed one) outside
     :data:`TESTED_RAY`, then one for the missing internals."""
+    return problem_lines(version, version_problem, missing_internals(),
+                         "internals jabasray uses", "jabasray/actors/ray_internals.py")
+
+
+def problem_lines(version: str | None, version_check: Any, missing: list[str], what: str,
+                  where: str) -> list[str]:
+    """The lines of a ``problems()`` check (this module's, the Tune integration's): the version
+    outside :data:`TESTED_RAY` (``version_check(version)``; default: the installed Ray), then
+    one line naming the ``missing`` internals (``what`` they are, the module ``where`` they are used)."""
     if version is None:
         import ray
         version = ray.__version__
-    out = [p for p in [version_problem(version)] if p]
-    missing = missing_internals()
+    out = [p for p in [version_check(version)] if p]
     if missing:
-        out.append(f"Ray {version} lacks internals jabasray uses: {', '.join(missing)} "
-                   f"(jabasray/actors/ray_internals.py)")
+        out.append(f"Ray {version} lacks {what}: {', '.join(missing)} ({where})")
     return out
 
 

@@ -121,15 +121,9 @@ def missing_internals() -> list[str]:
 def problems(version: str | None = None) -> list[str]:
     """One line per problem: Ray ``version`` (default: the installed one) outside
     :data:`TESTED_RAY`, then one per missing internal."""
-    if version is None:
-        import ray
-        version = ray.__version__
-    out = [p for p in [version_problem(version)] if p]
-    missing = missing_internals()
-    if missing:
-        out.append(f"Ray {version} lacks Tune internals jabasray.tuner uses: {', '.join(missing)} "
-                   f"(jabasray/tuner/tune_internals.py)")
-    return out
+    return ray_internals.problem_lines(version, version_problem, missing_internals(),
+                                       "Tune internals jabasray.tuner uses",
+                                       "jabasray/tuner/tune_internals.py")
 
 
 _checked = False
