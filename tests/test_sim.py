@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from jabasray.config import JobConfig
-from jabasray.planners.autoscale import (Allocation, choose_allocation, class_allocations,
+from jabasray.planners.autoscale import (choose_allocation, class_allocations,
                                          enumerate_allocations, epoch_lower_bound, node_classes,
                                          peak_throughputs)
 from jabasray.planners.perf_model import PerfModel, emulated_profiles
@@ -27,7 +27,7 @@ from jabasray.sim.clusters import derived_profile, paper_cluster, type_profiles
 from jabasray.sim.loop import simulate
 from jabasray.sim.policies import POLICIES, SimState, best_goodput, make_policy
 from jabasray.planners.job_planner import JobPlanner
-from jabasray.types import ClusterSpec, NodeSpec, units_num_gpus
+from jabasray.types import ClusterSpec, NodeSpec
 
 N = 3000
 
