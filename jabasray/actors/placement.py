@@ -52,6 +52,8 @@ class Slot(JsonMixin):
     pair: int          # unit index = index into plan.workers / group_gpus
     local_pair: int = 0  # index of the unit on its node (identity of the unit's GPUs)
     ray_node_id: str | None = None  # Ray node the slot is pinned to (NodeSpec.ray_node_id)
+    launch_s: float | None = None   # its node must be launched first (NodeSpec.launch_s): its
+                                    # bundle names gpu_<type>, its placement waits this longer
 
     @property
     def pair_key(self) -> tuple[str, int]:
@@ -148,7 +150,7 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
             for g in groups:
                 slots.append(Slot(rank=len(slots), node=node.name, gpu_type=node.gpu_type,
                                   speed=node.speed, group=g, pair=unit, local_pair=k,
-                                  ray_node_id=node.ray_node_id))
+                                  ray_node_id=node.ray_node_id, launch_s=node.launch_s))
             unit += 1
     return slots
 
@@ -415,11 +417,14 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
             if key in old:    # a solo GPU became a pair or a pair a solo GPU: new actors
                 _release_pair(*old.pop(key))
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles, selector = pair_request(pair_slots, emulate, available, cpus)
+            launch_s = pair_slots[0].launch_s   # a node still to launch: its resource, its wait
+            avail = {**available, resource_name(pair_slots[0].gpu_type): 1.0} \
+                if launch_s is not None else available
+            bundles, selector = pair_request(pair_slots, emulate, avail, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
-                ray.get(pg.ready(), timeout=timeout_s)
+                ray.get(pg.ready(), timeout=timeout_s + (launch_s or 0.0))
             except ray.exceptions.GetTimeoutError:
                 raise PlacementTimeout(placement_timeout_message(
                     key[0], pair_slots[0].ray_node_id, bundles, timeout_s,
