@@ -123,6 +123,16 @@ def candidate_cluster(given: ClusterSpec, ray_nodes: list[dict] | None,
     return ClusterSpec(nodes=nodes, node_types=list(given.node_types)) if nodes else None
 
 
+def only_types(cluster: ClusterSpec, gpu_types: Any) -> tuple[ClusterSpec | None, list[str]]:
+    """``cluster`` without the nodes whose GPU type is not in ``gpu_types`` (types the job's
+    iteration-time model has no profile of; None: every type is kept), and the names left out."""
+    if gpu_types is None:
+        return cluster, []
+    keep = [n for n in cluster.nodes if n.gpu_type in gpu_types]
+    dropped = [n.name for n in cluster.nodes if n.gpu_type not in gpu_types]
+    return (replace(cluster, nodes=keep) if keep else None), dropped
+
+
 def request_bundles(cluster: ClusterSpec, allocation: dict[str, int], emulate: bool,
                     available: dict[str, float] | None = None, cpus: float = 0.0
                     ) -> list[dict[str, float]]:
@@ -202,7 +212,12 @@ class ClusterView:
         """Ask Ray's autoscaler for ``allocation``'s bundles (module rule 4); returns them."""
         import ray
 
-        bundles = request_bundles(cluster, allocation, self.emulate, ray.cluster_resources(), self.cpus)
+        try:
+            bundles = request_bundles(cluster, allocation, self.emulate, ray.cluster_resources(),
+                                      self.cpus)
+        except ValueError as e:   # an allocation of nodes the cluster no longer has
+            log.warning("no request to Ray's autoscaler for allocation %s: %s", allocation, e)
+            return []
         if bundles != self.requested:
             request_resources(bundles)
             self.requested = bundles
@@ -215,5 +230,5 @@ class ClusterView:
             self.requested = None
 
 
-__all__ = ["ClusterView", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes",
+__all__ = ["ClusterView", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
            "placed_nodes", "request_bundles", "request_resources", "type_figures"]

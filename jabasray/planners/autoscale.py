@@ -414,9 +414,10 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         size = (alloc.num_gpus, alloc.multi_node)
         if size not in retargeted:
             retargeted[size] = (_retarget(model, *size), {})
-        if size not in peaks:
-            peaks[size] = peak_throughputs(retargeted[size][0], cl.gpu_types, min_local_batch)
-        return epoch_lower_bound(alloc, cl, peaks[size], dataset_size)
+        types = tuple(cl.gpu_types)    # a cluster may gain GPU types between decisions
+        if size + types not in peaks:
+            peaks[size + types] = peak_throughputs(retargeted[size][0], types, min_local_batch)
+        return epoch_lower_bound(alloc, cl, peaks[size + types], dataset_size)
 
     bounds = [bound_of(a) for a in allocs] if prune and objective in ("time", "cost") else [None] * len(allocs)
     order = sorted(range(len(allocs)), key=lambda i: (bounds[i] is not None, bounds[i] or 0.0, i))
