@@ -169,6 +169,8 @@ class ClusterSpec(JsonMixin):
     nodes: list[NodeSpec] = field(default_factory=list)
     node_types: list[NodeType] = field(default_factory=list)   # nodes Ray's autoscaler can launch
                                    # (the auto-scaler's candidates beside ``nodes``: cluster_view)
+    follow_ray: bool = False       # the job plans with the live Ray nodes, read again at every
+                                   # epoch end (set by placement.ray_cluster_spec; cluster_view)
 
     def __post_init__(self) -> None:
         if not self.nodes and not self.node_types:
@@ -200,7 +202,7 @@ class ClusterSpec(JsonMixin):
         if not out:
             raise ValueError("nodes: this mode needs GPUs in identical pairs on one node, "
                              "and no node has two GPUs")
-        return ClusterSpec(nodes=out, node_types=list(self.node_types))
+        return replace(self, nodes=out)
 
     @property
     def gpu_types(self) -> list[str]:
@@ -286,7 +288,8 @@ class ClusterSpec(JsonMixin):
         """Build the spec from Ray's node records (``nodes`` in the format of ``ray.nodes()``;
         pure: the live call is :func:`jabasray.actors.placement.ray_cluster_spec`).
 
-        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``, with
+        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>`` (a longer
+        id prefix where two nodes' ids share their first 8 characters), with
         ``ray_node_id`` set (placement pins the node's actors to it). GPU types come, in this
         order of precedence, from
 
@@ -306,6 +309,8 @@ class ClusterSpec(JsonMixin):
         speeds = speeds or {}
         memory_gb = memory_gb or {}
         specs: list[NodeSpec] = []
+        ids = [str(nd.get("NodeID") or nd.get("node_id") or f"node{i}") for i, nd in enumerate(nodes)
+               if isinstance(nd, dict)]
         for i, nd in enumerate(nodes):
             if not isinstance(nd, dict):
                 raise ValueError(f"nodes[{i}] must be a ray.nodes() mapping, got {nd!r}")
@@ -324,7 +329,7 @@ class ClusterSpec(JsonMixin):
                 label = labels.get(ACCELERATOR_LABEL)
                 types[(label or (accel[0] if accel else "gpu")).lower()] = int(res["GPU"])
             for gpu_type, count in types.items():
-                specs.append(NodeSpec(name=f"{node_id[:8]}-{gpu_type}", gpu_type=gpu_type,
+                specs.append(NodeSpec(name=_node_name(node_id, gpu_type, ids), gpu_type=gpu_type,
                                       num_gpus=count, speed=float(speeds.get(gpu_type, 1.0)),
                                       memory_gb=float(memory_gb.get(gpu_type, 16.0)),
                                       ray_node_id=str(ray_id) if ray_id else None))
@@ -332,6 +337,15 @@ class ClusterSpec(JsonMixin):
             raise ValueError("nodes: the Ray cluster has no alive node with GPUs (resource GPU, "
                              "accelerator_type:* or gpu_<type>)")
         return cls(nodes=specs)
+
+
+def _node_name(node_id: str, gpu_type: str, ids: list[str]) -> str:
+    """``<node id[:8]>-<type>``, the id prefix lengthened (by 4) while another of ``ids`` shares
+    it (ids that agree in their first 8 characters, e.g. a fake cluster's)."""
+    k = 8
+    while k < len(node_id) and any(o != node_id and o[:k] == node_id[:k] for o in ids):
+        k += 4
+    return f"{node_id[:k]}-{gpu_type}"
 
 
 class WorkerConfig(NamedTuple):

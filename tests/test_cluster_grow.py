@@ -1,7 +1,7 @@
 """The live cluster read again at every epoch end, on a ``ray.cluster_utils.Cluster``: a head
 with 2 CPUs and one emulated "slow" GPU; a node with one "fast" GPU added by hand mid-run.
 
-Proves: a job given the cluster detected from Ray (every node pinned) starts on the slow GPU,
+Proves: a job given the cluster detected from Ray (`ray_cluster_spec`: it follows Ray) starts on the slow GPU,
 the node added during epoch 1 is a candidate of the auto-scaler's decision at that epoch's end
 (the event names it, the decision record lists it) and is used when it pays (a 4x faster GPU,
 re-placement charged nothing); every placement first asks Ray's autoscaler for the allocation's

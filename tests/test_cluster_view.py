@@ -65,11 +65,13 @@ def test_launchable_counts():
 
 
 def test_which_specs_follow_ray():
-    pinned = ClusterSpec(nodes=[NodeSpec("a", "fast", 2, ray_node_id="x")])
+    pinned = ClusterSpec(nodes=[NodeSpec("a", "fast", 2, ray_node_id="x")], follow_ray=True)
     by_hand = ClusterSpec(nodes=[NodeSpec("a", "fast", 2)])
-    assert follows_ray(pinned) and not follows_ray(by_hand)
+    part = ClusterSpec(nodes=[NodeSpec("a", "fast", 1, ray_node_id="x")])   # a part of a detected one
+    assert follows_ray(pinned) and not follows_ray(by_hand) and not follows_ray(part)
     assert follows_ray(ClusterSpec(nodes=[NodeSpec("a", "fast", 2)], node_types=TYPES))
     assert candidate_cluster(by_hand, [HEAD, FAST]) is by_hand       # used as given
+    assert candidate_cluster(part, [HEAD, FAST]) is part
     grown = candidate_cluster(pinned, [HEAD, FAST])
     assert [n.name for n in grown.nodes] == ["ffffffff-fast"]       # the live nodes, now
 
@@ -138,3 +140,35 @@ def test_request_bundles_name_the_resource_of_a_node_to_launch():
     assert request_bundles(cl, alloc, emulate=True, available=available, cpus=1.0) == [
         {"gpu_slow": 1.0, "CPU": 1.0}, {"gpu_fast": 1.0, "CPU": 1.0}, {"gpu_fast": 1.0, "CPU": 1.0}]
     assert [s.launch_s for s in slots_for(cl, alloc)] == [None, 30.0, 30.0]
+
+
+def test_nodes_whose_ids_share_a_prefix_have_distinct_names():
+    """Fake clusters' node ids agree in their first characters: names take a longer prefix."""
+    same = "f" * 51
+    nodes = [ray_node(same + "00001", {"gpu_fast": 2.0}), ray_node(same + "00002", {"gpu_fast": 2.0})]
+    assert [n.name for n in ClusterSpec.from_ray(nodes).nodes] == [
+        same + "00001-fast", same + "00002-fast"]
+    given = ClusterSpec(nodes=[], node_types=TYPES)
+    cl = candidate_cluster(given, nodes, names={same + "00001": "fast2+0", same + "00002": "fast2+1"})
+    assert [n.name for n in cl.nodes] == ["fast2+0", "fast2+1", "slow2+0"]   # fast2 is full
+
+
+def test_kept_nodes_keep_their_order():
+    """``ray.nodes()`` lists nodes in no fixed order; an allocation's ranks follow the cluster's
+    node order, so nodes seen before keep theirs."""
+    a, b = ray_node("a" * 56, {"gpu_fast": 2.0}), ray_node("b" * 56, {"gpu_fast": 2.0})
+    new = ray_node("c" * 56, {"gpu_slow": 2.0})
+    names = {"b" * 56: "fast2+0", "a" * 56: "fast2+1"}
+    given = ClusterSpec(nodes=[], node_types=TYPES)
+    for order in ([a, b, new], [new, b, a]):
+        assert [n.name for n in candidate_cluster(given, order, names).nodes] == [
+            "fast2+0", "fast2+1", "cccccccc-slow"]
+
+
+def test_a_node_still_to_launch_is_never_free():
+    from jabasray.actors.placement import free_cluster
+    cl = ClusterSpec(nodes=[NodeSpec("live", "slow", 2, ray_node_id="x"),
+                            NodeSpec("fast2+0", "fast", 2, launch_s=30.0)])
+    free = free_cluster(cl, {"x": {"CPU": 4.0, "gpu_slow": 2.0}, "y": {"CPU": 8.0}}, emulate=True,
+                        totals={"CPU": 12.0, "gpu_slow": 2.0})
+    assert [n.name for n in free.nodes] == ["live"]

@@ -3,16 +3,19 @@
 The driver asks this module, as it asks the planners, at the start and at every epoch end
 (:class:`ClusterView`); the rules:
 
-1. **Live nodes.** A job whose cluster follows Ray (every node of the given spec pinned to a
-   Ray node, as :func:`.placement.ray_cluster_spec` detects it, or a spec that lists
+1. **Live nodes.** A job whose cluster follows Ray (``ClusterSpec.follow_ray``: the cluster
+   :func:`.placement.ray_cluster_spec` detects, ``--cluster ray``; or a spec that lists
    ``node_types``) plans with the GPU nodes alive *now* (``ray.nodes()`` through
    :meth:`jabasray.types.ClusterSpec.from_ray`), read again at every epoch end: a node that
    joined (added by hand, or launched by Ray's autoscaler) is a candidate of the next
-   allocation, a node that left is not. A live node keeps the name it had when the job used it
-   (``<Ray node id[:8]>-<type>``, or the name of the launchable node it was launched for), so an
-   allocation that stays on it keeps its actors. Speed, memory and TFLOPS of a GPU type come
-   from the given spec's nodes or node types of that type. A hand-written spec that pins no node
-   and lists no node type is used as given (any node with the resources; nothing joins).
+   allocation, a node that left is not. A live node keeps the name and the place in the
+   cluster's node order it had when first seen (the given spec's name, ``<Ray node
+   id[:8]>-<type>``, or the name of the launchable node it was launched for, read from its
+   placement groups), so an allocation that stays on it keeps its ranks and actors. Speed,
+   memory and TFLOPS of a GPU type come from the given spec's nodes or node types of that type;
+   nodes of a GPU type the job's model has no profile of are left out (:func:`only_types`).
+   Any other spec - a hand-written one, or a part of a detected one - is used as given (the
+   cluster a job was given bounds what it uses: :mod:`.reconcile`; nothing joins).
 2. **Launchable nodes.** ``ClusterSpec.node_types`` (:class:`jabasray.types.NodeType`: name,
    GPU type, GPUs per node, ``max_workers``, TFLOPS as the price of Eq. 8, memory, ``launch_s``)
    say what Ray's autoscaler can launch. Ray 2.60 offers no public API that tells a running
@@ -23,13 +26,14 @@ The driver asks this module, as it asks the planners, at the start and at every 
    section. A type contributes ``max_workers`` minus its live nodes (same GPU type and count)
    launchable nodes, named ``<type>+<i>``, with ``ray_node_id`` None and ``launch_s`` set
    (:attr:`jabasray.types.NodeSpec.launched`): placement asks for their ``gpu_<type>``
-   resource on any node and waits ``launch_s`` longer for it.
+   resource on any node and waits ``launch_s`` longer for it; they are never "free" GPUs when a
+   placement times out (:func:`.placement.free_cluster`).
 3. **Launch charge.** A candidate allocation that uses launchable nodes is charged the longest
    of their ``launch_s`` (default :data:`jabasray.types.DEFAULT_LAUNCH_S`, 120 s) on top of its
    epoch time and the re-placement charge, in one place:
    :meth:`jabasray.planners.autoscale.Allocation.launch_s` (module notes of
    :mod:`jabasray.planners.autoscale`, "Launch charge").
-4. **Requests.** After every decision (and at the start) the job asks Ray's autoscaler for the
+4. **Requests.** Before every placement (at the start and after every decision) the job asks Ray's autoscaler for the
    chosen allocation's placement bundles (:func:`request_bundles`: one
    :func:`.placement.bundle_for` per GPU, the bundles its actors' placement groups ask for)
    through ``ray.autoscaler.sdk.request_resources(bundles=...)``; each request replaces the
@@ -51,10 +55,9 @@ log = logging.getLogger(__name__)
 
 
 def follows_ray(cluster: ClusterSpec) -> bool:
-    """Whether a job given ``cluster`` plans with the live Ray nodes (module rule 1): every node
-    pinned to a Ray node (detected from Ray), or node types listed."""
-    return bool(cluster.node_types) or (bool(cluster.nodes) and
-                                        all(n.ray_node_id is not None for n in cluster.nodes))
+    """Whether a job given ``cluster`` plans with the live Ray nodes (module rule 1): detected
+    from Ray (``follow_ray``), or node types listed."""
+    return bool(cluster.node_types) or cluster.follow_ray
 
 
 def type_figures(cluster: ClusterSpec) -> dict[str, dict[str, Any]]:
@@ -71,21 +74,30 @@ def type_figures(cluster: ClusterSpec) -> dict[str, dict[str, Any]]:
 def live_nodes(ray_nodes: list[dict], figures: dict[str, dict[str, Any]],
                names: dict[str, str] | None = None) -> list[NodeSpec]:
     """The alive GPU nodes of ``ray_nodes`` (``ray.nodes()`` records) as pinned NodeSpecs with
-    the user's ``figures`` per GPU type; ``names``: Ray node id -> the name a node keeps (one it
-    was used under). Empty when no alive node has GPUs."""
+    the user's ``figures`` per GPU type; ``names``: Ray node id -> the name a node keeps (the
+    name it had when first seen, or of the launchable node it was launched for; a new node
+    whose default name is taken is named by its whole id), kept ones in the order of ``names``.
+    Empty when no alive node has GPUs."""
     try:
         spec = ClusterSpec.from_ray(ray_nodes)
     except ValueError:   # no alive GPU node
         return []
     names = names or {}
+    kept = set(names.values())
     out = []
     for n in spec.nodes:
         fig = figures.get(n.gpu_type, {})
-        out.append(replace(n, name=names.get(n.ray_node_id or "", n.name),
+        name = names.get(n.ray_node_id or "")
+        if name is None:   # a node not seen before: its own name, unless a kept one has it
+            name = n.name if n.name not in kept else f"{n.ray_node_id}-{n.gpu_type}"
+        out.append(replace(n, name=name,
                            speed=float(fig.get("speed", n.speed)),
                            memory_gb=float(fig.get("memory_gb", n.memory_gb)),
                            tflops=fig.get("tflops")))
-    return out
+    # kept nodes in the order they were first seen, new ones after (ray.nodes() has no fixed
+    # order; the ranks of an allocation follow the cluster's node order)
+    seen = {name: i for i, name in enumerate(names.values())}
+    return sorted(out, key=lambda n: (0, seen[n.name]) if n.name in seen else (1, 0))
 
 
 def launchable_nodes(node_types: list[NodeType], live: list[NodeSpec],
@@ -191,7 +203,9 @@ class ClusterView:
 
     def __init__(self, given: ClusterSpec, emulate: bool, cpus: float = 0.0) -> None:
         self.given, self.emulate, self.cpus = given, emulate, float(cpus)
-        self.names: dict[str, str] = {}   # Ray node id -> name it keeps (launched for a node)
+        # Ray node id -> the name it keeps: the given spec's pinned nodes first, in its order,
+        # then nodes as first seen (a launched node: the candidate's name it was launched for)
+        self.names: dict[str, str] = {n.ray_node_id: n.name for n in given.nodes if n.ray_node_id}
         self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
 
     @property
@@ -206,7 +220,11 @@ class ClusterView:
         import ray
 
         self.names.update(placed_nodes(placement))
-        return candidate_cluster(self.given, ray.nodes(), self.names)
+        cluster = candidate_cluster(self.given, ray.nodes(), self.names)
+        for n in cluster.nodes if cluster is not None else []:   # a live node keeps its name
+            if n.ray_node_id is not None:
+                self.names.setdefault(n.ray_node_id, n.name)
+        return cluster
 
     def request(self, cluster: ClusterSpec, allocation: dict[str, int]) -> list[dict[str, float]]:
         """Ask Ray's autoscaler for ``allocation``'s bundles (module rule 4); returns them."""

@@ -67,12 +67,15 @@ class Slot(JsonMixin):
 
 def ray_cluster_spec(speeds: dict[str, float] | None = None,
                      memory_gb: dict[str, float] | None = None) -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec: ``ClusterSpec.from_ray(ray.nodes(), ...)``."""
+    """The running Ray cluster as a ClusterSpec: ``ClusterSpec.from_ray(ray.nodes(), ...)``,
+    marked ``follow_ray`` (a job given it plans with the live nodes, joined ones included:
+    :mod:`.cluster_view`)."""
     import ray
     if not ray.is_initialized():
         raise ValueError("the cluster is detected from a running Ray: call ray.init() first "
                          "or pass a ClusterSpec")
-    return ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb)
+    return replace(ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb),
+                   follow_ray=True)
 
 
 def job_cluster(cluster: ClusterSpec, job: JobConfig) -> ClusterSpec:
@@ -318,10 +321,12 @@ def free_cluster(cluster: ClusterSpec, free_per_node: dict[str, dict[str, float]
     say whether ``gpu_<type>`` exists). A pinned node counts only its own Ray node; an unpinned
     one takes, in cluster order, the Ray node that offers the most GPUs of its bundle (a unit's
     GPUs must share a node), whose offer then shrinks by what it took. Nodes with no free GPU
-    are left out; None when no node has one."""
+    (and nodes still to launch, ``NodeSpec.launched``) are left out; None when no node has one."""
     left = {k: dict(v) for k, v in free_per_node.items()}
     nodes: list[NodeSpec] = []
     for n in cluster.nodes:
+        if n.launched:   # a node still to launch has no free GPU
+            continue
         bundle = bundle_for(n.gpu_type, emulate, totals, cpus)
         if n.ray_node_id is not None:
             where = n.ray_node_id if n.ray_node_id in left else None
