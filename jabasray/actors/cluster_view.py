@@ -214,11 +214,14 @@ class ClusterView:
 
     def candidates(self, placement: Any = None) -> ClusterSpec | None:
         """The candidate cluster now (:func:`candidate_cluster` over ``ray.nodes()``); the
-        launchable nodes ``placement`` runs on keep their names once live."""
+        launchable nodes ``placement`` runs on keep their names once live. None without Ray
+        (or without any node)."""
         if not self.follows_ray:
             return self.given
         import ray
 
+        if not ray.is_initialized():   # a driver tested without Ray: nothing to read
+            return None
         self.names.update(placed_nodes(placement))
         cluster = candidate_cluster(self.given, ray.nodes(), self.names)
         for n in cluster.nodes if cluster is not None else []:   # a live node keeps its name
@@ -230,6 +233,8 @@ class ClusterView:
         """Ask Ray's autoscaler for ``allocation``'s bundles (module rule 4); returns them."""
         import ray
 
+        if not ray.is_initialized():   # a driver tested without Ray: no autoscaler to ask
+            return []
         try:
             bundles = request_bundles(cluster, allocation, self.emulate, ray.cluster_resources(),
                                       self.cpus)
