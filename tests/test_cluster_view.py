@@ -172,3 +172,24 @@ def test_a_node_still_to_launch_is_never_free():
     free = free_cluster(cl, {"x": {"CPU": 4.0, "gpu_slow": 2.0}, "y": {"CPU": 8.0}}, emulate=True,
                         totals={"CPU": 12.0, "gpu_slow": 2.0})
     assert [n.name for n in free.nodes] == ["live"]
+
+
+def test_refresh_leaves_out_types_without_a_profile_and_says_what_changed(monkeypatch):
+    import ray
+
+    from jabasray.actors.cluster_view import ClusterView
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [HEAD, FAST, ray_node("s" * 56, {"gpu_slow": 2.0})])
+    given = ClusterSpec(nodes=[NodeSpec("fast", "fast", 2, ray_node_id="f" * 56)], follow_ray=True)
+    view = ClusterView(given, emulate=True)
+    cl, notes = view.refresh(given, gpu_types={"fast"})
+    assert [n.name for n in cl.nodes] == ["fast"] and notes == [
+        "node(s) ['ssssssss-slow'] are not candidates: their GPU type has no profile "
+        "(restart the run, or pass profiles, to use them)"]
+    assert view.refresh(cl, gpu_types={"fast"}) == (cl, [])          # said once
+    cl2, notes = view.refresh(cl, gpu_types=None)
+    assert [n.name for n in cl2.nodes] == ["fast", "ssssssss-slow"]
+    assert notes == ["the cluster offers {'fast': 2, 'ssssssss-slow': 2} (was {'fast': 2}; "
+                     "'<type>+<i>': nodes Ray's autoscaler can launch)"]
+    by_hand = ClusterView(ClusterSpec(nodes=[NodeSpec("a", "fast", 2)]), emulate=True)
+    assert by_hand.refresh(given) == (None, [])

@@ -207,6 +207,7 @@ class ClusterView:
         # then nodes as first seen (a launched node: the candidate's name it was launched for)
         self.names: dict[str, str] = {n.ray_node_id: n.name for n in given.nodes if n.ray_node_id}
         self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
+        self._unknown: list[str] = []   # nodes last left out for a GPU type without a profile
 
     @property
     def follows_ray(self) -> bool:
@@ -228,6 +229,30 @@ class ClusterView:
             if n.ray_node_id is not None:
                 self.names.setdefault(n.ray_node_id, n.name)
         return cluster
+
+    def refresh(self, current: ClusterSpec, placement: Any = None, gpu_types: Any = None
+                ) -> tuple[ClusterSpec | None, list[str]]:
+        """The candidates at an epoch end (:meth:`candidates`) without the nodes of GPU types
+        not in ``gpu_types`` (those the job's model has profiles of; None: all), and the lines
+        that say what changed since ``current`` (the nodes offered; nodes left out, said once
+        per change). None (and no line) when the cluster does not follow Ray or has no node."""
+        cluster = self.candidates(placement) if self.follows_ray else None
+        if cluster is None:
+            return None, []
+        cluster, unknown = only_types(cluster, gpu_types)
+        notes = []
+        if unknown and unknown != self._unknown:
+            notes.append(f"node(s) {unknown} are not candidates: their GPU type has no profile "
+                         f"(restart the run, or pass profiles, to use them)")
+        self._unknown = unknown
+        if cluster is None:
+            return None, notes
+        before = {n.name: n.num_gpus for n in current.nodes}
+        after = {n.name: n.num_gpus for n in cluster.nodes}
+        if before != after:
+            notes.append(f"the cluster offers {after} (was {before}; '<type>+<i>': nodes Ray's "
+                         f"autoscaler can launch)")
+        return cluster, notes
 
     def request(self, cluster: ClusterSpec, allocation: dict[str, int]) -> list[dict[str, float]]:
         """Ask Ray's autoscaler for ``allocation``'s bundles (module rule 4); returns them."""

@@ -47,7 +47,7 @@ from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
-from .cluster_view import ClusterView, only_types
+from .cluster_view import ClusterView
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
@@ -742,28 +742,15 @@ class JabasDriver:
         return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
 
     def _refresh_cluster(self, state: DriverState) -> DriverState:
-        """``state`` on what the cluster can provide now (:meth:`.cluster_view.ClusterView.
-        candidates`: nodes that joined are candidates, nodes that left are not; a launched node
-        keeps its name), said in one event when the nodes changed; unchanged for a cluster
-        that does not follow Ray."""
-        if not self.view.follows_ray:
-            return state
-        cluster = self.view.candidates(self.pool.placement)
-        profiles = getattr(self.planner.model, "profiles", None)   # types the model can plan
-        cluster, unknown = only_types(cluster, set(profiles) if isinstance(profiles, dict) else None) \
-            if cluster is not None else (None, [])
-        if unknown:
-            self._event(f"after epoch {state.epochs_done}: node(s) {unknown} not candidates: their "
-                        f"GPU type has no profile (restart the run, or pass profiles, to use them)")
-        if cluster is None:
-            return state
-        cluster = job_cluster(cluster, self.job)
-        before = {n.name: n.num_gpus for n in state.cluster.nodes}
-        after = {n.name: n.num_gpus for n in cluster.nodes}
-        if before != after:
-            self._event(f"after epoch {state.epochs_done}: the cluster offers {after} (was {before}; "
-                        f"'+<i>': nodes Ray's autoscaler can launch)")
-        return replace(state, cluster=cluster)
+        """``state`` on what the cluster can provide now, of the GPU types the model knows
+        (:meth:`.cluster_view.ClusterView.refresh`), what changed said in events; unchanged for
+        a cluster that does not follow Ray."""
+        profiles = getattr(self.planner.model, "profiles", None)   # the types the model can plan
+        cluster, notes = self.view.refresh(state.cluster, self.pool.placement,
+                                           set(profiles) if isinstance(profiles, dict) else None)
+        for note in notes:
+            self._event(f"after epoch {state.epochs_done}: {note}")
+        return replace(state, cluster=job_cluster(cluster, self.job)) if cluster is not None else state
 
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond
