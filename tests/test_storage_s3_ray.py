@@ -92,6 +92,7 @@ def test_every_run_file_is_in_the_bucket(s3, reference):
     keys = s3.keys("bkt", "runs/ref/")
     want = {"runs/ref/metrics.json", "runs/ref/metrics.csv", "runs/ref/trajectory.png",
             "runs/ref/.jabasray_storage.json", "runs/ref/job.json",   # job.json: the job that wrote it
+            "runs/ref/model.json",   # what the driver planned with (jabasray simulate --replay)
             "runs/ref/checkpoint_000002/model.pt", "runs/ref/checkpoint_000002/optimizer.pt",
             "runs/ref/checkpoint_000002/metadata.json"}
     want |= {f"runs/ref/checkpoints/epoch_000{e}/{f}" for e in (1, 2)   # CheckpointConfig.num_to_keep=2
