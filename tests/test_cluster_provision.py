@@ -93,11 +93,6 @@ def autoscaling(without_session_ray, tmp_path_factory):
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1",
                RAY_AUTH_MODE="disabled")
     markers = [str(temp).encode(), f":{port}".encode()]
-    # `ray start --head` names itself the machine's current cluster (a file later ray.init
-    # calls and jabasray's "a running `ray start` cluster" read): put back what was there
-    current = "/tmp/ray/ray_current_cluster"
-    before = open(current).read() if os.path.exists(current) else None
-    auth = os.environ.get("RAY_AUTH_MODE")
     try:
         subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
                         f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
@@ -117,16 +112,6 @@ def autoscaling(without_session_ray, tmp_path_factory):
             except ProcessLookupError:
                 pass
         shutil.rmtree(temp, ignore_errors=True)
-        if before is None:
-            if os.path.exists(current):
-                os.remove(current)
-        else:
-            with open(current, "w") as f:
-                f.write(before)
-        if auth is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = auth
 
 
 def _alive_nodes(ray) -> int:
