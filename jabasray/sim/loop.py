@@ -161,7 +161,9 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
         batch = policy.epoch_batch(state, allocation)
         if batch is not None:
             ctl.set_global_batch(batch)
-        predicted_epoch = planner.epoch_time(*state.units(allocation), forecast) \
+        units, multi = state.units(allocation)      # group H of the epoch's allocation
+        host_costs = host_costs_of(planner.alloc_model(len(slots), multi))
+        predicted_epoch = planner.epoch_time(units, multi, forecast) \
             if isinstance(policy, JabasPolicy) else None
         cursor, interval, train_s, covered = 0, 0, 0.0, True
         while cursor < dataset_size:
@@ -173,8 +175,7 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
             run_batch = plan.local_batch_size * sum(layout)
             n = min(job.adapt_interval, math.ceil((dataset_size - cursor) / run_batch))
             served = min(dataset_size - cursor, n * run_batch)
-            model = planner.alloc_model(len(slots), state.units(allocation)[1])
-            terms = plan_interval_terms(plan, n, host_costs_of(model), configure=reconfigured)
+            terms = plan_interval_terms(plan, n, host_costs, configure=reconfigured)
             t = sum(terms.values())
             phi = _phi(similarities, convergence, epoch, interval, state.progress, run_batch)
             if convergence is not None:
