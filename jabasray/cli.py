@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ValueError as e:
         print(f"jabasray {args.command}: error: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", ()):   # a failing hook: the user's frames only
+            print(note, file=sys.stderr)
         return 2
     except OSError as e:   # file-system problems (no permission, disk full ...): one line
         print(f"jabasray {args.command}: error: {os_error_text(e)}", file=sys.stderr)

@@ -1,6 +1,9 @@
 """Exceptions that user-facing commands turn into one line (no torch, no ray imports)."""
 from __future__ import annotations
 
+import re
+from typing import Any, Callable
+
 
 class JobFailed(RuntimeError):
     """A training job stopped for a reason that is not the user's input (e.g. GPU actors kept
@@ -28,6 +31,9 @@ class HookError(ValueError):
     def __init__(self, hook: str, error: str, traceback: str = "") -> None:
         super().__init__(f"{hook} raised {error}")
         self.hook, self.error, self.traceback = hook, error, traceback
+        frames = user_frames(traceback)
+        if frames:   # printed under the one line (PEP 678 notes): where the user's code failed
+            self.__notes__ = [frames]
 
     @classmethod
     def from_exception(cls, hook: str, exc: BaseException) -> "HookError":
@@ -42,6 +48,69 @@ class HookError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.hook} raised {self.error}"
+
+
+class HookCall:
+    """A user hook that, when it raises, raises :class:`jabasray.errors.HookError` naming the
+    hook (``name``) with the original error chained and its traceback kept as text. Errors that
+    already are HookErrors (a hook calling another) pass through unchanged. Identities and
+    profile-cache keys are those of ``fn`` (``job_identity.callable_identity`` and the
+    profiler's ``callable_fingerprint`` look through the wrapper)."""
+
+    def __init__(self, name: str, fn: Callable) -> None:
+        self.name, self.fn = name, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except HookError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the hook's name
+            raise HookError.from_exception(self.name, e) from e
+
+    def __getattr__(self, name: str) -> Any:   # e.g. a loss module's attributes
+        if name == "fn":
+            raise AttributeError(name)
+        return getattr(self.fn, name)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are not the user's: the standard library, jabasray, and the
+    installed packages it runs the user's code through (found without importing them)."""
+    import importlib.util
+    import os
+    import sysconfig
+
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")}
+    for name in ("jabasray", "torch", "ray", "cloudpickle", "pyarrow"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.add(os.path.dirname(spec.origin))
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+
+
+_FRAME = re.compile(r'^  File "(?P<path>[^"]+)", line \d+, in ')
+
+
+def user_frames(traceback_text: str, library_dirs: tuple[str, ...] | None = None) -> str:
+    """The frames of ``traceback_text`` (Python's formatted traceback) that are the user's
+    code: every ``File ...`` entry, with its source lines, whose file is outside
+    ``library_dirs`` (default :func:`_library_dirs`). Empty when there are none."""
+    import os
+
+    dirs = _library_dirs() if library_dirs is None else library_dirs
+    kept: list[str] = []
+    keep = False
+    for line in traceback_text.splitlines():
+        m = _FRAME.match(line)
+        if m:
+            path = os.path.realpath(m.group("path"))
+            keep = not path.startswith(dirs) and not m.group("path").startswith("<frozen ")
+        elif not line.startswith("    "):   # the header, the exception lines: not a frame
+            keep = False
+        if keep:
+            kept.append(line)
+    return ("your code, where it failed:\n" + "\n".join(kept)) if kept else ""
 
 
 class NodesGone(RuntimeError):

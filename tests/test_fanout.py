@@ -9,7 +9,7 @@ import math
 import pytest
 
 from jabasray.actors.fanout import ActorFailure, ActorHung, call_all
-from jabasray.errors import RendezvousFailed
+from jabasray.errors import HookError, RendezvousFailed
 
 
 class Dead(Exception):
@@ -134,6 +134,29 @@ def test_an_error_without_a_dead_actor_is_reraised_after_the_grace_period():
         fan(actors, clock, grace_s=3.0)
     assert info.value is boom
     assert clock.waits == [None, 3.0]
+
+
+class TaskError(Exception):
+    """Stands for Ray's RayTaskError: the actor's own exception as ``cause``."""
+
+    def __init__(self, cause):
+        super().__init__(f"GPUActor.run_interval failed: {cause}")
+        self.cause = cause
+
+
+def test_a_user_hook_error_is_raised_as_itself_not_inside_rays_wrapper():
+    clock = Clock()
+    hook = HookError("step_fn", "RuntimeError: boom", "Traceback...")
+    actors = [FakeActor(lambda: Future(at=1, error=TaskError(hook))), FakeActor(lambda: Future(at=2, value=1))]
+    with pytest.raises(HookError) as info:
+        fan(actors, clock)
+    assert info.value is hook and str(info.value) == "step_fn raised RuntimeError: boom"
+    assert info.value.__suppress_context__      # Ray's wrapper is not printed above it
+    other = ValueError("not the user's hook")    # any other actor error: Ray's wrapper, as before
+    wrapped = TaskError(other)
+    with pytest.raises(TaskError) as info:
+        fan([FakeActor(lambda: Future(at=1, error=wrapped))], Clock())
+    assert info.value is wrapped
 
 
 def deadline_fan(actors, clk, deadline_s, **kw):

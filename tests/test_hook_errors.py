@@ -45,7 +45,17 @@ def _exploding_eval(model, batches):
     raise ZeroDivisionError("no samples")
 
 
+def _exploding_model():
+    raise RuntimeError("my model is broken")
+
+
+def _exploding_optimizer(params):
+    raise TypeError("lr missing")
+
+
 @pytest.mark.parametrize("kw, hook, error, frame", [
+    (dict(model_fn=_exploding_model), "model_fn", "RuntimeError: my model is broken", "_exploding_model"),
+    (dict(optimizer_fn=_exploding_optimizer), "optimizer_fn", "TypeError: lr missing", "_exploding_optimizer"),
     (dict(loss_fn=_exploding_loss), "loss_fn", "RuntimeError: boom in my loss", "_exploding_loss"),
     (dict(hooks=JobHooks(collate_fn=_exploding_collate)), "collate_fn", "KeyError: 'label'", "_exploding_collate"),
     (dict(hooks=JobHooks(step_fn=_exploding_step)), "step_fn", "KeyError: 'loss'", "_exploding_step"),
@@ -79,8 +89,9 @@ def test_hook_call_passes_results_and_inner_hook_errors_through():
     assert call(2, 3) == 5
     inner = HookCall("collate_fn", _exploding_collate)
     outer = HookCall("step_fn", lambda rows: inner(rows))
-    with pytest.raises(HookError, match=r"^collate_fn raised KeyError: 'label'$"):
+    with pytest.raises(HookError) as info:
         outer([1])
+    assert str(info.value) == "collate_fn raised KeyError: 'label'"
     loss = HookCall("loss_fn", nn.CrossEntropyLoss(label_smoothing=0.1))
     assert loss.label_smoothing == 0.1                                   # the module's attributes
     assert float(loss(torch.zeros(2, 3), torch.tensor([0, 1]))) > 0
@@ -99,3 +110,61 @@ def test_a_module_class_instead_of_an_instance_is_refused(name):
                             f"torch.nn.modules.loss.CrossEntropyLoss; pass an instance: "
                             f"{name}=CrossEntropyLoss()")
     JabasTrainer(model_fn, ds, loss_fn=nn.CrossEntropyLoss())            # an instance is fine
+
+
+def test_the_users_frames_alone_are_shown_under_the_one_line(tmp_path):
+    """The error's note holds the frames of the user's files, in order, with their source
+    lines, and none of jabasray's, torch's or the standard library's; it survives pickling."""
+    from jabasray.errors import _library_dirs, user_frames
+    from jabasray.actors.hooks import named
+
+    lib = tmp_path / "site" / "lib.py"
+    lib.parent.mkdir()
+    lib.write_text("def call(fn):\n    return fn()\n")
+    user = tmp_path / "job.py"
+    user.write_text("def inner():\n    raise KeyError('x')\n\ndef step():\n    return inner()\n")
+    import importlib.util
+    mods = {}
+    for name, path in (("site_lib", lib), ("user_job", user)):
+        spec = importlib.util.spec_from_file_location(name, path)
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    call = named("step_fn", lambda: mods["site_lib"].call(mods["user_job"].step))
+    with pytest.raises(HookError) as info:
+        call()
+    e = info.value
+    frames = user_frames(e.traceback, library_dirs=_library_dirs() + (str(lib.parent) + "/",))
+    shown = [line for line in frames.splitlines() if line.strip(" ^~")]   # 3.11's markers aside
+    assert shown == [
+        "your code, where it failed:",
+        f'  File "{__file__}", line {call.fn.__code__.co_firstlineno}, in <lambda>',
+        "    call = named(\"step_fn\", lambda: mods[\"site_lib\"].call(mods[\"user_job\"].step))",
+        f'  File "{user}", line 5, in step',
+        "    return inner()",
+        f'  File "{user}", line 2, in inner',
+        "    raise KeyError('x')",
+    ]
+    assert str(lib) not in frames and "hooks.py" not in frames
+    assert e.__notes__ == [user_frames(e.traceback)] and f'"{user}", line 2, in inner' in e.__notes__[0]
+    back = pickle.loads(cloudpickle.dumps(e))
+    assert back.__notes__ == e.__notes__ and "\n" not in str(back)
+
+
+class _LossObject:
+    def __init__(self, smoothing):
+        self.smoothing = smoothing
+
+    def __call__(self, outputs, targets):
+        return F.cross_entropy(outputs, targets, label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize("fn", [_exploding_loss, _LossObject(0.1), nn.CrossEntropyLoss()])
+def test_a_named_hook_keeps_the_identity_and_profile_key_of_the_users_callable(fn):
+    """The driver names every user callable; the run's identity and the profile cache key must
+    not change with that (nor collide: two callable objects of one class differ by state)."""
+    from jabasray.actors.job_identity import callable_identity
+    from jabasray.profiler.measure import callable_fingerprint
+
+    named_fn = HookCall("loss_fn", fn)
+    assert callable_identity(named_fn) == callable_identity(fn)
+    assert callable_fingerprint(named_fn) == callable_fingerprint(fn)

@@ -50,6 +50,7 @@ from .fanout import ActorFailure
 from . import interval_costs
 from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
+from .hooks import named, named_hooks
 from .model_record import ModelRecord, resumed_record
 from .metrics import (EpochTally, IntervalRecord, MetricsHistory, decision_record, epoch_record,
                       interval_record, save_metrics)
@@ -120,10 +121,12 @@ class JabasDriver:
                  profile_data: Any = None, failure: FailureConfig | None = None,
                  force_resume: bool = False, checkpoint: CheckpointConfig | None = None) -> None:
         self.dataset_size = check_driver_inputs(job, cluster, dataset, dataset_size)
-        self.hooks = hooks
+        # the user's callables, named: wherever they raise (probe, profiling, the actors), the
+        # error names the hook and shows the user's frames (jabasray.errors.HookError)
+        self.hooks = named_hooks(hooks) if hooks is not None else None
         self._profile_data = profile_data if profile_data is not None else dataset
-        self.model_fn, self.dataset = model_fn, dataset
-        self.optimizer_fn, self.loss_fn = optimizer_fn, loss_fn
+        self.model_fn, self.dataset = named("model_fn", model_fn), dataset
+        self.optimizer_fn, self.loss_fn = named("optimizer_fn", optimizer_fn), named("loss_fn", loss_fn)
         self.job = job
         self.cluster = job_cluster(cluster, job)
         self.run_dir = as_storage_path(run_dir)

@@ -49,6 +49,7 @@ import threading
 import warnings
 from typing import Any
 
+from ..errors import HookError
 from .callbacks import RunTrackers, tracker_callbacks
 from .driver import JabasDriver
 from .driver_options import DriverCallback
@@ -256,7 +257,10 @@ class DriverActor:
                 _close(trackers, failed=False)   # their files are in the run folder before the end
                 self._end("finished", history)
         except BaseException as e:  # noqa: BLE001 - reported to the client, which re-raises it
-            log.exception("run %s failed", self.run_name)
+            if isinstance(e, HookError):   # the user's code: the client shows its line and frames
+                log.error("run %s failed: %s", self.run_name, e)
+            else:
+                log.exception("run %s failed", self.run_name)
             self._outcome = ("error", e)
             self._append("event", f"run failed: {type(e).__name__}: {e}")
             self.state = "failed"

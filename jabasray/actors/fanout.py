@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+from ..errors import HookError
+
 log = logging.getLogger(__name__)
 
 
@@ -133,7 +135,11 @@ def call_all(actors: Sequence[Any], method: str, *args: Any, per_rank: Sequence[
             cause = getattr(first, "cause", None)   # Ray's RayTaskError: the actor's own error
             raise ActorFailure([], cause if isinstance(cause, failure_errors) else first,
                                failed_ranks=sorted(failed + return_late))
-        raise next(iter(errors.values()))
+        first = next(iter(errors.values()))
+        cause = getattr(first, "cause", None)   # Ray's RayTaskError: the actor's own error
+        if isinstance(cause, HookError):        # the user's code raised: that error, one line
+            raise cause from None               # first, not Ray's wrapper around it
+        raise first
     return [results[i] for i in ranks]
 
 

@@ -230,7 +230,8 @@ class GPUActor(BackgroundHostMixin):
         self.slot = slot
         self.world_size = world_size
         self.job = job
-        self.model_fn, self.optimizer_fn, self.loss_fn = model_fn, optimizer_fn, loss_fn
+        self.model_fn, self.optimizer_fn = named("model_fn", model_fn), named("optimizer_fn", optimizer_fn)
+        self.loss_fn = loss_fn
         if device == "cuda":
             device = cuda_device(os.environ)
         self.device = device

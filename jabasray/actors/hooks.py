@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import HookError
+from ..errors import HookCall, HookError
 from ..validation import check_choice, check_int
 
 LR_SCHEDULER_INTERVALS = ("iteration", "epoch")
@@ -56,28 +56,6 @@ class JobHooks:
         check_int("prefetch_factor", self.prefetch_factor, min_value=1)
         check_int("eval_batch_size", self.eval_batch_size, min_value=1)
         check_choice("log_level", self.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-
-
-class HookCall:
-    """A user hook that, when it raises, raises :class:`jabasray.errors.HookError` naming the
-    hook (``name``) with the original error chained and its traceback kept as text. Errors that
-    already are HookErrors (a hook calling another) pass through unchanged."""
-
-    def __init__(self, name: str, fn: Callable) -> None:
-        self.name, self.fn = name, fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self.fn(*args, **kwargs)
-        except HookError:
-            raise
-        except Exception as e:  # noqa: BLE001 - re-raised with the hook's name
-            raise HookError.from_exception(self.name, e) from e
-
-    def __getattr__(self, name: str) -> Any:   # e.g. a loss module's attributes
-        if name == "fn":
-            raise AttributeError(name)
-        return getattr(self.fn, name)
 
 
 HOOK_NAMES = ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn", "collate_fn")
@@ -242,6 +220,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
     from ..engine.evaluation import default_eval_fn
 
     hooks, loss_fn = named_hooks(hooks), named("loss_fn", loss_fn)
+    model_fn, optimizer_fn = named("model_fn", model_fn), named("optimizer_fn", optimizer_fn)
     try:
         train, val = build_datasets(hooks, dataset, val_dataset)
         data_hook = "dataset_fn" if hooks.dataset_fn is not None else "dataset"

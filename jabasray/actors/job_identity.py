@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..config import JobConfig, changed_job_fields
+from ..errors import HookCall
 from ..storage import StoragePath, as_storage_path, explain
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def callable_identity(fn: Callable | None) -> str | None:
     ``functools.partial(inner, args...)`` of a partial; None for None."""
     if fn is None:
         return None
+    if isinstance(fn, HookCall):   # named for its errors: the user's callable is the identity
+        fn = fn.fn
     if isinstance(fn, functools.partial):
         args = ", ".join([*map(repr, map(_plain, fn.args)),
                           *(f"{k}={_plain(v)!r}" for k, v in sorted(fn.keywords.items()))])

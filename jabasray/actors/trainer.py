@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..config import JobConfig, RunConfig, is_ray_run_config, run_config_from_ray
+from ..errors import HookError
 from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
 from .callbacks import ConsoleReporter, check_sendable, console_reporter, tracker_callbacks
@@ -354,6 +355,12 @@ class JabasTrainer:
         ... loggers) then run in the driver actor, which must be able to receive them
         (one-line ValueError before any work); ``JabasTrainer(callbacks=...)`` run only in a
         process that follows the run."""
+        try:
+            return self._start(wait)
+        except HookError as e:   # the user's code raised: the one line and the user's frames
+            raise e.with_traceback(None) from None   # (its notes), not jabasray's frames
+
+    def _start(self, wait: bool) -> Result | str:
         opts = self.options
         if not wait and opts.driver != "actor":
             raise ValueError(f"wait=False needs DriverOptions(driver='actor'), got driver={opts.driver!r}")

@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import HookCall
 from ..storage import StoragePath, as_storage_path
 from ..validation import check_choice, check_float, check_int
 from ..profiles import AllReduceFit, BatchProfile, Profile, profile_cache_key
@@ -96,6 +97,8 @@ def callable_fingerprint(fn: Callable | None) -> str | None:
     another fingerprint, so a stale cached profile is not reused. None for None."""
     if fn is None:
         return None
+    if isinstance(fn, HookCall):   # the user's callable, not the wrapper that names its errors
+        fn = fn.fn
     h = hashlib.sha256()
     _fingerprint_into(h, fn, depth=0)
     return h.hexdigest()[:16]
