@@ -382,3 +382,59 @@ def run_config_from_ray(cfg: Any) -> RunConfig:
     return RunConfig(storage_path=storage or RunConfig.storage_path, name=cfg.name,
                      storage_filesystem=cfg.storage_filesystem, failure_config=failure,
                      checkpoint_config=checkpoint, callbacks=tuple(cfg.callbacks or ()))
+
+
+RAY_SCALING_FIELDS = ("num_workers", "use_gpu", "accelerator_type", "resources_per_worker")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """What a Ray Train ``ScalingConfig`` asks of a jabasray run (:func:`scaling_from_ray`).
+
+    ``max_gpus``: the most GPUs the job may use (Ray's ``num_workers``: the auto-scaler
+    chooses among at most that many); ``use_gpu``: False trains on ``max_gpus`` GPUs emulated
+    on CPU (Ray Train's CPU workers); ``gpu_type``: only GPUs of this type (None: any)."""
+
+    max_gpus: int
+    use_gpu: bool
+    gpu_type: str | None = None
+
+
+def is_ray_scaling_config(obj: object) -> bool:
+    """Whether ``obj`` is Ray's ``ray.train.ScalingConfig`` (duck-typed: no Ray import)."""
+    cls = type(obj)
+    return cls.__name__ == "ScalingConfig" and cls.__module__.split(".")[0] == "ray"
+
+
+def scaling_from_ray(cfg: Any) -> Scaling:
+    """A :class:`Scaling` from Ray Train's ``ScalingConfig``, with Ray's meanings where
+    jabasray has them: ``num_workers`` (the upper bound of GPUs: jabasray's auto-scaler picks
+    how many of them pay), ``use_gpu``, ``accelerator_type`` or ``resources_per_worker``'s
+    ``accelerator_type:<T>`` key (the GPU type). Any other field set to a non-default value
+    (``trainer_resources``, ``placement_strategy``, ``label_selector``, TPUs, ...) and
+    ``resources_per_worker`` beyond one GPU (and its type) are refused in one ValueError."""
+    import dataclasses
+
+    if not is_ray_scaling_config(cfg):
+        raise ValueError(f"scaling_config must be a ray.train.ScalingConfig, got "
+                         f"{type(cfg).__module__}.{type(cfg).__qualname__}")
+    default = type(cfg)()
+    unsupported = [f.name for f in dataclasses.fields(cfg)
+                   if f.name not in RAY_SCALING_FIELDS and getattr(cfg, f.name) != getattr(default, f.name)]
+    gpu_type = cfg.accelerator_type
+    for key, amount in dict(cfg.resources_per_worker or {}).items():
+        if key.startswith("accelerator_type:") and gpu_type in (None, key.split(":", 1)[1]):
+            gpu_type = key.split(":", 1)[1]
+        elif not ((key == "GPU" and amount == 1) or (key == "CPU")):
+            unsupported.append(f"resources_per_worker[{key!r}]={amount!r}")
+    if unsupported:
+        raise ValueError(f"scaling_config: ScalingConfig sets {', '.join(unsupported)}, which "
+                         f"JabasTrainer does not support (each GPU actor holds one GPU); it "
+                         f"converts {', '.join(RAY_SCALING_FIELDS)} - or pass cluster=ClusterSpec(...)")
+    num = cfg.num_workers
+    if not isinstance(num, int) or isinstance(num, bool) or num < 1:
+        raise ValueError(f"scaling_config.num_workers must be an int >= 1 (the most GPUs the job "
+                         f"may use), got {num!r}")
+    if not cfg.use_gpu and gpu_type is not None:
+        raise ValueError(f"scaling_config: accelerator_type {gpu_type!r} needs use_gpu=True")
+    return Scaling(max_gpus=num, use_gpu=bool(cfg.use_gpu), gpu_type=gpu_type)

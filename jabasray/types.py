@@ -127,6 +127,34 @@ class ClusterSpec(JsonMixin):
         if dup:
             raise ValueError(f"nodes must have unique names, got duplicates {sorted(dup)}")
 
+    def limited(self, max_gpus: int, gpu_type: str | None = None) -> "ClusterSpec":
+        """At most ``max_gpus`` GPUs of this cluster, of type ``gpu_type`` when given (matched
+        case-insensitively). The fewest nodes hold them: nodes by GPU count, largest first
+        (then in order), the last one taken cut to the GPUs still wanted. Several GPU types
+        with more GPUs than ``max_gpus`` are ambiguous (which to leave out changes the job):
+        one-line ValueError asking for a type or a cluster."""
+        check_int("max_gpus", max_gpus, min_value=1)
+        nodes = self.nodes
+        if gpu_type is not None:
+            nodes = [n for n in nodes if n.gpu_type.lower() == gpu_type.lower()]
+            if not nodes:
+                raise ValueError(f"accelerator_type: no GPU of type {gpu_type!r} in the cluster, "
+                                 f"which has {self.gpu_types}")
+        types = sorted({n.gpu_type for n in nodes})
+        if sum(n.num_gpus for n in nodes) <= max_gpus:
+            return ClusterSpec(nodes=list(nodes))
+        if len(types) > 1:
+            raise ValueError(f"num_workers: {max_gpus} of the cluster's {sum(n.num_gpus for n in nodes)} "
+                             f"GPUs of types {types} - say which: accelerator_type=one of {types}, "
+                             f"or cluster=ClusterSpec(...) listing the GPUs to use")
+        kept, left = [], max_gpus
+        for n in sorted(nodes, key=lambda n: -n.num_gpus):   # stable: ties keep their order
+            if left == 0:
+                break
+            kept.append(n if n.num_gpus <= left else replace(n, num_gpus=left))
+            left -= kept[-1].num_gpus
+        return ClusterSpec(nodes=kept)
+
     def validated_pairs(self, drop_odd_gpu: bool = False) -> "ClusterSpec":
         """Return a spec whose nodes hold an even number of GPUs (>= 2), or raise naming the node."""
         out = []
@@ -263,7 +291,9 @@ class ClusterSpec(JsonMixin):
                                       ray_node_id=str(ray_id) if ray_id else None))
         if not specs:
             raise ValueError("nodes: the Ray cluster has no alive node with GPUs (resource GPU, "
-                             "accelerator_type:* or gpu_<type>)")
+                             "accelerator_type:* or gpu_<type>); to train without GPUs, emulate "
+                             "them on CPU: cluster=ClusterSpec.emulated({'cpu': (1, 2, 1.0)}) with "
+                             "DriverOptions(device='cpu'), or `jabasray train --device cpu`")
         return cls(nodes=specs)
 
 

@@ -40,6 +40,16 @@ def loss_fn(out, y):
     return torch.nn.functional.cross_entropy(out, y)
 
 
+def step_failing_on_the_actors(model, batch):
+    """The default step, but raising inside a GPU actor (not in the probe, which runs here)."""
+    import ray
+
+    x, y = batch
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        raise ZeroDivisionError("raised in the user's step")
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
 def metric_loss_fn(out, y):
     """``loss_fn`` with training metrics: ``label`` (the batch's mean target, known from the
     served indices alone: a reference for the sample-count reduction), ``acc`` and ``one``."""

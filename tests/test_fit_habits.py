@@ -24,6 +24,20 @@ JOB = JobConfig(epochs=3, initial_global_batch=24, min_global_batch=16, max_glob
 
 
 # ------------------------------------------------------------------ pure
+def test_what_jabasray_changes_is_said_for_each_rule():
+    from jabasray.actors.trainer import training_changes
+
+    head = "jabasray changes in your training: "
+    assert training_changes(JobConfig(adaptive=False, lr_scaling="linear"), "torch.optim.sgd.SGD", 0.1) == (
+        head + "the global batch stays 64; SGD's LR 0.1 is scaled as 0.1 x (B_G / 64) (lr_scaling='linear')")
+    assert training_changes(JobConfig(lr_scaling="sqrt", warmup_iterations=5, grad_clip_norm=2.0),
+                            "torch.optim.adadelta.Adadelta", 1.0) == (
+        head + "the global batch starts at 64 and moves between 32 and 512 every 10 iterations "
+        "(adaptive=False keeps it); Adadelta's LR 1 is scaled as 1 x sqrt(B_G / 64) (lr_scaling='sqrt') "
+        "- Adadelta adapts its own step size; lr_scaling='none' keeps its LR; a linear LR warm-up over "
+        "5 iterations; the global gradient clipped to L2 norm 2")
+
+
 def test_checkpoint_config_schedule_and_values():
     c = CheckpointConfig(checkpoint_frequency=2)
     assert [e for e in range(1, 6) if c.due(e, 5)] == [2, 4, 5]      # every 2, and the final
@@ -184,7 +198,8 @@ def test_ray_run_configs_are_converted_or_refused_in_one_line():
 @pytest.mark.usefixtures("ray_session")
 def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
     """Three epochs, a checkpoint every 2 epochs (and the final), all kept; Ray's
-    TBXLoggerCallback from RunConfig.callbacks; fit() prints one line per epoch."""
+    TBXLoggerCallback from RunConfig.callbacks; fit() prints what it changes in the training
+    once, then one line per epoch."""
     from ray.tune.logger import TBXLoggerCallback
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -197,9 +212,12 @@ def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
                           options=DriverOptions(driver="local")).fit()
     out = capsys.readouterr().out.splitlines()
     epochs = result.history.epochs
-    # console: exactly one line per epoch, in order (no bar: stderr is not a terminal)
-    assert [ln.split(":")[0] for ln in out if ln.startswith("epoch ")] == ["epoch 1", "epoch 2", "epoch 3"]
-    assert len(out) == 3
+    # console: what jabasray changes in the training, once, then exactly one line per epoch, in
+    # order (no bar: stderr is not a terminal)
+    assert out[0] == ("jabasray changes in your training: the global batch starts at 24 and moves "
+                      "between 16 and 48 every 2 iterations (adaptive=False keeps it); SGD's LR 0.05 "
+                      "is kept whatever the batch (lr_scaling='none')")
+    assert [ln.split(":")[0] for ln in out[1:]] == ["epoch 1", "epoch 2", "epoch 3"]
     # checkpoints: the start (epoch 0), every 2nd epoch and the final one; nothing pruned
     assert [c.epochs_done for c in list_checkpoints(result.storage)] == [0, 2, 3]
     # a compact repr: the last metrics, the path, the checkpoint - not the history

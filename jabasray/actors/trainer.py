@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..config import JobConfig, RunConfig, is_ray_run_config, run_config_from_ray
+from ..config import (JobConfig, RunConfig, Scaling, is_ray_run_config, run_config_from_ray,
+                      scaling_from_ray)
 from ..errors import HookError
 from ..storage import StoragePath, as_storage_path, explain, resolve
 from ..types import ClusterSpec
@@ -233,6 +234,63 @@ def check_resources(cluster: ClusterSpec, emulate: bool) -> None:
                          f"or pass a smaller cluster")
 
 
+def _apply_scaling(scaling_config: Any, cluster: ClusterSpec | None, options: DriverOptions | None
+                   ) -> tuple[ClusterSpec | None, DriverOptions | None, Scaling | None]:
+    """``(cluster, options, scaling)`` for a Ray Train ``ScalingConfig`` (:func:`scaling_from_ray`):
+    ``use_gpu=False`` becomes ``num_workers`` GPUs emulated on CPU (Ray Train's CPU workers);
+    ``use_gpu=True`` real GPUs (``DriverOptions(device="cuda")``), at most ``num_workers`` of the
+    detected cluster's (``scaling``, applied when the cluster is detected). One-line ValueError
+    where it contradicts ``cluster`` or ``options``."""
+    if scaling_config is None:
+        return cluster, options, None
+    scaling = scaling_from_ray(scaling_config)
+    if cluster is not None:
+        raise ValueError("scaling_config and cluster both say which GPUs to use: pass one (cluster= "
+                         "lists the GPUs; scaling_config= bounds the detected cluster's)")
+    device = "cuda" if scaling.use_gpu else "cpu"
+    if options is not None and options.device != device:
+        raise ValueError(f"scaling_config.use_gpu={scaling.use_gpu} trains on {device} but "
+                         f"options.device is {options.device!r}: make them agree")
+    options = options or DriverOptions(device=device)
+    if not scaling.use_gpu:
+        return ClusterSpec.emulated({"cpu": (1, scaling.max_gpus, 1.0)}), options, None
+    return None, options, scaling
+
+
+# optimizers that set their own per-parameter step size: an LR scaled with the batch multiplies
+# a step they already adapt, which their users seldom expect
+ADAPTIVE_STEP_OPTIMIZERS = ("Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam",
+                            "RMSprop", "Rprop", "SparseAdam", "Adafactor")
+
+
+def training_changes(job: JobConfig, optimizer_class: str, lr: float) -> str:
+    """One line saying what jabasray changes in the user's training: the global batch (moving
+    between its bounds every ``adapt_interval`` iterations, or fixed) and the optimizer's LR
+    (kept, or scaled with B_G by ``lr_scaling``, with a warning for adaptive-step optimizers),
+    the warm-up and the gradient clipping when set. ``optimizer_class``: ``module.Class``."""
+    name = optimizer_class.rsplit(".", 1)[-1]
+    if job.adaptive and job.min_global_batch < job.max_global_batch:
+        batch = (f"the global batch starts at {job.initial_global_batch} and moves between "
+                 f"{job.min_global_batch} and {job.max_global_batch} every {job.adapt_interval} "
+                 f"iterations (adaptive=False keeps it)")
+    else:
+        batch = f"the global batch stays {job.initial_global_batch}"
+    if job.lr_scaling == "none":
+        rate = f"{name}'s LR {lr:g} is kept whatever the batch (lr_scaling='none')"
+    else:
+        rule = "sqrt(B_G" if job.lr_scaling == "sqrt" else "(B_G"
+        rate = (f"{name}'s LR {lr:g} is scaled as {lr:g} x {rule} / {job.initial_global_batch}) "
+                f"(lr_scaling={job.lr_scaling!r})")
+        if name in ADAPTIVE_STEP_OPTIMIZERS:
+            rate += f" - {name} adapts its own step size; lr_scaling='none' keeps its LR"
+    extras = []
+    if job.warmup_iterations:
+        extras.append(f"a linear LR warm-up over {job.warmup_iterations} iterations")
+    if job.grad_clip_norm is not None:
+        extras.append(f"the global gradient clipped to L2 norm {job.grad_clip_norm:g}")
+    return "jabasray changes in your training: " + "; ".join([batch, rate, *extras])
+
+
 def detect_cluster() -> ClusterSpec:
     """The running Ray cluster as a ClusterSpec (``ClusterSpec.from_ray``), every GPU."""
     from .placement import ray_cluster_spec
@@ -276,6 +334,9 @@ class JabasTrainer:
         options: :class:`DriverOptions` (device, emulation, force_replacement, ...).
         callbacks: :class:`DriverCallback` hooks (progress bars, fault injection in tests).
         background: optional background scheduler (``rebalance(actor_handles)``).
+        scaling_config: Ray Train's ``ScalingConfig`` instead of ``cluster``: ``num_workers``
+            is the most GPUs the auto-scaler may use, ``use_gpu=False`` emulates them on CPU,
+            ``accelerator_type`` (or ``resources_per_worker``'s) picks the GPU type.
         verbose: what ``fit()`` shows, as Ray's ``verbose``: 0 nothing; 1 (default) its
             console lines (e.g. that a finished run's result is returned); 2 also the actors'
             INFO log lines (else WARNING and above).
@@ -291,7 +352,8 @@ class JabasTrainer:
                  num_data_workers: int = 0, prefetch_factor: int = 2, eval_batch_size: int = 256,
                  verbose: int = 1, perf_model: Any = None, profiles: dict | None = None,
                  options: DriverOptions | None = None, callbacks: Sequence[DriverCallback] = (),
-                 background: Any = None) -> None:
+                 background: Any = None, scaling_config: Any = None) -> None:
+        cluster, options, self.scaling = _apply_scaling(scaling_config, cluster, options)
         if not callable(model_fn):
             raise ValueError(f"model_fn must be callable () -> nn.Module, got {model_fn!r}")
         self.job = job_config or JobConfig()
@@ -393,6 +455,8 @@ class JabasTrainer:
         if checked is None or checked[1].kind != "finished":
             ensure_ray(self.cluster, emulate=opts.emulate)
             cluster = self.cluster if self.cluster is not None else detect_cluster()
+            if self.scaling is not None:    # Ray Train's ScalingConfig: these GPUs at most
+                cluster = cluster.limited(self.scaling.max_gpus, self.scaling.gpu_type)
             check_resources(cluster, opts.emulate)
             if checked is None:
                 checked = self._probe_and_check_run(run_dir)
@@ -400,6 +464,8 @@ class JabasTrainer:
         if start.kind == "finished":
             self._say(start.message)
             return Result.from_path(run_dir)
+        self._say(training_changes(self.job, (probe.optimizer or {}).get("class", "optimizer"),
+                                   probe.optimizer_lr))
         hooks = self.hooks
         if self.dataset is None:          # dataset_fn: the size is known from the probe only
             self.job.check_dataset_size(probe.dataset_size)
