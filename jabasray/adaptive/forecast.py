@@ -126,11 +126,12 @@ class GBSForecaster:
             wanted = ("gpr", "esm") if self.method == "ensemble" else (self.method,)
             y = np.log(self.history_)
             fitted = []
-            for name in wanted:
-                model = _fit_quietly(name, y, self.random_state)
-                if model is not None:
-                    self.models_[name] = model
-                    fitted.append(name)
+            with one_blas_thread():
+                for name in wanted:
+                    model = _fit_quietly(name, y, self.random_state)
+                    if model is not None:
+                        self.models_[name] = model
+                        fitted.append(name)
             self.fitted_methods_ = tuple(fitted) if fitted else ("persistence",)
         self.fit_time_ = time.perf_counter() - t0
         log.debug("GBSForecaster(%s): %d points, fitted %s in %.1f ms", self.method,
@@ -151,8 +152,9 @@ class GBSForecaster:
             pred = np.full(num_steps, self.history_[-1])
         else:
             last = float(np.log(self.history_[-1]))
-            preds = [np.exp(_predict_log(name, model, num_steps, last))
-                     for name, model in self.models_.items()]
+            with one_blas_thread():
+                preds = [np.exp(_predict_log(name, model, num_steps, last))
+                         for name, model in self.models_.items()]
             pred = np.mean(preds, axis=0)            # ensemble: mean of the predicted values
         lo = self.min_batch if self.min_batch is not None else 0.0
         hi = self.max_batch if self.max_batch is not None else np.inf
@@ -186,6 +188,15 @@ class GBSForecaster:
 
 # ---------------------------------------------------------------------------------------------
 # Individual models, on y = log B_G (oldest first). Each fit returns an opaque model or None.
+
+def one_blas_thread() -> Any:
+    """A context in which BLAS/OpenMP use one thread. The forecaster's matrices are at most
+    ``max_history`` square (a Cholesky of 128 x 128 per GP likelihood evaluation): threads cost
+    more than they save there, and on a busy host (the driver shares its node with GPU actors
+    and their loaders) spinning BLAS threads made each evaluation tens of times slower."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=1)
+
 
 def forecast_next_epoch(trajectories: list[list[int]], job: Any, dataset_size: int) -> list[float]:
     """The driver's forecast of the next epoch's B_G (JABAS 6.2): the GPR + ESM ensemble fitted
