@@ -45,8 +45,8 @@ decision (``decision``) and the seconds ``packed()`` took to make it (``decide_s
 the costs the first time, read from the cache afterwards; outside the timed run).
 
 Unit sizes (``--unit-sizes 25ms,250ms,2.5s``): the same comparison at three sizes of unit,
-each with its own workload, steps per unit and R (:data:`UNIT_SIZES`: digits MLP, 10 steps,
-R = 27, 49 configurations; CIFAR-sized MLP, 5 steps, R = 9, 17; the same, 50 steps, R = 3, 5),
+each with its own steps per unit and R (:data:`UNIT_SIZES`: the digits MLP with 10 steps,
+R = 27, 49 configurations; 300 steps, R = 9, 17; 3000 steps, R = 3, 5),
 one JSON document with one comparison per size (``unit_sizes``). On 2 quiet cores the whole
 default comparison (4 contenders, 2 paired rounds, one warm-up per size) takes about 7-8
 minutes; ``--smoke`` shrinks every size to R = 3 and 1 step per unit with no warm-up.
@@ -73,12 +73,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import default_out, rotated, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
-# the same-configurations comparison at three unit sizes (2 cores: about 25 ms, 250 ms, 2.5 s
-# per unit including Tune's report); R keeps each size's sweep within ~2.5 minutes for 4
-# contenders x 2 rounds
+# the same-configurations comparison at three unit sizes: the same model (MLP-3 on digits) and
+# space, units of 10, 300 and 3000 steps -- about 25 ms (with Tune's report, as the 10-step
+# units users measured), 250 ms and 2.5 s on a quiet 2-core machine; R keeps each size's sweep
+# within ~2.5 minutes for 4 contenders x 2 rounds
 UNIT_SIZES = {"25ms": {"workload": "digits_mlp", "steps_per_unit": 10, "R": 27},
-              "250ms": {"workload": "cifar_mlp", "steps_per_unit": 5, "R": 9},
-              "2.5s": {"workload": "cifar_mlp", "steps_per_unit": 50, "R": 3}}
+              "250ms": {"workload": "digits_mlp", "steps_per_unit": 300, "R": 9},
+              "2.5s": {"workload": "digits_mlp", "steps_per_unit": 3000, "R": 3}}
 SMOKE = {"workload": "digits_mlp", "steps_per_unit": 1, "R": 3}
 EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain", "packed_asha_wave")   # only when named
 

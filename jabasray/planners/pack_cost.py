@@ -25,13 +25,15 @@ packed unit of ``k`` members):
 * packed, ``k`` members per device, ``k D`` trials admitted at once::
 
       T_pack(k) = (D * start_coord + min(N, k D) * start_relay) / C
-                  + sum_j level_j(k) + N * load / D + sum(u) * relay / C
+                  + max(sum_j level_j(k) / D, max(u) * P[1]) + N * load / D + sum(u) * relay / C
 
   where level ``j`` (the ``j``-th unit of every trial that trains more than ``j`` units: the
-  ``n_j`` members alive there) spreads its members evenly over the ``D`` devices and the
-  busiest one, with ``m = ceil(n_j / D)`` members, trains ``m // k`` full packed units and one
-  of the ``m % k`` left: ``level_j(k) = (m // k) P[k] + P[m % k]`` (``P[0] = 0``). Members of
-  a successive-halving sweep leave at the rungs, so the packs shrink level by level.
+  ``n_j`` members alive there) is ``n_j // k`` full packed units and one of the ``n_j % k``
+  left: ``level_j(k) = (n_j // k) P[k] + P[n_j % k]`` (``P[0] = 0``). Members of a
+  successive-halving sweep leave at the rungs, so the packs shrink level by level; the
+  devices share the packed work, and the longest trial, a unit at a time, bounds it from
+  below -- the same two bounds as training alone, so neither option is favoured by the form
+  of the model.
 
 The decision (:func:`decide`) is the option of least predicted time; a pack is chosen only when
 it is predicted at least ``margin`` faster than training alone (the model's error must not
@@ -144,11 +146,10 @@ def alone_time(costs: PackCosts, units: Sequence[int], cores: int, slots: int) -
     return start + train + len(units) * costs.load_s / a
 
 
-def level_time(costs: PackCosts, alive: int, k: int, devices: int) -> float:
-    """``level_j(k)`` of the module docstring: ``alive`` members spread over ``devices``
-    devices, packed ``k`` at a time; the busiest device's time."""
-    m = -(-alive // devices)
-    return (m // k) * costs.packed_unit(k) + costs.packed_unit(m % k)
+def level_time(costs: PackCosts, alive: int, k: int) -> float:
+    """``level_j(k)`` of the module docstring: the packed work of one unit of ``alive``
+    members, packed ``k`` at a time."""
+    return (alive // k) * costs.packed_unit(k) + costs.packed_unit(alive % k)
 
 
 def packed_time(costs: PackCosts, units: Sequence[int], cores: int, k: int, devices: int) -> float:
@@ -159,11 +160,12 @@ def packed_time(costs: PackCosts, units: Sequence[int], cores: int, k: int, devi
     n = len(units)
     start = (devices * costs.start_coordinator_s + min(n, k * devices) * costs.start_relay_s) / cores
     by_level = sorted(units)                # n_j = #{u_i > j}
-    train, i = 0.0, 0
+    work, i = 0.0, 0
     for j in range(max(units)):
         while i < n and by_level[i] <= j:
             i += 1
-        train += level_time(costs, n - i, k, devices)
+        work += level_time(costs, n - i, k)
+    train = max(work / devices, max(units) * costs.packed_unit(1))
     return start + train + n * costs.load_s / devices + sum(units) * costs.relay_s / cores
 
 

@@ -8,8 +8,9 @@ the decision of :func:`jabasray.tuner.packed` is made from (Pack paper, sections
 * per sweep (cached per model, configurations, device and threads): the data's build time
   (``data_fn``, paid by every trial process that trains alone and by each coordinator), a
   member's load and free, one unit of each configuration trained alone and one packed unit of
-  ``k = 1 .. K`` of them (``steps`` timed steps scaled to ``steps_per_unit``, plus each
-  member's metric), all on the spec's device with the coordinator's torch threads;
+  the first ``k = 1 .. K`` of them (``steps`` timed steps scaled to ``steps_per_unit``, plus
+  each member's metric; the lower median of 3 runs after a warm-up: load on a shared machine
+  only slows a run down), all on the spec's device with the coordinator's torch threads;
 * the relay: the round trip of a no-op Ray actor call (a packed trial asks its coordinator
   for every unit), when Ray is running.
 
@@ -39,7 +40,7 @@ __all__ = ["measure_pack_costs", "process_start_costs", "relay_round_trip", "def
 
 RELAY_IMPORTS = "import ray.tune, jabasray.tuner.packed_trials"
 ALONE_IMPORTS = "import ray.tune, torch, jabasray.tuner.packed_trials, jabasray.tuner.trainable"
-REVISION = 1                 # bump when the measurement changes (part of every cache key)
+REVISION = 2                 # bump when the measurement changes (part of every cache key)
 
 
 @dataclasses.dataclass
@@ -116,10 +117,11 @@ def _time(fn) -> float:
 
 
 def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, threads: int,
-                   steps: int) -> dict:
+                   steps: int, repeats: int = 3) -> dict:
     """Data build, load+free, a unit alone and packed units of 1..len(configs) (module docstring)."""
     import torch
 
+    from jabasray.profiler.measure import lower_median
     from jabasray.tuner.pack_runner import PackRunner
     from jabasray.tuner.trainable import PlainMember
     from jabasray.tuner.training import cached_data
@@ -137,13 +139,15 @@ def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, thr
 
         def unit_time(run_unit, members: int, metric_s: float) -> float:
             run_unit()                          # warm-up (allocations, the first pass)
-            t = statistics.median(_time(run_unit) for _ in range(2))
+            t = lower_median([_time(run_unit) for _ in range(repeats)])
             return max(0.0, t - members * metric_s) * scale + members * metric_s
 
+        # alone: the same configurations the packs hold (a packed unit of k is compared with
+        # k of their units alone); the lower median of ``repeats``: load only slows a run down
         alone, metric = [], []
-        for c in configs[:4]:
+        for c in configs:
             m = PlainMember(short, dict(c), stream_batch)
-            metric.append(_time(lambda: spec.metric_fn(m.model, data[1])))
+            metric.append(lower_median([_time(lambda: spec.metric_fn(m.model, data[1])) for _ in range(repeats)]))
             alone.append(unit_time(m.unit, 1, metric[-1]))
         metric_s = statistics.mean(metric)
         runner = PackRunner(short, stream_batch, data)
@@ -162,7 +166,7 @@ def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, thr
 
 
 def measure_pack_costs(spec: Any, configs: Sequence[Mapping], stream_batch: int, threads: int = 1,
-                       cache_dir: str | None = None, refresh: bool = False, steps: int = 3) -> PackCosts:
+                       cache_dir: str | None = None, refresh: bool = False, steps: int = 5) -> PackCosts:
     """:class:`PackCosts` of ``spec`` at ``configs`` (packed units of 1..``len(configs)``
     members), measured here (the module docstring), cached in ``cache_dir`` (None: not cached;
     see :func:`default_cache_dir`). The relay round trip is measured each time (Ray's)."""
