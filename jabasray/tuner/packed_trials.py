@@ -535,8 +535,9 @@ def coordinator_stats(release: bool = False) -> dict[str, dict]:
     was awaited), and the packing decision the sweep was built from (``decision``: a
     :class:`~jabasray.planners.pack_cost.PackDecision` as a dict, with its ``reason``). A sweep
     whose trials train alone has no coordinator: it is listed as ``alone/<token>`` (by the
-    process that called :func:`packed`) with zero counts and its decision. ``release=True`` also ends them (they otherwise exit after ``idle_exit_s``
-    without members); call it after ``Tuner.fit()`` returns."""
+    process that called :func:`packed`) with zero counts and its decision. ``release=True``
+    also ends them (they otherwise exit after ``idle_exit_s`` without members); call it after
+    ``Tuner.fit()`` returns."""
     import ray
 
     out = {}
