@@ -38,7 +38,22 @@ decide differently, so the contenders' amounts of work differ), load average, an
 contenders what the coordinators did (``jabasray.tuner.coordinator_stats``: units, members
 per unit, discarded speculative units, seconds training and idle).
 
+Packed contenders call ``packed(..., pack="auto")`` by default (``--pack on``: always pack):
+the cost model decides whether and how many trials to pack (at most ``--members``), and when
+packing does not pay each trial trains alone, as Tune's own; every packed run records that
+decision (``decision``) and the seconds ``packed()`` took to make it (``decide_s``: measuring
+the costs the first time, read from the cache afterwards; outside the timed run).
+
+Unit sizes (``--unit-sizes 25ms,250ms,2.5s``): the same comparison at three sizes of unit,
+each with its own steps per unit and R (:data:`UNIT_SIZES`: the digits MLP with 10 steps,
+R = 27, 49 configurations; 300 steps, R = 9, 17; 3000 steps, R = 3, 5),
+one JSON document with one comparison per size (``unit_sizes``). On 2 quiet cores the whole
+default comparison (4 contenders, 2 paired rounds, one warm-up per size) takes about 7-8
+minutes; ``--smoke`` shrinks every size to R = 3 and 1 step per unit with no warm-up.
+
     python benchmarks/hyperband.py [--rounds 2] [--R 81] [--out /tmp/x.json]
+    python benchmarks/hyperband.py --unit-sizes 25ms,250ms,2.5s --rounds 2
+    python benchmarks/hyperband.py --unit-sizes 25ms --smoke --rounds 1 --contenders tune_asha,packed_asha
 """
 from __future__ import annotations
 
@@ -58,6 +73,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from common import default_out, rotated, write_json  # noqa: E402
 
 CONTENDERS = ("tune_asha", "tune_hyperband", "packed_asha", "packed_hyperband")
+# the same-configurations comparison at three unit sizes: the same model (MLP-3 on digits) and
+# space, units of 10, 300 and 3000 steps -- about 25 ms (with Tune's report, as the 10-step
+# units users measured), 250 ms and 2.5 s on a quiet 2-core machine; R keeps each size's sweep
+# within ~2.5 minutes for 4 contenders x 2 rounds
+UNIT_SIZES = {"25ms": {"workload": "digits_mlp", "steps_per_unit": 10, "R": 27},
+              "250ms": {"workload": "digits_mlp", "steps_per_unit": 300, "R": 9},
+              "2.5s": {"workload": "digits_mlp", "steps_per_unit": 3000, "R": 3}}
+SMOKE = {"workload": "digits_mlp", "steps_per_unit": 1, "R": 3}
 EXTRA_CONTENDERS = ("tune_asha_shared", "packed_asha_sync", "packed_asha_plain", "packed_asha_wave")   # only when named
 
 
@@ -112,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=("digits_mlp", "cifar_mlp", "cifar_cnn"), default="digits_mlp",
                     help="the model and data every contender trains (cifar_*: generated 3x32x32 images)")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--pack", choices=("auto", "on"), default="auto",
+                    help="packed contenders: packed(pack='auto') (the cost model decides whether and how "
+                         "many to pack, at most --members) or pack=True (always --members per device)")
+    ap.add_argument("--unit-sizes", default="",
+                    help=f"comma list among {', '.join(UNIT_SIZES)}: run the comparison at each unit "
+                         "size (its workload, steps per unit and R override those flags)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (R=3, 1 step per unit, digits) and no warm-up: checks the script runs")
     ap.add_argument("--out", default=default_out('hyperband.json'))
     args = ap.parse_args(argv)
     contenders = [c for c in args.contenders.split(",") if c]
@@ -125,7 +156,49 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    if args.unit_sizes:
+        for size in args.unit_sizes.split(","):
+            if size not in UNIT_SIZES:
+                print(f"--unit-sizes must be among {', '.join(UNIT_SIZES)}, got {size!r}", file=sys.stderr)
+                return 2
     import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device is visible", file=sys.stderr)
+            return 2
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        if not args.unit_sizes:
+            out = compare(args, contenders)
+        else:
+            out = {"machine": machine_line(args), "args": vars(args), "load_avg_start": os.getloadavg(),
+                   "unit_sizes": {}}
+            for size in args.unit_sizes.split(","):
+                preset = dict(UNIT_SIZES[size], **(SMOKE if args.smoke else {}))
+                print(f"== unit size {size}: {preset}", flush=True)
+                sized = argparse.Namespace(**{**vars(args), **preset, "out": None})
+                out["unit_sizes"][size] = compare(sized, contenders)
+                write_json(args.out, out, announce=False)
+            out["load_avg_end"] = os.getloadavg()
+    finally:
+        ray.shutdown()
+    write_json(args.out, out)
+    return 0
+
+
+def machine_line(args) -> str:
+    gpu = "no GPU" if args.device == "cpu" else __import__("torch").cuda.get_device_name(0)
+    return f"{platform.machine()} {os.cpu_count()}-core CPU, {gpu}, Ray num_cpus={args.num_cpus}"
+
+
+def compare(args, contenders: list[str]) -> dict:
+    """One comparison of ``contenders`` on the same configurations (module docstring), in
+    paired rounds on the running Ray instance; returns its JSON document (written to
+    ``args.out`` after every run when ``args.out`` is set)."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import BasicVariantGenerator
@@ -136,14 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES
     from jabasray.tuner.schedulers import hyperband_scheduler
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if args.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            print("--device cuda: no CUDA device is visible", file=sys.stderr)
-            return 2
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     storage = tempfile.mkdtemp(prefix="jabasray_hb_bench_")
     spec = workload_spec(args.workload, args.steps_per_unit, args.seed, args.device)
     space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
@@ -186,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                                           scheduler=hyperband_scheduler(max_t=args.R, reduction_factor=args.eta))
         trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members,
                            run_ahead=name != "packed_asha_sync", trials_per_device=args.trials_per_device,
-                           cpus_per_device=args.cpus_per_device, threads=args.threads)
+                           cpus_per_device=args.cpus_per_device, threads=args.threads,
+                           pack=True if args.pack == "on" else "auto", num_samples=len(configs),
+                           reduction_factor=args.eta)
         if name == "packed_asha_plain":
             return trainable, tune.TuneConfig(
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
@@ -202,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
 
     def run(name: str, rnd: int) -> dict:
-        trainable, tc = tune_config(name)
+        t_decide = time.perf_counter()
+        trainable, tc = tune_config(name)      # packed(): the packing decision (costs cached after the first)
+        decide_s = time.perf_counter() - t_decide
         rec = Recorder()
         t0 = time.perf_counter()
         rec.t0 = t0
@@ -213,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         best = grid.get_best_result()
         # what the packing coordinators did (ended now, so no contender's run sees another's)
         stats = list(coordinator_stats(release=True).values()) if name.startswith("packed") else []
+        decision = next((s["decision"] for s in stats if s.get("decision")), None)
         coord = {k: sum(s[k] for s in stats) for k in ("units_run", "member_units", "units_discarded", "units_unclaimed",
                                                        "set_aside", "busy_s")}
         coord["idle_s"] = {r: sum(s["idle_s"].get(r, 0.0) for s in stats)
@@ -221,16 +291,18 @@ def main(argv: list[str] | None = None) -> int:
         return {"wall_s": wall, "trials": len(grid), "errors": grid.num_errors,
                 "units_trained": units, "s_per_unit": wall / units, "reports": len(rec.points),
                 "trials_by_units": {str(u): n for u, n in sorted(Counter(rec.units.values()).items())},
-                "coordinators": coord if stats else None,
+                "coordinators": coord if stats else None, "decide_s": decide_s,
+                "decision": ({k: decision[k] for k in ("pack", "members_per_device", "trials_at_once",
+                                                       "predicted_s", "alone_s", "reason")} if decision else None),
                 **trajectory_stats(rec.points, args.target),
                 "best_config": {k: best.config[k] for k in TABLE3_PARAM_VALUES},
                 "load_avg_after": os.getloadavg()[0]}
 
-    gpu = "no GPU" if args.device == "cpu" else __import__("torch").cuda.get_device_name(0)
-    out: dict = {"machine": f"{platform.machine()} {os.cpu_count()}-core CPU, {gpu}, Ray num_cpus={args.num_cpus}",
-                 "args": vars(args), "configs": len(configs), "load_avg_start": os.getloadavg(), "rounds": []}
+    out: dict = {"machine": machine_line(args), "args": vars(args), "configs": len(configs),
+                 "load_avg_start": os.getloadavg(), "rounds": []}
     try:
-        run("tune_asha", -1) if "tune_asha" in contenders else None   # warm-up: Ray workers, imports
+        if not args.smoke and "tune_asha" in contenders:
+            run("tune_asha", -1)                        # warm-up: Ray workers, imports
         for rnd in range(args.rounds):
             order = rotated(contenders, rnd)
             row: dict = {}
@@ -243,12 +315,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['time_to_within_1pt_s']:6.1f} s | target {r['time_to_target_s']} | best "
                       f"{r['best_accuracy']:.4f} | {r['units_trained']} units, {r['trials']} trials, "
                       f"{r['errors']} errors | load {r['load_avg_after']:.1f}", flush=True)
+                if r["decision"]:
+                    print(f"          decision: {r['decision']['reason']}", flush=True)
                 if r["coordinators"]:
                     print(f"          coordinators: {r['coordinators']}", flush=True)
                 # every finished run kept, even if a later one is cut (a last round may be partial)
-                write_json(args.out, out, announce=False)
+                if args.out:
+                    write_json(args.out, out, announce=False)
     finally:
-        ray.shutdown()
         shutil.rmtree(storage, ignore_errors=True)
 
     def ratios(base: str, other: str, key: str) -> list[float] | None:
@@ -280,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k}: per round {', '.join(f'{x:.2f}' for x in v['per_round'])}; median {v['median']:.2f}x")
         else:
             print(f"{k}: {v}")
-    write_json(args.out, out)
-    return 0
+    return out
 
 
 if __name__ == "__main__":

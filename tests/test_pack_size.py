@@ -102,12 +102,12 @@ def test_packed_without_members_per_device_packs_8_per_cpu_and_checks_given_valu
         return t.default_resource_request({}).required_resources.get("CPU", 0.0)
 
     space = {"batch_size": tune.choice([16, 32])}
-    assert cpu(packed(SPEC, max_units=3, param_space=space)) == pytest.approx(1 / CPU_MEMBERS)
-    assert cpu(packed(SPEC, max_units=3, param_space=space, trials_per_device=12)) == pytest.approx(1 / 12)
+    assert cpu(packed(SPEC, max_units=3, param_space=space, pack=True)) == pytest.approx(1 / CPU_MEMBERS)
+    assert cpu(packed(SPEC, max_units=3, param_space=space, trials_per_device=12, pack=True)) == pytest.approx(1 / 12)
     with pytest.raises(ValueError, match="^members_per_device must be an integer >= 1, got 0$"):
-        packed(SPEC, max_units=3, param_space=space, members_per_device=0)
+        packed(SPEC, max_units=3, param_space=space, members_per_device=0, pack=True)
     with pytest.raises(ValueError, match=r"^trials_per_device must be >= members_per_device \(8, chosen from memory\), got 4$"):
-        packed(SPEC, max_units=3, param_space=space, trials_per_device=4)
+        packed(SPEC, max_units=3, param_space=space, trials_per_device=4, pack=True)
 
 
 @pytest.mark.cuda
@@ -129,7 +129,8 @@ def test_gpu_coordinators_start_before_the_first_trial(ray_session):
     ray = ray_session
     spec = digits_mlp_spec(steps_per_unit=1, device="cuda")
     try:
-        packed(spec, max_units=2, param_space={"batch_size": tune.choice([16, 32])}, members_per_device=2)
+        packed(spec, max_units=2, param_space={"batch_size": tune.choice([16, 32])}, members_per_device=2,
+               pack=True)
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == "jabasray"]
         gpus = int(ray.cluster_resources().get("GPU", 0))

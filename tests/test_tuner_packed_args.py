@@ -18,10 +18,10 @@ def _cpu(trainable) -> float:
 
 
 def test_packed_is_a_class_trainable_reserving_its_share_of_a_device():
-    t = packed(SPEC, max_units=3, stream_batch=40, members_per_device=4)
+    t = packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, pack=True)
     assert isinstance(t, type) and issubclass(t, tune.Trainable)
     assert _cpu(t) == pytest.approx(1 / 4)
-    more = packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, trials_per_device=8)
+    more = packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, trials_per_device=8, pack=True)
     assert _cpu(more) == pytest.approx(1 / 8)                   # 8 admitted, 4 seated per unit
 
 
@@ -34,3 +34,50 @@ def test_bad_arguments_are_one_line_value_errors():
         packed(object(), max_units=3, stream_batch=40)
     with pytest.raises(ValueError, match="stream_batch must be given"):
         packed(SPEC, max_units=3)
+    with pytest.raises(ValueError, match="pack must be one of True, False, 'auto', got 'yes'"):
+        packed(SPEC, max_units=3, stream_batch=40, pack="yes")
+    with pytest.raises(ValueError, match="param_space must be given with pack='auto'"):
+        packed(SPEC, max_units=3, stream_batch=40)
+    with pytest.raises(ValueError, match="costs must be a jabasray.planners.pack_cost.PackCosts"):
+        packed(SPEC, max_units=3, stream_batch=40, costs={"unit_alone_s": 1})
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 1, got 0"):
+        packed(SPEC, max_units=3, stream_batch=40, num_samples=0)
+
+
+def _costs(unit_alone, per_member, start_alone=3.5, start_relay=1.7):
+    """A cost table: a packed unit of k costs unit_alone * (1 + per_member * (k - 1))."""
+    from jabasray.planners.pack_cost import PackCosts
+    return PackCosts(start_alone, start_relay, start_alone, 0.01, unit_alone,
+                     [unit_alone * (1 + per_member * (k - 1)) for k in range(1, 9)], 0.002)
+
+
+def test_auto_decides_from_the_costs_pack_or_alone(caplog):
+    """With ``pack="auto"`` the trainable follows the cost model's decision (the model itself
+    is tested against brute force in test_pack_cost): 2.5 s units whose packed step gains pack
+    (each trial reserving its share of a device); 25 ms units behind 3.5 core-s trial processes
+    train alone, one CPU per trial, as Tune's own trials."""
+    from jabasray.planners.pack_cost import decide, halving_units
+    from jabasray.tuner.packed_trials import _ALONE_SWEEPS, _cluster_shape
+
+    space = {"batch_size": tune.choice([20, 40])}
+    cores, devices, slots = _cluster_shape(False, 1.0)
+    units = halving_units(40, 9)                    # ASHA's units for 40 trials, R = 9, eta = 3
+    pays, loses = _costs(2.5, 0.2), _costs(0.025, 0.9)
+    k = decide(pays, units, cores, devices, slots).members_per_device
+    assert k > 1 and not decide(loses, units, cores, devices, slots).pack
+    with caplog.at_level("INFO", logger="jabasray.tuner.packed_trials"):
+        t = packed(SPEC, max_units=9, param_space=space, num_samples=40, costs=pays)
+        assert _cpu(t) == pytest.approx(1 / k)
+        capped = packed(SPEC, max_units=9, param_space=space, num_samples=40, costs=pays, members_per_device=2)
+        assert _cpu(capped) == pytest.approx(1 / 2)             # at most the members given
+        before = set(_ALONE_SWEEPS)
+        alone = packed(SPEC, max_units=9, param_space=space, num_samples=40, costs=loses)
+        assert _cpu(alone) == pytest.approx(1.0)
+        off = packed(SPEC, max_units=9, param_space=space, pack=False)
+        assert _cpu(off) == pytest.approx(1.0)
+    reasons = [r.getMessage() for r in caplog.records]
+    assert sum("packing" in m and "per device" in m for m in reasons) == 2
+    assert sum("every trial trains alone" in m for m in reasons) == 2
+    new = [_ALONE_SWEEPS[t] for t in set(_ALONE_SWEEPS) - before]
+    assert sorted(d["reason"].split(":")[0] for d in new) == ["every trial trains alone", "pack=False"]
+    assert all(not d["pack"] for d in new)

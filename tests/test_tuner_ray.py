@@ -59,7 +59,17 @@ def _tuner(trainable, tmp_path, name, tune_config, **run):
 
 def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     rec = _Recorder()
-    grid = _tuner(packed(SPEC, max_units=4, param_space=SPACE, members_per_device=3), tmp_path, "asha",
+    # 10 s units that pack well (a packed unit of k costs 1 + 0.1 (k - 1) units): the cost model
+    # decides to pack (at most the 3 members given) on this module's 2 CPUs (2 devices)
+    from jabasray.planners.pack_cost import decide, halving_units
+
+    pays = _costs(10.0, 0.1)
+    k = decide(pays, halving_units(6, 4, 2), 2, 2, 2, max_members=3).members_per_device
+    assert k > 1
+    trainable = packed(SPEC, max_units=4, param_space=SPACE, members_per_device=3, costs=pays,
+                       num_samples=6, reduction_factor=2)
+    assert trainable.default_resource_request({}).required_resources["CPU"] == pytest.approx(1 / k)
+    grid = _tuner(trainable, tmp_path, "asha",
                   tune.TuneConfig(metric="accuracy", mode="max", num_samples=6, max_concurrent_trials=6,
                                   reuse_actors=True,         # reset_config swaps the member
                                   scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
@@ -80,6 +90,7 @@ def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     # is still unclaimed (a member set aside whose trial Tune ended without its free)
     stats = coordinator_stats(release=True)
     assert stats and all(not s["members"] for s in stats.values())
+    assert all(s["decision"]["pack"] and s["decision"]["members_per_device"] == k for s in stats.values())
     trained = sum(s["member_units"] for s in stats.values())
     lost = sum(s["units_discarded"] + s["units_unclaimed"] for s in stats.values())
     assert trained - lost == len(rec.results)
@@ -96,6 +107,57 @@ def test_asha_trials_report_every_unit_from_one_pack(ray_session, tmp_path):
     opt.load_state_dict(state["optimizer"])
     assert state["units"] == best.metrics["units"] and state["steps"] == best.metrics["steps"]
     assert float(SPEC.metric_fn(model, SPEC.data_fn()[1])) == pytest.approx(best.metrics["accuracy"])
+
+
+def _costs(unit_alone, per_member, start_alone=3.5, start_relay=1.7):
+    """A cost table: a packed unit of k costs unit_alone * (1 + per_member * (k - 1))."""
+    from jabasray.planners.pack_cost import PackCosts
+    return PackCosts(start_alone, start_relay, start_alone, 0.01, unit_alone,
+                     [unit_alone * (1 + per_member * (k - 1)) for k in range(1, 9)], 0.002)
+
+
+class _ByConfig(tune.Callback):
+    """Every report's (units, accuracy, train_loss, steps), by configuration."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        key = tuple(sorted((k, str(trial.config[k])) for k in ("batch_size", "optimizer", "lr", "activation")))
+        self.rows.setdefault(key, []).append((result["units"], result["accuracy"], result["train_loss"],
+                                              result["steps"]))
+
+
+def test_where_packing_cannot_pay_every_trial_trains_alone_exactly_as_tunes_own(ray_session, tmp_path):
+    """25 ms units behind 3.5 core-s trial processes: the cost model decides that every trial
+    trains alone. No coordinator starts, each trial takes one CPU, and every configuration
+    reports exactly what Tune's own trial of it (make_trainable, the same seed) reports."""
+    from ray.tune.search import BasicVariantGenerator
+
+    from jabasray.tuner import make_trainable
+
+    points = [{"batch_size": 20, "optimizer": "adam", "lr": 0.01, "activation": "relu"},
+              {"batch_size": 40, "optimizer": "sgd", "lr": 0.05, "activation": "tanh"},
+              {"batch_size": 40, "optimizer": "momentum", "lr": 0.003, "activation": "relu"}]
+    alone = packed(SPEC, max_units=2, param_space=SPACE, costs=_costs(0.025, 0.9), num_samples=3)
+    assert alone.default_resource_request({}).required_resources == {"CPU": 1.0}
+    runs = {}
+    for name, trainable in (("alone", alone), ("tune", tune.with_resources(
+            make_trainable(SPEC, stream_batch=40, max_units=2), {"cpu": 1}))):
+        rec = _ByConfig()
+        grid = _tuner(trainable, tmp_path, name,
+                      tune.TuneConfig(metric="accuracy", mode="max", num_samples=3, reuse_actors=True,
+                                      search_alg=BasicVariantGenerator(points_to_evaluate=points)),
+                      callbacks=[rec]).fit()
+        assert grid.num_errors == 0 and len(grid) == 3
+        runs[name] = rec.rows
+        if name == "alone":
+            stats = coordinator_stats(release=True)
+            assert not [n for n in stats if n.startswith("pack/")]             # no coordinator
+            (decision,) = [s["decision"] for n, s in stats.items() if n.startswith("alone/")]
+            assert not decision["pack"] and decision["reason"].startswith("every trial trains alone")
+    assert len(runs["tune"]) == 3
+    assert runs["alone"] == runs["tune"]                     # every unit's metrics, bit for bit
 
 
 def _model(config):
@@ -121,7 +183,7 @@ def test_failing_member_fails_only_its_trial_and_restore_resumes_it(ray_session,
     marker.write_text("1")
     spec = dataclasses.replace(SPEC, model_fn=_model)
     space = {**SPACE, "explode": tune.grid_search(["", "", str(marker)])}
-    trainable = packed(spec, max_units=3, param_space=space, members_per_device=3)
+    trainable = packed(spec, max_units=3, param_space=space, members_per_device=3, pack=True)
     tuner = tune.Tuner(trainable, param_space=space,
                        tune_config=tune.TuneConfig(metric="accuracy", mode="max", num_samples=1),
                        run_config=tune.RunConfig(name="fail", storage_path=str(tmp_path), verbose=0,
@@ -144,7 +206,7 @@ def _bn_model(config):
 
 def test_unpackable_spec_falls_back_to_plain_trials(ray_session, tmp_path):
     spec = dataclasses.replace(SPEC, model_fn=_bn_model)
-    grid = _tuner(packed(spec, max_units=2, param_space=SPACE, members_per_device=2), tmp_path, "plain",
+    grid = _tuner(packed(spec, max_units=2, param_space=SPACE, members_per_device=2, pack=True), tmp_path, "plain",
                   tune.TuneConfig(metric="accuracy", mode="max", num_samples=2),
                   checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)).fit()
     assert grid.num_errors == 0
@@ -174,7 +236,7 @@ def test_packed_hyperband_pauses_and_resumes_members(ray_session, tmp_path):
             pauses.append((trial.trial_id, result["units"]))
         return action
     hb.scheduler.on_trial_result = counting
-    grid = _tuner(packed(SPEC, max_units=3, param_space=SPACE, members_per_device=3), tmp_path, "hb",
+    grid = _tuner(packed(SPEC, max_units=3, param_space=SPACE, members_per_device=3, pack=True), tmp_path, "hb",
                   hb.tune_config("accuracy", "max"), callbacks=[rec],
                   checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=False)).fit()
     assert grid.num_errors == 0 and len(grid) == 5

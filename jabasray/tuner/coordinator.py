@@ -95,12 +95,14 @@ class PackCoordinator:
             leaves); 0: it answers ``{"full": True}`` at once.
         gather: a unit waits for deciding members (see the module docstring) up to this
             fraction of the last unit's training time (at most ``wait_s``); 0: never.
+        decision: the packing decision the sweep was built from (a dict), reported by :meth:`stats`.
     """
 
     def __init__(self, spec_blob: bytes, stream_batch: int, capacity: int, space: Any = None,
                  threads: int = 1, device: str | None = None, wait_s: float = 2.0,
                  idle_exit_s: float = 60.0, max_units: int | None = None, checkpoint_every: int = 1,
-                 run_ahead: bool = True, queue_s: float = 0.0, gather: float = 0.25) -> None:
+                 run_ahead: bool = True, queue_s: float = 0.0, gather: float = 0.25,
+                 decision: dict | None = None) -> None:
         import dataclasses
 
         import cloudpickle
@@ -114,6 +116,7 @@ class PackCoordinator:
         self.pool = ThreadPoolExecutor(1)          # ONE training thread: the runner is not thread-safe
         self.loader = ThreadPoolExecutor(1)        # builds arriving members off the training thread
         self.queue_s, self.gather = queue_s, gather
+        self.decision = decision                   # the sweep's packing decision (reported by stats)
         self.last_unit_s = 0.0                     # training time of the last unit
         self.seat_waiters: list[asyncio.Future] = []   # loads waiting for a free slot (FIFO)
         self.runner = None
@@ -407,7 +410,8 @@ class PackCoordinator:
                 "units_unclaimed": unclaimed,
                 "set_aside": self.set_aside, "decisions": sorted(self.decisions),
                 "busy_s": self.busy_s, "idle_s": dict(self.idle_s),
-                "alive_s": time.monotonic() - self.created, "position": getattr(self.runner, "position", 0)}
+                "alive_s": time.monotonic() - self.created, "position": getattr(self.runner, "position", 0),
+                "decision": self.decision}
 
     # -- the barrier -------------------------------------------------------------------------
     def _kick(self) -> None:

@@ -52,7 +52,7 @@ from jabasray.planners.pack_opt import NormalisedSpace, similarity_order
 from jabasray.tuner.brackets import hyperband_schedule
 from jabasray.tuner.pack_size import choose_members_per_device
 from jabasray.tuner.space import largest_value, normalised_space
-from jabasray.validation import check_float, check_int
+from jabasray.validation import check_choice, check_float, check_int
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class PackedJob:
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
     trials_per_device: int = 0          # trials admitted per device (0: members_per_device)
     threads: int = 1                    # torch threads of a CPU device's coordinator
+    alone: bool = False                 # every trial trains alone in its own process (no coordinator)
+    decision: dict | None = None        # PackDecision (as a dict) the sweep was built from
 
 
 def checkpoint_due(unit: int, max_units: int | None, every: int) -> bool:
@@ -92,7 +94,8 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
            stream_batch: int | None = None, members_per_device: int | None = None,
            cpus_per_device: float = 1.0, wait_s: float = 2.0,
            idle_exit_s: float = 60.0, run_ahead: bool = True, trials_per_device: int | None = None,
-           threads: int | None = None):
+           threads: int | None = None, pack: bool | str = "auto", num_samples: int | None = None,
+           reduction_factor: int = 3, costs: Any = None, cache_dir: str | None = None):
     """A Tune trainable whose trials train packed per device (see the module docstring).
 
     Args:
@@ -124,6 +127,21 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             more trials than slots: the extra ones start (actor, data) and wait in the
             coordinator's queue, and are seated -- built off the training thread -- as soon as
             a member leaves, instead of Tune starting them only then.
+        pack: ``"auto"`` (default): pack only where it pays -- the cost model of
+            :mod:`jabasray.planners.pack_cost`, from costs measured on this machine
+            (:mod:`jabasray.tuner.pack_profile`, cached), decides whether to pack, how many
+            members per device (at most ``members_per_device`` when given) and so how many
+            trials run at once; when packing does not pay every trial trains alone in its own
+            trial process (1 CPU, or 1 GPU, per trial), exactly as Tune runs an ordinary trial.
+            ``True``: always pack (``members_per_device`` as given, or from memory);
+            ``False``: never. The decision and its reason are logged once and reported by
+            :func:`coordinator_stats`.
+        num_samples: trials the sweep runs (for the cost model; default one Hyperband
+            iteration's sample for ``R = max_units``); ``reduction_factor``: the scheduler's eta
+            (the model assumes successive halving: :func:`~jabasray.planners.pack_cost.halving_units`).
+        costs: a :class:`~jabasray.planners.pack_cost.PackCosts` to decide from instead of
+            measuring; ``cache_dir``: where measured costs are cached (default
+            :func:`~jabasray.tuner.pack_profile.default_cache_dir`).
     """
     import cloudpickle
     from ray import tune
@@ -148,12 +166,33 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                              "batch-size key (the largest batch size of the search space)")
         stream_batch = largest_value(param_space, spec.batch_size)
     check_int("stream_batch", stream_batch, min_value=1)
+    check_choice("pack", pack, (True, False, "auto"))
+    if num_samples is not None:
+        check_int("num_samples", num_samples, min_value=1)
+    check_int("reduction_factor", reduction_factor, min_value=2)
+    if pack == "auto" and costs is None and param_space is None:
+        raise ValueError("param_space must be given with pack='auto' (the packing costs are measured "
+                         "at the space's configurations), or pass costs=, or pack=True / pack=False")
     gpu = str(spec.device).startswith("cuda")
+    if pack is False:
+        return _alone(spec, max_units, int(stream_batch), gpu, cpus_per_device,
+                      _fixed_decision(False, "pack=False: every trial trains alone"))
     if members_per_device is None:      # after every cheap check: this may measure on a GPU
         members_per_device = choose_members_per_device(spec, param_space, gpu)
         if trials_per_device is not None and trials_per_device < members_per_device:
             raise ValueError(f"trials_per_device must be >= members_per_device "
                              f"({members_per_device}, chosen from memory), got {trials_per_device}")
+    if pack == "auto":
+        decision = decide_packing(spec, max_units, param_space, int(stream_batch), gpu, cpus_per_device,
+                                  members_per_device, threads or max(1, int(cpus_per_device)),
+                                  num_samples, reduction_factor, costs, cache_dir)
+        if not decision.pack:
+            return _alone(spec, max_units, int(stream_batch), gpu, cpus_per_device, decision)
+        members_per_device = decision.members_per_device
+        if trials_per_device is not None:
+            trials_per_device = max(trials_per_device, members_per_device)
+    else:
+        decision = _fixed_decision(True, f"pack=True: {members_per_device} members per device")
     if trials_per_device is None:
         trials_per_device = members_per_device
     # checkpoint_every=0: a unit carries the member's state only at max_units; every other
@@ -162,7 +201,8 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                     0, float(cpus_per_device), gpu,
                     normalised_space(param_space) if param_space is not None else None,
                     float(wait_s), float(idle_exit_s), uuid.uuid4().hex[:12], bool(run_ahead),
-                    int(trials_per_device), threads or max(1, int(cpus_per_device)))
+                    int(trials_per_device), threads or max(1, int(cpus_per_device)),
+                    decision=decision.to_dict())
     import ray
 
     if ray.is_initialized():            # coordinators start now, not when the first trial asks
@@ -176,6 +216,107 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
     resources = {"cpu": 0.0 if gpu else cpus_per_device * share}
     if gpu:
         resources["gpu"] = share
+    return tune.with_resources(_trainable_class(job), resources)
+
+
+# ----------------------------------------------------------------------------- the decision
+
+_ALONE_SWEEPS: dict[str, dict] = {}     # token -> decision of the sweeps built here that train alone
+
+
+def _fixed_decision(pack: bool, reason: str):
+    from jabasray.planners.pack_cost import PackDecision
+
+    log.info("packed trials: %s", reason)
+    return PackDecision(pack, 0, 0, 0, 0.0, 0.0, {}, reason)
+
+
+def _cluster_shape(gpu: bool, cpus_per_device: float) -> tuple[int, int, int]:
+    """``(cores, packed devices, trials alone at once)`` of the connected Ray cluster (this
+    machine when Ray is not running): one coordinator per ``cpus_per_device`` CPUs or per GPU;
+    alone, one trial per CPU (or per GPU)."""
+    import ray
+
+    if ray.is_initialized():
+        res = ray.cluster_resources()
+        cores = max(1, int(res.get("CPU", 1)))
+        gpus = int(res.get("GPU", 0))
+    else:
+        cores, gpus = os.cpu_count() or 1, 0
+    if gpu:
+        gpus = max(1, gpus)
+        return cores, gpus, gpus
+    return cores, max(1, int(cores // cpus_per_device)), cores
+
+
+def _probe_sample(param_space: Mapping[str, Any], k: int) -> list[dict]:
+    """``k`` configurations of the space (seeded) in similarity order: what one pack holds."""
+    rng = random.Random(0)
+    batch = [_sample(param_space, rng) for _ in range(k)]
+    groups = similarity_order(batch, normalised_space(param_space), k, seed=0)
+    return [batch[i] for g in groups for i in g]
+
+
+def _measure_costs_on_a_gpu(spec_blob: bytes, configs: list[dict], stream_batch: int, cache_dir: str | None):
+    """Ray task body (it holds one GPU): the packing costs measured on it."""
+    import dataclasses
+
+    import cloudpickle
+
+    from jabasray.tuner.pack_profile import measure_pack_costs
+
+    spec = dataclasses.replace(cloudpickle.loads(spec_blob), device="cuda:0")
+    return measure_pack_costs(spec, configs, stream_batch, 1, cache_dir).to_dict()
+
+
+def decide_packing(spec: Any, max_units: int, param_space: Mapping[str, Any] | None, stream_batch: int,
+                   gpu: bool, cpus_per_device: float, max_members: int, threads: int,
+                   num_samples: int | None = None, reduction_factor: int = 3, costs: Any = None,
+                   cache_dir: str | None = None):
+    """The :class:`~jabasray.planners.pack_cost.PackDecision` of :func:`packed` with
+    ``pack="auto"``: the sweep's expected units (successive halving of ``num_samples`` trials,
+    default one Hyperband iteration's sample), the cluster's cores and devices, and the costs
+    (given, or measured at ``max_members`` configurations of the space on this machine -- on a
+    GPU in a Ray task holding one). Logged once with its reason."""
+    import cloudpickle
+
+    from jabasray.planners.pack_cost import PackCosts, decide, halving_units
+    from jabasray.tuner.pack_profile import default_cache_dir
+
+    cores, devices, slots = _cluster_shape(gpu, cpus_per_device)
+    n = num_samples or sum(b.num_configs for b in hyperband_schedule(max_units, reduction_factor))
+    units = halving_units(n, max_units, reduction_factor)
+    if costs is None:
+        configs = _probe_sample(param_space, max_members)
+        cache = cache_dir or default_cache_dir()
+        if gpu:
+            import ray
+
+            task = ray.remote(num_gpus=1, num_cpus=0)(_measure_costs_on_a_gpu)
+            costs = PackCosts.from_dict(ray.get(task.remote(cloudpickle.dumps(spec), configs, stream_batch,
+                                                            cache), timeout=900))
+        else:
+            from jabasray.tuner.pack_profile import measure_pack_costs
+            costs = measure_pack_costs(spec, configs, stream_batch, threads, cache)
+    elif not isinstance(costs, PackCosts):
+        raise ValueError(f"costs must be a jabasray.planners.pack_cost.PackCosts, got {type(costs).__name__}")
+    decision = decide(costs, units, cores, devices, slots, min(max_members, costs.max_members))
+    log.info("packed trials: %s", decision.reason)
+    return decision
+
+
+def _alone(spec: Any, max_units: int, stream_batch: int, gpu: bool, cpus_per_device: float, decision):
+    """The trainable of a sweep whose trials all train alone, each in its own trial process with
+    one CPU (or one GPU), exactly as Tune runs an ordinary trial (:class:`PlainMember`: the same
+    batches, initial weights, metrics and checkpoints as :func:`~jabasray.tuner.make_trainable`)."""
+    import cloudpickle
+    from ray import tune
+
+    job = PackedJob(cloudpickle.dumps(spec), stream_batch, max_units, 1, 0, float(cpus_per_device), gpu,
+                    None, 0.0, 1.0, uuid.uuid4().hex[:12], False, 1, 1, alone=True,
+                    decision=decision.to_dict())
+    _ALONE_SWEEPS[job.token] = job.decision
+    resources = {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0}
     return tune.with_resources(_trainable_class(job), resources)
 
 
@@ -196,7 +337,7 @@ def _coordinator(job: PackedJob, name: str, device: str | None, threads: int):
     return ray.remote(PackCoordinator).options(**opts).remote(
         job.spec_blob, job.stream_batch, job.members_per_device, job.space, threads, device,
         job.wait_s, job.idle_exit_s, job.max_units, job.checkpoint_every, job.run_ahead,
-        600.0 if job.trials_per_device > job.members_per_device else 0.0)
+        600.0 if job.trials_per_device > job.members_per_device else 0.0, decision=job.decision)
 
 
 def _start_gpu_coordinators(job: PackedJob, timeout_s: float = 60.0) -> int:
@@ -302,16 +443,18 @@ def _trainable_class(job: PackedJob):
         def _join(self) -> None:
             """Pack's ``load`` (lazily: Tune restores a checkpoint after ``setup``)."""
             self._key = self.trial_id
-            handle, reply = _register(job, self._key, self.config, self._state)
-            if "unpackable" in reply:
+            handle, reply = (None, {"alone": True}) if job.alone else _register(
+                job, self._key, self.config, self._state)
+            if "unpackable" in reply or "alone" in reply:
                 import cloudpickle
                 import torch
 
                 from jabasray.tuner.pack_runner import state_from_bytes
                 from jabasray.tuner.trainable import PlainMember
 
-                log.warning("trial %s trains unpacked: %s", self._key, reply["unpackable"])
-                torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
+                if "unpackable" in reply:
+                    log.warning("trial %s trains unpacked: %s", self._key, reply["unpackable"])
+                torch.set_num_threads(1 if job.alone else max(1, int(job.cpus_per_device / job.members_per_device)))
                 self._plain = PlainMember(cloudpickle.loads(job.spec_blob), self.config, job.stream_batch,
                                           state_from_bytes(self._state) if self._state else None)
                 self._units = self._plain.units
@@ -389,11 +532,22 @@ def coordinator_stats(release: bool = False) -> dict[str, dict]:
     """``{coordinator name: PackCoordinator.stats()}`` of every packing coordinator alive in
     the connected Ray cluster: units run, members trained per unit (summed), speculative units
     discarded, members set aside, decision points learned, seconds training and idle (by what
-    was awaited). ``release=True`` also ends them (they otherwise exit after ``idle_exit_s``
-    without members); call it after ``Tuner.fit()`` returns."""
+    was awaited), and the packing decision the sweep was built from (``decision``: a
+    :class:`~jabasray.planners.pack_cost.PackDecision` as a dict, with its ``reason``). A sweep
+    whose trials train alone has no coordinator: it is listed as ``alone/<token>`` (by the
+    process that called :func:`packed`) with zero counts and its decision. ``release=True``
+    also ends them (they otherwise exit after ``idle_exit_s`` without members); call it after
+    ``Tuner.fit()`` returns."""
     import ray
 
     out = {}
+    for token in list(_ALONE_SWEEPS):      # sweeps that train alone have no coordinator
+        out[f"alone/{token}"] = {"members": [], "units_run": 0, "member_units": 0, "units_discarded": 0,
+                                 "units_unclaimed": 0, "set_aside": 0, "decisions": [], "busy_s": 0.0,
+                                 "idle_s": {}, "alive_s": 0.0, "position": 0,
+                                 "decision": dict(_ALONE_SWEEPS[token])}
+        if release:
+            del _ALONE_SWEEPS[token]
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] != COORDINATOR_NAMESPACE or not a["name"].startswith("pack/"):
             continue

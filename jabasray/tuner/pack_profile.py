@@ -1,0 +1,199 @@
+"""Measures what packing costs on this machine: the :class:`~jabasray.planners.pack_cost.PackCosts`
+the decision of :func:`jabasray.tuner.packed` is made from (Pack paper, sections 4.2 and 4.6).
+
+* process starts (per host, cached): the CPU seconds of a fresh Python process importing what
+  a packed trial's process imports (Ray Tune and jabasray's trial module, no torch) and what a
+  trial training alone imports (also torch and the training module), each measured on a child
+  process (``resource.getrusage(RUSAGE_CHILDREN)``), so a loaded machine does not inflate it;
+* per sweep (cached per model, configurations, device and threads): the data's build time
+  (``data_fn``, paid by every trial process that trains alone and by each coordinator), a
+  member's load and free, one unit of each configuration trained alone and one packed unit of
+  the first ``k = 1 .. K`` of them (``steps`` timed steps scaled to ``steps_per_unit``, plus
+  each member's metric; the lower median of 3 runs after a warm-up: load on a shared machine
+  only slows a run down), all on the spec's device with the coordinator's torch threads;
+* the relay: the round trip of a no-op Ray actor call (a packed trial asks its coordinator
+  for every unit), when Ray is running.
+
+Cached like the profiler's host measurements (:func:`jabasray.profiler.measure.host_cached`):
+one JSON file per key in ``cache_dir`` (default :func:`default_cache_dir`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from jabasray.planners.pack_cost import PackCosts
+from jabasray.validation import check_int
+
+log = logging.getLogger(__name__)
+
+__all__ = ["measure_pack_costs", "process_start_costs", "relay_round_trip", "default_cache_dir"]
+
+RELAY_IMPORTS = "import ray.tune, jabasray.tuner.packed_trials"
+ALONE_IMPORTS = "import ray.tune, torch, jabasray.tuner.packed_trials, jabasray.tuner.trainable"
+REVISION = 2                 # bump when the measurement changes (part of every cache key)
+
+
+@dataclasses.dataclass
+class _Starts:
+    relay_s: float           # core-s of a process importing what a packed trial imports
+    alone_s: float           # ... what a trial training alone imports
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "_Starts":
+        return cls(**json.loads(text))
+
+
+def default_cache_dir() -> str:
+    """``$JABASRAY_CACHE_DIR``, else ``~/.cache/jabasray``."""
+    return os.environ.get("JABASRAY_CACHE_DIR") or str(Path.home() / ".cache" / "jabasray")
+
+
+def _child_cpu_s(code: str) -> float:
+    """CPU seconds (user + system) a fresh interpreter spends running ``code``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def process_start_costs(cache_dir: str | None = None, refresh: bool = False) -> tuple[float, float]:
+    """``(packed trial, trial alone)``: CPU seconds to start each kind of trial process (the
+    imports; the data comes on top for a trial alone), per host, cached."""
+    from jabasray.profiler.measure import host_cached
+
+    def measure() -> _Starts:
+        return _Starts(_child_cpu_s(RELAY_IMPORTS), _child_cpu_s(ALONE_IMPORTS))
+
+    s = host_cached(cache_dir, "trialstart", {"python": sys.executable, "revision": REVISION},
+                    measure, _Starts.from_json, refresh)
+    return s.relay_s, s.alone_s
+
+
+def relay_round_trip(calls: int = 30) -> float:
+    """Seconds of one no-op Ray actor call (the lower median of ``calls``), or 0.0 when Ray is
+    not running. Starts (and ends) one actor that holds no CPU."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0.0
+
+    @ray.remote(num_cpus=0)
+    class _Echo:
+        def ping(self) -> None:
+            return None
+
+    from jabasray.profiler.measure import lower_median
+
+    a = _Echo.remote()
+    try:
+        ray.get(a.ping.remote())
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            ray.get(a.ping.remote())
+            times.append(time.perf_counter() - t0)
+        return lower_median(times)
+    finally:
+        ray.kill(a)
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, threads: int,
+                   steps: int, repeats: int = 3) -> dict:
+    """Data build, load+free, a unit alone and packed units of 1..len(configs) (module docstring)."""
+    import torch
+
+    from jabasray.profiler.measure import lower_median
+    from jabasray.tuner.pack_runner import PackRunner
+    from jabasray.tuner.trainable import PlainMember
+    from jabasray.tuner.training import cached_data
+
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t0 = time.process_time()
+        data = spec.data_fn()
+        data_s = time.process_time() - t0
+        cached_data(spec)                       # PlainMember reads the process's cached copy
+        n = min(steps, spec.steps_per_unit)
+        short = dataclasses.replace(spec, steps_per_unit=n)
+        scale = spec.steps_per_unit / n
+
+        def unit_time(run_unit, members: int, metric_s: float) -> float:
+            run_unit()                          # warm-up (allocations, the first pass)
+            t = lower_median([_time(run_unit) for _ in range(repeats)])
+            return max(0.0, t - members * metric_s) * scale + members * metric_s
+
+        # alone: the same configurations the packs hold (a packed unit of k is compared with
+        # k of their units alone); the lower median of ``repeats``: load only slows a run down
+        alone, metric = [], []
+        for c in configs:
+            m = PlainMember(short, dict(c), stream_batch)
+            metric.append(lower_median([_time(lambda: spec.metric_fn(m.model, data[1])) for _ in range(repeats)]))
+            alone.append(unit_time(m.unit, 1, metric[-1]))
+        metric_s = statistics.mean(metric)
+        runner = PackRunner(short, stream_batch, data)
+        packed, loads = [], []
+        keys: list[str] = []
+        for i, c in enumerate(configs):
+            key = f"m{i}"
+            loads.append(_time(lambda: runner.load(key, c)))
+            keys.append(key)
+            packed.append(unit_time(lambda: runner.unit(keys), len(keys), metric_s))
+        frees = [_time(lambda k=k: runner.free(k)) for k in keys]
+        return {"data_s": data_s, "load_s": statistics.median(loads) + statistics.median(frees),
+                "unit_alone_s": statistics.mean(alone), "unit_packed_s": packed}
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def measure_pack_costs(spec: Any, configs: Sequence[Mapping], stream_batch: int, threads: int = 1,
+                       cache_dir: str | None = None, refresh: bool = False, steps: int = 5) -> PackCosts:
+    """:class:`PackCosts` of ``spec`` at ``configs`` (packed units of 1..``len(configs)``
+    members), measured here (the module docstring), cached in ``cache_dir`` (None: not cached;
+    see :func:`default_cache_dir`). The relay round trip is measured each time (Ray's)."""
+    from jabasray.profiler.measure import callable_fingerprint, host_cached
+
+    if not configs:
+        raise ValueError("configs must hold at least one configuration to measure, got []")
+    check_int("threads", threads, min_value=1)
+    check_int("steps", steps, min_value=1)
+    relay_start, alone_start = process_start_costs(cache_dir, refresh)
+    key = {"fns": [callable_fingerprint(getattr(spec, f)) for f in
+                   ("model_fn", "optimizer_fn", "data_fn", "metric_fn", "loss_fn")],
+           "batch": repr(spec.batch_size), "steps_per_unit": spec.steps_per_unit, "seed": spec.seed,
+           "device": str(spec.device), "threads": threads, "stream_batch": stream_batch,
+           "configs": json.dumps([dict(c) for c in configs], sort_keys=True, default=str),
+           "steps": steps, "revision": REVISION}
+
+    class _Units(dict):
+        def to_json(self) -> str:
+            return json.dumps(self)
+
+    units = host_cached(cache_dir, "packcost", key,
+                        lambda: _Units(_measure_units(spec, configs, stream_batch, threads, steps)),
+                        lambda text: _Units(json.loads(text)), refresh)
+    costs = PackCosts(start_alone_s=alone_start + units["data_s"], start_relay_s=relay_start,
+                      start_coordinator_s=alone_start + units["data_s"], load_s=units["load_s"],
+                      unit_alone_s=units["unit_alone_s"], unit_packed_s=list(units["unit_packed_s"]),
+                      relay_s=relay_round_trip())
+    log.info("packing costs measured: %s", costs.to_json())
+    return costs

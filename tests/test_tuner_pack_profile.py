@@ -1,0 +1,56 @@
+"""The measurement behind ``packed(pack="auto")``: one cost per term of the cost model, from
+the spec's own training at the given configurations, cached per host and per sweep."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jabasray.tuner import pack_profile
+from jabasray.tuner.digits import digits_mlp_spec
+
+CONFIGS = [{"batch_size": 20, "optimizer": "adam", "lr": 0.01, "activation": "relu"},
+           {"batch_size": 40, "optimizer": "sgd", "lr": 0.05, "activation": "tanh"}]
+
+
+def test_costs_are_measured_once_per_key_and_read_back_from_the_cache(tmp_path, monkeypatch):
+    starts = []                   # child processes run (their imports are what a trial start costs)
+
+    def fake_child(code):
+        starts.append(code)
+        return {pack_profile.RELAY_IMPORTS: 1.5, pack_profile.ALONE_IMPORTS: 3.0}[code]
+
+    measured = []
+    real_units = pack_profile._measure_units
+
+    def counting_units(*args):
+        measured.append(args[1])
+        return real_units(*args)
+
+    monkeypatch.setattr(pack_profile, "_child_cpu_s", fake_child)
+    monkeypatch.setattr(pack_profile, "_measure_units", counting_units)
+    spec = digits_mlp_spec(steps_per_unit=2)
+    c = pack_profile.measure_pack_costs(spec, CONFIGS, 40, cache_dir=str(tmp_path), steps=2)
+    # one packed unit per pack size 1..2; the start of a trial alone adds the data's build
+    assert len(c.unit_packed_s) == 2 and all(t > 0 for t in c.unit_packed_s)
+    assert c.unit_alone_s > 0 and c.load_s > 0 and c.relay_s == 0.0       # Ray is not running here
+    assert c.start_relay_s == 1.5 and c.start_alone_s > 3.0 and c.start_coordinator_s == c.start_alone_s
+    assert sorted(starts) == sorted([pack_profile.RELAY_IMPORTS, pack_profile.ALONE_IMPORTS])
+    # the same sweep again: read from the cache, nothing re-measured
+    again = pack_profile.measure_pack_costs(spec, CONFIGS, 40, cache_dir=str(tmp_path), steps=2)
+    assert again == c and len(measured) == 1 and len(starts) == 2
+    # other configurations are another sweep: measured, the host's process starts still cached
+    pack_profile.measure_pack_costs(spec, CONFIGS[:1], 40, cache_dir=str(tmp_path), steps=2)
+    assert len(measured) == 2 and len(starts) == 2
+    files = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
+    assert files == ["packcost", "packcost", "trialstart"]
+    assert all(json.loads(p.read_text()) for p in tmp_path.iterdir())          # plain JSON
+
+
+def test_a_child_process_start_is_its_cpu_time():
+    assert pack_profile._child_cpu_s("sum(range(10 ** 6))") > 0.0
+
+
+def test_no_configuration_to_measure_is_a_value_error():
+    with pytest.raises(ValueError, match="configs must hold at least one configuration"):
+        pack_profile.measure_pack_costs(digits_mlp_spec(), [], 40, cache_dir=None)
