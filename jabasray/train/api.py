@@ -1,0 +1,215 @@
+"""What ``train_loop_per_worker`` calls (Ray Train's names): ``prepare_model``,
+``prepare_optimizer``, ``prepare_data_loader``, ``epochs``, ``report``, ``get_context``.
+
+Each ``prepare_*`` hands the user's object to the engine of this GPU (:mod:`.bridge`) and
+returns what the loop keeps using:
+
+* the prepared model is a thin module around the user's: its parameters, buffers and
+  ``state_dict`` are the user's model's (the engine's main virtual stream worker, JABAS/IIDP
+  section 4); calling it runs the VSW module of the batch in flight (the main VSW's module
+  over all VSWs' micro-batches joined, BatchNorm per VSW, or one replica where batching is not
+  exact). Moving it (``.to()``, ``.cuda()``) is refused: the engine's flat buffers hold its
+  parameters.
+* the prepared optimizer is the user's own optimizer (so schedulers and ``state_dict`` work as
+  before); called from the loop, ``step()`` returns True when the engine has applied this
+  global iteration's update (after this GPU's last accumulation round and the all-reduce; the
+  LR is the user's LR times the batch-size rule's factor, :func:`jabasray.adaptive.lr_factor`,
+  the user's scheduler keeps the base LR) and False after an earlier round; ``zero_grad()``
+  does nothing (the engine clears its gradient buckets itself).
+* the prepared loader yields this GPU's batches of each global iteration in the engine's order
+  (the exactly-once sampler, :mod:`jabasray.engine.sampler`): one batch per accumulation round,
+  its VSWs' micro-batches joined; B_L and the VSW count change at adaptation intervals without
+  the loop noticing. Each batch must be trained on (its loss ``backward()``-ed) before the next.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from . import bridge
+
+
+@dataclass(frozen=True)
+class LoopContext:
+    """Where this worker stands (Ray Train's ``TrainContext`` names where they exist)."""
+
+    world_rank: int = 0          # this GPU's rank in the current placement
+    world_size: int = 1          # GPUs of the current placement
+    epoch: int = 0               # the epoch being trained
+    global_batch: int = 0        # B_G of the current interval (0 before the first)
+    local_batch: int = 0         # B_L of the current interval
+    num_vsw: int = 0             # this GPU's virtual stream workers
+    num_accumulation: int = 0    # this GPU's gradient-accumulation steps per VSW (n_GA)
+
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:   # one worker per GPU: its rank among this node's is not tracked
+        return 0
+
+
+def get_context() -> LoopContext:
+    """This worker's :class:`LoopContext` (rank, world size, epoch, B_G, B_L, VSW count)."""
+    run = bridge.user_run("get_context")
+    return run.context if run.context is not None else LoopContext()
+
+
+class PreparedModel(nn.Module):
+    """The user's model as the loop sees it after :func:`prepare_model` (module notes)."""
+
+    def __init__(self, run: "bridge.LoopRun", model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+        object.__setattr__(self, "_run", run)    # not a submodule, not in state_dict
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        run = self._run
+        module = run.current_module if run.in_step and run.current_module is not None else self.module
+        return module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:   # the user's keys, no "module." prefix
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("prepare_model: load the model's state before prepare_model, or pass "
+                         "the model to epochs(model=...) so that jabasray restores it")
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("prepare_model: the model was moved or cast (.to(), .cuda(), .double()) "
+                         "after prepare_model; do it before, jabasray places the prepared model")
+
+
+def prepare_proxy(run: "bridge.LoopRun", model: nn.Module) -> PreparedModel:
+    return PreparedModel(run, model)
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Hand ``model`` to this GPU's engine (its VSWs, gradient buckets, local-to-global
+    aggregation, one-way weight sync); returns the module the loop calls (module notes)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"prepare_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, PreparedModel):
+        raise ValueError("prepare_model: the model is prepared already")
+    return bridge.user_run("prepare_model").request("model", model)
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Hand ``optimizer`` (over the prepared model's parameters) to the engine; returns it with
+    ``step()``/``zero_grad()`` acting at the global iteration boundary (module notes)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"prepare_optimizer: optimizer must be a torch.optim.Optimizer, got "
+                         f"{type(optimizer).__name__}")
+    return bridge.user_run("prepare_optimizer").request("optimizer", optimizer)
+
+
+def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
+    """(engine side) Give ``opt`` loop-side ``step``/``zero_grad`` (module notes); the
+    engine's own calls, from its threads, reach the optimizer's class methods."""
+    if run.model is None:
+        raise ValueError("prepare_optimizer: call prepare_model first (the optimizer must hold "
+                         "the prepared model's parameters)")
+    mine = {id(p) for p in run.model.parameters() if p.requires_grad}
+    theirs = [p for g in opt.param_groups for p in g["params"]]
+    if {id(p) for p in theirs} != mine or len(theirs) != len(mine):
+        raise ValueError("prepare_optimizer: the optimizer must hold exactly the trainable "
+                         "parameters of the prepared model (build it from model.parameters() "
+                         "after prepare_model)")
+    cls_step, cls_zero = type(opt).step, type(opt).zero_grad
+    thread = run.thread
+
+    def step(closure: Any = None) -> Any:
+        if threading.current_thread() is thread:
+            if closure is not None:
+                raise ValueError("optimizer.step(closure): closures are not supported in the loop")
+            return run.update_done
+        return cls_step(opt, closure)
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        if threading.current_thread() is thread:
+            return None
+        return cls_zero(opt, set_to_none)
+
+    opt.step, opt.zero_grad = step, zero_grad
+
+
+class PreparedLoader:
+    """The loop's view of the job's data (module notes). ``dataset`` is the user's."""
+
+    def __init__(self, run: "bridge.LoopRun", source: Any) -> None:
+        self._run = run
+        self.dataset = getattr(source, "dataset", source)
+
+    def __iter__(self) -> Iterator[Any]:
+        run = self._run
+        while True:
+            batch = run.request("batch")
+            if batch is bridge.STOP:
+                return
+            yield batch
+
+    def __len__(self) -> int:
+        """Iterations of this epoch at the current global batch (it moves between intervals)."""
+        ctx = self._run.context
+        if ctx is None or not ctx.global_batch:
+            raise TypeError("the prepared loader's length is known once training has started")
+        return math.ceil(len(self.dataset) / ctx.global_batch) * (ctx.num_accumulation + 1)
+
+
+def prepare_data_loader(data_loader: Any) -> PreparedLoader:
+    """Hand the loop's data to the engine: a ``torch.utils.data.DataLoader`` (its dataset is
+    read; its batch size, sampler and shuffling are the engine's now) or a map-style dataset.
+    Returns the loader the loop iterates (module notes)."""
+    ds = getattr(data_loader, "dataset", data_loader)
+    if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+        raise ValueError(f"prepare_data_loader: needs a DataLoader over a map-style dataset (with "
+                         f"__len__ and __getitem__) or such a dataset, got {type(ds).__name__}")
+    collate = getattr(data_loader, "collate_fn", None)
+    if collate is not None and collate is not torch.utils.data.default_collate:
+        raise ValueError("prepare_data_loader: a DataLoader with its own collate_fn is not "
+                         "supported yet; give samples that torch's default_collate batches")
+    return bridge.user_run("prepare_data_loader").request("loader", data_loader)
+
+
+def epochs(n: int, **state: Any) -> Iterator[int]:
+    """``for epoch in epochs(n, model=model, optimizer=optimizer, scheduler=...)``: the epoch
+    loop. It yields the epochs the driver trains (a resumed or re-placed run starts at the
+    checkpoint's epoch, the loader at its sample). ``state``: objects with ``state_dict`` /
+    ``load_state_dict`` checkpointed at every checkpoint of the run and restored when the loop
+    is entered again (the prepared model and optimizer are the engine's and checkpointed
+    anyway; schedulers, scalers and the like are the loop's)."""
+    run = bridge.user_run("epochs")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"epochs: n must be an int >= 1, got {n!r}")
+    for k, v in state.items():
+        if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict")):
+            raise ValueError(f"epochs: {k}= must have state_dict() and load_state_dict(), got "
+                             f"{type(v).__name__}")
+    epoch = run.request("epochs", (n, state))
+    while epoch is not None:
+        yield epoch
+        epoch = run.request("epoch_end", epoch)
+
+
+def report(metrics: dict) -> None:
+    """Record this worker's metrics (numbers): each interval's record holds their mean over
+    the reports and ranks of the interval, each epoch's over the epoch (the driver's training
+    metrics, as a ``step_fn``'s)."""
+    run = bridge.user_run("report")
+    if not isinstance(metrics, dict):
+        raise ValueError(f"report: metrics must be a dict of numbers, got {type(metrics).__name__}")
+    clean = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"report: metric {k!r} must be a number, got {type(v).__name__}")
+        clean[str(k)] = float(v)
+    run.reports.append(clean)
