@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -125,19 +126,20 @@ def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
     cls_step, cls_zero = type(opt).step, type(opt).zero_grad
     thread = run.thread
 
-    def step(closure: Any = None) -> Any:
+    def step(self: Any, closure: Any = None) -> Any:
         if threading.current_thread() is thread:
             if closure is not None:
                 raise ValueError("optimizer.step(closure): closures are not supported in the loop")
             return run.update_done
-        return cls_step(opt, closure)
+        return cls_step(self, closure)
 
-    def zero_grad(set_to_none: bool = True) -> None:
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
         if threading.current_thread() is thread:
             return None
-        return cls_zero(opt, set_to_none)
+        return cls_zero(self, set_to_none)
 
-    opt.step, opt.zero_grad = step, zero_grad
+    # bound methods: LR schedulers wrap ``optimizer.step`` through its ``__func__``
+    opt.step, opt.zero_grad = types.MethodType(step, opt), types.MethodType(zero_grad, opt)
 
 
 class PreparedLoader:

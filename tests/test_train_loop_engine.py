@@ -1,0 +1,150 @@
+"""The user's loop (``jabasray.train``) driving one device's engine, without Ray, in float64.
+
+Proves: the engine fed by a loop (its batches are the engine's ``step_fn`` calls, its
+``loss.backward()`` hands the loss back) updates exactly as the engine fed by a ``step_fn`` -
+two VSWs with per-VSW BatchNorm, two accumulation rounds, an LR factor - with
+``optimizer.step()`` True only after an iteration's last round and the epoch's end reaching the
+loop's ``epochs()``; at a fixed batch every update (a ragged last iteration, run per VSW on
+threads, included) equals one plain SGD step on the union of the micro-batches; and the loop's
+misuses are one-line ValueErrors naming what to change.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jabasray.engine.iidp import IIDPWorker
+from jabasray.train import bridge, epochs, prepare_data_loader, prepare_model, prepare_optimizer
+from jabasray.train.actor import LoopCallables
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+
+def data(n=64):
+    g = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def bn_net():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def make_loop(ds, build, steps, **kw):
+    """A Ray Train-shaped loop over ``ds``; ``steps`` collects what ``optimizer.step()`` said."""
+    def loop(config):
+        loader = prepare_data_loader(torch.utils.data.DataLoader(ds, batch_size=8))
+        model = prepare_model(build())
+        if kw.get("move"):
+            model.to("cpu")
+        opt = prepare_optimizer(sgd(model.parameters()))
+        for _ in epochs(config["epochs"], model=model, optimizer=opt):
+            for x, y in loader:
+                out = model(x)
+                loss = F.cross_entropy(out, y, reduction="none" if kw.get("unreduced") else "mean")
+                opt.zero_grad()
+                loss.backward()
+                steps.append(opt.step())
+                if kw.get("skip"):
+                    next(iter(loader))
+    return loop
+
+
+def loop_worker(loop, epochs_=1, seed=1, **cfg):
+    calls = LoopCallables(loop, {"epochs": epochs_, **cfg}, epochs_)
+    calls.dataset_fn()
+    torch.manual_seed(seed)
+    return IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn), bridge.active()
+
+
+def micro(ds, idx, sizes):
+    X, y = ds.tensors
+    out, k = [], 0
+    for s in sizes:
+        out.append((X[idx[k:k + s]], y[idx[k:k + s]]))
+        k += s
+    return out
+
+
+def test_loop_updates_as_the_step_fn_engine_with_vsws_bn_and_accumulation():
+    ds, steps = data(), []
+    w, run = loop_worker(make_loop(ds, bn_net, steps))
+    torch.manual_seed(1)
+    ref = IIDPWorker(bn_net(), sgd, F.cross_entropy)
+    for worker in (w, ref):
+        worker.configure(2, 1, 4)           # 2 VSWs x 2 accumulation rounds of B_L = 4
+        worker.lr_factor = 1.5
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(2))
+    for it in range(3):
+        mbs = micro(ds, perm[it * 16:(it + 1) * 16], [4] * 4)
+        sa, sb = w.train_step(mbs), ref.train_step(mbs)
+        run.after_step(epoch_end=it == 2)
+        torch.testing.assert_close(sa.loss, sb.loss)
+    assert steps == [False, True] * 3       # one update per iteration, after its last round
+    assert run.pending[0] == "epoch_end"    # the loader ended, the loop is back in epochs()
+    for a, b in zip(w.state_dict()["model"].values(), ref.state_dict()["model"].values()):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(w.optimizer.state.values(), ref.optimizer.state.values()):
+        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"])
+    run.finish()
+    assert run.finished
+
+
+def test_loop_at_a_fixed_batch_equals_plain_sgd_on_the_union():
+    ds, steps = data(), []
+    w, run = loop_worker(make_loop(ds, mlp, steps))
+    w.configure(2, 1, 4)
+    torch.manual_seed(1)
+    model = mlp()
+    opt = sgd(model.parameters())
+    X, y = ds.tensors
+    perm = torch.randperm(60, generator=torch.Generator().manual_seed(3))
+    sizes = [[4] * 4, [4] * 4, [4] * 4, [4, 4, 3, 1]]        # the last iteration ragged
+    k = 0
+    for it, sz in enumerate(sizes):
+        idx = perm[k:k + sum(sz)]
+        k += sum(sz)
+        w.train_step(micro(ds, idx, sz), ragged=it == 3)
+        run.after_step(epoch_end=it == 3)
+        opt.zero_grad()
+        F.cross_entropy(model(X[idx]), y[idx]).backward()
+        opt.step()
+        for a, b in zip(w.model.parameters(), model.parameters()):
+            torch.testing.assert_close(a, b)
+    assert steps.count(True) == 4
+    run.finish()
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"move": True}, "moved or cast (.to(), .cuda(), .double()) after prepare_model"),
+    ({"skip": True}, "did not call backward() on the loss of a batch"),
+    ({"unreduced": True}, "the loss must be a scalar (a per-sample mean)"),
+    ({"epochs_": 2}, "asks for epochs(2) but JobConfig.epochs is 1"),
+])
+def test_loop_misuse_is_a_one_line_value_error(kw, words):
+    ds = data()
+    n = kw.pop("epochs_", 1)
+    calls = LoopCallables(make_loop(ds, mlp, [], **kw), {"epochs": n}, 1)
+    with pytest.raises(ValueError) as e:
+        calls.dataset_fn()
+        w = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn)
+        w.configure(1, 0, 8)
+        for it in range(2):
+            w.train_step(micro(ds, torch.arange(it * 8, it * 8 + 8), [8]))
+            bridge.active().after_step(False)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    bridge.active().abandon()
+
+
+def test_prepare_outside_a_loop_is_refused():
+    with pytest.raises(ValueError, match="must be called inside train_loop_per_worker"):
+        prepare_model(mlp())
