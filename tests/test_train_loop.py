@@ -6,9 +6,10 @@ epoch boundary (the loop entered again on new actors, resuming at the next epoch
 scheduler restored), serves the same samples in every interval, with the same LRs and B_G
 trajectory, and ends every epoch with the same weights, optimizer and scheduler state as the
 same job through the hooks API (model_fn, dataset_fn, step_fn, lr_scheduler_fn); at a fixed
-B_G every update equals one plain SGD step on the union of the iteration's micro-batches.
-Without Ray: the engine driven by the loop equals the engine driven by a step_fn, with VSWs
-(per-VSW BatchNorm) and accumulation rounds; and the loop's misuses are one-line refusals.
+B_G every update equals one plain SGD step on the union of the iteration's micro-batches
+(tests/test_train_loop_engine.py, without Ray); a GPU actor killed mid-epoch: the loop is
+entered again on the GPU left, resumes epoch 2 with its scheduler restored, and every sample
+is served once per epoch.
 """
 from __future__ import annotations
 
@@ -139,3 +140,22 @@ def test_loop_equals_hooks_api_with_adaptive_batch_and_replacement(runs):
         assert 0.0 < e.train_metrics["report/rank"] < 1.0
 
 
+
+
+@pytest.mark.ray
+def test_a_gpu_actor_killed_mid_epoch_reenters_the_loop_and_serves_each_sample_once(runs, tmp_path):
+    """Rank 1 is killed after the first interval of epoch 1: the driver restarts epoch 1 from its checkpoint on the GPU
+    left, where the loop is entered again; every sample is served once in each epoch, and the
+    loop's scheduler was restored from the checkpoint (a fresh one would end at last_epoch 1)."""
+    from actors_helpers import KillOnce, assert_each_sample_once_per_epoch, perf_model
+    res = JabasTorchTrainer(loop, train_loop_config={"epochs": 2, "scheduler": True},
+                            job_config=ADAPTIVE, cluster=CLUSTER, run_config=_run_config(tmp_path, "kill"),
+                            perf_model=perf_model(), options=_options(failure_grace_s=10),
+                            callbacks=[KillOnce(epoch=1, rank=1, interval=0)], verbose=0).fit()
+    fail = [m for m in res.history.events if "failure" in m]
+    assert len(fail) == 1 and "restarting epoch 2" in fail[0]
+    assert [e.epoch for e in res.history.epochs] == [0, 1]
+    assert_each_sample_once_per_epoch(res.history, N)
+    state = list_checkpoints(res.storage)[-1].load_worker_state()
+    assert state["loop"]["scheduler"]["last_epoch"] == 2
+    assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05 / 4)

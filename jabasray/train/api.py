@@ -148,6 +148,8 @@ class PreparedLoader:
     def __init__(self, run: "bridge.LoopRun", source: Any) -> None:
         self._run = run
         self.dataset = getattr(source, "dataset", source)
+        self.sampler = _EngineSampler()
+
 
     def __iter__(self) -> Iterator[Any]:
         run = self._run
@@ -163,6 +165,13 @@ class PreparedLoader:
         if ctx is None or not ctx.global_batch:
             raise TypeError("the prepared loader's length is known once training has started")
         return math.ceil(len(self.dataset) / ctx.global_batch) * (ctx.num_accumulation + 1)
+
+
+class _EngineSampler:
+    """Stands for a DistributedSampler: the engine's sampler orders each epoch already."""
+
+    def set_epoch(self, epoch: int) -> None:
+        pass
 
 
 def prepare_data_loader(data_loader: Any) -> PreparedLoader:
@@ -200,10 +209,11 @@ def epochs(n: int, **state: Any) -> Iterator[int]:
         epoch = run.request("epoch_end", epoch)
 
 
-def report(metrics: dict) -> None:
+def report(metrics: dict, checkpoint: Any = None) -> None:
     """Record this worker's metrics (numbers): each interval's record holds their mean over
     the reports and ranks of the interval, each epoch's over the epoch (the driver's training
-    metrics, as a ``step_fn``'s)."""
+    metrics, as a ``step_fn``'s). ``checkpoint`` (Ray Train's) is not needed: the run is
+    checkpointed by the driver (model, optimizer and ``epochs(**state)``); it is ignored."""
     run = bridge.user_run("report")
     if not isinstance(metrics, dict):
         raise ValueError(f"report: metrics must be a dict of numbers, got {type(metrics).__name__}")

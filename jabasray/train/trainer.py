@@ -58,27 +58,26 @@ class JabasTorchTrainer:
                              f"got {job.parallelism!r}")
         if job.cuda_graphs != "off":
             job = replace(job, cuda_graphs="off")
+        from ..actors.trainer import JabasTrainer
+
         self.fn, self.config, self.job = train_loop_per_worker, train_loop_config, job
-        self.calls = LoopCallables(train_loop_per_worker, train_loop_config, job.epochs)
-        self._kwargs = dict(cluster=cluster, run_config=run_config, options=options,
-                            callbacks=list(callbacks), perf_model=perf_model, profiles=profiles,
-                            verbose=verbose, num_data_workers=num_data_workers,
-                            prefetch_factor=prefetch_factor)
-        self.trainer: Any = None
+        c = self.calls = LoopCallables(train_loop_per_worker, train_loop_config, job.epochs)
+        # the hooks API's trainer, fed by the loop (module notes); it checks its arguments here
+        self.trainer = JabasTrainer(c.model_fn, optimizer_fn=c.optimizer_fn, job_config=job,
+                                    cluster=cluster, run_config=run_config, dataset_fn=c.dataset_fn,
+                                    step_fn=c.step_fn, verbose=verbose, perf_model=perf_model,
+                                    profiles=profiles, options=options, callbacks=list(callbacks),
+                                    num_data_workers=num_data_workers, prefetch_factor=prefetch_factor)
+        self.trainer.hooks = replace(self.trainer.hooks, actor_class=LoopGPUActor)
+
+    @property
+    def run_config(self) -> Any:
+        return self.trainer.run_config
+
+    def preflight(self) -> Any:
+        """As :meth:`JabasTrainer.preflight`: None (the loop's probe runs in a Ray task)."""
+        return self.trainer.preflight()
 
     def fit(self, wait: bool = True) -> Any:
         """Train; returns the :class:`~jabasray.actors.trainer.Result` (as ``JabasTrainer.fit``)."""
-        from ..actors.trainer import JabasTrainer
-
-        c = self.calls
-        kw = self._kwargs
-        trainer = JabasTrainer(c.model_fn, optimizer_fn=c.optimizer_fn, job_config=self.job,
-                               cluster=kw["cluster"], run_config=kw["run_config"],
-                               dataset_fn=c.dataset_fn, step_fn=c.step_fn, verbose=kw["verbose"],
-                               perf_model=kw["perf_model"], profiles=kw["profiles"],
-                               options=kw["options"], callbacks=kw["callbacks"],
-                               num_data_workers=kw["num_data_workers"],
-                               prefetch_factor=kw["prefetch_factor"])
-        trainer.hooks = replace(trainer.hooks, actor_class=LoopGPUActor)
-        self.trainer = trainer
-        return trainer.fit(wait=wait)
+        return self.trainer.fit(wait=wait)
