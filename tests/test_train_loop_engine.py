@@ -148,3 +148,80 @@ def test_loop_misuse_is_a_one_line_value_error(kw, words):
 def test_prepare_outside_a_loop_is_refused():
     with pytest.raises(ValueError, match="must be called inside train_loop_per_worker"):
         prepare_model(mlp())
+
+
+def two_optimizers(model):
+    body = [p for n, p in model.named_parameters() if n.removeprefix("module.").startswith("0.")]
+    head = [p for n, p in model.named_parameters() if not n.removeprefix("module.").startswith("0.")]
+    return (torch.optim.SGD(body, lr=0.1, momentum=0.9),
+            torch.optim.Adam(head, lr=0.01, betas=(0.8, 0.9)))
+
+
+def scaler_loop(ds, steps, enabled=False):
+    """Two optimizers (a body and a head) and a GradScaler, as an AMP loop writes them."""
+    def loop(config):
+        loader = prepare_data_loader(ds)
+        model = prepare_model(mlp())
+        opt_a, opt_b = prepare_optimizer(*two_optimizers(model))
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        for _ in epochs(1, model=model, opt_a=opt_a, opt_b=opt_b, scaler=scaler):
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                opt_a.zero_grad()
+                opt_b.zero_grad()
+                scaler.scale(loss).backward()
+                steps.append((scaler.step(opt_a), scaler.step(opt_b)))
+                scaler.update()
+    return loop
+
+
+@pytest.mark.parametrize("weight_sync", ["sws", "ows"])
+def test_two_optimizers_and_a_grad_scaler_equal_the_plain_computation(weight_sync):
+    """SGD on the body, Adam on the head, a (disabled) GradScaler; the engine steps both as
+    one (whole, or bucket by bucket under one-way weight sync): weights and both optimizers'
+    states equal two plain optimizers stepping on the union of the micro-batches."""
+    ds, steps = data(), []
+    calls = LoopCallables(scaler_loop(ds, steps), None, 1)
+    calls.dataset_fn()
+    torch.manual_seed(1)
+    w = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn,
+                   weight_sync=weight_sync, bucket_cap_mb=1e-4)      # one bucket per tensor
+    run = bridge.active()
+    w.configure(2, 1, 4)
+    torch.manual_seed(1)
+    model = mlp()
+    opts = two_optimizers(model)
+    X, y = ds.tensors
+    for it in range(3):
+        idx = torch.arange(it * 16, it * 16 + 16)
+        w.train_step(micro(ds, idx, [4] * 4))
+        run.after_step(epoch_end=it == 2)
+        for o in opts:
+            o.zero_grad()
+        F.cross_entropy(model(X[idx]), y[idx]).backward()
+        for o in opts:
+            o.step()
+    assert w.weight_sync_method == weight_sync
+    assert steps == [(False, False), (True, True)] * 3
+    for a, b in zip(w.model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    for sub, ref in zip(w.optimizer.optimizers, opts):       # state per parameter
+        pa = [p for g in sub.param_groups for p in g["params"]]
+        pb = [p for g in ref.param_groups for p in g["params"]]
+        for a, b in zip(pa, pb):
+            assert set(sub.state[a]) == set(ref.state[b]) != set()
+            for k, v in ref.state[b].items():
+                torch.testing.assert_close(torch.as_tensor(sub.state[a][k]), torch.as_tensor(v))
+    assert set(run.extra_state()) == {"scaler"}          # the optimizers are the engine's
+    run.finish()
+
+
+def test_an_enabled_grad_scaler_is_refused():
+    ds = data()
+    calls = LoopCallables(scaler_loop(ds, [], enabled=True), None, 1)
+    calls.dataset_fn()
+    w = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn)
+    w.configure(1, 0, 8)
+    with pytest.raises(ValueError, match=r"scaler= is an enabled GradScaler.*precision='fp16'"):
+        w.train_step(micro(ds, torch.arange(8), [8]))
+    bridge.active().abandon()

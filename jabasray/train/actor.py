@@ -56,15 +56,16 @@ class LoopCallables:
 
     def optimizer_fn(self, params: list) -> Any:
         run = self._run()
-        opt = run.until("optimizer")
+        payload = run.until("optimizer")
+        if run.optimizer is None:
+            from .api import engine_optimizer
+            run.optimizer = engine_optimizer(run, payload)
+            run.loop_optimizers = payload if isinstance(payload, tuple) else (payload,)
+        opt = run.optimizer
         if {id(p) for g in opt.param_groups for p in g["params"]} != {id(p) for p in params}:
-            raise ValueError("prepare_optimizer: the optimizer must hold exactly the trainable "
-                             "parameters of the prepared model (build it from model.parameters() "
+            raise ValueError("prepare_optimizer: the optimizer(s) must hold exactly the trainable "
+                             "parameters of the prepared model (build them from model.parameters() "
                              "after prepare_model)")
-        from .api import attach_optimizer
-        if run.optimizer is not opt:
-            attach_optimizer(run, opt)
-            run.optimizer = opt
         return opt
 
     def step_fn(self, module: Any, batch: Any) -> Any:

@@ -102,27 +102,99 @@ def prepare_model(model: nn.Module) -> nn.Module:
     return bridge.user_run("prepare_model").request("model", model)
 
 
-def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Hand ``optimizer`` (over the prepared model's parameters) to the engine; returns it with
-    ``step()``/``zero_grad()`` acting at the global iteration boundary (module notes)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"prepare_optimizer: optimizer must be a torch.optim.Optimizer, got "
-                         f"{type(optimizer).__name__}")
-    return bridge.user_run("prepare_optimizer").request("optimizer", optimizer)
+def prepare_optimizer(*optimizers: torch.optim.Optimizer) -> Any:
+    """Hand the loop's optimizer (over the prepared model's parameters) to the engine; returns
+    it with ``step()``/``zero_grad()`` acting at the global iteration boundary (module notes).
+    Several optimizers over disjoint parameters (a body and a head, say) are handed in ONE
+    call, ``opt_a, opt_b = prepare_optimizer(opt_a, opt_b)``: together they must hold every
+    trainable parameter once; the engine steps them as one (:class:`JointOptimizer`)."""
+    if not optimizers:
+        raise ValueError("prepare_optimizer: needs at least one torch.optim.Optimizer")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ValueError(f"prepare_optimizer: argument {i} must be a torch.optim.Optimizer, "
+                             f"got {type(opt).__name__}")
+    payload = optimizers[0] if len(optimizers) == 1 else tuple(optimizers)
+    return bridge.user_run("prepare_optimizer").request("optimizer", payload)
 
 
-def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
-    """(engine side) Give ``opt`` loop-side ``step``/``zero_grad`` (module notes); the
-    engine's own calls, from its threads, reach the optimizer's class methods."""
+class JointOptimizer(torch.optim.Optimizer):
+    """The loop's optimizers over disjoint parameters as the ONE optimizer the engine steps.
+
+    ``param_groups`` are the optimizers' own group dicts (the engine's LR factor and the
+    loop's schedulers change the same dicts); ``step()`` steps each optimizer over its groups
+    present in ``param_groups`` - all of them, or the parameters of one gradient bucket when
+    the engine swaps in a shard's groups (one-way weight sync, :mod:`jabasray.engine.weight_sync`);
+    ``state_dict()`` is ``{"optimizers": [each one's state_dict]}``.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = list(optimizers)
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("prepare_optimizer: the optimizers share parameters; each trainable "
+                             "parameter must belong to exactly one of them")
+        super().__init__(params, {})
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+        self._ids = [frozenset(id(p) for g in o.param_groups for p in g["params"]) for o in self.optimizers]
+
+    def step(self, closure: Any = None) -> None:
+        groups = self.param_groups
+        for opt, ids in zip(self.optimizers, self._ids):
+            mine = [g for g in groups if g["params"] and id(g["params"][0]) in ids]
+            if not mine:
+                continue
+            saved = opt.param_groups
+            opt.param_groups = mine
+            try:
+                type(opt).step(opt)
+            finally:
+                opt.param_groups = saved
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            type(opt).zero_grad(opt, set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [type(o).state_dict(o) for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        parts = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if not isinstance(parts, list) or len(parts) != len(self.optimizers):
+            raise ValueError(f"JointOptimizer.load_state_dict: needs {{'optimizers': [...]}} with "
+                             f"{len(self.optimizers)} states")
+        for o, sd in zip(self.optimizers, parts):
+            type(o).load_state_dict(o, sd)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
+
+
+def engine_optimizer(run: "bridge.LoopRun", payload: Any) -> torch.optim.Optimizer:
+    """(engine side) The optimizer the engine steps for what the loop handed to
+    ``prepare_optimizer`` (one optimizer, or a :class:`JointOptimizer` of several), each given
+    its loop-side ``step``/``zero_grad`` (:func:`attach_optimizer`)."""
+    subs = list(payload) if isinstance(payload, tuple) else [payload]
+    joint = subs[0] if len(subs) == 1 else JointOptimizer(subs)
+    check_params(run, joint)
+    for opt in subs:
+        attach_optimizer(run, opt)
+    return joint
+
+
+def check_params(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
     if run.model is None:
         raise ValueError("prepare_optimizer: call prepare_model first (the optimizer must hold "
                          "the prepared model's parameters)")
     mine = {id(p) for p in run.model.parameters() if p.requires_grad}
     theirs = [p for g in opt.param_groups for p in g["params"]]
     if {id(p) for p in theirs} != mine or len(theirs) != len(mine):
-        raise ValueError("prepare_optimizer: the optimizer must hold exactly the trainable "
-                         "parameters of the prepared model (build it from model.parameters() "
+        raise ValueError("prepare_optimizer: the optimizer(s) must hold exactly the trainable "
+                         "parameters of the prepared model (build them from model.parameters() "
                          "after prepare_model)")
+
+
+def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
+    """(engine side) Give ``opt`` loop-side ``step``/``zero_grad`` (module notes); the
+    engine's own calls, from its threads, reach the optimizer's class methods."""
     cls_step, cls_zero = type(opt).step, type(opt).zero_grad
     thread = run.thread
 
@@ -203,6 +275,9 @@ def epochs(n: int, **state: Any) -> Iterator[int]:
         if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict")):
             raise ValueError(f"epochs: {k}= must have state_dict() and load_state_dict(), got "
                              f"{type(v).__name__}")
+        if isinstance(v, torch.amp.GradScaler) and v.is_enabled():
+            raise ValueError(f"epochs: {k}= is an enabled GradScaler; jabasray scales the loss "
+                             f"itself: use JobConfig(precision='fp16') and GradScaler(enabled=False)")
     epoch = run.request("epochs", (n, state))
     while epoch is not None:
         yield epoch

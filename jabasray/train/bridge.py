@@ -94,7 +94,8 @@ class LoopRun:
         self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
         self.model: Any = None          # the user's module (the engine's main VSW)
         self.proxy: Any = None          # what prepare_model returned
-        self.optimizer: Any = None
+        self.optimizer: Any = None      # the optimizer the engine steps
+        self.loop_optimizers: tuple = ()  # what the loop handed to prepare_optimizer
         self.loader: Any = None         # the user's DataLoader (or dataset) given to prepare_data_loader
         self.state: dict[str, Any] = {}     # epochs(**state)
         self.restore_state: dict | None = None   # the checkpoint's loop state, loaded at epochs()
@@ -190,10 +191,10 @@ class LoopRun:
             self.proxy = prepare_proxy(self, payload)
             return self.proxy
         if kind == "optimizer":
-            if payload is not self.optimizer:
-                from .api import attach_optimizer
-                attach_optimizer(self, payload)
-                self.optimizer = payload
+            if self.optimizer is None:
+                from .api import engine_optimizer
+                self.optimizer = engine_optimizer(self, payload)
+                self.loop_optimizers = payload if isinstance(payload, tuple) else (payload,)
             return payload
         if kind == "epochs":
             n, state = payload
@@ -288,7 +289,8 @@ class LoopRun:
             self.state[k].load_state_dict(sd)
 
     def _engine_owned(self, obj: Any) -> bool:
-        return obj is self.proxy or obj is self.model or obj is self.optimizer
+        return (obj is self.proxy or obj is self.model or obj is self.optimizer
+                or any(obj is o for o in self.loop_optimizers))
 
 
 # ---------------------------------------------------------------------- the process's run
