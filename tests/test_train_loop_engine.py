@@ -225,3 +225,27 @@ def test_an_enabled_grad_scaler_is_refused():
     with pytest.raises(ValueError, match=r"scaler= is an enabled GradScaler.*precision='fp16'"):
         w.train_step(micro(ds, torch.arange(8), [8]))
     bridge.active().abandon()
+
+
+def test_cli_script_and_example_define_a_loop_and_the_trainer_refuses_other_modes(tmp_path):
+    """``jabasray train --script`` takes a file that defines ``train_loop_per_worker`` (the
+    example's port of Ray Train's quick start); a loop job refuses SMA and burst modes and a
+    mismatch of train_loop_config and the loop's signature, in one line, before any work."""
+    from pathlib import Path
+
+    from jabasray.commands.train import load_script
+    from jabasray.config import JobConfig, RunConfig
+    from jabasray.train import JabasTorchTrainer
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "fashion_mnist_loop.py"
+    ns = load_script(str(example))
+    assert callable(ns["train_loop_per_worker"]) and ns["train_loop_config"]["epochs"] == 3
+    rc = RunConfig(str(tmp_path), "x")
+    t = JabasTorchTrainer(ns["train_loop_per_worker"], train_loop_config=ns["train_loop_config"],
+                          job_config=JobConfig(epochs=3), run_config=rc)
+    assert t.trainer.hooks.actor_class.__name__ == "LoopGPUActor" and t.trainer.job.cuda_graphs == "off"
+    for job, words in ((JobConfig(sync="sma"), "sync='iidp'"), (JobConfig(parallelism="burst"), "parallelism='data'")):
+        with pytest.raises(ValueError, match=words):
+            JabasTorchTrainer(ns["train_loop_per_worker"], job_config=job, run_config=rc)
+    with pytest.raises(ValueError, match="takes no argument"):
+        JabasTorchTrainer(lambda: None, train_loop_config={"a": 1}, run_config=rc)
