@@ -249,3 +249,28 @@ def test_cli_script_and_example_define_a_loop_and_the_trainer_refuses_other_mode
             JabasTorchTrainer(ns["train_loop_per_worker"], job_config=job, run_config=rc)
     with pytest.raises(ValueError, match="takes no argument"):
         JabasTorchTrainer(lambda: None, train_loop_config={"a": 1}, run_config=rc)
+
+
+def test_a_copy_of_the_loops_model_trains_with_a_clone_of_its_optimizers():
+    """The profiler measures a deep copy of ``model_fn()``'s model: the loop's optimizers are
+    cloned over the copy's parameters (settings kept, state fresh) and its steps run the loop's
+    code on the copy; the loop's own model and optimizers are untouched."""
+    import copy
+
+    ds = data()
+    calls = LoopCallables(scaler_loop(ds, []), None, 1)
+    calls.dataset_fn()
+    torch.manual_seed(1)
+    base = calls.model_fn()
+    before = copy.deepcopy(base.state_dict())
+    w = IIDPWorker(copy.deepcopy(base), calls.optimizer_fn, None, step_fn=calls.step_fn)
+    run = bridge.active()
+    assert w.optimizer is not run.optimizer
+    assert [type(o) for o in w.optimizer.optimizers] == [torch.optim.SGD, torch.optim.Adam]
+    assert [g["lr"] for g in w.optimizer.param_groups] == [0.1, 0.01]
+    w.configure(1, 0, 8)
+    w.train_step(micro(ds, torch.arange(8), [8]))
+    assert any(not torch.equal(a, b) for a, b in zip(w.model.state_dict().values(), before.values()))
+    for k, v in base.state_dict().items():
+        assert torch.equal(v, before[k])
+    run.abandon()

@@ -62,17 +62,38 @@ class LoopCallables:
             run.optimizer = engine_optimizer(run, payload)
             run.loop_optimizers = payload if isinstance(payload, tuple) else (payload,)
         opt = run.optimizer
-        if {id(p) for g in opt.param_groups for p in g["params"]} != {id(p) for p in params}:
-            raise ValueError("prepare_optimizer: the optimizer(s) must hold exactly the trainable "
-                             "parameters of the prepared model (build them from model.parameters() "
-                             "after prepare_model)")
-        return opt
+        if {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in params}:
+            return opt
+        # a copy of the loop's model (the profiler measures one): the same optimizer over it
+        return clone_optimizer(opt, [p for p in run.model.parameters() if p.requires_grad], params)
 
     def step_fn(self, module: Any, batch: Any) -> Any:
         run = bridge.active()
         if run is None:
             raise RuntimeError("step_fn of a train_loop_per_worker job called before model_fn")
         return run.step(module, batch)
+
+
+def clone_optimizer(opt: Any, originals: list, params: list) -> Any:
+    """An optimizer like ``opt`` (its class, its param groups' settings, fresh state) over
+    ``params``, the parameters of a copy of the model whose parameters are ``originals`` (in the
+    same order); a :class:`~.api.JointOptimizer` is cloned optimizer by optimizer."""
+    from .api import JointOptimizer
+
+    if len(originals) != len(params) or any(a.shape != b.shape for a, b in zip(originals, params)):
+        raise ValueError("prepare_optimizer: the optimizer(s) must hold exactly the trainable "
+                         "parameters of the prepared model (build them from model.parameters() "
+                         "after prepare_model)")
+    mapping = {id(a): b for a, b in zip(originals, params)}
+
+    def one(o: Any) -> Any:
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [mapping[id(p)] for p in g["params"]]} for g in o.param_groups]
+        return type(o)(groups)
+
+    if isinstance(opt, JointOptimizer):
+        return JointOptimizer([one(o) for o in opt.optimizers])
+    return one(opt)
 
 
 class LoopGPUActor(GPUActor):
