@@ -1,15 +1,13 @@
 """The user's own loop (``jabasray.train``) against the hooks API and plain SGD, in float64.
 
 Proves: a ``train_loop_per_worker`` run by ``JabasTorchTrainer`` on two emulated GPUs of
-different speeds, with B_G adapting, an epoch-wise LR scheduler and every actor re-placed at the
-epoch boundary (the loop entered again on new actors, resuming at the next epoch with its
-scheduler restored), serves the same samples in every interval, with the same LRs and B_G
-trajectory, and ends every epoch with the same weights, optimizer and scheduler state as the
-same job through the hooks API (model_fn, dataset_fn, step_fn, lr_scheduler_fn); at a fixed
-B_G every update equals one plain SGD step on the union of the iteration's micro-batches
-(tests/test_train_loop_engine.py, without Ray); a GPU actor killed mid-epoch: the loop is
-entered again on the GPU left, resumes epoch 2 with its scheduler restored, and every sample
-is served once per epoch.
+different speeds, with B_G adapting, an epoch-wise LR scheduler and a GPU actor killed in
+epoch 2 (the job re-placed on the GPU left, the loop entered again there and resumed at epoch 2
+with its scheduler restored), serves the same samples in every interval, with the same LRs and
+B_G trajectory, and ends every epoch with the same weights, optimizer and scheduler state as
+the same job through the hooks API (model_fn, dataset_fn, step_fn, lr_scheduler_fn) under the
+same fault; every sample is served once per epoch. (At a fixed B_G every update equals one
+plain SGD step on the union of the micro-batches: tests/test_train_loop_engine.py, no Ray.)
 """
 from __future__ import annotations
 
@@ -92,36 +90,34 @@ def _run_config(root, name):
 
 @pytest.fixture(scope="module")
 def runs(ray_session, tmp_path_factory):
-    """The same adaptive job through the hooks API and through the loop (re-placed at the
-    epoch boundary)."""
-    from actors_helpers import perf_model
+    """The same adaptive job through the hooks API and through the loop, each with rank 1
+    killed after the first interval of epoch 1 (the driver re-places the job on the GPU left
+    and redoes epoch 1 from its checkpoint)."""
+    from actors_helpers import KillOnce, perf_model
     root = tmp_path_factory.mktemp("train_loop")
-    hooks = JabasTrainer(net, optimizer_fn=sgd, job_config=ADAPTIVE, cluster=CLUSTER,
-                         run_config=_run_config(root, "hooks"), dataset_fn=digits64, step_fn=step_fn,
+    common = dict(job_config=ADAPTIVE, cluster=CLUSTER, perf_model=perf_model(),
+                  options=_options(failure_grace_s=10), verbose=0)
+    hooks = JabasTrainer(net, optimizer_fn=sgd, dataset_fn=digits64, step_fn=step_fn,
                          lr_scheduler_fn=halving, lr_scheduler_interval="epoch",
-                         perf_model=perf_model(), options=_options(), verbose=0).fit()
+                         run_config=_run_config(root, "hooks"),
+                         callbacks=[KillOnce(epoch=1, rank=1, interval=0)], **common).fit()
     own = JabasTorchTrainer(loop, train_loop_config={"epochs": 2, "scheduler": True},
-                            job_config=ADAPTIVE, cluster=CLUSTER, run_config=_run_config(root, "loop"),
-                            perf_model=perf_model(), options=_options(force_replacement=True),
-                            verbose=0).fit()
+                            run_config=_run_config(root, "loop"),
+                            callbacks=[KillOnce(epoch=1, rank=1, interval=0)], **common).fit()
     return hooks, own
 
 
 @pytest.mark.ray
 def test_loop_equals_hooks_api_with_adaptive_batch_and_replacement(runs):
     """Same samples per interval (as sets and in order), same LRs and B_G trajectory (which
-    moves), the loop entered again after the re-placement, and after each epoch the same
-    weights, momentum and scheduler state as the hooks API's checkpoint of that epoch."""
+    moves), and after each epoch the same weights, momentum and scheduler state as the hooks
+    API's checkpoint of that epoch - across the re-placement after the failure."""
     hooks, own = runs
     hi, oi = hooks.history.intervals, own.history.intervals
     assert [(r.epoch, r.cursor, r.global_batch) for r in oi] == [(r.epoch, r.cursor, r.global_batch) for r in hi]
     assert [r.served for r in oi] == [r.served for r in hi]
-    for e in (0, 1):
-        served = sorted(i for r in oi if r.epoch == e for i in r.served)
-        assert served == list(range(N))
     assert len({r.global_batch for r in oi}) > 1                      # B_G moved
     assert [r.lr for r in oi] == pytest.approx([r.lr for r in hi], rel=1e-12)
-    assert any("re-plac" in m or "replac" in m for m in own.history.events)
     ch, co = list_checkpoints(hooks.storage), list_checkpoints(own.storage)
     assert [c.epochs_done for c in co] == [c.epochs_done for c in ch] == [0, 1, 2]
     for a, b in zip(ch, co):
@@ -135,27 +131,23 @@ def test_loop_equals_hooks_api_with_adaptive_batch_and_replacement(runs):
             assert wa["lr_scheduler"]["last_epoch"] == b.epochs_done
         assert wb["optimizer"]["param_groups"][0]["lr"] == wa["optimizer"]["param_groups"][0]["lr"]
     # report(): means over the reports of both ranks (rank 0 and 1 reported: strictly between)
-    for e in own.history.epochs:
-        assert e.train_metrics["report/one"] == 1.0
-        assert 0.0 < e.train_metrics["report/rank"] < 1.0
-
-
+    e0 = own.history.epochs[0].train_metrics
+    assert e0["report/one"] == 1.0 and 0.0 < e0["report/rank"] < 1.0
 
 
 @pytest.mark.ray
-def test_a_gpu_actor_killed_mid_epoch_reenters_the_loop_and_serves_each_sample_once(runs, tmp_path):
-    """Rank 1 is killed after the first interval of epoch 1: the driver restarts epoch 1 from its checkpoint on the GPU
-    left, where the loop is entered again; every sample is served once in each epoch, and the
-    loop's scheduler was restored from the checkpoint (a fresh one would end at last_epoch 1)."""
-    from actors_helpers import KillOnce, assert_each_sample_once_per_epoch, perf_model
-    res = JabasTorchTrainer(loop, train_loop_config={"epochs": 2, "scheduler": True},
-                            job_config=ADAPTIVE, cluster=CLUSTER, run_config=_run_config(tmp_path, "kill"),
-                            perf_model=perf_model(), options=_options(failure_grace_s=10),
-                            callbacks=[KillOnce(epoch=1, rank=1, interval=0)], verbose=0).fit()
-    fail = [m for m in res.history.events if "failure" in m]
+def test_a_gpu_actor_killed_mid_epoch_reenters_the_loop_and_serves_each_sample_once(runs):
+    """Rank 1 killed after the first interval of epoch 1: one failure; epoch 1 is redone on the
+    GPU left, where the loop is entered again and resumes epoch 2 with its scheduler restored
+    from the checkpoint (a fresh one would end at last_epoch 1); every sample is served once in
+    each epoch."""
+    from actors_helpers import assert_each_sample_once_per_epoch
+    _, own = runs
+    fail = [m for m in own.history.events if "failure" in m]
     assert len(fail) == 1 and "restarting epoch 2" in fail[0]
-    assert [e.epoch for e in res.history.epochs] == [0, 1]
-    assert_each_sample_once_per_epoch(res.history, N)
-    state = list_checkpoints(res.storage)[-1].load_worker_state()
+    assert [e.epoch for e in own.history.epochs] == [0, 1]
+    assert [e.allocation for e in own.history.epochs] == [{"f": 1, "s": 1}, {"f": 1}]
+    assert_each_sample_once_per_epoch(own.history, N)
+    state = list_checkpoints(own.storage)[-1].load_worker_state()
     assert state["loop"]["scheduler"]["last_epoch"] == 2
     assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05 / 4)
