@@ -274,3 +274,29 @@ def test_a_copy_of_the_loops_model_trains_with_a_clone_of_its_optimizers():
     for k, v in base.state_dict().items():
         assert torch.equal(v, before[k])
     run.abandon()
+
+
+def test_the_loops_forward_runs_under_the_engines_autocast():
+    """precision="bf16": autocast is per thread, so the loop's forward enters the engine's
+    (the same bf16 losses and updates as the step_fn engine; an fp32 forward would differ
+    by ~1e-2)."""
+    ds32 = torch.utils.data.TensorDataset(data().tensors[0].float(), data().tensors[1])
+    torch.manual_seed(1)
+    ref_model = mlp().float()
+    calls = LoopCallables(make_loop(ds32, lambda: mlp().float(), []), {"epochs": 1}, 1)
+    calls.dataset_fn()
+    base = calls.model_fn()
+    base.load_state_dict(ref_model.state_dict())
+    loop_w = IIDPWorker(base, calls.optimizer_fn, None, step_fn=calls.step_fn, precision="bf16")
+    run = bridge.active()
+    ref = IIDPWorker(ref_model, sgd, F.cross_entropy, precision="bf16")
+    for worker in (loop_w, ref):
+        worker.configure(2, 0, 8)
+    for it in range(2):
+        mbs = micro(ds32, torch.arange(it * 16, it * 16 + 16), [8, 8])
+        la, lb = loop_w.train_step(mbs).loss, ref.train_step(mbs).loss
+        run.after_step(False)
+        torch.testing.assert_close(la, lb, rtol=0, atol=0)
+    for a, b in zip(loop_w.model.parameters(), ref.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    run.abandon()

@@ -229,6 +229,7 @@ class PreparedLoader:
             batch = run.request("batch")
             if batch is bridge.STOP:
                 return
+            bridge.enter_engine_context(run)    # the engine's autocast / CUDA stream
             yield batch
 
     def __len__(self) -> int:

@@ -105,6 +105,8 @@ class LoopRun:
         self.update_done = False        # the last backward ended a global iteration
         self.context: Any = None        # train.api.LoopContext, set by the actor
         self.reports: list[dict] = []   # report() calls since the engine last read them
+        self.engine_context: dict = {}  # the engine's autocast and CUDA stream for this batch
+        self.loop_context: Any = None   # (loop thread) those contexts, entered for the forward
 
     # ------------------------------------------------------------------ loop side
     def request(self, kind: str, payload: Any = None) -> Any:
@@ -225,6 +227,7 @@ class LoopRun:
         with self._step_lock:
             self.until("batch")
             self.current_module, self.in_step, self.update_done = module, True, False
+            self.engine_context = engine_context(module)
             kind, payload = self.advance(batch)
             if kind != "loss":
                 self.in_step = False
@@ -293,6 +296,47 @@ class LoopRun:
                 or any(obj is o for o in self.loop_optimizers))
 
 
+def engine_context(module: Any) -> dict:
+    """(engine thread) What the engine's thread-local state says about the forward of a batch
+    for ``module``: its autocast (device type, dtype) where enabled and, on CUDA, its current
+    stream. The loop's thread enters the same before the user's forward (:func:`enter_engine_context`),
+    since autocast and the current stream are per thread."""
+    ctx: dict = {}
+    try:
+        dev = next(module.parameters()).device
+    except (StopIteration, AttributeError):
+        return ctx
+    if torch.is_autocast_enabled(dev.type):
+        ctx["autocast"] = (dev.type, torch.get_autocast_dtype(dev.type))
+    if dev.type == "cuda":
+        ctx["stream"] = torch.cuda.current_stream(dev)
+    return ctx
+
+
+def enter_engine_context(run: "LoopRun") -> None:
+    """(loop thread) Enter the engine's autocast and CUDA stream for the batch just received;
+    left before the loss goes back (:func:`leave_engine_context`)."""
+    import contextlib
+
+    leave_engine_context(run)
+    ctx = run.engine_context
+    if not ctx:
+        return
+    stack = contextlib.ExitStack()
+    if "stream" in ctx:
+        stack.enter_context(torch.cuda.stream(ctx["stream"]))
+    if "autocast" in ctx:
+        device_type, dtype = ctx["autocast"]
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    run.loop_context = stack
+
+
+def leave_engine_context(run: "LoopRun") -> None:
+    stack, run.loop_context = run.loop_context, None
+    if stack is not None:
+        stack.close()
+
+
 # ---------------------------------------------------------------------- the process's run
 def active() -> "LoopRun | None":
     return _active
@@ -338,6 +382,7 @@ def _loop_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any =
     if gradient is not None or create_graph or inputs is not None:
         raise ValueError("loss.backward(): jabasray back-propagates the batch's loss itself; "
                          "gradient=, create_graph= and inputs= are not supported in the loop")
+    leave_engine_context(run)
     if self.dim() != 0:
         raise ValueError(f"loss.backward(): the loss must be a scalar (a per-sample mean), got "
                          f"shape {tuple(self.shape)}")
