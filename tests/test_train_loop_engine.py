@@ -300,3 +300,35 @@ def test_the_loops_forward_runs_under_the_engines_autocast():
     for a, b in zip(loop_w.model.parameters(), ref.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     run.abandon()
+
+
+def test_an_eval_loader_serves_this_ranks_shard_in_order_under_no_grad():
+    """prepare_data_loader(eval=True): at the epoch end the loop evaluates on rank 1 of 3 the
+    contiguous shard [N/3, 2N/3) of the validation set, every sample once, in order; the
+    engine's training data is untouched."""
+    from jabasray.train.api import LoopContext
+
+    ds, val = data(), data(25)
+    seen = []
+
+    def loop(config):
+        loader = prepare_data_loader(ds)
+        val_loader = prepare_data_loader(torch.utils.data.DataLoader(val, batch_size=4), eval=True)
+        model = prepare_model(mlp())
+        opt = prepare_optimizer(sgd(model.parameters()))
+        for _ in epochs(1, model=model, optimizer=opt):
+            for x, y in loader:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            with torch.no_grad():
+                for x, y in val_loader:
+                    assert model(x).shape == (len(y), 3)
+                    seen.extend(y.tolist())
+
+    w, run = loop_worker(loop)
+    w.configure(1, 0, 8)
+    run.context = LoopContext(world_rank=1, world_size=3)
+    w.train_step(micro(ds, torch.arange(8), [8]))
+    run.after_step(epoch_end=True)
+    assert seen == val.tensors[1][8:16].tolist()       # 25 * 1 // 3 = 8 .. 25 * 2 // 3 = 16
+    run.finish()

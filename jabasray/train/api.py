@@ -247,19 +247,59 @@ class _EngineSampler:
         pass
 
 
-def prepare_data_loader(data_loader: Any) -> PreparedLoader:
-    """Hand the loop's data to the engine: a ``torch.utils.data.DataLoader`` (its dataset is
-    read; its batch size, sampler and shuffling are the engine's now) or a map-style dataset.
-    Returns the loader the loop iterates (module notes)."""
+def prepare_data_loader(data_loader: Any, eval: bool = False) -> Any:
+    """Hand the loop's training data to the engine: a ``torch.utils.data.DataLoader`` (its
+    dataset is read; its batch size, sampler and shuffling are the engine's now) or a map-style
+    dataset. Returns the loader the loop iterates (module notes).
+
+    ``eval=True``: a validation loader instead, which the engine does not touch: each rank
+    iterates its contiguous shard ``[r N / W, (r + 1) N / W)`` of the dataset in order, in
+    batches of the DataLoader's ``batch_size`` (as the hooks API shards its evaluation), so
+    ``report`` of per-rank means gives the mean over the set."""
     ds = getattr(data_loader, "dataset", data_loader)
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise ValueError(f"prepare_data_loader: needs a DataLoader over a map-style dataset (with "
                          f"__len__ and __getitem__) or such a dataset, got {type(ds).__name__}")
+    if not isinstance(eval, bool):
+        raise ValueError(f"prepare_data_loader: eval must be True or False, got {eval!r}")
+    if eval:
+        return EvalLoader(bridge.user_run("prepare_data_loader"), data_loader)
     collate = getattr(data_loader, "collate_fn", None)
     if collate is not None and collate is not torch.utils.data.default_collate:
         raise ValueError("prepare_data_loader: a DataLoader with its own collate_fn is not "
                          "supported yet; give samples that torch's default_collate batches")
     return bridge.user_run("prepare_data_loader").request("loader", data_loader)
+
+
+def shard(n: int, rank: int, world: int) -> range:
+    """Rank ``rank``'s contiguous shard of ``n`` samples over ``world`` ranks."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+class EvalLoader:
+    """A validation loader over this rank's shard (:func:`prepare_data_loader` with eval=True)."""
+
+    def __init__(self, run: "bridge.LoopRun", source: Any) -> None:
+        self._run = run
+        self.dataset = getattr(source, "dataset", source)
+        self.batch_size = getattr(source, "batch_size", None) or 256
+        self.collate_fn = getattr(source, "collate_fn", None)
+
+    def _indices(self) -> range:
+        ctx = self._run.context or LoopContext()
+        return shard(len(self.dataset), ctx.world_rank, ctx.world_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        sub = torch.utils.data.Subset(self.dataset, list(self._indices()))
+        loader = torch.utils.data.DataLoader(sub, batch_size=self.batch_size, shuffle=False,
+                                             collate_fn=self.collate_fn)
+        device = next(self._run.model.parameters()).device if self._run.model is not None else None
+        from ..engine.loader import to_device
+        for batch in loader:
+            yield to_device(batch, device) if device is not None else batch
+
+    def __len__(self) -> int:
+        return math.ceil(len(self._indices()) / self.batch_size)
 
 
 def epochs(n: int, **state: Any) -> Iterator[int]:
