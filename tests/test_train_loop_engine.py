@@ -332,3 +332,39 @@ def test_an_eval_loader_serves_this_ranks_shard_in_order_under_no_grad():
     run.after_step(epoch_end=True)
     assert seen == val.tensors[1][8:16].tolist()       # 25 * 1 // 3 = 8 .. 25 * 2 // 3 = 16
     run.finish()
+
+
+def test_a_per_iteration_scheduler_stepped_when_optimizer_step_says_so():
+    """``if optimizer.step(): scheduler.step()`` with two accumulation rounds steps the user's
+    scheduler once per global iteration, after its update: the LRs and weights of the hooks
+    engine with its scheduler stepped after every iteration."""
+    ds = data()
+
+    def loop(config):
+        loader = prepare_data_loader(ds)
+        model = prepare_model(mlp())
+        opt = prepare_optimizer(sgd(model.parameters()))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+        for _ in epochs(1, model=model, optimizer=opt, scheduler=sched):
+            for x, y in loader:
+                F.cross_entropy(model(x), y).backward()
+                if opt.step():
+                    sched.step()
+
+    w, run = loop_worker(loop)
+    torch.manual_seed(1)
+    ref = IIDPWorker(mlp(), sgd, F.cross_entropy)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.optimizer, lambda k: 1.0 / (1 + k))
+    for worker in (w, ref):
+        worker.configure(1, 1, 8)
+    for it in range(4):
+        mbs = micro(ds, torch.arange(it * 16, it * 16 + 16), [8, 8])
+        w.train_step(mbs)
+        run.after_step(epoch_end=False)
+        ref.train_step(mbs)
+        ref_sched.step()
+        assert w.get_lr() == ref.get_lr() == pytest.approx(0.1 / (2 + it), rel=1e-12)
+    for a, b in zip(w.model.parameters(), ref.model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert run.extra_state()["scheduler"]["last_epoch"] == 4
+    run.abandon()
