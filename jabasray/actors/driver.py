@@ -507,7 +507,8 @@ class JabasDriver:
             env[SHARE_DEVICES_ENV] = "1"      # gpu_actor.cuda_device picks Ray's GPU among all
         if env:   # Ray merges them into the job's runtime_env
             ray_opts = dict(ray_opts, runtime_env={"env_vars": env})
-        return ray.remote(GPUActor).options(**ray_opts).remote(
+        actor_class = getattr(self.hooks, "actor_class", None) or GPUActor
+        return ray.remote(actor_class).options(**ray_opts).remote(
             slot, world_size, job, self.model_fn, self.optimizer_fn, self.loss_fn,
             self._data_ref, opts.device, opts.emulate, opts.torch_threads, opts.bucket_cap_mb,
             self.hooks, opts.emulation)

@@ -44,6 +44,8 @@ class JobHooks:
     log_level: str = "WARNING"                        # actors' jabasray log level ("INFO" with -v)
     dataset_fingerprint: dict | None = None           # the probe's dataset_fingerprint of dataset_fn's
                                                       # dataset; every actor's must equal it (set by fit)
+    actor_class: Any = None                           # the GPU actor class the driver places (None:
+                                                      # GPUActor; jabasray.train's for a user's loop)
 
     def __post_init__(self) -> None:
         for name in ("dataset_fn", "val_dataset_fn", "step_fn", "eval_fn", "lr_scheduler_fn",

@@ -22,6 +22,11 @@ Optional hooks, as for ``JabasTrainer``: ``step_fn(model, batch)``, ``eval_fn(mo
 ``lr_scheduler_fn(optimizer)``, ``collate_fn(samples)``, and the values ``lr_scheduler_interval``
 ("iteration" | "epoch") and ``num_data_workers``.
 
+Or, keeping your own loop (Ray Train's style, :mod:`jabasray.train`), a script that defines
+``train_loop_per_worker(config)`` (and optionally the dict ``train_loop_config``); it calls
+``prepare_data_loader``, ``prepare_model``, ``prepare_optimizer`` and iterates
+``for epoch in epochs(n, ...)`` with ``n`` = ``--epochs``.
+
 Every :class:`jabasray.config.JobConfig` field is an option (``--epochs``, ``--initial-global-batch``,
 ``--adaptive/--no-adaptive`` ...).
 """
@@ -120,7 +125,8 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("train", help="train with adaptive batching + auto-scaling (JABAS)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--script", help="Python file defining model_fn(), dataset() and optionally "
-                   "val_dataset(), optimizer_fn(params), loss_fn(outputs, targets)")
+                   "val_dataset(), optimizer_fn(params), loss_fn(outputs, targets); or "
+                   "train_loop_per_worker(config), your own loop (jabasray.train)")
     p.add_argument("--cluster", help="cluster file (YAML/JSON: {nodes: [{name, gpu_type, num_gpus, "
                    "speed}, ...]}) or 'ray' (the running Ray cluster's GPUs); default: with --device cpu "
                    "an emulated two-type cluster, with --device cuda the Ray cluster's GPUs")
@@ -233,8 +239,11 @@ def load_script(path: str) -> dict[str, Any]:
     if not p.is_file():
         raise ValueError(f"script {path} does not exist")
     ns = call_script(path, "running it", runpy.run_path, str(p), run_name="jabasray_user_script")
+    if callable(ns.get("train_loop_per_worker")):
+        return ns
     if not callable(ns.get("model_fn")):
-        raise ValueError(f"script {path} must define model_fn() (see `jabasray train --help`)")
+        raise ValueError(f"script {path} must define model_fn() or train_loop_per_worker(config) "
+                         f"(see `jabasray train --help`)")
     if not (callable(ns.get("dataset")) or callable(ns.get("dataset_fn"))):
         raise ValueError(f"script {path} must define dataset() or dataset_fn() (see `jabasray train --help`)")
     return ns
@@ -282,8 +291,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.name if args.name is not None else default_run_name("train")
     run_config = RunConfig(storage_path=args.storage_path, name=name, resume=args.resume or "auto")
     check_run_folder(run_config.path, args.resume is not None)
-    if args.script:
-        ns = load_script(args.script)
+    ns = load_script(args.script) if args.script else {}
+    loop = ns.get("train_loop_per_worker")
+    if loop is not None:
+        model_fn = optimizer_fn = loss_fn = train = val = None
+        hooks = {}
+    elif args.script:
         hooks = script_hooks(ns)
         model_fn = ns["model_fn"]
         train = call_script(args.script, "dataset()", ns["dataset"]) if "dataset_fn" not in hooks else None
@@ -316,11 +329,18 @@ def run(args: argparse.Namespace) -> int:
                             rendezvous_ports=parse_port_range(args.rendezvous_ports),
                             call_timeout_s=args.call_timeout)
     # built before Ray starts: it checks the batch bounds against the dataset
-    trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
-                           run_config=run_config, val_dataset=val, options=options,
-                           profiles=profiles_from(args.profiles),
-                           callbacks=[progress], verbose=2 if getattr(args, "verbose", False) else 1,
-                           **hooks)
+    verbose = 2 if getattr(args, "verbose", False) else 1
+    if loop is not None:
+        from ..train import JabasTorchTrainer
+        trainer: Any = JabasTorchTrainer(loop, train_loop_config=ns.get("train_loop_config"),
+                                         job_config=job, cluster=cluster, run_config=run_config,
+                                         options=options, profiles=profiles_from(args.profiles),
+                                         callbacks=[progress], verbose=verbose)
+    else:
+        trainer = JabasTrainer(model_fn, train, optimizer_fn, loss_fn, job, cluster=cluster,
+                               run_config=run_config, val_dataset=val, options=options,
+                               profiles=profiles_from(args.profiles),
+                               callbacks=[progress], verbose=verbose, **hooks)
     started = False
     # the run folder is probed before Ray starts; the in-process driver's lock is taken here too
     # (fit() takes the same lock again), the actor driver takes it in its own process

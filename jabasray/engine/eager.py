@@ -121,8 +121,10 @@ class EagerSteps:
                 loss_t = (flat_losses[0] if len(flat_losses) == 1 else torch.stack(flat_losses).sum()
                           if flat_losses else torch.zeros((), device=self.device))
             else:
-                loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device) if flat_losses
-                          else torch.zeros(1, device=self._comm_device))
+                # float64 on every rank: a rank without samples (a ragged step) has no loss to
+                # take the dtype from, and gloo aborts on a collective of mixed dtypes
+                loss_t = (torch.stack(flat_losses).sum().reshape(1).to(self._comm_device, torch.float64)
+                          if flat_losses else torch.zeros(1, dtype=torch.float64, device=self._comm_device))
             loss_work = (dist.all_reduce(loss_t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                          if pg is not None else None)
             if ragged:   # (per-VSW fallback: reading the sample count synchronises)

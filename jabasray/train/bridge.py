@@ -1,0 +1,396 @@
+"""The user's training loop as a coroutine of the GPU actor (the engine side and the loop side).
+
+``train_loop_per_worker`` runs in a thread of the process that hosts the engine (a GPU actor,
+the probe task, a profiling task). Exactly one of the two threads runs at any time: the loop
+thread runs only while the engine waits for it, and the engine only while the loop waits in
+one of jabasray's calls (:class:`LoopRun` ``request``). Every waiting point of the loop is a
+*request* the engine answers:
+
+============  =====================================  =============================================
+request       made by (loop side)                    answered by (engine side) with
+============  =====================================  =============================================
+``loader``    ``prepare_data_loader(loader)``        the prepared loader (its dataset is the job's)
+``model``     ``prepare_model(model)``               the prepared model (the engine holds ``model``)
+``optimizer`` ``prepare_optimizer(optimizer)``       the same optimizer, its ``step``/``zero_grad``
+                                                     acting at the global iteration boundary
+``epochs``    ``epochs(n, **state)`` at its start    the first epoch the driver runs (``state``
+                                                     restored first where a checkpoint has it)
+``batch``     the prepared loader's ``next()``       the engine's micro-batch of this step, or the
+                                                     end of the epoch
+``loss``      ``loss.backward()`` on that batch      "done" once the engine back-propagated it (and,
+                                                     at the iteration's last batch, updated)
+``epoch_end`` ``epochs()`` after an epoch            the next epoch, or None: training is over
+============  =====================================  =============================================
+
+The engine never runs the user's step itself: its ``step_fn(module, batch)`` (:class:`LoopStepFn`
+in :mod:`.actor`) hands the batch to the loop and returns the loss the loop called ``backward()``
+on; the engine then back-propagates it with its own scaling, buckets and all-reduce (JABAS/IIDP
+section 4), exactly as for a ``step_fn`` of the hooks API. ``Tensor.backward`` is routed to the
+engine only in a loop thread between a batch and its loss; everywhere else it is torch's own.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..errors import HookError
+
+log = logging.getLogger(__name__)
+
+LOOP_NAME = "train_loop_per_worker"
+STOP = object()            # the loader's answer at the end of an epoch
+
+_local = threading.local()   # .run: the LoopRun of this loop thread
+_process_lock = threading.Lock()
+_active: "LoopRun | None" = None   # the run the engine of this process trains now
+
+
+class _Abandoned(BaseException):
+    """Raised inside a loop thread the engine no longer needs (a throwaway model, a new
+    placement): unwinds the user's function."""
+
+
+class _Raise:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def call_loop(fn: Callable, config: Any) -> Any:
+    """``fn(config)`` when ``fn`` takes an argument, else ``fn()`` (Ray Train's convention)."""
+    return fn(config) if takes_config(fn) else fn()
+
+
+def takes_config(fn: Callable) -> bool:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return True
+    return bool(params)
+
+
+class LoopRun:
+    """One execution of ``train_loop_per_worker`` in its own thread (module notes).
+
+    Engine side: :meth:`advance`, :meth:`until`, :meth:`step`, :meth:`after_step`,
+    :meth:`finish`, :meth:`abandon`. Loop side: :meth:`request`. What the loop handed over
+    (``model``, ``optimizer``, ``dataset``, ``state``) and the context the engine sets
+    (``epoch``, ``context``) are plain attributes.
+    """
+
+    def __init__(self, fn: Callable, config: Any, total_epochs: int | None = None) -> None:
+        self.fn, self.config, self.total_epochs = fn, config, total_epochs
+        self._cv = threading.Condition()
+        self._turn = "engine"
+        self._to_user: Any = None
+        self._to_engine: tuple[str, Any] | None = None
+        self._step_lock = threading.Lock()       # per-VSW threads hand their batches one by one
+        self.thread = threading.Thread(target=self._main, daemon=True, name=LOOP_NAME)
+        self.started = self.finished = False
+        self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
+        self.model: Any = None          # the user's module (the engine's main VSW)
+        self.proxy: Any = None          # what prepare_model returned
+        self.optimizer: Any = None      # the optimizer the engine steps
+        self.loop_optimizers: tuple = ()  # what the loop handed to prepare_optimizer
+        self.loader: Any = None         # the user's DataLoader (or dataset) given to prepare_data_loader
+        self.state: dict[str, Any] = {}     # epochs(**state)
+        self.restore_state: dict | None = None   # the checkpoint's loop state, loaded at epochs()
+        self.epoch = 0                  # the epoch the engine trains
+        self.current_module: Any = None  # the VSW module of the batch in flight
+        self.in_step = False            # a batch is out, its loss not back yet
+        self.update_done = False        # the last backward ended a global iteration
+        self.context: Any = None        # train.api.LoopContext, set by the actor
+        self.reports: list[dict] = []   # report() calls since the engine last read them
+        self.engine_context: dict = {}  # the engine's autocast and CUDA stream for this batch
+        self.loop_context: Any = None   # (loop thread) those contexts, entered for the forward
+
+    # ------------------------------------------------------------------ loop side
+    def request(self, kind: str, payload: Any = None) -> Any:
+        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer."""
+        with self._cv:
+            self._to_engine = (kind, payload)
+            self._turn = "engine"
+            self._cv.notify_all()
+            while self._turn != "user":
+                self._cv.wait()
+            reply, self._to_user = self._to_user, None
+        if isinstance(reply, _Raise):
+            raise reply.exc
+        return reply
+
+    def _main(self) -> None:
+        _local.run = self
+        with self._cv:
+            while self._turn != "user":
+                self._cv.wait()
+            first, self._to_user = self._to_user, None
+        final: tuple[str, Any]
+        if isinstance(first, _Raise):
+            final = ("abandoned", None)
+        else:
+            try:
+                final = ("done", call_loop(self.fn, self.config))
+            except _Abandoned:
+                final = ("abandoned", None)
+            except BaseException as e:  # noqa: BLE001 - handed to the engine, which raises it
+                final = ("error", e)
+        with self._cv:
+            self.finished = True
+            self._to_engine = final
+            self._turn = "engine"
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ engine side
+    def advance(self, reply: Any = None) -> tuple[str, Any]:
+        """Answer the pending request with ``reply`` (the first call starts the loop) and wait
+        for the loop's next request; an error of the loop is raised here, naming the loop."""
+        if self.finished:
+            raise RuntimeError(f"{LOOP_NAME} has already returned")
+        with self._cv:
+            if not self.started:
+                self.started = True
+                self.thread.start()
+            self._to_user = reply
+            self._to_engine = None
+            self._turn = "user"
+            self._cv.notify_all()
+            while self._turn != "engine":
+                self._cv.wait()
+            req = self._to_engine
+        self.pending = req
+        if req[0] == "error":
+            exc = req[1]
+            if isinstance(exc, (HookError, ValueError)):
+                raise exc
+            raise HookError.from_exception(LOOP_NAME, exc) from exc
+        return req
+
+    def until(self, kind: str) -> Any:
+        """Let the loop run, answering what it asks on the way (:meth:`_answer`), until it
+        requests ``kind``; return that request's payload (the request stays pending)."""
+        while True:
+            if self.pending is None:
+                self.advance(None)
+            elif self.pending[0] == kind:
+                return self.pending[1]
+            else:
+                self.advance(self._answer(kind))
+
+    def _answer(self, wanted: str) -> Any:
+        """The engine's answer to the pending request on the way to ``wanted``."""
+        kind, payload = self.pending
+        if kind == "loader":
+            from .api import PreparedLoader
+            self.loader = payload
+            return PreparedLoader(self, payload)
+        if kind == "model":
+            from .api import prepare_proxy
+            self.model = payload
+            self.proxy = prepare_proxy(self, payload)
+            return self.proxy
+        if kind == "optimizer":
+            if self.optimizer is None:
+                from .api import engine_optimizer
+                self.optimizer = engine_optimizer(self, payload)
+                self.loop_optimizers = payload if isinstance(payload, tuple) else (payload,)
+            return payload
+        if kind == "epochs":
+            n, state = payload
+            if self.total_epochs is not None and n != self.total_epochs:
+                raise ValueError(f"epochs: {LOOP_NAME} asks for epochs({n}) but JobConfig.epochs "
+                                 f"is {self.total_epochs}; make them equal")
+            self.state = dict(state)
+            if self.restore_state:
+                self._load_extra(self.restore_state)
+                self.restore_state = None
+            return self.epoch
+        if kind == "epoch_end":
+            return self.epoch
+        if kind == "loss":
+            self.in_step = False
+            return None
+        if kind == "batch":
+            raise ValueError(f"{LOOP_NAME} asked for a batch where the engine expects "
+                             f"{wanted!r}; read batches only inside the epochs() loop")
+        if kind == "done":
+            raise ValueError(f"{LOOP_NAME} returned before training ended; its batches must come "
+                             f"from the prepared loader inside `for epoch in epochs(n, ...)`")
+        raise RuntimeError(f"{LOOP_NAME}: unexpected request {kind!r}")
+
+    def step(self, module: Any, batch: Any) -> Any:
+        """The engine's ``step_fn``: hand ``batch`` (for ``module``, the main VSW or a replica)
+        to the loop and return the loss it calls ``backward()`` on."""
+        with self._step_lock:
+            self.until("batch")
+            self.current_module, self.in_step, self.update_done = module, True, False
+            self.engine_context = engine_context(module)
+            kind, payload = self.advance(batch)
+            if kind != "loss":
+                self.in_step = False
+                raise ValueError(f"{LOOP_NAME} did not call backward() on the loss of a batch "
+                                 f"before {'asking for the next one' if kind == 'batch' else kind!r}: "
+                                 f"every batch of the prepared loader must be trained on")
+            return payload
+
+    def after_step(self, epoch_end: bool) -> None:
+        """After the engine's update: let the loop finish its iteration (``optimizer.step()``
+        returns True, its scheduler, its logging) up to its next batch request; at the end of
+        the epoch end the loader's iteration too, up to ``epochs()``."""
+        if self.pending is not None and self.pending[0] == "loss":
+            self.in_step, self.update_done = False, True
+            self.advance(None)
+        if epoch_end:
+            while self.pending is not None and self.pending[0] == "batch":
+                self.advance(STOP)
+
+    def finish(self) -> None:
+        """Training is over: ``epochs()`` ends and the loop runs to its end."""
+        try:
+            while self.started and not self.finished and self.pending is not None:
+                kind = self.pending[0]
+                if kind == "epoch_end":
+                    self.advance(None)
+                elif kind == "batch":
+                    self.advance(STOP)
+                else:
+                    break
+        except Exception as e:  # noqa: BLE001 - after training: logged, not fatal
+            log.warning("%s failed after training: %s", LOOP_NAME, e)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Unwind the loop thread (its model is no longer the engine's)."""
+        if self.started and not self.finished:
+            try:
+                self.advance(_Raise(_Abandoned()))
+            except Exception:  # noqa: BLE001 - the loop is being thrown away
+                pass
+
+    # ------------------------------------------------------------------ state
+    def extra_state(self) -> dict:
+        """``state_dict()`` of every object given to ``epochs(**state)`` but the prepared model
+        and optimizer (the engine checkpoints those): schedulers, scalers, other optimizers."""
+        return {k: v.state_dict() for k, v in self.state.items() if not self._engine_owned(v)}
+
+    def restore(self, loop_state: dict | None) -> None:
+        if not loop_state:
+            return
+        if self.state:
+            self._load_extra(loop_state)
+        else:
+            self.restore_state = loop_state   # loaded when the loop enters epochs()
+
+    def _load_extra(self, loop_state: dict) -> None:
+        for k, sd in loop_state.items():
+            if k not in self.state:
+                raise ValueError(f"epochs: the checkpoint holds state {k!r} but epochs() got "
+                                 f"{sorted(self.state)}; pass the same keyword arguments")
+            self.state[k].load_state_dict(sd)
+
+    def _engine_owned(self, obj: Any) -> bool:
+        return (obj is self.proxy or obj is self.model or obj is self.optimizer
+                or any(obj is o for o in self.loop_optimizers))
+
+
+def engine_context(module: Any) -> dict:
+    """(engine thread) What the engine's thread-local state says about the forward of a batch
+    for ``module``: its autocast (device type, dtype) where enabled and, on CUDA, its current
+    stream. The loop's thread enters the same before the user's forward (:func:`enter_engine_context`),
+    since autocast and the current stream are per thread."""
+    ctx: dict = {}
+    try:
+        dev = next(module.parameters()).device
+    except (StopIteration, AttributeError):
+        return ctx
+    if torch.is_autocast_enabled(dev.type):
+        ctx["autocast"] = (dev.type, torch.get_autocast_dtype(dev.type))
+    if dev.type == "cuda":
+        ctx["stream"] = torch.cuda.current_stream(dev)
+    return ctx
+
+
+def enter_engine_context(run: "LoopRun") -> None:
+    """(loop thread) Enter the engine's autocast and CUDA stream for the batch just received;
+    left before the loss goes back (:func:`leave_engine_context`)."""
+    import contextlib
+
+    leave_engine_context(run)
+    ctx = run.engine_context
+    if not ctx:
+        return
+    stack = contextlib.ExitStack()
+    if "stream" in ctx:
+        stack.enter_context(torch.cuda.stream(ctx["stream"]))
+    if "autocast" in ctx:
+        device_type, dtype = ctx["autocast"]
+        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+    run.loop_context = stack
+
+
+def leave_engine_context(run: "LoopRun") -> None:
+    stack, run.loop_context = run.loop_context, None
+    if stack is not None:
+        stack.close()
+
+
+# ---------------------------------------------------------------------- the process's run
+def active() -> "LoopRun | None":
+    return _active
+
+
+def start(fn: Callable, config: Any, total_epochs: int | None) -> LoopRun:
+    """A new run as this process's active one (the previous one, if any, is abandoned)."""
+    global _active
+    with _process_lock:
+        old, _active = _active, LoopRun(fn, config, total_epochs)
+        run = _active
+    if old is not None:
+        old.abandon()
+    return run
+
+
+def set_active(run: "LoopRun | None") -> "LoopRun | None":
+    """Make ``run`` the active run without abandoning the previous one (returned)."""
+    global _active
+    with _process_lock:
+        old, _active = _active, run
+    return old
+
+
+def user_run(what: str) -> LoopRun:
+    """(loop thread) This thread's run, else a one-line ValueError naming ``what``."""
+    run = getattr(_local, "run", None)
+    if run is None:
+        raise ValueError(f"{what} must be called inside {LOOP_NAME} run by "
+                         f"jabasray.train.JabasTorchTrainer(...).fit()")
+    return run
+
+
+# ---------------------------------------------------------------------- backward routing
+_torch_backward = torch.Tensor.backward
+
+
+def _loop_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
+                   create_graph: bool = False, inputs: Any = None) -> None:
+    run = getattr(_local, "run", None)
+    if run is None or not run.in_step:
+        return _torch_backward(self, gradient, retain_graph, create_graph, inputs)
+    if gradient is not None or create_graph or inputs is not None:
+        raise ValueError("loss.backward(): jabasray back-propagates the batch's loss itself; "
+                         "gradient=, create_graph= and inputs= are not supported in the loop")
+    leave_engine_context(run)
+    if self.dim() != 0:
+        raise ValueError(f"loss.backward(): the loss must be a scalar (a per-sample mean), got "
+                         f"shape {tuple(self.shape)}")
+    run.request("loss", self)
+
+
+def install_backward() -> None:
+    """Route ``Tensor.backward`` of loop threads to the engine (idempotent, process-wide;
+    other threads keep torch's own)."""
+    if torch.Tensor.backward is not _loop_backward:
+        torch.Tensor.backward = _loop_backward
