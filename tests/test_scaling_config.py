@@ -84,6 +84,10 @@ def test_the_trainer_takes_a_scaling_config_as_ray_train_does():
     assert cpu.cluster == ClusterSpec.emulated({"cpu": (1, 3, 1.0)}) and cpu.options.device == "cpu"
     gpu = JabasTrainer(model_fn, ds, scaling_config=ScalingConfig(num_workers=2, use_gpu=True))
     assert (gpu.cluster, gpu.options.device, gpu.scaling) == (None, "cuda", Scaling(2, True, None))
+    from jabasray.train import JabasTorchTrainer
+
+    loop = JabasTorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=2))   # the loop API too
+    assert loop.trainer.cluster == ClusterSpec.emulated({"cpu": (1, 2, 1.0)})
     with pytest.raises(ValueError, match="^scaling_config and cluster both say which GPUs to use"):
         JabasTrainer(model_fn, ds, cluster=ClusterSpec.emulated({"a": (1, 1, 1.0)}),
                      scaling_config=ScalingConfig(num_workers=2))

@@ -32,8 +32,9 @@ class JabasTorchTrainer:
         job_config: :class:`JobConfig` (global batch bounds, p, alpha, LR scaling rule ...);
             ``sync="iidp"`` and ``parallelism="data"`` only; CUDA graphs are off (a captured step
             would not run the loop's code again).
-        cluster, run_config, options, callbacks, perf_model, profiles, verbose: as
-            :class:`~jabasray.actors.trainer.JabasTrainer`.
+        cluster, run_config, options, callbacks, perf_model, profiles, verbose, scaling_config:
+            as :class:`~jabasray.actors.trainer.JabasTrainer` (Ray Train's ``ScalingConfig``:
+            ``num_workers`` the most GPUs, ``use_gpu=False`` GPUs emulated on CPU).
         num_data_workers, prefetch_factor: DataLoader workers per actor reading the loop's dataset.
     """
 
@@ -41,7 +42,7 @@ class JabasTorchTrainer:
                  job_config: JobConfig | None = None, cluster: Any = None, run_config: Any = None,
                  options: Any = None, callbacks: Sequence[Any] = (), perf_model: Any = None,
                  profiles: dict | None = None, verbose: int = 1, num_data_workers: int = 0,
-                 prefetch_factor: int = 2) -> None:
+                 prefetch_factor: int = 2, scaling_config: Any = None) -> None:
         if not callable(train_loop_per_worker):
             raise ValueError(f"{LOOP_NAME} must be callable (config) -> None or () -> None, got "
                              f"{train_loop_per_worker!r}")
@@ -67,7 +68,8 @@ class JabasTorchTrainer:
                                     cluster=cluster, run_config=run_config, dataset_fn=c.dataset_fn,
                                     step_fn=c.step_fn, verbose=verbose, perf_model=perf_model,
                                     profiles=profiles, options=options, callbacks=list(callbacks),
-                                    num_data_workers=num_data_workers, prefetch_factor=prefetch_factor)
+                                    num_data_workers=num_data_workers, prefetch_factor=prefetch_factor,
+                                    scaling_config=scaling_config)
         self.trainer.hooks = replace(self.trainer.hooks, actor_class=LoopGPUActor)
 
     @property
