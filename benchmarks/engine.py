@@ -152,7 +152,7 @@ class NaiveWorker(IIDPWorker):
     def _update(self, divisor: float) -> _Timings:
         t = time.perf_counter()
         for b in range(len(self._specs)):
-            self._wait_bucket(b)
+            self._buckets.wait_bucket(b)
         t2 = time.perf_counter()
         main = self._vsws[0].buffers
         if divisor != 1.0:
@@ -174,7 +174,9 @@ class NoOverlapWorker(IIDPWorker):
     (no bucket hooks: every bucket completes when the VSW's backward has ended), i.e. no
     comm/backward overlap."""
 
-    _bucket_hooks = False
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._buckets.hooks_enabled = False
 
 
 # ----------------------------------------------------------------------------- timing
