@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split
 from jabasray.engine import IIDPWorker
+from jabasray.engine.stats import read_losses
 from jabasray.engine.multiplex import (GRAPH_WARMUP_STEPS, BackgroundRunner, BackgroundTask, MultiplexPolicy,
                                        epoch_order)
 
@@ -105,6 +106,48 @@ def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga, executi
         reference_step(ref, ref_opt, X, y)
         assert max_rel_diff(w.model, ref) < TOL
     w.close()
+
+
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+def test_segmented_graph_step_with_nccl_equals_eager_step_without_host_sync(opt):
+    """A world-size-1 NCCL group: the segmented step (graph segments, bucket all-reduces
+    between them) equals the eager step with the communication thread, step by step and
+    through a reconfiguration; its steady-state steps never synchronise the host
+    (``set_sync_debug_mode("error")`` raises on any synchronising call)."""
+    ws = {mode: IIDPWorker(make_model(0, batch_norm=True), OPTIMIZERS[opt], F.cross_entropy, device=DEV,
+                           bucket_cap_mb=CAP, process_group=_nccl_group(), segmented=mode)
+          for mode in ("auto", "off")}
+    plan = [(2, 1, 4)] * 6 + [(3, 0, 5)] * 6
+    graphed = []
+    for step, cfg in enumerate(plan):
+        X, y = make_data(step, cfg[0] * (cfg[1] + 1) * cfg[2])
+        mbs = _to(split(X, y, [cfg[2]] * (cfg[0] * (cfg[1] + 1))))
+        losses = {}
+        for mode, w in ws.items():
+            if step == 0 or cfg != plan[step - 1]:
+                w.configure(*cfg)
+            st = w.train_step(mbs)
+            losses[mode] = st.loss
+            if mode == "auto":
+                graphed.append(st.graphed)
+        assert losses["auto"] == pytest.approx(losses["off"], rel=1e-5)
+        assert max_rel_diff(ws["auto"].model, ws["off"].model) < TOL, step
+    assert graphed == ([False] * 3 + [True] * 3) * 2, graphed
+    w = ws["auto"]
+    batches = [_to(split(*make_data(100 + step, 15), [5] * 3)) for step in range(3)]
+    torch.cuda.synchronize()
+    raw = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches:
+            st = w.train_step(b)
+            assert st.graphed
+            raw.append(st.loss_raw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(read_losses(raw)) == 3
+    for w in ws.values():
+        w.close()
 
 
 @pytest.mark.parametrize("method", ["sws", "ows"])

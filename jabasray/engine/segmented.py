@@ -100,7 +100,8 @@ class _Cutter:
 
     def begin(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
-        self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        with torch.cuda.stream(self.stream):     # (a hook may run under another stream guard)
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
 
     def end(self, buckets: list[int]) -> None:
         self.graph.capture_end()
@@ -284,9 +285,8 @@ class SegmentedExecution:
                 loss = torch.stack(losses).sum().reshape(1)
                 sums, counts = dict(st.metric_sums), dict(st.metric_counts)
                 cutter.end([])                 # the loss sum: all-reduced after this segment
-                update = torch.cuda.CUDAGraph()
-                update.capture_begin(pool=cutter.pool, capture_error_mode="thread_local")
-                cutter.graph = update
+                cutter.begin()                 # the update graph
+                update = cutter.graph
                 main_buffers = main.buffers
                 for b in range(len(st.specs)):
                     main_buffers.scale_bucket(b, 1.0 / divisor)
@@ -312,7 +312,7 @@ class SegmentedExecution:
         st, buckets = self.state, self.buckets
         lanes = st.lanes
         nb = len(st.specs)
-        buckets.works = [None] * nb
+        buckets.begin_step([st.vsws[0]], False, False)
         start_ev = lanes.record()
         with lanes.context(lanes.vsw[0]):
             lanes.wait(lanes.vsw[0], start_ev)
