@@ -186,12 +186,21 @@ def test_sws_equals_ows_on_cuda():
 
 
 @pytest.mark.parametrize("method", ["sws", "ows"])
-def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
+def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method, monkeypatch):
     """A background job runs on the device while IIDP steps all-reduce over NCCL with the
     runner's ``foreground_critical`` as ``comm_guard`` (entered on the communication thread,
     never inside backward): every step finishes (no deadlock, bounded wait), equals a plain
-    step on the union, and the background job made progress."""
+    step on the union, and the background job made progress. No thread but the background's
+    own waits on a background event on the host (the pause is a device-side wait; counted)."""
     policy = MultiplexPolicy(slowdown_target=None, cuda_graphs=False, max_background_batch=None)
+    host_waits: list[str] = []
+    real_sync = torch.cuda.Event.synchronize
+
+    def counting_sync(ev):
+        if threading.current_thread().name != "jabas-background":
+            host_waits.append(threading.current_thread().name)
+        return real_sync(ev)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counting_sync)
     with BackgroundRunner(DEV, policy) as runner:
         task = _bg_task(steps=100_000)
         runner.submit(task)
@@ -221,6 +230,7 @@ def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
         assert not t.is_alive(), "IIDP steps next to a background job did not finish (deadlock?)"
         assert not errors, errors
         assert len(diffs) == 4 and max(diffs) < TOL
+        assert host_waits == []
         st = runner.cancel("bg")
         assert st.step > 0 and st.error is None
         w.close()

@@ -293,3 +293,45 @@ def test_bad_input_names_the_field():
             runner.submit(tiny_task(steps=1))
             runner.wait("bg", timeout=60)
             runner.checkpoint("bg")
+
+
+class _CountingEvent:
+    """A background launch's completion event that counts host waits (``synchronize``)."""
+
+    def __init__(self, host_waits: list) -> None:
+        self.host_waits = host_waits
+
+    def synchronize(self) -> None:
+        self.host_waits.append(self)
+
+
+class _CountingStream:
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def wait_event(self, ev) -> None:
+        self.waited.append(ev)
+
+
+def test_pausing_never_waits_on_background_events_on_the_foreground_thread(monkeypatch):
+    """CUDA semantics of a pause with in-flight background launches (events stubbed on CPU):
+    the foreground's stream waits for each job's newest launch on the device; the
+    foreground's thread waits on no background event (host waits counted: zero)."""
+    host_waits: list = []
+    with BackgroundRunner("cpu", MultiplexPolicy(slowdown_target=None)) as runner:
+        for name in ("a", "b"):
+            runner.submit(tiny_task(name=name, steps=1, batch_size=4))
+            runner.wait(name, timeout=30)
+        events = {name: _CountingEvent(host_waits) for name in ("a", "b")}
+        for name, ev in events.items():
+            runner._jobs[name].last_event = ev       # as after a CUDA launch
+        stream = _CountingStream()
+        monkeypatch.setattr(runner, "is_cuda", True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+        with runner.foreground_critical("allreduce"):
+            assert runner._paused == 1
+        with runner.foreground_op("allreduce"):
+            pass
+        assert host_waits == []
+        assert stream.waited == [events["a"], events["b"]] * 2
+        monkeypatch.setattr(runner, "is_cuda", False)

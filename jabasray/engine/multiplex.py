@@ -565,17 +565,29 @@ class BackgroundRunner:
 
     # ---------------------------------------------------------------- foreground side
     def _hold(self, delta: int) -> None:
+        """Pause (``delta=+1``) or release (``-1``) the background for a foreground op.
+
+        Pausing closes the gate before the background's next launch. With ``drain_on_pause``
+        the foreground's work also starts after the background's in-flight work, without the
+        foreground's thread ever waiting for the background (DeepPool section 5: no foreground
+        stall): on CUDA its CURRENT stream (the stream the foreground op is issued on, e.g. the
+        IIDP worker's communication lane) waits on the device for each job's newest launch
+        event (older launches of a job precede it on the background stream); a launch the
+        background thread is issuing at this moment is not waited for (it runs at low
+        priority). On CPU a launch is the step running on the background thread, so the
+        caller waits for that thread to finish it (the same happens-before, with threads)."""
         with self._cv:
             self._paused = max(0, self._paused + delta)
-            if delta > 0 and self.policy.drain_on_pause:
+            if delta > 0 and self.policy.drain_on_pause and not self.is_cuda:
                 while self._busy:                   # CPU: let the running step finish
                     self._cv.wait()
             self._cv.notify_all()
         if delta > 0 and self.policy.drain_on_pause and self.is_cuda:
+            foreground = torch.cuda.current_stream(self.device)
             for job in list(self._jobs.values()):   # CUDA: in-flight launches finish first
                 ev = job.last_event                 # newest launch; older ones precede it
                 if ev is not None:
-                    ev.synchronize()
+                    foreground.wait_event(ev)       # on the device, not on this thread
 
     @contextlib.contextmanager
     def foreground_critical(self, op: str = "allreduce") -> Iterator[None]:
