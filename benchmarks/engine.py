@@ -34,7 +34,8 @@
    2 gloo ranks, the engine's eager step (communication thread) and its eager segments
    (``segmented="on"``) against eager DDP. CUDA: one rank per device (a one-rank NCCL group on
    one GPU), the engine eager and graphed (segments with the all-reduces between them) against
-   eager DDP and DDP with ``static_graph=True`` captured as a CUDA graph (PyTorch's recipe: 11
+   eager DDP, the engine's single-device graphed step (no process group) and DDP with
+   ``static_graph=True`` captured as a CUDA graph (PyTorch's recipe: 11
    eager warm-up iterations; "not measured" with the reason where torch refuses). Paired
    rounds of ``--ddp-window`` steps, order rotated (A B, B A, ...), per-round ratios engine /
    DDP and their median, load average at start and end.
@@ -715,12 +716,16 @@ def _ddp_rank(rank: int, world: int, init_file: str, out_file: str, models: list
                 variants: dict[str, Callable[[int], None]] = {}
                 notes: dict[str, str] = {}
                 workers = []
-                engines = [("jabasray", "off", "off")] + ([("jabasray_graphed", "auto", "auto")] if cuda else
-                                                         [("jabasray_segments", "off", "on")])
-                for name, graphs, segmented in engines:
+                # (name, cuda_graphs, segmented, with the process group); on CUDA also the
+                # single-device graphed step, the reference of the graphed step with a group
+                engines = [("jabasray", "off", "off", True)] + (
+                    [("jabasray_graphed", "auto", "auto", True), ("jabasray_graphed_1dev", "auto", "off", False)]
+                    if cuda else [("jabasray_segments", "off", "on", True)])
+                for name, graphs, segmented, grouped in engines:
                     torch.manual_seed(0)
                     w = IIDPWorker(factory().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                                   F.cross_entropy, device=device, process_group=dist.group.WORLD,
+                                   F.cross_entropy, device=device,
+                                   process_group=dist.group.WORLD if grouped else None,
                                    cuda_graphs=graphs, segmented=segmented)
                     w.configure(n, 0, local_batch)
                     workers.append(w)
@@ -749,7 +754,8 @@ def _ddp_rank(rank: int, world: int, init_file: str, out_file: str, models: list
                        "world": world, "backend": "nccl" if cuda else "gloo",
                        "ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
                        "load_average": os.getloadavg(), "notes": notes}
-                pairs = [("jabasray", "ddp")] + ([("jabasray_graphed", "ddp_graph"), ("jabasray_graphed", "ddp")]
+                pairs = [("jabasray", "ddp")] + ([("jabasray_graphed", "ddp_graph"), ("jabasray_graphed", "ddp"),
+                                                  ("jabasray_graphed", "jabasray_graphed_1dev")]
                                                  if cuda else [("jabasray_segments", "ddp")])
                 for a, b in pairs:
                     for suffix in ("", ":wall"):
