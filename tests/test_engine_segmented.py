@@ -111,6 +111,17 @@ def test_choose_execution_says_why():
     """One decision per step, with its reasons: segments with a process group where the step
     is batched; the eager step otherwise, naming why not segments and why not batched."""
     assert _choice().execution == "segmented"
+    assert not _choice().capturable                        # CPU: eager segments, nothing captured
+    cuda = torch.device("cuda")                            # (no device is touched)
+    c = _choice(device=cuda)
+    assert c.execution == "segmented" and c.capturable
+    c = _choice(device=cuda, ragged=True)                  # eager, but the worker captures others
+    assert c.execution == "per_vsw" and c.capturable and c.graph_why.startswith("ragged")
+    c = _choice(device=cuda, precision="fp16")
+    assert c.execution == "batched" and not c.capturable and "GradScaler" in c.graph_why
+    c = _choice(device=cuda, process_group=None)
+    assert c.execution == "batched" and c.graph_why.startswith("flat_grads=True")
+    assert _choice(device=cuda, process_group=None, flat_grads=False).execution == "graphed"
     c = _choice(ragged=True)
     assert (c.execution, c.graph_why, c.batch_why) == (
         "per_vsw", "ragged step (micro-batches of unequal size)", "ragged step (micro-batches of unequal size)")

@@ -38,11 +38,14 @@ SEGMENTED_MODES = ("auto", "on", "off")
 class Choice:
     """``execution`` (one of :data:`EXECUTIONS`); ``graph_why``: why the step is not captured
     (``None`` for a graphed/segmented choice, or when graphs are off and nobody asked);
-    ``batch_why``: why it does not run batched (``None`` when it does)."""
+    ``batch_why``: why it does not run batched (``None`` when it does); ``capturable``: the
+    worker captures steps (on CUDA), so every step, eager ones included, runs the optimizer
+    in its capturable form (:func:`~jabasray.engine.graphs.make_capturable`)."""
 
     execution: str
     graph_why: str | None = None
     batch_why: str | None = None
+    capturable: bool = False
 
 
 def segmented_blocker(mode: str, graph_mode: str, device: torch.device, precision: str,
@@ -82,18 +85,20 @@ def choose_execution(*, num_vsw: int, ragged: bool, keep_local_grad: bool | str,
         batch_why = "the similarity groups split the VSWs"
     eager = "batched" if batch_why is None else "per_vsw"
     step_why = graphs.step_graph_blocker(batch_why, ragged, keep_local_grad)
+    cuda = torch.device(device).type == "cuda"
     if process_group is not None and (segmented == "on" or (segmented == "auto" and graph_mode != "off")):
-        why = (segmented_blocker(segmented, graph_mode, device, precision, process_group, hooks_enabled,
-                                 sync_timing, optimizer)
-               or step_why or (graphs_disabled if torch.device(device).type == "cuda" else None))
+        worker_why = segmented_blocker(segmented, graph_mode, device, precision, process_group,
+                                       hooks_enabled, sync_timing, optimizer)
+        capturable = worker_why is None and cuda
+        why = worker_why or step_why or (graphs_disabled if cuda else None)
         if why is None:
-            return Choice("segmented")
-        return Choice(eager, why, batch_why)
+            return Choice("segmented", capturable=capturable)
+        return Choice(eager, why, batch_why, capturable)
     if graph_mode == "off":
         return Choice(eager, None, batch_why)
-    why = (graphs.worker_graph_blocker(graph_mode, device, precision, process_group, flat_grads,
-                                       sync_timing, optimizer)
-           or step_why or graphs_disabled)
+    worker_why = graphs.worker_graph_blocker(graph_mode, device, precision, process_group, flat_grads,
+                                             sync_timing, optimizer)
+    why = worker_why or step_why or graphs_disabled
     if why is None:
-        return Choice("graphed")
-    return Choice(eager, why, batch_why)
+        return Choice("graphed", capturable=True)
+    return Choice(eager, why, batch_why, worker_why is None)

@@ -515,7 +515,6 @@ class GraphedExecution:
     def run(self, req: Any) -> StepStats | None:
         """The step as a replay of a captured CUDA graph (capturing it first once its key's
         warm-up is done), or ``None``: run it eagerly (warm-up, or a reason logged once)."""
-        self.prepare()
         key = self.key_of(req.micro_batches)
         if isinstance(key, str):
             self.say(key)

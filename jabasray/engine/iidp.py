@@ -70,7 +70,7 @@ from .batched import BatchedExecution, batch_fallback_reason
 from .buckets import (BucketPlan, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
 from .eager import StepRequest
-from .execution import SEGMENTED_MODES, Choice, choose_execution, segmented_blocker
+from .execution import SEGMENTED_MODES, Choice, choose_execution
 from . import graphs
 from .graphs import CUDA_GRAPH_MODES, GraphCache, GraphedExecution
 from .loader import batch_size
@@ -529,8 +529,9 @@ class IIDPWorker:
         choice = self._choose(ragged, keep_local_grad)
         if choice.graph_why is not None:
             self._say_no_graph(choice.graph_why)
-        if choice.execution == "graphed":
+        if choice.capturable:
             self._graphed.prepare()
+        if choice.execution == "graphed":
             stats = self._graphed.run(req)
             if stats is not None:
                 return stats
@@ -538,18 +539,6 @@ class IIDPWorker:
             stats = self._segments.run(req)
             if stats is not None:
                 return stats
-        elif self._graph_mode != "off" and choice.graph_why is not None:
-            # a worker whose steps are captured runs the capturable optimizer in every step
-            # (the eager warm-up steps of a capture included)
-            pg = self.process_group
-            worker_why = (graphs.worker_graph_blocker(self._graph_mode, self.device, self.precision, pg,
-                                               self.state.flat_grads, self.sync_timing, self.optimizer)
-                          if pg is None else "eager segments" if not self.state.lanes.is_cuda else
-                          segmented_blocker(self._segmented, self._graph_mode, self.device, self.precision,
-                                            pg, self._buckets.hooks_enabled, self.sync_timing,
-                                            self.optimizer))
-            if worker_why is None:
-                self._graphed.prepare()
         why = choice.batch_why
         if why is None:
             try:
@@ -604,7 +593,7 @@ class IIDPWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._graphs.clear()             # the optimizer's state tensors are new
-        self._graphed.made_capturable = self._segments.made_capturable = False
+        self._graphed.made_capturable = False
         scaler = self.state.scaler
         if scaler is not None and state.get("grad_scaler"):
             scaler.load_state_dict(state["grad_scaler"])

@@ -48,7 +48,7 @@ from .aggregation import BucketAggregation, Issued
 from .batched import join_any_order, join_batches
 from .eager import StepRequest
 from .graphs import (GraphCache, StaticRounds, batch_signature, captured_for, graph_key, lr_tensors_in,
-                     make_capturable, round_parts)
+                     round_parts)
 from .loader import to_device
 from .state import StepState, backward
 from .stats import StepStats
@@ -143,7 +143,6 @@ class SegmentedExecution:
         self.process_group, self.comm_device = process_group, comm_device
         self.cache, self.clock, self.say = cache, clock, say
         self.capture_stream: Any = None
-        self.made_capturable = False
 
     # ------------------------------------------------------------------ shared
     def _begin(self) -> None:
@@ -234,9 +233,6 @@ class SegmentedExecution:
     def _run_graphed(self, req: StepRequest) -> StepStats | None:
         """CUDA: replay the captured segments (capturing them once the key's warm-up is done)."""
         st = self.state
-        if not self.made_capturable:
-            make_capturable(self.update.optimizer)
-            self.made_capturable = True
         sigs = {batch_signature(mb) for mb in req.micro_batches}
         if None in sigs or len(sigs) > 1:
             self.say("micro-batches hold values that are not tensors" if None in sigs
