@@ -141,3 +141,64 @@ def test_choose_execution_says_why():
     assert c.execution == "batched" and c.graph_why == "device cpu is not CUDA"
     c = _choice(process_group=None, per_sample_loss=False)
     assert c.execution == "per_vsw" and c.batch_why.startswith("per_sample_loss=False")
+
+
+class _FakeGraph:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` that records capture begins and ends (the
+    ops between them run eagerly, as a real capture would record them)."""
+
+    log: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode=None) -> None:
+        _FakeGraph.log.append(("begin", self))
+
+    def capture_end(self) -> None:
+        _FakeGraph.log.append(("end", self))
+
+
+def test_segment_capture_cuts_at_bucket_boundaries_on_cpu(monkeypatch):
+    """The CUDA capture of the segmented step, run on CPU with a stand-in graph: the step's
+    body runs once (a real capture records it), cut where buckets become ready - every
+    bucket in exactly one segment, in plan order, graphs begun and ended in pairs, then the
+    update graph - and that body's arithmetic (loss weight n, the sum scaled by 1/global
+    workers, the optimizer step) equals the eager batched step in float64."""
+    import contextlib
+
+    from jabasray.engine import IIDPWorker, segmented
+    from jabasray.engine.graphs import round_parts
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(segmented, "new_stream", lambda device: None)
+    _FakeGraph.log = []
+    # (an LR exact in float32: the captured optimizer reads it from a float32 device tensor)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.125, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+    ws = [IIDPWorker(make_model(0, batch_norm=True), sgd, F.cross_entropy,
+                     bucket_cap_mb=0.0005, flat_grads=True, cuda_graphs="off") for _ in range(2)]
+    for w in ws:
+        w.configure(3, 1, 2)
+    for step in range(3):                       # eager steps: the hooks' order is traced
+        X, y = make_data(step, 12)
+        for w in ws:
+            w.train_step(split(X, y, [2] * 6))
+    X, y = make_data(9, 12)
+    mbs = split(X, y, [2] * 6)
+    ref = ws[1].train_step(mbs)
+    w = ws[0]
+    cap = w._segments.capture(round_parts(mbs, 3, 1))
+    nb = len(w.bucket_plan)
+    assert nb >= 3
+    order = [b for seg in cap.segments for b in seg.buckets]
+    assert order == list(range(nb))             # each bucket once, in plan order
+    # cuts inside backward: more than one segment of buckets (after-backward completion
+    # alone would merge them all into one), and the loss's own last segment
+    assert 3 <= len(cap.segments) <= nb + 1 and cap.segments[-1].buckets == []
+    kinds = [k for k, _ in _FakeGraph.log]
+    assert kinds == ["begin", "end"] * (len(cap.segments) + 1)
+    assert [g for k, g in _FakeGraph.log if k == "end"][:-1] == [s.graph for s in cap.segments]
+    loss = cap.outputs[0].reshape(()) / w.global_num_workers
+    assert float(loss) == pytest.approx(float(ref.loss), rel=1e-12)
+    assert max_rel_diff(w.model, ws[1].model) < 1e-12
+    for w in ws:
+        w.close()
