@@ -27,7 +27,8 @@ gradients accumulating in place, inside the eager frame of :mod:`.eager`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Mapping   # (isinstance with typing's alias is ~5x slower)
+from typing import Any, Callable, Sequence
 
 import torch
 

@@ -56,7 +56,8 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping   # (isinstance with typing's alias is ~5x slower)
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
