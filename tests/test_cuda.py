@@ -262,13 +262,15 @@ def test_stream_priorities_are_actually_set():
 
 # ------------------------------------------------------------------------------- background job
 
-@pytest.mark.parametrize("opt,graphs,expect_graphed", [
-    ("sgd", False, False),            # eager
-    ("sgd", True, True),              # SGD is capturable
-    ("adam_capturable", True, True),  # Adam(capturable=True) is capturable
-    ("adam", True, False),            # plain Adam: not captured, runs eagerly
+@pytest.mark.parametrize("opt,graphs,expect_graphed,pieces", [
+    ("sgd", False, False, 1),            # eager
+    ("sgd", True, True, 1),              # SGD is capturable
+    ("adam_capturable", True, True, 1),  # Adam(capturable=True) is capturable
+    ("adam", True, False, 1),            # plain Adam: not captured, runs eagerly
+    ("sgd", True, True, 4),              # the graph in pieces, launched one at a time
+    ("adam_capturable", True, True, 3),
 ])
-def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, expect_graphed):
+def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, expect_graphed, pieces):
     """A background job on the low-priority stream, eager or replaying a CUDA graph, does
     exactly the plain loop's steps: the graph warm-up is the job's own first steps and capture
     adds no training step (weights after N steps == N eager steps). A ragged last batch of an
@@ -282,7 +284,8 @@ def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, e
     else:
         opt_fn = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     ref = _plain_loop(task, model0, opt_fn, steps)
-    policy = MultiplexPolicy(cuda_graphs=graphs, slowdown_target=None, max_background_batch=None)
+    policy = MultiplexPolicy(cuda_graphs=graphs, slowdown_target=None, max_background_batch=None,
+                             graph_pieces=pieces)
     with BackgroundRunner(DEV, policy) as runner:
         runner.submit(task)
         st = runner.wait("bg", timeout=120)
