@@ -11,7 +11,7 @@ the changes they check, or never), then the rest:
 0. ``engine_gpu_checks``: the ``cuda`` tests of the engine's multi-GPU work (the segmented
    graphed step with a one-rank NCCL group equals the eager step and never synchronises the
    host; IIDP over NCCL beside a background job, the foreground never waiting on a background
-   event) and ``engine_ddp``: ``benchmarks/engine.py --parts ddp`` (ResNet-18 and the small
+   event; background graphs in pieces equal eager) and ``engine_ddp``: ``benchmarks/engine.py --parts ddp`` (ResNet-18 and the small
    transformer, n = 1, 4, 16 at B_L 32: the engine eager and graphed with the group against
    eager DDP, DDP ``static_graph`` as a CUDA graph, and the single-device graphed step);
 1. ``engine_resnet18`` / ``engine_overhead``: ``benchmarks/engine.py`` on the GPU - plain eager
@@ -103,7 +103,8 @@ STEPS: tuple[Step, ...] = (
     Step("engine_gpu_checks", ("{py}", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                                "--junitxml", "{out}/engine_gpu_checks.xml", "tests/test_cuda.py",
                                "tests/test_engine_host_sync.py", "-k",
-                               "segmented or nccl or host_sync or synchronise"), 90, json=False),
+                               "segmented or nccl or host_sync or synchronise or background_job"), 90,
+         json=False),
     Step("engine_ddp", _bench("engine.py", "--device", "cuda", "--parts", "ddp", "--models",
                               "resnet18,small_transformer", "--vsw", "1,4,16", "--ddp-local-batch", "32",
                               "--ddp-rounds", "3", "--ddp-window", "20", "--out", "{out}/engine_ddp.json"), 150),
