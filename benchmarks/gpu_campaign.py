@@ -11,8 +11,8 @@ the changes they check, or never), then the rest:
 0. ``engine_gpu_checks``: the ``cuda`` tests of the engine's multi-GPU work (the segmented
    graphed step with a one-rank NCCL group equals the eager step and never synchronises the
    host; IIDP over NCCL beside a background job, the foreground never waiting on a background
-   event; background graphs in pieces equal eager) and ``engine_ddp``: ``benchmarks/engine.py --parts ddp`` (ResNet-18 and the small
-   transformer, n = 1, 4, 16 at B_L 32: the engine eager and graphed with the group against
+   event; background graphs in pieces equal eager) and ``engine_ddp``:
+   ``benchmarks/engine.py --parts ddp`` (ResNet-18 and the small transformer, n = 1, 4, 16 at B_L 32: the engine eager and graphed with the group against
    eager DDP, DDP ``static_graph`` as a CUDA graph, and the single-device graphed step);
 1. ``engine_resnet18`` / ``engine_overhead``: ``benchmarks/engine.py`` on the GPU - plain eager
    loop, plain graphed loop, per-VSW, batched, batched + graph - for n = 1, 2, 4 and 8
