@@ -29,10 +29,22 @@
    thread each, and ONE worker with the same total batch n * B_L. Per-round ratios and their
    median are reported.
 
+6. DDP contender (``--parts ddp``): torch's ``DistributedDataParallel`` at the same per-rank
+   batch as the engine's step (n VSWs of B_L per rank), what a Ray Train user runs today. CPU:
+   2 gloo ranks, the engine's eager step (communication thread) and its eager segments
+   (``segmented="on"``) against eager DDP. CUDA: one rank per device (a one-rank NCCL group on
+   one GPU), the engine eager and graphed (segments with the all-reduces between them) against
+   eager DDP, the engine's single-device graphed step (no process group) and DDP with
+   ``static_graph=True`` captured as a CUDA graph (PyTorch's recipe: 11
+   eager warm-up iterations; "not measured" with the reason where torch refuses). Paired
+   rounds of ``--ddp-window`` steps, order rotated (A B, B A, ...), per-round ratios engine /
+   DDP and their median, load average at start and end.
+
 Variants are interleaved round by round (``--rounds``) and the median of the rounds is
 reported. Prints ratios and writes ``<tmp>/jabasray_bench/engine.json``.
 
     python benchmarks/engine.py [--device cpu|cuda] [--quick] [--local-batches 16,32,64] [--max-vsw 16]
+    python benchmarks/engine.py --parts ddp [--device cuda]      # the DDP contender only
 """
 from __future__ import annotations
 
@@ -152,7 +164,7 @@ class NaiveWorker(IIDPWorker):
     def _update(self, divisor: float) -> _Timings:
         t = time.perf_counter()
         for b in range(len(self._specs)):
-            self._wait_bucket(b)
+            self._buckets.wait_bucket(b)
         t2 = time.perf_counter()
         main = self._vsws[0].buffers
         if divisor != 1.0:
@@ -174,7 +186,9 @@ class NoOverlapWorker(IIDPWorker):
     (no bucket hooks: every bucket completes when the VSW's backward has ended), i.e. no
     comm/backward overlap."""
 
-    _bucket_hooks = False
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._buckets.hooks_enabled = False
 
 
 # ----------------------------------------------------------------------------- timing
@@ -635,6 +649,152 @@ def bench_distributed(rounds: int, iters: int, local_batch: int = 32, num_vsw: i
     return res
 
 
+# ----------------------------------------------------------------------------- DDP contender
+DDP_GRAPH_WARMUP = 11    # eager DDP iterations before a capture (PyTorch's CUDA-graph notes on DDP)
+
+
+def ddp_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
+                   y: torch.Tensor) -> Callable[[int], None]:
+    """A DDP step (``static_graph=True``, built on a side stream) captured as one CUDA graph
+    after :data:`DDP_GRAPH_WARMUP` eager iterations, the NCCL all-reduces inside the graph
+    (PyTorch's CUDA-graph notes, "Usage with DistributedDataParallel"); per step the batch is
+    copied into the static inputs and the graph replayed. Raises where torch refuses."""
+    static_x, static_y = X.clone(), y.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(DDP_GRAPH_WARMUP):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(static_x), static_y).backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = F.cross_entropy(model(static_x), static_y)
+        static_loss.backward()
+        opt.step()
+
+    def run(steps: int) -> None:
+        losses = []
+        for _ in range(steps):
+            static_x.copy_(X, non_blocking=True)
+            static_y.copy_(y, non_blocking=True)
+            graph.replay()
+            losses.append(static_loss.detach().clone())
+        read_losses(losses)
+    return run
+
+
+def _ddp_rank(rank: int, world: int, init_file: str, out_file: str, models: list[str], counts: list[int],
+              local_batch: int, rounds: int, window: int, device_name: str) -> None:
+    """One rank of the DDP part: per (model, n), the engine's step (n VSWs of ``local_batch``)
+    and DDP on the same ``n * local_batch`` samples per rank, in paired rounds with the order
+    rotated (every rank runs the same order, so their collectives match)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    cuda = device_name == "cuda"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if cuda:   # CUDA-graph capture of NCCL collectives needs the async error handling off
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    rows = []
+    try:
+        for model_name in models:
+            factory, kind = BATCHED_MODELS[model_name]
+            for n in counts:
+                total = n * local_batch
+                X, y = _model_batch(kind, total, device, seed=rank)
+                micro = split_batch((X, y), [local_batch] * n)
+                variants: dict[str, Callable[[int], None]] = {}
+                notes: dict[str, str] = {}
+                workers = []
+                # (name, cuda_graphs, segmented, with the process group); on CUDA also the
+                # single-device graphed step, the reference of the graphed step with a group
+                engines = [("jabasray", "off", "off", True)] + (
+                    [("jabasray_graphed", "auto", "auto", True), ("jabasray_graphed_1dev", "auto", "off", False)]
+                    if cuda else [("jabasray_segments", "off", "on", True)])
+                for name, graphs, segmented, grouped in engines:
+                    torch.manual_seed(0)
+                    w = IIDPWorker(factory().to(device), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                                   F.cross_entropy, device=device,
+                                   process_group=dist.group.WORLD if grouped else None,
+                                   cuda_graphs=graphs, segmented=segmented)
+                    w.configure(n, 0, local_batch)
+                    workers.append(w)
+                    variants[name] = engine_loop(w, micro)
+                torch.manual_seed(0)
+                ddp = DDP(factory().to(device), device_ids=[rank] if cuda else None)
+                variants["ddp"] = plain_loop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9), X, y)
+                if cuda:
+                    try:
+                        torch.manual_seed(0)
+                        side = torch.cuda.Stream()
+                        with torch.cuda.stream(side):
+                            ddp_g = DDP(factory().to(device), device_ids=[rank], static_graph=True)
+                        variants["ddp_graph"] = ddp_graph_loop(
+                            ddp_g, torch.optim.SGD(ddp_g.parameters(), lr=0.01, momentum=0.9), X, y)
+                    except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+                        notes["ddp_graph"] = f"not measured: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                for fn in variants.values():       # warm-up (allocator, optimizer state, the
+                    fn(GRAPH_WARMUP_STEPS + 2)     # engine's graph warm-up and capture)
+                if cuda:
+                    st = workers[1].train_step(micro)
+                    if not st.graphed:
+                        notes["jabasray_graphed"] = ("NOT graphed: " + str(workers[1].graph_fallback_reason()))
+                times = _rotated_rounds(variants, rounds, window, device)
+                row = {"model": model_name, "local_batch": local_batch, "num_vsw": n, "per_rank_batch": total,
+                       "world": world, "backend": "nccl" if cuda else "gloo",
+                       "ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
+                       "load_average": os.getloadavg(), "notes": notes}
+                pairs = [("jabasray", "ddp")] + ([("jabasray_graphed", "ddp_graph"), ("jabasray_graphed", "ddp"),
+                                                  ("jabasray_graphed", "jabasray_graphed_1dev")]
+                                                 if cuda else [("jabasray_segments", "ddp")])
+                for a, b in pairs:
+                    for suffix in ("", ":wall"):
+                        if a + suffix in times and b + suffix in times:
+                            ratios = [u / v for u, v in zip(times[a + suffix], times[b + suffix])]
+                            tag = f"{a}_over_{b}{suffix.replace(':', '_')}"
+                            row[tag + "_per_round"] = ratios
+                            row[tag + "_median"] = statistics.median(ratios)
+                rows.append(row)
+                if rank == 0:
+                    print(f"[ddp] {model_name} n={n} B_L={local_batch} (per-rank batch {total}, {world} "
+                          f"{row['backend']} ranks): " + ", ".join(
+                              f"{k[:-7]} {v:.3f}" for k, v in row.items() if k.endswith("_median"))
+                          + (f"; {notes}" if notes else ""), flush=True)
+                for w in workers:
+                    w.close()
+                del ddp
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def bench_ddp(device: torch.device, models: list[str], counts: list[int], local_batch: int, rounds: int,
+              window: int) -> list[dict]:
+    """The DDP part (module notes, item 6): CPU: 2 gloo ranks; CUDA: one rank per visible
+    device (a one-rank NCCL group on one GPU). Per (model, n), per-round ratios engine / DDP
+    and their medians, on process CPU time (CPU) or wall time (CUDA), wall time beside."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+    world = torch.cuda.device_count() if device.type == "cuda" else 2
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file = str(Path(tmp) / "ddp.json")
+        mp.spawn(_ddp_rank, args=(world, str(Path(tmp) / "store"), out_file, models, counts, local_batch,
+                                  rounds, window, device.type), nprocs=world, join=True)
+        return json.loads(Path(out_file).read_text())
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description="IIDP engine benchmark (no Ray)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -646,7 +806,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="CUDA throughput part: comma-separated B_L values (default 16,32,64)")
     ap.add_argument("--max-vsw", type=int, default=16,
                     help="CUDA throughput part: upper bound of the n_max probe (default 16)")
-    ap.add_argument("--parts", default="overhead,weight_sync,dist,batched,throughput",
+    ap.add_argument("--parts", default="overhead,weight_sync,dist,batched,throughput,ddp",
                     help="comma-separated parts to run (default all that apply to the device)")
     ap.add_argument("--models", default=None,
                     help="batched part: models (default small_cnn,small_transformer on CPU, "
@@ -655,12 +815,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", type=int, default=50, help="overhead and batched parts: steps per "
                     "window (>= 1)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds (default 21, --quick 2)")
+    ap.add_argument("--ddp-window", type=int, default=20, help="ddp part: steps per window (>= 1)")
+    ap.add_argument("--ddp-rounds", type=int, default=None,
+                    help="ddp part: paired rounds (default 11, --quick 2, or --rounds)")
+    ap.add_argument("--ddp-local-batch", type=int, default=32, help="ddp part: B_L (default 32)")
     ap.add_argument("--out", default=default_out('engine.json'))
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    unknown = parts - {"overhead", "weight_sync", "dist", "batched", "throughput"}
+    unknown = parts - {"overhead", "weight_sync", "dist", "batched", "throughput", "ddp"}
     if unknown:
-        ap.error(f"--parts must name overhead, weight_sync, dist, batched, throughput; got {sorted(unknown)}")
+        ap.error(f"--parts must name overhead, weight_sync, dist, batched, throughput, ddp; "
+                 f"got {sorted(unknown)}")
+    if args.ddp_window < 1 or args.ddp_local_batch < 1:
+        ap.error(f"--ddp-window and --ddp-local-batch must be >= 1, got {args.ddp_window}, "
+                 f"{args.ddp_local_batch}")
     if args.window < 1:
         ap.error(f"--window must be >= 1, got {args.window}")
     local_batches = positive_ints(ap, "--local-batches", args.local_batches)
@@ -700,6 +868,18 @@ def main(argv: list[str] | None = None) -> dict:
         result["batched_vs_plain"] = [row for m in models for row in bench_batched_vs_plain(
             device, m, local_batches, counts, rounds, args.window)]
         result["load_average_end"] = os.getloadavg()
+    if "ddp" in parts:
+        models = (args.models.split(",") if args.models else
+                  ["resnet18", "small_transformer"] if device.type == "cuda" else ["small_cnn", "small_transformer"])
+        bad = [m for m in models if m not in BATCHED_MODELS]
+        if bad:
+            ap.error(f"--models must be among {sorted(BATCHED_MODELS)}, got {bad}")
+        counts = positive_ints(ap, "--vsw", args.vsw) if args.vsw else [1, 2, 4]
+        ddp_rounds = args.ddp_rounds or (args.rounds if args.rounds is not None else (2 if args.quick else 11))
+        result["ddp"] = {"window": args.ddp_window, "rounds": ddp_rounds, "load_average_start": os.getloadavg(),
+                         "rows": bench_ddp(device, models, counts, args.ddp_local_batch, ddp_rounds,
+                                           args.ddp_window)}
+        result["ddp"]["load_average_end"] = os.getloadavg()
     if device.type == "cuda" and "throughput" in parts:
         result["vsw_throughput"] = bench_vsw_throughput(device, local_batches, args.max_vsw,
                                                         rounds, iters)

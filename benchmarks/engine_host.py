@@ -12,6 +12,9 @@ work on the CPU with TINY models (compute negligible, so the step is host-bound 
   difference engine minus plain broken down by op name. ``kernel ops`` leave out view ops
   (``OpOverload.is_view``: no kernel on a GPU) and profiler markers. Ops per step is the
   figure that transfers to a GPU (each non-view op is a kernel launch there).
+* **Python calls per step** (deterministic, ``cProfile``): every Python function and builtin
+  a step calls, torch's Python layers included, and the engine's own by module; with the ops,
+  the host work that does not depend on the machine's load.
 * **host CPU time per step**: rounds of the contenders (plain, engine, plain_flat; order
   rotated every round), each a window of ``--window`` steps timed with ``time.process_time``
   (the machine is shared; CPU time of this single-threaded process is what the step costs the
@@ -172,6 +175,25 @@ def _contenders(model_name: str, n: int, local_batch: int, device: torch.device 
     return plain, engine, plain_flat, w
 
 
+def python_calls(step: Callable[[], object], steps: int = 3) -> tuple[float, dict[str, float]]:
+    """Python function calls per step (deterministic, counted by ``cProfile``: every Python
+    function and builtin the step calls, torch's Python layers included) and those of the
+    engine's own modules by module file; the host work a GPU step pays before its launches."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    own: collections.Counter = collections.Counter()
+    for (path, _, _), (_, calls, *_rest) in st.stats.items():
+        if "jabasray" in path:
+            own[os.path.basename(path)] += calls / steps
+    return st.total_calls / steps, dict(own)
+
+
 def _window(step: Callable[[], torch.Tensor], steps: int) -> float:
     """CPU seconds per step over ``steps`` steps, the losses read once at the end (CUDA:
     the device synchronised first, so that a window starts idle)."""
@@ -189,6 +211,7 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int,
     for fn in variants.values():                 # warm-up: optimizer state, traced hooks
         _window(fn, 5)
     ops = {k: count_ops(fn) for k, fn in variants.items()}
+    calls = {k: python_calls(fn) for k, fn in variants.items()}
     diff = collections.Counter(ops["engine"].ops)
     diff.subtract(ops["plain"].ops)
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -205,6 +228,8 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int,
         "kernel_ops_per_step": {k: c.kernels for k, c in ops.items()},
         "view_ops_per_step": {k: c.views for k, c in ops.items()},
         "engine_minus_plain_by_op": {k: v for k, v in sorted(diff.items()) if v},
+        "python_calls_per_step": {k: c[0] for k, c in calls.items()},
+        "engine_python_calls_by_module": calls["engine"][1],
         "host_ms_per_step_rounds": {k: [t * 1e3 for t in v] for k, v in times.items()},
         "host_ms_per_step_median": {k: statistics.median(v) * 1e3 for k, v in times.items()},
         "engine_over_plain_per_round": ratios,
@@ -216,6 +241,7 @@ def bench(model_name: str, n: int, local_batch: int, rounds: int, window: int,
     k = row["kernel_ops_per_step"]
     print(f"[{model_name}] n={n} B_L={local_batch}: ops/step plain {ops['plain'].total} "
           f"({k['plain']} kernels), engine {ops['engine'].total} ({k['engine']} kernels); "
+          f"Python calls/step plain {calls['plain'][0]:.0f}, engine {calls['engine'][0]:.0f}; "
           f"host time engine/plain median {row['engine_over_plain_median']:.3f}, engine/plain_flat "
           f"{row['engine_over_plain_flat_median']:.3f} (plain {row['host_ms_per_step_median']['plain']:.2f} ms); "
           f"diff {row['engine_minus_plain_by_op']}")

@@ -8,6 +8,12 @@ may run at most 10: the default budget fits one command with the start and the t
 in priority order - first what decides the goals still open (measured once on an H200 before
 the changes they check, or never), then the rest:
 
+0. ``engine_gpu_checks``: the ``cuda`` tests of the engine's multi-GPU work (the segmented
+   graphed step with a one-rank NCCL group equals the eager step and never synchronises the
+   host; IIDP over NCCL beside a background job, the foreground never waiting on a background
+   event; background graphs in pieces equal eager) and ``engine_ddp``:
+   ``benchmarks/engine.py --parts ddp`` (ResNet-18 and the small transformer, n = 1, 4, 16 at B_L 32: the engine eager and graphed with the group against
+   eager DDP, DDP ``static_graph`` as a CUDA graph, and the single-device graphed step);
 1. ``engine_resnet18`` / ``engine_overhead``: ``benchmarks/engine.py`` on the GPU - plain eager
    loop, plain graphed loop, per-VSW, batched, batched + graph - for n = 1, 2, 4 and 8
    (ResNet-18, B_L 32), windows of 50 steps, 3 rounds (goal: n VSWs at least 0.95x one plain
@@ -92,6 +98,16 @@ def _tune_evidence(workload: str, timeout_s: int, optional: bool) -> Step:
 
 
 STEPS: tuple[Step, ...] = (
+    # the checks of the engine's multi-GPU work first: graphed steps with a process group
+    # (segments), no host sync, the foreground never waiting on background events
+    Step("engine_gpu_checks", ("{py}", "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                               "--junitxml", "{out}/engine_gpu_checks.xml", "tests/test_cuda.py",
+                               "tests/test_engine_host_sync.py", "-k",
+                               "segmented or nccl or host_sync or synchronise or background_job"), 90,
+         json=False),
+    Step("engine_ddp", _bench("engine.py", "--device", "cuda", "--parts", "ddp", "--models",
+                              "resnet18,small_transformer", "--vsw", "1,4,16", "--ddp-local-batch", "32",
+                              "--ddp-rounds", "3", "--ddp-window", "20", "--out", "{out}/engine_ddp.json"), 150),
     Step("engine_resnet18", _bench("engine.py", "--device", "cuda", "--parts", "batched",
                                    "--models", "resnet18", "--vsw", "1,2,4,8", "--local-batches", "32",
                                    "--rounds", "3", "--window", "50", "--out", "{out}/engine_resnet18.json"), 90),
@@ -273,6 +289,17 @@ def _engine_host(doc: dict) -> str:
     return "; ".join(out)
 
 
+def _engine_ddp(doc: dict) -> str:
+    """Per (model, n): the engine / DDP medians (eager; graphed vs DDP graph; graphed with the
+    group vs the single-device graphed step)."""
+    out = []
+    for r in doc.get("ddp", {}).get("rows", []):
+        figs = [f"{k[:-len('_median')].replace('_over_', '/')} {v:.2f}" for k, v in r.items()
+                if k.endswith("_median") and not k.endswith("_wall_median")]
+        out.append(f"{r['model']} n{r['num_vsw']}: " + ", ".join(figs))
+    return "; ".join(out)
+
+
 def _profiling(doc: dict) -> str:
     """Mean relative error of the iteration-time model per execution profiled and run."""
     by = doc.get("mean_rel_error_by_cuda_graphs") or {"?": doc["mean_rel_error"]}
@@ -281,7 +308,7 @@ def _profiling(doc: dict) -> str:
 
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "engine_resnet18": _engine, "engine_resnet18_n16": _engine, "engine_transformer": _engine,
-    "engine_overhead": _engine,
+    "engine_overhead": _engine, "engine_ddp": _engine_ddp,
     "packing": _packing, "tune": _tune, "tune_evidence_mlp": _tune, "tune_evidence_cnn": _tune, "profiling": _profiling, "engine_host": _engine_host,
 }
 

@@ -12,7 +12,8 @@ Variants, in one run:
   * CPU: ``naive`` (plain collocation) and ``deeppool`` (all mechanisms: pauses during the
     all-reduce, slowdown feedback with an 18% target, small background batch);
   * CUDA (``--device cuda``): mechanisms added in turn, as in Fig. 11: ``naive`` ->
-    ``+priority`` -> ``+pacing`` -> ``+graphs`` -> ``+feedback`` -> ``+small_batch``.
+    ``+priority`` -> ``+pacing`` -> ``+graphs`` -> ``+feedback`` -> ``+small_batch``
+    -> ``+pieces`` (the background graph in ``--graph-pieces`` pieces, one launched at a time).
 Rounds are paired: every round runs every variant once, in an order rotated by one each
 round, and every figure is a ratio to the same round's ``fg_alone`` (or ``bg_alone``):
 per variant the foreground slowdown (fg_alone's samples/s / the variant's - 1), the background's
@@ -170,8 +171,12 @@ def policies(args) -> dict[str, MultiplexPolicy]:
     graphs = replace(pacing, cuda_graphs=True)
     feedback = replace(graphs, slowdown_target=args.target, pause_ops=("allreduce",),
                        op_slowdown_threshold=1.5, drain_on_pause=True)
-    return {"naive": naive, "+priority": prio, "+pacing": pacing, "+graphs": graphs,
-            "+feedback": feedback, "+small_batch": replace(feedback, max_background_batch=small)}
+    small_batch = replace(feedback, max_background_batch=small)
+    out = {"naive": naive, "+priority": prio, "+pacing": pacing, "+graphs": graphs,
+           "+feedback": feedback, "+small_batch": small_batch}
+    if args.graph_pieces > 1:     # the captured background step in pieces, one launched at a time
+        out["+pieces"] = replace(small_batch, graph_pieces=args.graph_pieces)
+    return out
 
 
 def main() -> None:
@@ -189,6 +194,9 @@ def main() -> None:
     ap.add_argument("--small-batch", type=int, default=16)
     ap.add_argument("--target", type=float, default=0.18)
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds, order rotated")
+    ap.add_argument("--graph-pieces", type=int, default=4,
+                    help="CUDA: also the last policy with the background graph in this many pieces "
+                         "(1: no such variant)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     ap.add_argument("--out", default=default_out('multiplex.json'))
     args = ap.parse_args()

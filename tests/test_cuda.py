@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 
 from engine_reference import OPTIMIZERS, make_data, make_model, max_rel_diff, reference_step, split
 from jabasray.engine import IIDPWorker
+from jabasray.engine.stats import read_losses
 from jabasray.engine.multiplex import (GRAPH_WARMUP_STEPS, BackgroundRunner, BackgroundTask, MultiplexPolicy,
                                        epoch_order)
 
@@ -107,6 +108,48 @@ def test_iidp_on_streams_equals_plain_step(opt, method, num_vsw, num_ga, executi
     w.close()
 
 
+@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
+def test_segmented_graph_step_with_nccl_equals_eager_step_without_host_sync(opt):
+    """A world-size-1 NCCL group: the segmented step (graph segments, bucket all-reduces
+    between them) equals the eager step with the communication thread, step by step and
+    through a reconfiguration; its steady-state steps never synchronise the host
+    (``set_sync_debug_mode("error")`` raises on any synchronising call)."""
+    ws = {mode: IIDPWorker(make_model(0, batch_norm=True), OPTIMIZERS[opt], F.cross_entropy, device=DEV,
+                           bucket_cap_mb=CAP, process_group=_nccl_group(), segmented=mode)
+          for mode in ("auto", "off")}
+    plan = [(2, 1, 4)] * 6 + [(3, 0, 5)] * 6
+    graphed = []
+    for step, cfg in enumerate(plan):
+        X, y = make_data(step, cfg[0] * (cfg[1] + 1) * cfg[2])
+        mbs = _to(split(X, y, [cfg[2]] * (cfg[0] * (cfg[1] + 1))))
+        losses = {}
+        for mode, w in ws.items():
+            if step == 0 or cfg != plan[step - 1]:
+                w.configure(*cfg)
+            st = w.train_step(mbs)
+            losses[mode] = st.loss
+            if mode == "auto":
+                graphed.append(st.graphed)
+        assert losses["auto"] == pytest.approx(losses["off"], rel=1e-5)
+        assert max_rel_diff(ws["auto"].model, ws["off"].model) < TOL, step
+    assert graphed == ([False] * 3 + [True] * 3) * 2, graphed
+    w = ws["auto"]
+    batches = [_to(split(*make_data(100 + step, 15), [5] * 3)) for step in range(3)]
+    torch.cuda.synchronize()
+    raw = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches:
+            st = w.train_step(b)
+            assert st.graphed
+            raw.append(st.loss_raw)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(read_losses(raw)) == 3
+    for w in ws.values():
+        w.close()
+
+
 @pytest.mark.parametrize("method", ["sws", "ows"])
 def test_iidp_ragged_step_with_nccl_equals_plain_step(method):
     """Ragged last step (an empty VSW, an empty last micro-batch) over a one-rank NCCL group."""
@@ -143,12 +186,21 @@ def test_sws_equals_ows_on_cuda():
 
 
 @pytest.mark.parametrize("method", ["sws", "ows"])
-def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
+def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method, monkeypatch):
     """A background job runs on the device while IIDP steps all-reduce over NCCL with the
     runner's ``foreground_critical`` as ``comm_guard`` (entered on the communication thread,
     never inside backward): every step finishes (no deadlock, bounded wait), equals a plain
-    step on the union, and the background job made progress."""
+    step on the union, and the background job made progress. No thread but the background's
+    own waits on a background event on the host (the pause is a device-side wait; counted)."""
     policy = MultiplexPolicy(slowdown_target=None, cuda_graphs=False, max_background_batch=None)
+    host_waits: list[str] = []
+    real_sync = torch.cuda.Event.synchronize
+
+    def counting_sync(ev):
+        if threading.current_thread().name != "jabas-background":
+            host_waits.append(threading.current_thread().name)
+        return real_sync(ev)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counting_sync)
     with BackgroundRunner(DEV, policy) as runner:
         task = _bg_task(steps=100_000)
         runner.submit(task)
@@ -178,6 +230,7 @@ def test_iidp_with_nccl_guard_and_background_job_equals_plain_step(method):
         assert not t.is_alive(), "IIDP steps next to a background job did not finish (deadlock?)"
         assert not errors, errors
         assert len(diffs) == 4 and max(diffs) < TOL
+        assert host_waits == []
         st = runner.cancel("bg")
         assert st.step > 0 and st.error is None
         w.close()
@@ -209,13 +262,15 @@ def test_stream_priorities_are_actually_set():
 
 # ------------------------------------------------------------------------------- background job
 
-@pytest.mark.parametrize("opt,graphs,expect_graphed", [
-    ("sgd", False, False),            # eager
-    ("sgd", True, True),              # SGD is capturable
-    ("adam_capturable", True, True),  # Adam(capturable=True) is capturable
-    ("adam", True, False),            # plain Adam: not captured, runs eagerly
+@pytest.mark.parametrize("opt,graphs,expect_graphed,pieces", [
+    ("sgd", False, False, 1),            # eager
+    ("sgd", True, True, 1),              # SGD is capturable
+    ("adam_capturable", True, True, 1),  # Adam(capturable=True) is capturable
+    ("adam", True, False, 1),            # plain Adam: not captured, runs eagerly
+    ("sgd", True, True, 4),              # the graph in pieces, launched one at a time
+    ("adam_capturable", True, True, 3),
 ])
-def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, expect_graphed):
+def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, expect_graphed, pieces):
     """A background job on the low-priority stream, eager or replaying a CUDA graph, does
     exactly the plain loop's steps: the graph warm-up is the job's own first steps and capture
     adds no training step (weights after N steps == N eager steps). A ragged last batch of an
@@ -229,7 +284,8 @@ def test_background_job_equals_plain_loop_with_and_without_graphs(opt, graphs, e
     else:
         opt_fn = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     ref = _plain_loop(task, model0, opt_fn, steps)
-    policy = MultiplexPolicy(cuda_graphs=graphs, slowdown_target=None, max_background_batch=None)
+    policy = MultiplexPolicy(cuda_graphs=graphs, slowdown_target=None, max_background_batch=None,
+                             graph_pieces=pieces)
     with BackgroundRunner(DEV, policy) as runner:
         runner.submit(task)
         st = runner.wait("bg", timeout=120)

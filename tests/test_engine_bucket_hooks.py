@@ -46,12 +46,12 @@ class HookCalls:
 def launches_during_backward(monkeypatch, w: IIDPWorker) -> list[tuple[int, bool]]:
     """(bucket, launched while a VSW's last backward still ran) of every launch."""
     seen: list[tuple[int, bool]] = []
-    real = w._launch
+    real = w._buckets.launch
 
     def spy(b):
         seen.append((b, any(v.counting for v in w._vsws)))
         real(b)
-    monkeypatch.setattr(w, "_launch", spy)
+    monkeypatch.setattr(w._buckets, "launch", spy)
     return seen
 
 
@@ -199,12 +199,12 @@ def _dist_rank(rank: int) -> dict:
             w = IIDPWorker(make_model(0), OPTIMIZERS[opt], F.cross_entropy, process_group=dist.group.WORLD,
                            weight_sync=method, bucket_cap_mb=CAP, vsw_execution=execution)
             w.configure(n, ga, B_L)
-            during, real = [], w._launch
+            during, real = [], w._buckets.launch
 
             def spy(b, w=w, during=during, real=real):
                 during.append(any(v.counting for v in w._vsws))
                 real(b)
-            w._launch = spy
+            w._buckets.launch = spy
             losses, hooks, batched = [], [], []
             for step in range(STEPS):
                 X, y = make_data(200 + step, sum(sizes) * B_L)

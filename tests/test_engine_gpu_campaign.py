@@ -27,9 +27,13 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path, capsys, monkeypatc
     assert limits == [s.timeout_s for s, why in gc.plan(None) if why is None]
     # what decides the open goals comes first (the engine's, then the packed trials' where Ray
     # is importable) and fits the budget even if each step runs to its limit
-    decisive = ["engine_resnet18", "engine_overhead", "tune_evidence_mlp"]
-    assert [l.split()[1] for l in runs[:3]] == decisive
+    decisive = ["engine_gpu_checks", "engine_ddp", "engine_resnet18", "engine_overhead", "tune_evidence_mlp"]
+    assert [l.split()[1] for l in runs[:5]] == decisive
     assert sum(limits[:3]) <= gc.BUDGET_S - gc.RESERVE_S
+    checks = [l for l in runs if l.split()[1] == "engine_gpu_checks"][0]
+    assert "-m cuda" in checks and "tests/test_cuda.py" in checks
+    ddp = [l for l in runs if l.split()[1] == "engine_ddp"][0]
+    assert "benchmarks/engine.py --device cuda --parts ddp" in ddp and f"{out}/engine_ddp.json" in ddp
     tests = [l for l in runs if l.split()[1] == "cuda_tests"][0]
     assert "-m cuda" in tests and str(out) in tests
     engine = [l for l in runs if l.split()[1] == "engine_resnet18"][0]
@@ -46,7 +50,7 @@ def test_plan_skips_ray_steps_without_ray_and_honours_only():
     assert optional == {"tune_evidence_cnn"}
     assert all(p[n] == "optional: name it in --only" for n in optional)
     assert all(why is None for n, why in p.items() if n not in ray_steps | optional)
-    assert gc.plan(None)[2] == (gc.STEPS[2], None) and gc.STEPS[2].name == "tune_evidence_mlp"
+    assert gc.plan(None)[4] == (gc.STEPS[4], None) and gc.STEPS[4].name == "tune_evidence_mlp"
     p = dict((s.name, why) for s, why in gc.plan(None, only={"tune_evidence_mlp"}))
     assert p["tune_evidence_mlp"] is None and p["tune_evidence_cnn"] == "not in --only"
     p = dict((s.name, why) for s, why in gc.plan(None, only={"packing"}))
@@ -79,7 +83,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gc.main([str(tmp_path), "--only", "engine,packing"])
     assert e.value.code == 2
-    assert "--only must name steps among engine_resnet18, engine_overhead" in capsys.readouterr().err
+    assert "--only must name steps among engine_gpu_checks, engine_ddp, engine_resnet18" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gc.main([str(tmp_path), "--budget", "5"])
 
@@ -112,6 +116,11 @@ def test_headlines_and_summary_table(tmp_path):
     assert gc.headline(steps["packing"], tmp_path) == \
         "mlp/mixed K8: IMPV +0.50, graphed/eager x1.75; cnn/same K2: IMPV -0.25"
     assert gc.headline(steps["multiplex"], tmp_path) == ""
+    (tmp_path / "engine_ddp.json").write_text(json.dumps({"ddp": {"rows": [
+        {"model": "resnet18", "num_vsw": 4, "jabasray_over_ddp_median": 1.25,
+         "jabasray_over_ddp_wall_median": 1.5, "jabasray_graphed_over_ddp_graph_median": 0.75}]}}))
+    assert gc.headline(steps["engine_ddp"], tmp_path) == \
+        "resnet18 n4: jabasray/ddp 1.25, jabasray_graphed/ddp_graph 0.75"
     (tmp_path / "engine_host.json").write_text(json.dumps({"rows": [
         {"model": "resnet18", "num_vsw": 2, "kernel_ops_per_step": {"plain": 184, "engine": 172},
          "engine_over_plain_median": 1.03}]}))

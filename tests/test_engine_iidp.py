@@ -177,12 +177,12 @@ def test_allreduce_of_first_bucket_is_launched_during_backward(monkeypatch):
     w = _worker(make_model(0), method="ows", flat_grads=True)
     w.configure(1, 0, 4)
     during_backward = []
-    orig = w._launch
+    orig = w._buckets.launch
 
     def spy(b):
         during_backward.append((b, w._vsws[0].counting))
         orig(b)
-    monkeypatch.setattr(w, "_launch", spy)
+    monkeypatch.setattr(w._buckets, "launch", spy)
     X, y = make_data(0, 4)
     w.train_step([(X, y)])
     assert [b for b, _ in during_backward] == list(range(len(w.bucket_plan)))

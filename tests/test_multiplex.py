@@ -293,3 +293,89 @@ def test_bad_input_names_the_field():
             runner.submit(tiny_task(steps=1))
             runner.wait("bg", timeout=60)
             runner.checkpoint("bg")
+
+
+class _CountingEvent:
+    """A background launch's completion event that counts host waits (``synchronize``)."""
+
+    def __init__(self, host_waits: list) -> None:
+        self.host_waits = host_waits
+
+    def synchronize(self) -> None:
+        self.host_waits.append(self)
+
+
+class _CountingStream:
+    def __init__(self) -> None:
+        self.waited: list = []
+
+    def wait_event(self, ev) -> None:
+        self.waited.append(ev)
+
+
+def test_pausing_never_waits_on_background_events_on_the_foreground_thread(monkeypatch):
+    """CUDA semantics of a pause with in-flight background launches (events stubbed on CPU):
+    the foreground's stream waits for each job's newest launch on the device; the
+    foreground's thread waits on no background event (host waits counted: zero)."""
+    host_waits: list = []
+    with BackgroundRunner("cpu", MultiplexPolicy(slowdown_target=None)) as runner:
+        for name in ("a", "b"):
+            runner.submit(tiny_task(name=name, steps=1, batch_size=4))
+            runner.wait(name, timeout=30)
+        events = {name: _CountingEvent(host_waits) for name in ("a", "b")}
+        for name, ev in events.items():
+            runner._jobs[name].last_event = ev       # as after a CUDA launch
+        stream = _CountingStream()
+        monkeypatch.setattr(runner, "is_cuda", True)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+        with runner.foreground_critical("allreduce"):
+            assert runner._paused == 1
+        with runner.foreground_op("allreduce"):
+            pass
+        assert host_waits == []
+        assert stream.waited == [events["a"], events["b"]] * 2
+        monkeypatch.setattr(runner, "is_cuda", False)
+
+
+class _PieceGraph:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` recording captures and replays."""
+
+    log: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode=None) -> None:
+        _PieceGraph.log.append(("begin", self))
+
+    def capture_end(self) -> None:
+        _PieceGraph.log.append(("end", self))
+
+    def replay(self) -> None:
+        _PieceGraph.log.append(("replay", self))
+
+
+def test_background_step_in_pieces_is_paced_between_pieces(monkeypatch):
+    """A background step captured in pieces (CUDA semantics with a stand-in graph on CPU):
+    forward, the backward cut every ceil(P / (pieces - 2)) parameter gradients, optimizer;
+    replayed in capture order with the runner's pacing/pause gate before every piece but the
+    first."""
+    import contextlib
+
+    from jabasray.engine import multiplex
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _PieceGraph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    _PieceGraph.log = []
+    task = tiny_task(steps=1, batch_size=4)
+    x, y = task.dataset.tensors[0][:4], task.dataset.tensors[1][:4]
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    assert len(params) == 4
+    step = multiplex._GraphedStep.capture(task, x, y, None, pieces=4)
+    assert step is not None and len(step.graphs) == 4          # forward, 2 x backward, optimizer
+    assert [k for k, _ in _PieceGraph.log] == ["begin", "end"] * 4
+    _PieceGraph.log = []
+    step.replay(x, y, lambda: _PieceGraph.log.append(("between", None)))
+    assert _PieceGraph.log == [("replay", step.graphs[0]), ("between", None), ("replay", step.graphs[1]),
+                               ("between", None), ("replay", step.graphs[2]), ("between", None),
+                               ("replay", step.graphs[3])]
+    with pytest.raises(ValueError, match="graph_pieces"):
+        MultiplexPolicy(graph_pieces=0)

@@ -20,23 +20,22 @@ indifferent to the order of rows, and so is a per-sample-mean loss. Without per-
 BatchNorm the order is free altogether: :func:`join_adjacent` then joins micro-batches that
 lie back to back in memory (the loader's views of one batch) as one view, without a copy.
 
-:class:`BatchedExecution` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) runs such a
-step: the main VSW's module over each GA round, BatchNorm per VSW (``_norms``, packed by the
-worker), gradients accumulating in place; it uses the worker's ``_vsws``, ``_lanes``,
-``_norms``, ``_forward``/``_backward`` and ``_finish_vsw``.
+:class:`BatchedExecution` runs such a step on a :class:`~jabasray.engine.state.StepState`: the
+main VSW's module over each GA round, BatchNorm per VSW (the state's packed ``norms``),
+gradients accumulating in place, inside the eager frame of :mod:`.eager`.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from collections.abc import Mapping   # (isinstance with typing's alias is ~5x slower)
+from typing import Any, Callable, Sequence
 
 import torch
 
+from .eager import EagerExecution, StepRequest
 from .loader import _is_per_sample
+from .state import VSW, backward
 from .vsw_norm import ghost_norms
-
-if TYPE_CHECKING:
-    from .aggregation import _VSW
 
 MicroBatch = Any
 
@@ -154,25 +153,49 @@ def _join_adjacent(parts: Sequence[Any]) -> Any:
     return _NOT_ADJACENT
 
 
-class BatchedExecution:
+class BatchedExecution(EagerExecution):
     """One forward/backward of the main VSW per GA round over the n VSWs' micro-batches."""
 
-    def _run_batched(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
-                     rounds: Sequence[MicroBatch], weight: float) -> list[list[torch.Tensor]]:
+    batched = True
+
+    def active(self) -> list[VSW]:
+        return self.state.vsws[:1]
+
+    def join(self, micro_batches: Sequence[MicroBatch]) -> list[MicroBatch]:
+        """GA round ``j``'s micro-batches of the ``n`` VSWs joined into one batch, for every
+        round (``ValueError`` when they cannot be joined: the step then runs per VSW).
+        Without per-VSW BatchNorm the row order is free: micro-batches that lie back to back
+        (the loader's views of one batch) join without a copy."""
+        state = self.state
+        n, ga_rounds = state.num_vsw, state.num_ga + 1
+        join = join_batches if state.norms.active else join_any_order
+        return [join([micro_batches[v * ga_rounds + j] for v in range(n)]) for j in range(ga_rounds)]
+
+    def loss_weight_folded(self) -> bool:
+        # the 1/(global decoupled workers) of the update folded into the loss: the gradients
+        # leave backward averaged (no extra pass over them in the update). Single device
+        # only: with a process group another rank may run per VSW this step (e.g. forming
+        # both similarity groups), and every rank must all-reduce SUMS
+        return self.process_group is None
+
+    def passes(self, req: StepRequest, begin_vsw: Callable[[VSW], tuple[list[int], list[torch.Tensor]]],
+               weights: list[float], plan: Sequence[MicroBatch]) -> list[list[torch.Tensor]]:
         """Batched execution (module notes): the main VSW runs GA round ``j`` as one pass over
-        ``rounds[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
-        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``weight`` = ``n`` (the sum
-        of the VSWs' mean losses, :mod:`~jabasray.engine.batched`) / the global number of
-        decoupled workers (the average of step 4, applied here); gradients accumulate in place."""
-        lanes, main, n = self._lanes, self._vsws[0], weight
+        ``plan[j]`` (the ``n`` VSWs' ``j``-th micro-batches side by side), BatchNorm per VSW
+        (:func:`~jabasray.engine.vsw_norm.ghost_norms`), loss times ``n`` (the sum of the VSWs'
+        mean losses) / the global number of decoupled workers where that average is folded into
+        the loss; gradients accumulate in place."""
+        state = self.state
+        lanes, main = state.lanes, state.vsws[0]
+        weight = state.num_vsw / (state.global_num_workers if self.loss_weight_folded() else 1)
         try:
             with lanes.context(lanes.vsw[0]):
                 _, losses = begin_vsw(main)
-                for j, batch in enumerate(rounds):
-                    with ghost_norms(self._norms):
-                        scaled = self._forward(main, batch, n, losses)
-                    self._backward(main, scaled, last=j == len(rounds) - 1)
-                self._finish_vsw(main)
+                for j, batch in enumerate(plan):
+                    with ghost_norms(state.norms):
+                        scaled = state.forward(main, batch, weight, losses)
+                    backward(main, scaled, last=j == len(plan) - 1)
+                self.buckets.finish_vsw(main)
         finally:
             main.in_step = main.counting = False
         return [losses]

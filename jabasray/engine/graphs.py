@@ -38,19 +38,17 @@ later eager step). :func:`captured_for` is that decision for one key (warm-up, m
 capture, failure), shared with the packed step's graphs (:mod:`jabasray.engine.packing.graphed`).
 
 The one-way weight copy to the replicas is not captured: a batched step runs no replica, so
-the copy is deferred until a replica is used (the worker's ``_refresh_replicas``), as eagerly.
+the copy is deferred until a replica is used (:meth:`~jabasray.engine.state.StepState.refresh_replicas`), as eagerly.
 
 What invalidates a graph: a different key (:func:`graph_key`: configuration, input signature,
 train/eval mode, the optimizer's hyper-parameters other than the LR, clipping), a
 reconfiguration to another ``n_vsw`` (the BatchNorm statistics are re-packed) and a loaded
 optimizer state (new state tensors): the worker clears the cache then.
 
-:class:`GraphedSteps` (a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`) takes a step down
-this path; it uses the worker's configuration (``_num_vsw``, ``_num_ga``, ``_local_batch_size``,
-``_global_num_workers``), ``_vsws``, ``_lanes``, ``_norms``, ``optimizer``/``_shard``,
-``grad_clip_norm``, ``lr_factor``, ``_forward``, ``_log_once`` and its graph state
-(``_graph_mode``, ``_graphs``, ``_capture_stream``, ``_made_capturable``, ``_graph_grads``,
-``_autocast_cache``).
+:class:`GraphedExecution` takes a step down this path on a
+:class:`~jabasray.engine.state.StepState` (configuration, VSWs, lanes, BatchNorm statistics,
+the forward) with the worker's :class:`~jabasray.engine.weight_sync.WeightUpdate` (optimizer,
+clipping, LR values) and :class:`GraphCache`.
 """
 from __future__ import annotations
 
@@ -58,7 +56,8 @@ import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping   # (isinstance with typing's alias is ~5x slower)
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -484,109 +483,127 @@ def captured_for(cache: GraphCache, key: tuple, device: torch.device, capture: C
     return cache.get(key)
 
 
-class GraphedSteps:
-    """A batched step as the replay of a captured CUDA graph (module notes)."""
+class GraphedExecution:
+    """A batched step as the replay of a captured CUDA graph (module notes), on one device.
 
-    def _lr_values(self) -> list[float]:
-        """The LR of every param group in the next update: ``lr * lr_factor``."""
-        return [g["lr"] * self.lr_factor for g in self.optimizer.param_groups]
+    ``state``: the step's :class:`~jabasray.engine.state.StepState`; ``update``: the worker's
+    :class:`~jabasray.engine.weight_sync.WeightUpdate` (optimizer, clipping, LR values);
+    ``cache``: the worker's :class:`GraphCache`; ``say(reason)`` logs a fallback reason once."""
 
-    def _graph_step(self, micro_batches: Sequence[Any], sizes: list[int], reason: str | None,
-                    ragged: bool, keep_local_grad: bool | str, t0: float) -> StepStats | None:
+    def __init__(self, state: Any, update: Any, cache: GraphCache, clock: Callable[[], float],
+                 say: Callable[[str], None]) -> None:
+        self.state, self.update, self.cache, self.clock, self.say = state, update, cache, clock, say
+        self.capture_stream: Any = None
+        self.made_capturable = False
+
+    def prepare(self) -> None:
+        """Switch the optimizer to its capturable form once (the warm-up steps run it too)."""
+        if not self.made_capturable:
+            make_capturable(self.update.optimizer)
+            self.made_capturable = True
+
+    def key_of(self, micro_batches: Sequence[Any]) -> tuple | str:
+        """The graph key of a step over ``micro_batches``, or why it cannot be captured."""
+        sigs = {batch_signature(mb) for mb in micro_batches}
+        if None in sigs:
+            return "micro-batches hold values that are not tensors"
+        if len(sigs) > 1:
+            return "micro-batches of different shapes"
+        st = self.state
+        return graph_key(st.num_vsw, st.num_ga, st.local_batch_size, sigs.pop(),
+                         st.vsws[0].module.training, self.update.optimizer, self.update.grad_clip_norm)
+
+    def run(self, req: Any) -> StepStats | None:
         """The step as a replay of a captured CUDA graph (capturing it first once its key's
         warm-up is done), or ``None``: run it eagerly (warm-up, or a reason logged once)."""
-        why = worker_graph_blocker(self._graph_mode, self.device, self.precision, self.process_group,
-                                   self._flat_grads, self.sync_timing, self.optimizer)
-        if why is None and not self._made_capturable:
-            make_capturable(self.optimizer)      # the warm-up steps already run this form
-            self._made_capturable = True
-        why = why or step_graph_blocker(reason, ragged, keep_local_grad) or self._graphs.disabled
-        if why is None:
-            sigs = {batch_signature(mb) for mb in micro_batches}
-            if None in sigs:
-                why = "micro-batches hold values that are not tensors"
-            elif len(sigs) > 1:
-                why = "micro-batches of different shapes"
-        if why is not None:
-            self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
+        key = self.key_of(req.micro_batches)
+        if isinstance(key, str):
+            self.say(key)
             return None
-        key = graph_key(self._num_vsw, self._num_ga, self._local_batch_size, sigs.pop(),
-                        self.model.training, self.optimizer, self.grad_clip_norm)
-        parts = round_parts(micro_batches, self._num_vsw, self._num_ga)
+        st = self.state
+        parts = round_parts(req.micro_batches, st.num_vsw, st.num_ga)
 
         def capture() -> CapturedStep:
-            cap = self._capture(parts)
+            cap = self.capture(parts)
             log.info("IIDP: step captured as a CUDA graph (n_vsw=%d, n_GA=%d, B_L=%d)",
-                     self._num_vsw, self._num_ga, self._local_batch_size)
+                     st.num_vsw, st.num_ga, st.local_batch_size)
             return cap
-        cap = captured_for(self._graphs, key, self.device, capture,
-                           lambda why: self._log_once("IIDP: eager step (no CUDA graph: %s)", why))
+        cap = captured_for(self.cache, key, st.device, capture, self.say)
         if cap is None:
             return None
-        return self._replay(cap, parts, sizes, t0)
+        return self.replay(cap, parts, req.sizes, req.t0)
 
-    def _capture(self, parts: list[list[Any]]) -> CapturedStep:
-        """Capture one batched step (graphs module, item 2): the GA rounds' forward/backward
-        over the static inputs (per-VSW BatchNorm, loss weight ``n / global workers`` as in
-        :meth:`_run_batched`), the zero gradient of unused parameters, clipping and the
-        optimizer step. The weight copy to the replicas stays deferred (batched steps use none)."""
-        main = self._vsws[0]
-        main.set_hooks(False, self)
-        lanes = self._lanes
-        ready = lanes.record()                # the caller's stream produced the micro-batches
+    def static_inputs(self, parts: list[list[Any]]) -> StaticRounds:
+        """The static input buffers, allocated and first filled on the main VSW's stream
+        (after the caller's stream, which produced the micro-batches)."""
+        st = self.state
+        lanes = st.lanes
+        ready = lanes.record()
         with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
             lanes.wait(lanes.vsw[0], ready)
-            inputs = StaticRounds([[to_device(p, self.device) for p in r] for r in parts], self.device)
-        if self._capture_stream is None:
-            self._capture_stream = new_stream(self.device)
-        weight = self._num_vsw / self._global_num_workers
+            inputs = StaticRounds([[to_device(p, st.device) for p in r] for r in parts], st.device)
+        if self.capture_stream is None:
+            self.capture_stream = new_stream(st.device)
+        return inputs
+
+    def capture(self, parts: list[list[Any]]) -> CapturedStep:
+        """Capture one batched step (module notes, item 2): the GA rounds' forward/backward
+        over the static inputs (per-VSW BatchNorm, loss weight ``n / global workers`` as in
+        the eager batched step), the zero gradient of unused parameters, clipping and the
+        optimizer step. The weight copy to the replicas stays deferred (batched steps use none)."""
+        st, upd = self.state, self.update
+        main = st.vsws[0]
+        main.set_hooks(None)
+        inputs = self.static_inputs(parts)
+        weight = st.num_vsw / st.global_num_workers
         params = [p for plist in main.buffers.modules_params for p in plist]
 
         def body(buffers: list[Any]) -> tuple[torch.Tensor, dict, dict]:
             losses: list[torch.Tensor] = []
-            self._metric_sums, self._metric_counts = {}, {}
+            st.begin_metrics()
             for batch in buffers:
-                with ghost_norms(self._norms):
-                    scaled = self._forward(main, batch, weight, losses)
+                with ghost_norms(st.norms):
+                    scaled = st.forward(main, batch, weight, losses)
                 scaled.backward()
             main.buffers.finish()                     # zero gradient for unused parameters
-            if self.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, self.grad_clip_norm)
-            self._shard.step()                        # LR read from the device tensors
-            return torch.stack(losses).sum(), dict(self._metric_sums), dict(self._metric_counts)
+            if upd.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, upd.grad_clip_norm)
+            upd.shard.step()                          # LR read from the device tensors
+            return torch.stack(losses).sum(), dict(st.metric_sums), dict(st.metric_counts)
 
         main.buffers.begin_step()
-        self._autocast_cache = False
+        st.autocast_cache = False
         try:
-            return capture_step(body, inputs, self.optimizer, self._lr_values(), self._capture_stream,
+            return capture_step(body, inputs, upd.optimizer, upd.lr_values(), self.capture_stream,
                                 params)
         finally:
-            self._autocast_cache = True
-            self._metric_sums, self._metric_counts = {}, {}
+            st.autocast_cache = True
+            st.begin_metrics()
 
-    def _replay(self, cap: CapturedStep, parts: list[list[Any]], sizes: list[int],
-                t0: float) -> StepStats:
+    def replay(self, cap: CapturedStep, parts: list[list[Any]], sizes: list[int],
+               t0: float) -> StepStats:
         """One replay on the main VSW's stream (after the caller's stream, which then waits for
         it); the loss and metric sums are copied on the device (nothing is read)."""
-        lanes = self._lanes
+        st = self.state
+        lanes = st.lanes
         start_ev = lanes.record()
         with lanes.context(lanes.vsw[0]):
             lanes.wait(lanes.vsw[0], start_ev)
-            cap.replay(parts, self._lr_values())
+            cap.replay(parts, self.update.lr_values())
             loss_s, sums_s, counts = cap.outputs
             loss = loss_s.detach().clone()
             sums = {k: v.clone() for k, v in sums_s.items()}
             end_ev = lanes.record(lanes.vsw[0])
         lanes.wait(lanes.current(), end_ev)
-        if self._graph_grads is not cap:          # p.grad shows this step's gradient
-            main = self._vsws[0].buffers
+        if st.graph_grads is not cap:             # p.grad shows this step's gradient
+            main = st.vsws[0].buffers
             for p, g in zip((p for plist in main.modules_params for p in plist), cap.grads):
                 p.grad = g
-            self._graph_grads = cap
-        if self._num_vsw > 1:
-            self._stale = True                    # replicas get the weights when used
-        t = self._clock() - t0
-        return StepStats(loss=loss, num_workers=self.num_workers, global_num_workers=self._global_num_workers,
+            st.graph_grads = cap
+        if st.num_vsw > 1:
+            st.stale = True                       # replicas get the weights when used
+        t = self.clock() - t0
+        return StepStats(loss=loss, num_workers=st.num_workers, global_num_workers=st.global_num_workers,
                          num_samples=sum(sizes), compute_time=t, comm_time=0.0, update_time=0.0,
-                         weight_sync=self._method, batched=True, graphed=True,
+                         weight_sync=self.update.method, batched=True, graphed=True,
                          metric_sums=sums, metric_counts=dict(counts))

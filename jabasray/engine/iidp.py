@@ -9,8 +9,11 @@ How one ``train_step`` executes, and where each part lives (read one module at a
 -------------------------------------------------------------------------------------
 1. **Micro-batch assignment**: VSW ``v`` processes ``micro_batches[v*(num_ga+1) + j]`` for
    ``j = 0 .. num_ga`` in that order (VSW 0 is the main VSW). This module.
-2. **Forward/backward**, by one of three executions (the eager step that issues the first
-   and the third op by op: :mod:`~jabasray.engine.eager`):
+2. **Forward/backward**, by one of four executions, each a small object running a step on
+   the worker's :class:`~jabasray.engine.state.StepState` (VSWs, lanes, BatchNorm statistics,
+   configuration), chosen per step by ONE function that says why
+   (:func:`~jabasray.engine.execution.choose_execution`); the eager frame the batched and
+   per-VSW executions share is :mod:`~jabasray.engine.eager`:
 
    * **batched** (:mod:`~jabasray.engine.batched`, the default wherever it is exact): after
      one-way weight sync every VSW holds the main VSW's weights, so GA round ``j`` of all ``n``
@@ -21,10 +24,14 @@ How one ``train_step`` executes, and where each part lives (read one module at a
    * **batched as a CUDA graph** (:mod:`~jabasray.engine.graphs`, ``cuda_graphs="auto"``, one
      CUDA device without a process group): the whole batched step including the optimizer
      captured once per key and replayed;
+   * **segmented** (:mod:`~jabasray.engine.segmented`, a process group): the batched step
+     split at bucket boundaries, the bucket all-reduces issued between the segments (CUDA:
+     each segment a captured graph; CPU with ``segmented="on"``: eager segments);
    * **per VSW** (:mod:`~jabasray.engine.per_vsw`) where batching is not exact (a ragged step,
      ``per_sample_loss=False``, batch-coupled modules, micro-batches that cannot be joined, a
      forced ``vsw_execution``), with one log line naming the reason.
-3. **Buckets, aggregation, all-reduce, update** (:mod:`~jabasray.engine.aggregation`): hooks
+3. **Buckets, aggregation, all-reduce, update** (:mod:`~jabasray.engine.aggregation`,
+   :class:`~jabasray.engine.weight_sync.WeightUpdate`): hooks
    complete gradient buckets during backward, VSWs' buckets are added into the main VSW's,
    a communication thread all-reduces them in plan order while backward goes on; the sum is
    divided by the GLOBAL number of decoupled workers; one-way weight sync (SWS/OWS,
@@ -49,7 +56,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
 import time
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -59,21 +65,22 @@ from torch import nn
 
 from ..validation import check_choice, check_float, check_int
 from ..config import WEIGHT_SYNC_METHODS
-from .aggregation import _VSW, BucketAggregation
+from .aggregation import BucketAggregation
 from .batched import BatchedExecution, batch_fallback_reason
-from .eager import EagerSteps
 from .buckets import (BucketPlan, bucket_nbytes, default_bucket_plan, make_bucket_specs,
                       trainable_parameters, validate_bucket_plan)
-from .graphs import (CUDA_GRAPH_MODES, CapturedStep, GraphCache, GraphedSteps, step_graph_blocker,
-                     worker_graph_blocker)
-from .loader import batch_size, to_device
+from .eager import StepRequest
+from .execution import SEGMENTED_DEFAULT, SEGMENTED_MODES, Choice, choose_execution
+from . import graphs
+from .graphs import CUDA_GRAPH_MODES, GraphCache, GraphedExecution
+from .loader import batch_size
 from .per_vsw import PerVSWExecution
+from .segmented import SegmentedExecution
+from .state import VSW, StepState
 from .stats import StepStats, _DeviceScalar, _Timings, read_losses  # noqa: F401  (re-exported)
-from .step import PRECISIONS, autocast, check_loss, make_grad_scaler, split_step_output, supervised_step
-from .train_metrics import add_step_metrics
-from .streams import DispatcherThread, Lanes, VSWThreadPool
-from .vsw_norm import VSWNorms, coupling_modules, pack_norm_stats
-from .weight_sync import ShardOptimizer, resolve_weight_sync
+from .step import PRECISIONS, make_grad_scaler, supervised_step
+from .vsw_norm import coupling_modules, pack_norm_stats
+from .weight_sync import ShardOptimizer, WeightUpdate, resolve_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +98,7 @@ def _clone_state(sd: dict) -> dict:
     return out
 
 
-class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecution, GraphedSteps):
+class IIDPWorker:
     """Independent and Identical Data Parallelism on one device (see the module notes).
 
     Args:
@@ -118,7 +125,8 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
             not covered). Only steps that communicate (``process_group`` set) enter it. It is
             entered on the worker's communication thread (never inside a backward pass: it
             may block, e.g. until a background step finished) and exited on the caller's
-            thread. ``None`` (default): nothing is called. Settable as the attribute
+            thread; a segmented step enters it on the caller's thread between two segments
+            (CPU: from the bucket hook, CPU backward running on the caller's thread). ``None`` (default): nothing is called. Settable as the attribute
             ``comm_guard`` between steps.
         step_fn: ``step_fn(model, micro_batch) -> mean loss`` (0-d tensor) instead of the
             supervised default (dict batches, several outputs, auxiliary losses).
@@ -137,6 +145,12 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         cuda_graphs: ``"auto"``: batched steps on one CUDA device are captured as CUDA graphs
             and replayed where possible (:mod:`~jabasray.engine.graphs`; otherwise eager, with
             one log line naming the reason); ``"off"``: always eager.
+        segmented: steps with a process group, batched and otherwise capturable, as segments
+            split at bucket boundaries with the all-reduces between them
+            (:mod:`~jabasray.engine.segmented`): ``"auto"`` on CUDA with ``cuda_graphs="auto"``
+            (each segment a CUDA graph); ``"on"`` also on CPU (eager segments); ``"off"``
+            (the default, :data:`~jabasray.engine.execution.SEGMENTED_DEFAULT`, until the CUDA
+            path has run on a GPU): the eager step with the communication thread.
 
     The learning rate the optimizer steps with is ``group["lr"] * lr_factor`` for each param
     group: ``group["lr"]`` stays the user's (and the user's LR scheduler's) value, and
@@ -153,8 +167,9 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
                  step_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
                  precision: str = "fp32", grad_clip_norm: float | None = None,
                  vsw_execution: str = "auto", per_sample_loss: bool = True,
-                 cuda_graphs: str = "auto") -> None:
+                 cuda_graphs: str = "auto", segmented: str = SEGMENTED_DEFAULT) -> None:
         check_choice("weight_sync", weight_sync, WEIGHT_SYNC_METHODS)
+        check_choice("segmented", segmented, SEGMENTED_MODES)
         check_choice("cuda_graphs", cuda_graphs, CUDA_GRAPH_MODES)
         check_choice("vsw_execution", vsw_execution, VSW_EXECUTIONS)
         check_choice("precision", precision, PRECISIONS)
@@ -189,144 +204,168 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         self.loss_fn = loss_fn
         self.step_fn = step_fn if step_fn is not None else supervised_step(loss_fn)
         self.precision = precision
-        self.grad_clip_norm = grad_clip_norm
-        self.lr_factor = 1.0
-        self._scaler = make_grad_scaler(self.device, precision)
+        scaler = make_grad_scaler(self.device, precision)
         self.process_group = process_group
         # NCCL needs device tensors; gloo takes CPU tensors
         self._comm_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         plan = (default_bucket_plan(model, bucket_cap_mb) if bucket_plan is None
                 else validate_bucket_plan(model, bucket_plan))
         self.bucket_plan: BucketPlan = plan
-        self._specs = make_bucket_specs(model, plan)
-        self._param_names = [n for n, _ in trainable_parameters(model)]
+        specs = make_bucket_specs(model, plan)
         self.weight_sync = weight_sync
-        nbytes = bucket_nbytes(self._specs)
-        self._method = resolve_weight_sync(weight_sync, nbytes, bucket_cap_mb)
-        if self._method == "ows" and (grad_clip_norm is not None or self._scaler is not None):
+        nbytes = bucket_nbytes(specs)
+        method = resolve_weight_sync(weight_sync, nbytes, bucket_cap_mb)
+        if method == "ows" and (grad_clip_norm is not None or scaler is not None):
             # the global norm / inf check needs every bucket before any update
             log.info("IIDP: SWS instead of OWS (grad_clip_norm or fp16 loss scaling needs the "
                      "whole gradient before the update)")
-            self._method = "sws"
-        log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(self._specs),
-                 nbytes, self._method, weight_sync)
+            method = "sws"
+        log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(specs), nbytes, method, weight_sync)
 
-        self._lock = threading.Lock()
         # flat gradient buckets only when they are all-reduced; on a single device gradients
         # stay autograd's tensors (no bucket copy at all)
-        self._flat_grads = process_group is not None if flat_grads is None else flat_grads
-        self._lanes = Lanes(self.device)
-        self._execution = (("one_thread" if self._lanes.is_cuda else "threads")
-                           if vsw_execution == "auto" else vsw_execution)
+        flat = process_group is not None if flat_grads is None else flat_grads
+        is_cuda = self.device.type == "cuda"
+        execution = ("one_thread" if is_cuda else "threads") if vsw_execution == "auto" else vsw_execution
+        # the step's state: VSWs, lanes, BatchNorm statistics, configuration (state module)
+        self.state = StepState(model, specs, self.device, self.step_fn, precision, scaler, flat,
+                               execution, [n for n, _ in trainable_parameters(model)])
         # batched execution (module notes): exact unless forced off, a ragged step, a loss that
         # is not a per-sample mean, or modules that couple a batch's samples
         self._forced = None if vsw_execution == "auto" else vsw_execution
         self.per_sample_loss = per_sample_loss
         self._coupling = coupling_modules(model)
-        self._norms = VSWNorms([])          # (main's BatchNorm layer, PackedNormStats) per layer
-        self._packed = False                # _norms packed for the current VSWs
-        self._stale = False                 # replicas' weights lag the main VSW's (batched steps)
-        self._copy_replicas = True          # this step's update copies weights to the replicas
-        self._prescaled = False             # this step's gradients are averaged already
         self._logged: set[str] = set()      # fallback reasons already logged
-        self._pool = VSWThreadPool(0)
-        self._comm: DispatcherThread | None = None   # communication thread (process group only)
-        self._vsws: list[_VSW] = [_VSW(0, model, self._specs, self)]
-        self._active: list[_VSW] = self._vsws[:1]   # VSWs that run backward in this step
-        self._lanes.resize(1)
         params = [p for _, p in trainable_parameters(model)]
-        self.optimizer = optimizer_fn(params)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        self._shard = ShardOptimizer(self.optimizer, self._vsws[0].buffers.modules_params)
-
-        self._num_vsw = 1
-        self._num_ga = 0
-        self._local_batch_size: int | None = None
-        self._global_num_workers = 1
-        # per-step state
-        self._pending: list[int] = []
-        self._ready: list[bool] = []
-        self._next_launch = 0
-        self._works: list[Any] = []
-        self._snapshot: list[Any] | None = None
-        self._split = False                    # this step keeps the two VSW halves apart
-        self._metric_sums: dict[str, torch.Tensor] = {}   # step_fn's metrics x samples (float64)
-        self._metric_counts: dict[str, int] = {}          # samples behind each metric sum
-        self.comm_guard = comm_guard
-        self._guard_cm: ContextManager[Any] | None = None   # the guard entered in this step
+        optimizer = optimizer_fn(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer_fn must return a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        shard = ShardOptimizer(optimizer, self.state.vsws[0].buffers.modules_params)
+        self._weights = WeightUpdate(optimizer, shard, scaler, grad_clip_norm, method)
+        self._buckets = BucketAggregation(self.state, process_group, comm_guard)
         # True: synchronise the device around timed phases (profiling on CUDA); CPU is
         # synchronous anyway
         self.sync_timing = False
-        # whole-step CUDA graphs (graphs module): captured steps by key, the capture stream
+        # CUDA graphs (graphs and segmented modules): captured steps by key
         self._graph_mode = cuda_graphs
-        self._graphs = GraphCache(on_drop=self._lanes.synchronize)
-        self._capture_stream: Any = None
-        self._made_capturable = False
-        self._graph_grads: CapturedStep | None = None   # the graph whose gradients p.grad shows
-        self._autocast_cache = True                      # False while a forward is captured
+        self._segmented = segmented
+        self._graphs = GraphCache(on_drop=self.state.lanes.synchronize)
+        self._make_executions()
+
+    def _make_executions(self) -> None:
+        """The four executions over this worker's state (execution module)."""
+        st, pg, cd = self.state, self.process_group, self._comm_device
+        eager = (st, self._buckets, self._weights, pg, cd, self._clock,
+                 lambda divisor: self._update(divisor))
+        self._batched = BatchedExecution(*eager)
+        self._per_vsw = PerVSWExecution(*eager)
+        say = self._say_no_graph
+        self._graphed = GraphedExecution(st, self._weights, self._graphs, self._clock, say)
+        self._segments = SegmentedExecution(st, self._buckets, self._weights, pg, cd, self._graphs,
+                                            self._clock, say)
+
+    def _say_no_graph(self, why: str) -> None:
+        self._log_once("IIDP: eager step (no CUDA graph: %s)", why)
+
+    # ------------------------------------------------------------------ state views
+    @property
+    def _vsws(self) -> list[VSW]:
+        return self.state.vsws
+
+    @property
+    def _lanes(self) -> Any:
+        return self.state.lanes
+
+    @property
+    def _pool(self) -> Any:
+        return self.state.pool
+
+    @property
+    def _specs(self) -> list:
+        return self.state.specs
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer (over the main VSW's trainable parameters)."""
+        return self._weights.optimizer
+
+    @property
+    def lr_factor(self) -> float:
+        """The batch-size rule's LR multiplier, applied only around the optimizer step."""
+        return self._weights.lr_factor
+
+    @lr_factor.setter
+    def lr_factor(self, value: float) -> None:
+        self._weights.lr_factor = value
+
+    @property
+    def grad_clip_norm(self) -> float | None:
+        return self._weights.grad_clip_norm
+
+    @grad_clip_norm.setter
+    def grad_clip_norm(self, value: float | None) -> None:
+        self._weights.grad_clip_norm = value
+
+    @property
+    def comm_guard(self) -> Callable[[str], ContextManager[Any]] | None:
+        """See the constructor; settable between steps."""
+        return self._buckets.comm_guard
+
+    @comm_guard.setter
+    def comm_guard(self, value: Callable[[str], ContextManager[Any]] | None) -> None:
+        self._buckets.comm_guard = value
 
     # ------------------------------------------------------------------ properties
     @property
     def model(self) -> nn.Module:
         """The main VSW's module (current weights)."""
-        return self._vsws[0].module
+        return self.state.vsws[0].module
 
     @property
     def num_vsw(self) -> int:
-        return self._num_vsw
+        return self.state.num_vsw
 
     @property
     def num_ga(self) -> int:
-        return self._num_ga
+        return self.state.num_ga
 
     @property
     def local_batch_size(self) -> int | None:
-        return self._local_batch_size
+        return self.state.local_batch_size
 
     @property
     def num_workers(self) -> int:
         """Decoupled workers on this device: ``num_vsw * (num_ga + 1)``."""
-        return self._num_vsw * (self._num_ga + 1)
+        return self.state.num_workers
 
     @property
     def global_num_workers(self) -> int:
-        return self._global_num_workers
+        return self.state.global_num_workers
 
     @property
     def vsw_execution(self) -> str:
         """The VSW execution scheme in use: ``"threads"`` or ``"one_thread"``."""
-        return self._execution
+        return self.state.execution
 
     @property
     def weight_sync_method(self) -> str:
         """The method in use: ``"sws"`` or ``"ows"`` (``"auto"`` resolved)."""
-        return self._method
+        return self._weights.method
 
     def set_weight_sync(self, method: str) -> None:
         """Use ``"sws"`` or ``"ows"`` from the next step on (a plan's predicted choice; the
         shard optimizer exists either way, so switching between steps is safe)."""
-        self._method = check_choice("weight_sync", method, ("sws", "ows"))
+        self._weights.method = check_choice("weight_sync", method, ("sws", "ows"))
 
     @property
     def bucket_nbytes(self) -> list[int]:
-        return bucket_nbytes(self._specs)
+        return bucket_nbytes(self.state.specs)
 
     def replicas(self) -> list[nn.Module]:
         """All VSW modules, main first (read-only use: tests, diagnostics); their weights are
         brought up to date first (batched steps defer the weight copy to the replicas)."""
-        self._refresh_replicas()
-        return [v.module for v in self._vsws]
-
-    def _refresh_replicas(self) -> None:
-        """The one-way weight copy that batched steps skipped (no replica runs in them): done
-        before a replica is used (a per-VSW step) or looked at."""
-        if self._stale:
-            main = self._vsws[0].buffers
-            with torch.no_grad():
-                for v in self._vsws[1:]:
-                    v.buffers.copy_params_from(main)
-            self._stale = False
+        self.state.refresh_replicas()
+        return [v.module for v in self.state.vsws]
 
     @property
     def cuda_graphs(self) -> str:
@@ -335,16 +374,30 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
 
     def graph_fallback_reason(self, ragged: bool = False, keep_local_grad: bool | str = False) -> str | None:
         """Why a step (``ragged``, keeping its local gradient or not) would run eagerly rather
-        than as a CUDA graph, or ``None`` (it is captured after its warm-up, then replayed)."""
-        return (worker_graph_blocker(self._graph_mode, self.device, self.precision, self.process_group,
-                                     self._flat_grads, self.sync_timing, self.optimizer)
-                or step_graph_blocker(self.batch_fallback_reason(ragged), ragged, keep_local_grad)
-                or self._graphs.disabled)
+        than as a CUDA graph (whole-step or segmented), or ``None`` (it is captured after its
+        warm-up, then replayed)."""
+        choice = self._choose(ragged, keep_local_grad)
+        if choice.execution in ("graphed", "segmented"):
+            return None if self.state.lanes.is_cuda else "segments run eagerly on CPU"
+        return choice.graph_why or graphs.worker_graph_blocker(
+            self._graph_mode, self.device, self.precision, self.process_group, self.state.flat_grads,
+            self.sync_timing, self.optimizer) or graphs.step_graph_blocker(choice.batch_why, ragged, keep_local_grad)
 
     def batch_fallback_reason(self, ragged: bool = False) -> str | None:
         """Why a step (``ragged`` or not) would run per VSW now, or ``None``: it runs batched."""
-        return batch_fallback_reason(self._num_vsw, ragged, self.per_sample_loss, self._coupling,
+        return batch_fallback_reason(self.state.num_vsw, ragged, self.per_sample_loss, self._coupling,
                                      self._forced)
+
+    def _choose(self, ragged: bool, keep_local_grad: bool | str) -> Choice:
+        """The execution of the next step and why (:func:`choose_execution`)."""
+        st = self.state
+        return choose_execution(
+            num_vsw=st.num_vsw, ragged=ragged, keep_local_grad=keep_local_grad,
+            per_sample_loss=self.per_sample_loss, coupling=self._coupling, forced=self._forced,
+            graph_mode=self._graph_mode, segmented=self._segmented, device=self.device,
+            precision=self.precision, process_group=self.process_group, flat_grads=st.flat_grads,
+            hooks_enabled=self._buckets.hooks_enabled, sync_timing=self.sync_timing,
+            optimizer=self.optimizer, graphs_disabled=self._graphs.disabled)
 
     # ------------------------------------------------------------------ configuration
     def configure(self, num_vsw: int, num_ga: int, local_batch_size: int) -> None:
@@ -355,49 +408,51 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         num_vsw = check_int("num_vsw", num_vsw, min_value=1)
         num_ga = check_int("num_ga", num_ga, min_value=0)
         local_batch_size = check_int("local_batch_size", local_batch_size, min_value=1)
+        st = self.state
         workers = num_vsw * (num_ga + 1)
         if self.process_group is not None:
             t = torch.tensor([workers], dtype=torch.int64, device=self._comm_device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.process_group)
-            self._global_num_workers = int(t.item())
+            st.global_num_workers = int(t.item())
         else:
-            self._global_num_workers = workers
-        self._lanes.synchronize()
-        repack = num_vsw != len(self._vsws) or not self._packed
-        while len(self._vsws) < num_vsw:
-            self._vsws.append(self._new_replica(len(self._vsws)))
-        for v in self._vsws[num_vsw:]:
+            st.global_num_workers = workers
+        st.lanes.synchronize()
+        repack = num_vsw != len(st.vsws) or not st.packed
+        while len(st.vsws) < num_vsw:
+            st.vsws.append(self._new_replica(len(st.vsws)))
+        for v in st.vsws[num_vsw:]:
             v.remove_hooks()
-        del self._vsws[num_vsw:]
+        del st.vsws[num_vsw:]
         if repack:
             # every VSW's BatchNorm statistics in one [n, C] tensor per layer (views per
             # replica); captured steps read the old tensors: forget them
-            self._norms = pack_norm_stats([v.module for v in self._vsws])
-            self._packed = True
+            st.norms = pack_norm_stats([v.module for v in st.vsws])
+            st.packed = True
             self._graphs.clear()
-        self._lanes.resize(num_vsw)
-        self._pool.resize(num_vsw - 1 if self._execution == "threads" else 0)
-        self._num_vsw, self._num_ga, self._local_batch_size = num_vsw, num_ga, local_batch_size
+        st.lanes.resize(num_vsw)
+        st.pool.resize(num_vsw - 1 if st.execution == "threads" else 0)
+        st.num_vsw, st.num_ga, st.local_batch_size = num_vsw, num_ga, local_batch_size
         log.debug("IIDP configured: n_vsw=%d n_ga=%d B_L=%d (global workers %d)",
-                  num_vsw, num_ga, local_batch_size, self._global_num_workers)
+                  num_vsw, num_ga, local_batch_size, st.global_num_workers)
 
-    def _new_replica(self, index: int) -> _VSW:
-        main = self._vsws[0].module
+    def _new_replica(self, index: int) -> VSW:
+        main = self.state.vsws[0].module
         with torch.no_grad():
             replica = copy.deepcopy(main)
         replica.train(main.training)
-        return _VSW(index, replica, self._specs, self)
+        return VSW(index, replica, self.state.specs, self.state.flat_grads)
 
     def sync_replicas(self) -> None:
         """Copy the main VSW's weights and buffers to every other VSW (after the user changed
         ``model`` directly, e.g. loaded weights)."""
-        main = self._vsws[0]
+        vsws = self.state.vsws
+        main = vsws[0]
         with torch.no_grad():
-            for v in self._vsws[1:]:
+            for v in vsws[1:]:
                 v.buffers.copy_params_from(main.buffers)
                 for (_, dst), (_, src) in zip(v.module.named_buffers(), main.module.named_buffers()):
                     dst.copy_(src)
-        self._stale = False
+        self.state.stale = False
 
     # ------------------------------------------------------------------ LR
     def set_lr(self, lr: float) -> None:
@@ -414,13 +469,14 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
 
     # ------------------------------------------------------------------ training
     def _check_micro_batches(self, micro_batches: Sequence[MicroBatch], ragged: bool) -> list[int]:
-        if self._local_batch_size is None:
+        B = self.state.local_batch_size
+        if B is None:
             raise ValueError("configure(num_vsw, num_ga, local_batch_size) must be called before train_step")
         if not isinstance(micro_batches, (list, tuple)):
             raise ValueError(f"micro_batches must be a list of batches, got {type(micro_batches).__name__}")
         want = self.num_workers
         if len(micro_batches) != want:
-            raise ValueError(f"micro_batches must hold num_vsw*(num_ga+1) = {self._num_vsw}*({self._num_ga}+1) "
+            raise ValueError(f"micro_batches must hold num_vsw*(num_ga+1) = {self.num_vsw}*({self.num_ga}+1) "
                              f"= {want} batches, got {len(micro_batches)}")
         sizes = []
         for i, mb in enumerate(micro_batches):
@@ -429,11 +485,11 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
             except ValueError as e:
                 raise ValueError(f"micro_batches[{i}]: {e}") from None
             if ragged:
-                if not 0 <= n <= self._local_batch_size:
+                if not 0 <= n <= B:
                     raise ValueError(f"micro_batches[{i}] must hold between 0 and local_batch_size = "
-                                     f"{self._local_batch_size} samples (ragged), got {n}")
-            elif n != self._local_batch_size:
-                raise ValueError(f"micro_batches[{i}] must hold local_batch_size = {self._local_batch_size} "
+                                     f"{B} samples (ragged), got {n}")
+            elif n != B:
+                raise ValueError(f"micro_batches[{i}] must hold local_batch_size = {B} "
                                  f"samples, got {n} (use ragged=True for the last iteration of an epoch)")
             sizes.append(n)
         return sizes
@@ -456,79 +512,77 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         try:
             return self._train_step(micro_batches, keep_local_grad, ragged)
         except BaseException as e:
-            self._drain_launches()
-            self._exit_comm_guard(e)      # a failed step never leaves the guard entered
+            self._buckets.drain()
+            self._buckets.exit_guard(e)      # a failed step never leaves the guard entered
             raise
 
     def _train_step(self, micro_batches: Sequence[MicroBatch], keep_local_grad: bool | str,
                     ragged: bool) -> StepStats:
         if keep_local_grad not in (False, True, "split"):
             raise ValueError(f"keep_local_grad must be False, True or 'split', got {keep_local_grad!r}")
-        self._split = keep_local_grad == "split"
-        if self._split and self._num_vsw % 2:
+        if keep_local_grad == "split" and self.num_vsw % 2:
             raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
-                             f"got {self._num_vsw}")
+                             f"got {self.num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
-        t0 = self._clock()
-
-        # --- batched (one pass over the n VSWs' micro-batches of each GA round) or per VSW
-        # a GPU forming both similarity groups needs each VSW's own gradient: per VSW (this is
-        # only the last iteration of an adaptation interval)
-        # (with a process group every rank all-reduces sums, batched or not)
-        reason = self.batch_fallback_reason(ragged)
-        if self._split:
-            reason = "the similarity groups split the VSWs"
-        if self._graph_mode != "off":
-            graphed = self._graph_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
-            if graphed is not None:
-                return graphed
-        return self._eager_step(micro_batches, sizes, reason, ragged, keep_local_grad, t0)
+        req = StepRequest(micro_batches, sizes, ragged, keep_local_grad, self._clock())
+        # the one decision (execution module): a graph or segments where possible (they run
+        # eagerly batched while their key warms up), batched where exact, else per VSW
+        choice = self._choose(ragged, keep_local_grad)
+        if choice.graph_why is not None:
+            self._say_no_graph(choice.graph_why)
+        if choice.capturable:
+            self._graphed.prepare()
+        if choice.execution == "graphed":
+            stats = self._graphed.run(req)
+            if stats is not None:
+                return stats
+        elif choice.execution == "segmented":
+            stats = self._segments.run(req)
+            if stats is not None:
+                return stats
+        why = choice.batch_why
+        if why is None:
+            try:
+                rounds = self._batched.join(micro_batches)
+            except ValueError as e:
+                why = f"micro-batches cannot be joined: {e}"
+            else:
+                return self._batched.run(req, rounds)
+        if self.num_vsw > 1:
+            self._log_once("IIDP: per-VSW execution (%s)", why)
+        return self._per_vsw.run(req)
 
     # ------------------------------------------------------------------ shared by every execution
+    def _update(self, divisor: float) -> _Timings:
+        """The update after the all-reduces (:meth:`WeightUpdate.update` over this worker's
+        buckets and VSWs); a subclass may replace it (the benchmarks' naive baseline)."""
+        return self._weights.update(self._buckets, self.state.vsws, len(self.state.specs), divisor,
+                                    self._clock)
+
     def _log_once(self, message: str, reason: str) -> None:
         line = message % reason
         if line not in self._logged:
             self._logged.add(line)
             log.info(line)
 
-    def _forward(self, vsw: _VSW, micro_batch: MicroBatch, weight: float,
-                 losses: list[torch.Tensor]) -> torch.Tensor:
-        """Forward of one micro-batch on ``vsw`` (current stream); appends ``loss * weight``
-        (detached, on the device) to ``losses``; returns the (weighted, fp16-scaled) loss to
-        back-propagate."""
-        batch = to_device(micro_batch, self.device)
-        with autocast(self.device, self.precision, self._autocast_cache):
-            loss, metrics = split_step_output(self.step_fn(vsw.module, batch))
-            loss = check_loss(loss)
-        if metrics:
-            self._add_metrics(metrics, batch_size(batch))
-        scaled = loss if weight == 1.0 else loss * weight
-        losses.append(scaled.detach())
-        return self._scaler.scale(scaled) if self._scaler is not None else scaled
-
-    def _add_metrics(self, metrics: dict[str, Any], n: int) -> None:
-        """Training metrics of one forward (means over its ``n`` samples) into this step's
-        sample-weighted float64 sums, on the device (read once per interval by the caller)."""
-        with self._lock:
-            add_step_metrics(self._metric_sums, self._metric_counts, metrics, n, self.device)
-
     def _clock(self) -> float:
         if self.sync_timing:
-            self._lanes.synchronize()
+            self.state.lanes.synchronize()
         return time.perf_counter()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """A snapshot (deep copy, not views of live tensors) of the weights (+ the main VSW's
         buffers, e.g. BatchNorm running statistics), optimizer state and configuration."""
-        self._lanes.synchronize()
+        self.state.lanes.synchronize()
+        scaler = self.state.scaler
         return {
             "model": _clone_state(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "config": {"num_vsw": self._num_vsw, "num_ga": self._num_ga,
-                       "local_batch_size": self._local_batch_size},
-            "weight_sync": self._method,
-            **({"grad_scaler": self._scaler.state_dict()} if self._scaler is not None else {}),
+            "config": {"num_vsw": self.num_vsw, "num_ga": self.num_ga,
+                       "local_batch_size": self.local_batch_size},
+            "weight_sync": self._weights.method,
+            **({"grad_scaler": scaler.state_dict()} if scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -540,9 +594,10 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._graphs.clear()             # the optimizer's state tensors are new
-        self._made_capturable = False
-        if self._scaler is not None and state.get("grad_scaler"):
-            self._scaler.load_state_dict(state["grad_scaler"])
+        self._graphed.made_capturable = False
+        scaler = self.state.scaler
+        if scaler is not None and state.get("grad_scaler"):
+            scaler.load_state_dict(state["grad_scaler"])
         cfg = state["config"]
         if cfg.get("local_batch_size") is not None:
             self.configure(cfg["num_vsw"], cfg["num_ga"], cfg["local_batch_size"])
@@ -553,22 +608,19 @@ class IIDPWorker(EagerSteps, BucketAggregation, BatchedExecution, PerVSWExecutio
         CPU runs VSWs 1..n-1 there; the caller's own thread and the communication thread are not
         counted): with the caller's ``time.thread_time`` the step's compute CPU, which the
         "wait" emulation scales (:mod:`jabasray.actors.emulation`)."""
-        return self._pool.cpu_s
+        return self.state.pool.cpu_s
 
     def close(self) -> None:
         """Stop the VSW threads, drop captured graphs and remove the hooks from the main model."""
         self._graphs.clear()
-        self._pool.close()
-        if self._comm is not None:
-            self._comm.stop()
-            self._comm = None
-        for v in self._vsws:
+        self.state.pool.close()
+        self._buckets.stop()
+        for v in self.state.vsws:
             v.remove_hooks()
 
     def __del__(self) -> None:  # best effort
         try:
-            self._pool.close()
-            if self._comm is not None:
-                self._comm.stop()
+            self.state.pool.close()
+            self._buckets.stop()
         except Exception:  # noqa: BLE001
             pass

@@ -25,7 +25,8 @@ only known when the driver sends it, so its first batch is not prefetched.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping   # (isinstance with typing's alias is ~5x slower)
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch

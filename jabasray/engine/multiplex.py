@@ -29,7 +29,11 @@ A low-priority *background* training job uses the spare capacity of a device whi
    (non-default) background stream - they create the optimizer state the graph then updates in
    place - and capture itself executes nothing; the captured step first runs (replay) on the
    batch it was captured for. So a graphed job does exactly the eager job's steps. A capture
-   failure or a batch of another shape falls back to eager execution with a log line. The LR
+   failure or a batch of another shape falls back to eager execution with a log line. With
+   ``graph_pieces > 1`` the step is captured as several graphs sharing one memory pool (the
+   forward, the backward cut at parameter-gradient boundaries, the optimizer) and each piece
+   is launched only when the previous one has finished and the pause gate is open, so a
+   foreground op that pauses the background waits on the device for at most one piece. The LR
    is a constant of the graph (background jobs have no scheduler). A foreground must wait on
    its own stream (``torch.cuda.current_stream().synchronize()``), not the whole device:
    ``torch.cuda.synchronize()`` waits for the background's work too, and CUDA refuses it
@@ -59,6 +63,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -94,6 +99,9 @@ class MultiplexPolicy:
     probe_interval: int = 20              # foreground steps between two isolated re-measurements
     max_background_batch: int | None = 32 # cap of the background batch (None = job's own)
     drain_on_pause: bool = True           # pausing waits for in-flight background work
+    graph_pieces: int = 1                 # CUDA graphs: a captured step cut into about this many
+                                          # pieces (forward, parts of backward, optimizer), each
+                                          # launched when the previous one finished (1: whole)
 
     def __post_init__(self) -> None:
         if self.max_outstanding is not None:
@@ -103,6 +111,7 @@ class MultiplexPolicy:
         if self.op_slowdown_threshold is not None:
             check_float("op_slowdown_threshold", self.op_slowdown_threshold, min_value=1)
         check_int("probe_interval", self.probe_interval, min_value=1)
+        check_int("graph_pieces", self.graph_pieces, min_value=1)
         if self.max_background_batch is not None:
             check_int("max_background_batch", self.max_background_batch, min_value=1)
 
@@ -565,17 +574,29 @@ class BackgroundRunner:
 
     # ---------------------------------------------------------------- foreground side
     def _hold(self, delta: int) -> None:
+        """Pause (``delta=+1``) or release (``-1``) the background for a foreground op.
+
+        Pausing closes the gate before the background's next launch. With ``drain_on_pause``
+        the foreground's work also starts after the background's in-flight work, without the
+        foreground's thread ever waiting for the background (DeepPool section 5: no foreground
+        stall): on CUDA its CURRENT stream (the stream the foreground op is issued on, e.g. the
+        IIDP worker's communication lane) waits on the device for each job's newest launch
+        event (older launches of a job precede it on the background stream); a launch the
+        background thread is issuing at this moment is not waited for (it runs at low
+        priority). On CPU a launch is the step running on the background thread, so the
+        caller waits for that thread to finish it (the same happens-before, with threads)."""
         with self._cv:
             self._paused = max(0, self._paused + delta)
-            if delta > 0 and self.policy.drain_on_pause:
+            if delta > 0 and self.policy.drain_on_pause and not self.is_cuda:
                 while self._busy:                   # CPU: let the running step finish
                     self._cv.wait()
             self._cv.notify_all()
         if delta > 0 and self.policy.drain_on_pause and self.is_cuda:
+            foreground = torch.cuda.current_stream(self.device)
             for job in list(self._jobs.values()):   # CUDA: in-flight launches finish first
                 ev = job.last_event                 # newest launch; older ones precede it
                 if ev is not None:
-                    ev.synchronize()
+                    foreground.wait_event(ev)       # on the device, not on this thread
 
     @contextlib.contextmanager
     def foreground_critical(self, op: str = "allreduce") -> Iterator[None]:
@@ -733,6 +754,19 @@ class BackgroundRunner:
         finally:
             job.status.busy_seconds += time.perf_counter() - t0
 
+    def _between_pieces(self, job: _Job) -> None:
+        """Background thread, between two pieces of a job's captured step (module notes, item
+        3): the previous piece's event becomes the job's newest launch (what a pause makes the
+        foreground's stream wait for), the thread waits for it (one piece outstanding), then
+        for the pause gate to open: a foreground op waits for at most one piece."""
+        ev = torch.cuda.Event()
+        ev.record(self.bg_stream)
+        job.last_event = ev
+        ev.synchronize()
+        with self._cv:
+            while self._paused > 0 and not self._stop:
+                self._cv.wait(timeout=0.1)
+
     def _step(self, job: _Job, x: torch.Tensor, y: torch.Tensor) -> Any:
         """Issue one training step; returns a completion handle (CUDA event) or None (CPU)."""
         task = job.task
@@ -745,11 +779,11 @@ class BackgroundRunner:
             full = len(y) == job.batch_size
             if (self.policy.cuda_graphs and not job.graph_failed and full and job.graph is None
                     and job.eager_steps >= GRAPH_WARMUP_STEPS):
-                job.graph = _GraphedStep.capture(task, x, y, self.bg_stream)
+                job.graph = _GraphedStep.capture(task, x, y, self.bg_stream, self.policy.graph_pieces)
                 job.graph_failed = job.graph is None
                 job.status.graphed = job.graph is not None
             if job.graph is not None and full:
-                job.loss_t = job.graph.replay(x, y)
+                job.loss_t = job.graph.replay(x, y, lambda: self._between_pieces(job))
             else:
                 job.loss_t = _eager_step(task, x, y)
                 job.eager_steps += 1
@@ -777,31 +811,98 @@ class _GraphedStep:
     no weight and no optimizer state.
     """
 
-    def __init__(self, graph: Any, static_x: torch.Tensor, static_y: torch.Tensor,
+    def __init__(self, graphs: list[Any], static_x: torch.Tensor, static_y: torch.Tensor,
                  static_loss: torch.Tensor) -> None:
-        self.graph, self.x, self.y, self.loss = graph, static_x, static_y, static_loss
+        self.graphs, self.x, self.y, self.loss = graphs, static_x, static_y, static_loss
 
     @classmethod
     def capture(cls, task: BackgroundTask, x: torch.Tensor, y: torch.Tensor,
-                stream: Any) -> "_GraphedStep | None":
+                stream: Any, pieces: int = 1) -> "_GraphedStep | None":
         try:
             static_x, static_y = x.clone(), y.clone()
-            graph = torch.cuda.CUDAGraph()
             task.optimizer.zero_grad(set_to_none=True)
-            # thread_local: the foreground thread keeps issuing work while we capture.
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                static_loss = task.loss_fn(task.model(static_x), static_y)
-                static_loss.backward()
-                task.optimizer.step()
-            log.info("background job %s: training step captured as a CUDA graph", task.name)
-            return cls(graph, static_x, static_y, static_loss)
+            if pieces == 1:
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: the foreground thread keeps issuing work while we capture.
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    static_loss = task.loss_fn(task.model(static_x), static_y)
+                    static_loss.backward()
+                    task.optimizer.step()
+                graphs = [graph]
+            else:
+                graphs, static_loss = _capture_pieces(task, static_x, static_y, stream, pieces)
+            log.info("background job %s: training step captured as %d CUDA graph(s)", task.name, len(graphs))
+            return cls(graphs, static_x, static_y, static_loss)
         except Exception as e:  # noqa: BLE001 - fall back to eager execution
             log.info("background job %s: CUDA graph capture failed (%s: %s); running eagerly",
                      task.name, type(e).__name__, e)
             return None
 
-    def replay(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def replay(self, x: torch.Tensor, y: torch.Tensor,
+               between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Refill the static inputs, replay the pieces in capture order, ``between()`` before
+        every piece but the first (the runner's pacing and pause gate)."""
         self.x.copy_(x, non_blocking=True)
         self.y.copy_(y, non_blocking=True)
-        self.graph.replay()
+        for i, graph in enumerate(self.graphs):
+            if i and between is not None:
+                between()
+            graph.replay()
         return self.loss.detach()
+
+
+def _capture_pieces(task: BackgroundTask, static_x: torch.Tensor, static_y: torch.Tensor, stream: Any,
+                    pieces: int) -> tuple[list[Any], torch.Tensor]:
+    """The job's step captured as about ``pieces`` graphs sharing one memory pool (replayed
+    in capture order): the forward and loss, the backward cut every ``ceil(P / (pieces - 2))``
+    parameter gradients (a post-accumulate-grad hook ends one capture and begins the next;
+    backward runs on this thread, ``set_multithreading_enabled(False)``, so every capture
+    begins and ends on the thread that captures), the optimizer step. Executes nothing."""
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    every = max(1, math.ceil(len(params) / max(1, pieces - 2)))
+    pool = torch.cuda.graph_pool_handle()
+    graphs: list[Any] = []
+    current: list[Any] = []
+    seen = [0]
+
+    def begin() -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        current.append(graph)
+
+    def end() -> None:
+        graph = current.pop()
+        graph.capture_end()
+        graphs.append(graph)
+
+    def cut(_param: torch.Tensor) -> None:
+        seen[0] += 1
+        if seen[0] % every == 0 and seen[0] < len(params):
+            end()
+            begin()
+
+    handles = [p.register_post_accumulate_grad_hook(cut) for p in params]
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(stream), torch.autograd.set_multithreading_enabled(False):
+            begin()
+            static_loss = task.loss_fn(task.model(static_x), static_y)
+            end()
+            begin()
+            static_loss.backward()
+            end()
+            begin()
+            task.optimizer.step()
+            end()
+    except BaseException:
+        for graph in current:              # a capture left open by the failure
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture already failed
+                pass
+        raise
+    finally:
+        for h in handles:
+            h.remove()
+    return graphs, static_loss

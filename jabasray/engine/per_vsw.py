@@ -25,58 +25,66 @@ VSW's micro-batches in order; bucket aggregation and launches from the hooks as 
   Per-VSW CUDA graphs were rejected: the bucket hooks (aggregation, launching all-reduces)
   are host code inside backward and cannot be captured.
 
-:class:`PerVSWExecution` is a mixin of :class:`~jabasray.engine.iidp.IIDPWorker`; it uses the
-worker's ``_vsws``, ``_lanes``, ``_pool`` (dispatcher threads), ``_forward`` and, from
-:class:`~jabasray.engine.aggregation.BucketAggregation`, ``_finish_vsw``.
+:class:`PerVSWExecution` runs such a step on a :class:`~jabasray.engine.state.StepState` (its
+VSWs, lanes and dispatcher threads) inside the eager frame of :mod:`.eager`; the bucket hooks
+and :meth:`~jabasray.engine.aggregation.BucketAggregation.finish_vsw` aggregate.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .aggregation import _VSW
+from .eager import EagerExecution, StepRequest
+from .state import VSW, backward
 
 MicroBatch = Any
 
 
-class PerVSWExecution:
-    """The ``"threads"`` and ``"one_thread"`` schemes (module notes)."""
+class PerVSWExecution(EagerExecution):
+    """The ``"threads"`` and ``"one_thread"`` schemes (module notes), the state's ``execution``."""
 
-    def _run_vsws_threads(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
-                          micro_batches: Sequence[MicroBatch], weights: list[float]
-                          ) -> list[list[torch.Tensor]]:
+    def passes(self, req: StepRequest, begin_vsw: Callable[[VSW], tuple[list[int], list[torch.Tensor]]],
+               weights: list[float], plan: Any = None) -> list[list[torch.Tensor]]:
+        if self.state.execution == "threads":
+            return self.run_threads(begin_vsw, req.micro_batches, weights)
+        return self.run_one_thread(begin_vsw, req.micro_batches, weights)
+
+    def run_threads(self, begin_vsw: Callable[[VSW], tuple[list[int], list[torch.Tensor]]],
+                    micro_batches: Sequence[MicroBatch], weights: list[float]
+                    ) -> list[list[torch.Tensor]]:
         """The ``"threads"`` scheme (CPU default): VSW 0 on the calling thread, VSW ``v`` on
         its own dispatcher thread, each running its micro-batches in order on its lane, its
         backward on that thread too (``torch.autograd.set_multithreading_enabled(False)``)."""
-        lanes = self._lanes
+        state = self.state
+        lanes, finish = state.lanes, self.buckets.finish_vsw
 
-        def run_vsw(vsw: "_VSW") -> list[torch.Tensor]:
+        def run_vsw(vsw: VSW) -> list[torch.Tensor]:
             # each VSW thread runs its own backward (CUDA: not queued behind the other VSWs on
             # the device's single autograd thread; thread-local; CPU: already the case)
             with lanes.context(lanes.vsw[vsw.index]), torch.autograd.set_multithreading_enabled(False):
                 try:
                     idx, loss_sum = begin_vsw(vsw)
                     for k, i in enumerate(idx):
-                        scaled = self._forward(vsw, micro_batches[i], weights[i], loss_sum)
-                        self._backward(vsw, scaled, last=k == len(idx) - 1)
-                    self._finish_vsw(vsw)
+                        scaled = state.forward(vsw, micro_batches[i], weights[i], loss_sum)
+                        backward(vsw, scaled, last=k == len(idx) - 1)
+                    finish(vsw)
                 finally:
                     vsw.in_step = vsw.counting = False
                 return loss_sum
 
-        return self._pool.run([lambda v=v: run_vsw(v) for v in self._vsws])
+        return state.pool.run([lambda v=v: run_vsw(v) for v in state.vsws])
 
-    def _run_vsws_one_thread(self, begin_vsw: Callable[["_VSW"], tuple[list[int], list[torch.Tensor]]],
-                             micro_batches: Sequence[MicroBatch], weights: list[float]
-                             ) -> list[list[torch.Tensor]]:
+    def run_one_thread(self, begin_vsw: Callable[[VSW], tuple[list[int], list[torch.Tensor]]],
+                       micro_batches: Sequence[MicroBatch], weights: list[float]
+                       ) -> list[list[torch.Tensor]]:
         """The ``"one_thread"`` scheme (CUDA default; module notes): the
         calling thread issues every VSW onto its own stream, GA round by GA round: the
         forwards of round ``k`` of all VSWs, then their backwards in VSW order (each inside
         its stream's context, so backward kernels stay on that stream). The device runs the
         VSWs' queued kernels concurrently while the host issues the next VSW's work."""
-        lanes, vsws = self._lanes, self._vsws
+        state = self.state
+        lanes, vsws, finish = state.lanes, state.vsws, self.buckets.finish_vsw
         try:
             plans = []
             for v in vsws:
@@ -84,30 +92,21 @@ class PerVSWExecution:
                     plans.append(begin_vsw(v))
             for v, (idx, _) in zip(vsws, plans):
                 if not idx:                      # no samples at all (ragged): finished now
-                    self._finish_vsw(v)
+                    finish(v)
             for k in range(max(len(idx) for idx, _ in plans)):
                 issued = []
                 for v, (idx, loss_sum) in zip(vsws, plans):
                     if k < len(idx):
                         with lanes.context(lanes.vsw[v.index]):
-                            issued.append((v, self._forward(v, micro_batches[idx[k]],
+                            issued.append((v, state.forward(v, micro_batches[idx[k]],
                                                             weights[idx[k]], loss_sum),
                                            k == len(idx) - 1))
                 for v, scaled, last in issued:
                     with lanes.context(lanes.vsw[v.index]):
-                        self._backward(v, scaled, last)
+                        backward(v, scaled, last)
                         if last:
-                            self._finish_vsw(v)
+                            finish(v)
             return [loss_sum for _, loss_sum in plans]
         finally:
             for v in vsws:
                 v.in_step = v.counting = False
-
-    @staticmethod
-    def _backward(vsw: "_VSW", scaled: torch.Tensor, last: bool) -> None:
-        """Backward of one micro-batch of ``vsw``; during its ``last`` one the bucket hooks
-        complete buckets (GA steps before it only accumulate)."""
-        if last:
-            vsw.mark()
-        vsw.counting = last
-        scaled.backward()

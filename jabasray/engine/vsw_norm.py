@@ -156,6 +156,7 @@ class VSWNorms(list):
         # each active layer's ghost forward, built once; what changes per batched forward
         # (the repeated affine parameters, the call counts) is read from these two
         self.step_repeated: dict[int, torch.Tensor] | None = None
+        self.step_outputs: tuple[torch.Tensor, ...] | None = None   # RepeatAffine's outputs
         self.step_calls: list[int] | None = None
         self.forwards = [_GhostForward(self, m, s, i) for i, (m, s) in enumerate(self.active)]
         self.n = self.active[0][1].n if self.active else 1
@@ -182,27 +183,43 @@ class VSWNorms(list):
         self.params = params
         self.fwd_index = torch.cat(fwd).to(device)
         self.bwd_index = torch.cat(bwd).to(device)
+        # each layer's weight and bias as positions in RepeatAffine's outputs, found once
+        # (not an id() lookup per parameter per forward)
+        slot = {id(p): i for i, p in enumerate(params)}
+        for f in self.forwards:
+            f.slots = tuple(None if p is None else slot[id(p)] for p in (f.module.weight, f.module.bias))
+
+    def repeated_outputs(self) -> tuple[torch.Tensor, ...] | None:
+        """Every affine parameter of the active layers ``repeat(n)``-ed, in ``params`` order,
+        by one :class:`RepeatAffine` (``None`` when not packed)."""
+        if not self.params:
+            return None
+        return RepeatAffine.apply(self.n, self.fwd_index, self.bwd_index, *self.params)
 
     def repeated(self) -> dict[int, torch.Tensor]:
         """``id(param) -> param.repeat(n)`` for every affine parameter of the active layers,
         computed in one :class:`RepeatAffine` (empty when not packed)."""
-        if not self.params:
-            return {}
-        out = RepeatAffine.apply(self.n, self.fwd_index, self.bwd_index, *self.params)
-        return {id(p): r for p, r in zip(self.params, out)}
+        out = self.repeated_outputs()
+        return {} if out is None else {id(p): r for p, r in zip(self.params, out)}
 
 
 class _GhostForward:
     """Layer ``index`` of ``owner``'s active layers as :func:`ghost_forward` with the current
     batched forward's repeated parameters and call counts."""
 
-    __slots__ = ("owner", "module", "stats", "index")
+    __slots__ = ("owner", "module", "stats", "index", "slots")
 
     def __init__(self, owner: VSWNorms, module: _BatchNorm, stats: PackedNormStats, index: int) -> None:
         self.owner, self.module, self.stats, self.index = owner, module, stats, index
+        self.slots: tuple[int | None, int | None] | None = None   # (weight, bias) in the outputs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         o = self.owner
+        out, slots = o.step_outputs, self.slots
+        if out is not None and slots is not None:
+            wi, bi = slots
+            return ghost_forward(self.module, self.stats, x, None, o.step_calls, self.index,
+                                 affine=(None if wi is None else out[wi], None if bi is None else out[bi]))
         return ghost_forward(self.module, self.stats, x, o.step_repeated, o.step_calls, self.index)
 
 
@@ -216,13 +233,15 @@ def pack_norm_stats(replicas: Sequence[nn.Module]) -> VSWNorms:
 
 def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
                   repeated: dict[int, torch.Tensor] | None = None,
-                  calls: list[int] | None = None, index: int = 0) -> torch.Tensor:
+                  calls: list[int] | None = None, index: int = 0,
+                  affine: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """``module``'s forward over ``stats.n`` VSWs' interleaved batches (module notes): each
     VSW normalised over its own rows and its own running statistics updated. ``repeated``:
     ``id(param) -> param.repeat(n)`` computed for all layers at once
     (:meth:`VSWNorms.repeated`); a parameter missing there is repeated here. ``calls``: the
     batch was counted for every layer on entry (:func:`ghost_norms`); ``calls[index]``
-    counts this layer's calls, and only a second call of a layer counts itself."""
+    counts this layer's calls, and only a second call of a layer counts itself. ``affine``:
+    the repeated ``(weight, bias)`` of this layer given directly (instead of ``repeated``)."""
     module._check_input_dim(x)
     counted = False
     if calls is not None:
@@ -235,8 +254,11 @@ def ghost_forward(module: _BatchNorm, stats: PackedNormStats, x: torch.Tensor,
         raise ValueError(f"a batched forward needs {n} equal local batches, got {N} rows")
     params = module._parameters                 # (BatchNorm registers both, None without affine)
     w, b = params["weight"], params["bias"]
-    if n > 1:
+    if n > 1 and affine is not None:
         xv = x.reshape(N // n, n * C, *shape[2:])   # a view for a contiguous x
+        w, b = affine
+    elif n > 1:
+        xv = x.reshape(N // n, n * C, *shape[2:])
         if w is not None:
             w = repeated.get(id(w)) if repeated else None
             if w is None:
@@ -286,14 +308,14 @@ def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterato
     if not active:
         yield
         return
-    repeated = layers.repeated()
+    outputs = layers.repeated_outputs()
     calls = None
     if layers.counts is not None and all(m.training and m.track_running_stats and s.tracking
                                          for m, s in active):
         # every layer's count + 1 in one op; a layer the forward does not call gives it back
         calls = [0] * len(active)
         layers.counts.add_(1)
-    layers.step_repeated, layers.step_calls = repeated, calls
+    layers.step_outputs, layers.step_calls = outputs, calls
     saved = [m.__dict__.get("forward", _MISSING) for m, _ in active]
     try:
         for (m, _), fwd in zip(active, layers.forwards):
@@ -305,7 +327,7 @@ def ghost_norms(layers: Sequence[tuple[_BatchNorm, PackedNormStats]]) -> Iterato
                 m.__dict__.pop("forward", None)
             else:
                 m.__dict__["forward"] = old
-        layers.step_repeated = layers.step_calls = None
+        layers.step_outputs = layers.step_calls = None
         if calls is not None:
             for (_, s), k in zip(active, calls):
                 if k == 0:
