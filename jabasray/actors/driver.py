@@ -19,7 +19,10 @@
    (one Ray call per actor; burst parallelism :mod:`.burst_host`), feed Phi to the adaptive rule
    (:mod:`jabasray.adaptive.batch_rule`; the driver keeps the requested B_G);
 4. at the epoch end: validation, forecast of the next epoch's B_G (GPR + ESM), re-profiling
-   check, auto-scaling decision, the epoch record (:mod:`.metrics`), a checkpoint;
+   check, auto-scaling decision over what the cluster can provide now (:mod:`.cluster_view`:
+   the live nodes, joined ones included, and the nodes Ray's autoscaler can launch; the chosen
+   allocation's bundles are requested from Ray's autoscaler before they are placed, the request
+   cleared when the run ends), the epoch record (:mod:`.metrics`), a checkpoint;
 5. a dead GPU actor: redo the epoch from the last checkpoint without its pair (:mod:`.recovery`).
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
+from .cluster_view import ClusterView
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
@@ -134,6 +138,8 @@ class JabasDriver:
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
+        # what the cluster can provide (live and launchable nodes) and what the job asks Ray for
+        self.view = ClusterView(cluster, self.options.emulate, loader_cpus(hooks))
         self.failure = failure or FailureConfig()
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
@@ -233,6 +239,7 @@ class JabasDriver:
                     state, worker_state = self._recover(failure, ctl)
         finally:
             self.shutdown()
+            self.view.release()   # the autoscaler may let this run's nodes go
         return self.metrics
 
     def shutdown(self) -> None:
@@ -395,7 +402,11 @@ class JabasDriver:
         """The given cluster mapped onto the live Ray nodes (:mod:`.reconcile`; a spec that pins
         no node stays as it is): ids of a spec detected before a cluster or driver restart name
         dead raylets. ValueError (one line) when none of its nodes is alive."""
-        cluster, _, notes = reconcile_with_ray(self.cluster)
+        cluster, notes = None, []
+        if self.cluster.nodes:
+            cluster, _, notes = reconcile_with_ray(self.cluster)
+        if self.view.follows_ray:   # the live nodes and the launchable ones (:mod:`.cluster_view`)
+            cluster = self.view.candidates() or cluster
         if cluster is None:
             raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
                              f"is in the live Ray cluster ({'; '.join(notes)})")
@@ -427,6 +438,7 @@ class JabasDriver:
         the state placed and whether actors were re-placed."""
         for _ in range(MAX_REPLANS):
             try:
+                self.view.request(state.cluster, state.allocation)   # Ray's autoscaler provisions it
                 return state, self._ensure_placement(state, worker_state, state.epochs_done)
             except NodesGone as gone:
                 cluster, rename, notes = reconcile_with_ray(state.cluster)
@@ -721,6 +733,7 @@ class JabasDriver:
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
         switch_s = self._replacement_cost()
+        state = self._refresh_cluster(state)
         allocation, uncharged, decision = self._next_allocation(state.cluster, forecast,
                                                                 state.allocation, switch_s)
         if decision is not None and self.metrics.epochs:   # beside the epoch that ends here
@@ -731,6 +744,17 @@ class JabasDriver:
             self._event(f"after epoch {state.epochs_done}: keeping {allocation}: the next epoch on {uncharged} "
                         f"would not repay re-placing the actors ({switch_s:.1f} s)")
         return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
+
+    def _refresh_cluster(self, state: DriverState) -> DriverState:
+        """``state`` on what the cluster can provide now, of the GPU types the model knows
+        (:meth:`.cluster_view.ClusterView.refresh`), what changed said in events; unchanged for
+        a cluster that does not follow Ray."""
+        profiles = getattr(self.planner.model, "profiles", None)   # the types the model can plan
+        cluster, notes = self.view.refresh(state.cluster, self.pool.placement,
+                                           set(profiles) if isinstance(profiles, dict) else None)
+        for note in notes:
+            self._event(f"after epoch {state.epochs_done}: {note}")
+        return replace(state, cluster=job_cluster(cluster, self.job)) if cluster is not None else state
 
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond

@@ -254,14 +254,16 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
 def decision_record(decision: Any, current: dict[str, int], switch_s: float) -> dict:
     """What the auto-scaler weighed (:class:`jabasray.planners.autoscale.AutoscaleDecision`),
     as plain JSON: the objective, the allocation the job ran, the re-placement charge, every
-    candidate (allocation, predicted epoch seconds, seconds charged for moving to it, Eq. 8
+    candidate (allocation, predicted epoch seconds, seconds charged for moving to it and for
+    launching its nodes, Eq. 8
     cost, GPUs, why it is infeasible where it is) and the allocation chosen with its predicted
     epoch time. The next epoch's record holds what then ran (its ``time_s``,
     ``predicted_time_s``), so every prediction sits beside its outcome."""
     return {"objective": decision.objective, "current": dict(current), "switch_s": float(switch_s),
             "chosen": dict(decision.allocation.node_gpus), "predicted_epoch_s": float(decision.epoch_time),
             "candidates": [{"allocation": dict(c.allocation.node_gpus), "num_gpus": c.allocation.num_gpus,
-                            "epoch_time_s": c.epoch_time, "switch_s": c.switch_s, "cost": c.cost,
+                            "epoch_time_s": c.epoch_time, "switch_s": c.switch_s,
+                            "launch_s": c.launch_s, "cost": c.cost,
                             "reason": c.reason} for c in decision.candidates]}
 
 
