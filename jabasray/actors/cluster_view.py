@@ -41,6 +41,12 @@ The driver asks this module, as it asks the planners, at the start and at every 
    after its idle timeout. When the run ends or fails the request is cleared
    (``request_resources(bundles=[])``). The request is one per Ray cluster (the last caller's
    wins): two jobs that provision on one cluster overwrite each other's floor.
+5. **Draining nodes.** A node that drains (a drain request to Ray's GCS: a spot node's
+   preemption notice, a scale-down; :func:`.ray_internals.draining_nodes`) is read after every
+   interval (:meth:`ClusterView.draining`, one GCS call). While it drains it is no candidate
+   (rule 1 leaves it out), and the driver leaves it mid-epoch before it goes: a mid-epoch
+   checkpoint, the allocation chosen again without it, the actors re-placed, the epoch
+   continued from its cursor (:meth:`jabasray.actors.driver.JabasDriver.run`).
 """
 from __future__ import annotations
 
@@ -208,6 +214,7 @@ class ClusterView:
         self.names: dict[str, str] = {n.ray_node_id: n.name for n in given.nodes if n.ray_node_id}
         self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
         self._unknown: list[str] = []   # nodes last left out for a GPU type without a profile
+        self.leaving: dict[str, float | None] = {}   # draining Ray node id -> its deadline (unix s)
 
     @property
     def follows_ray(self) -> bool:
@@ -224,7 +231,8 @@ class ClusterView:
         if not ray.is_initialized():   # a driver tested without Ray: nothing to read
             return None
         self.names.update(placed_nodes(placement))
-        cluster = candidate_cluster(self.given, ray.nodes(), self.names)
+        nodes = [n for n in ray.nodes() if n.get("NodeID") not in self.leaving]   # rule 5
+        cluster = candidate_cluster(self.given, nodes, self.names)
         for n in cluster.nodes if cluster is not None else []:   # a live node keeps its name
             if n.ray_node_id is not None:
                 self.names.setdefault(n.ray_node_id, n.name)
@@ -270,6 +278,29 @@ class ClusterView:
             request_resources(bundles)
             self.requested = bundles
         return bundles
+
+    def draining(self, placement: Any) -> dict[str, float | None]:
+        """The nodes ``placement`` runs on that drain now (module rule 5): ``{node name: unix
+        time it goes by (None: no deadline)}``; {} without Ray, or when the GCS cannot say."""
+        import ray
+
+        from .ray_internals import RayInternalsError, draining_nodes
+
+        if placement is None or not ray.is_initialized():
+            return {}
+        try:
+            self.leaving = draining_nodes()
+        except RayInternalsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unanswered poll must not stop training
+            log.warning("could not read the draining nodes from Ray's GCS: %s", e)
+            return {}
+        if not self.leaving:
+            return {}
+        where = {**self.names, **placed_nodes(placement)}
+        where.update({s.ray_node_id: s.node for s in placement.slots if s.ray_node_id})
+        used = {s.node for s in placement.slots}
+        return {where[i]: t for i, t in self.leaving.items() if where.get(i) in used}
 
     def release(self) -> None:
         """Clear this job's request (the run ended or failed)."""

@@ -140,6 +140,7 @@ class JabasDriver:
         self.options = options or DriverOptions()
         # what the cluster can provide (live and launchable nodes) and what the job asks Ray for
         self.view = ClusterView(cluster, self.options.emulate, loader_cpus(hooks))
+        self._drains_seen: set[str] = set()   # draining nodes already acted on
         self.failure = failure or FailureConfig()
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
@@ -610,16 +611,44 @@ class JabasDriver:
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
-            if cursor < self.dataset_size and self._mid_epoch_due():
-                self._save_mid_epoch(state, ctl, tally, cursor, interval)
+            if cursor < self.dataset_size:
+                going = {n: t for n, t in self.view.draining(self.pool.placement).items()
+                         if n not in self._drains_seen}
+                if going:
+                    self._drains_seen.update(going)
+                    state = self._leave_draining(state, ctl, tally, cursor, interval, going)
+                    replaced = True
+                elif self._mid_epoch_due():
+                    self._save_mid_epoch(state, ctl, tally, cursor, interval)
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+
+    def _leave_draining(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
+                        interval: int, going: dict[str, float | None]) -> DriverState:
+        """Nodes of the allocation drain (:meth:`.cluster_view.ClusterView.draining`): before
+        they go, a mid-epoch checkpoint (what the epoch has done stays done), the allocation
+        chosen again on the cluster without them, the actors re-placed from the live actors'
+        state; the epoch goes on from ``cursor``. Without another node the job stays where it
+        is (a node that then goes is an actor failure, recovered from this checkpoint)."""
+        worker_state = self._worker_state()
+        self._save_mid_epoch(state, ctl, tally, cursor, interval, worker_state)
+        when = {n: (f"in {max(0.0, t - time.time()):.0f} s" if t else "no deadline") for n, t in going.items()}
+        cluster = replace(state.cluster, nodes=[n for n in state.cluster.nodes if n.name not in going])
+        if not cluster.nodes:
+            self._event(f"epoch {state.epochs_done + 1}: node(s) {when} drain and no other node is "
+                        f"left; training goes on until they go (mid-epoch checkpoint written)")
+            return state
+        allocation = self._choose_allocation(cluster, state.forecast or None)
+        self._event(f"epoch {state.epochs_done + 1}: node(s) {when} drain: mid-epoch checkpoint at "
+                    f"sample {cursor}, re-planned without them: allocation {allocation}")
+        state, _ = self._place_live(replace(state, cluster=cluster, allocation=allocation), worker_state)
+        return state
 
     def _mid_epoch_due(self) -> bool:
         minutes = self.checkpoint.interval_minutes
         return minutes is not None and time.monotonic() - self._last_save >= 60.0 * minutes
 
     def _save_mid_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
-                        interval: int) -> None:
+                        interval: int, worker_state: dict | None = None) -> None:
         """The mid-epoch checkpoint (``CheckpointConfig.interval_minutes``) at an interval
         boundary: the epoch's cursor, interval index and tally, the adaptive controller and the
         metrics so far, and the actors' state; one slot, replaced each time (manifest-last)."""
@@ -628,7 +657,8 @@ class JabasDriver:
         mid = {"cursor": cursor, "interval": interval, "tally": dataclasses.asdict(tally)}
         save_checkpoint(self.run_dir, replace(state, adaptive=ctl.state_dict(), metrics=self.metrics,
                                               mid_epoch=mid, allreduce_fits=dict(self.allreduce.records)),
-                        self._worker_state(), folder=MID_EPOCH)
+                        worker_state if worker_state is not None else self._worker_state(),
+                        folder=MID_EPOCH)
         self._last_save = time.monotonic()
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
