@@ -66,6 +66,8 @@ def main(out_path: str, run_dir: str) -> None:
     out["epochs"] = [{"allocation": e.allocation, "replaced": e.replaced,
                       "served": sorted(i for r in hist.intervals if r.epoch == e.epoch for i in r.served),
                       "served_exactly_once": e.served_exactly_once,
+                      "time_s": e.time_s, "train_time_s": e.train_time_s,
+                      "held_gpu_seconds": e.held_gpu_seconds,
                       "launch_s": [c["launch_s"] for c in e.decision.get("candidates", [])]}
                      for e in hist.epochs]
     out["names"] = dict(drv.view.names)              # Ray node id -> the name the job knows it by

@@ -10,7 +10,8 @@ Proves: a job on both GPUs whose second node is drained after interval 0 of epoc
 mid-epoch checkpoint, re-plans on the other node and goes on with the epoch there, before the
 node goes: the node is removed (its raylet killed) one interval later and no actor fails; the
 drain costs no completed sample (each epoch serves every sample exactly once, no interval is
-redone), and epoch 1 runs on the node that stayed.
+redone), and epoch 1 runs on the node that stayed. The GPU-hours reported follow the nodes
+held: both GPUs until the drained node went, then one; epoch 1 holds one GPU throughout.
 """
 from __future__ import annotations
 
@@ -90,3 +91,6 @@ def test_a_node_drained_mid_epoch_costs_no_completed_sample(cluster, tmp_path):
     assert sum(len(r.served) for r in ep0) == SAMPLES and [r.interval for r in ep0] == list(range(len(ep0)))
     assert hist.epochs[0].allocation == {other: 1} and hist.epochs[0].replaced
     assert hist.epochs[1].allocation == {other: 1}
+    ep = hist.epochs
+    assert ep[0].time_s < ep[0].held_gpu_seconds < 2 * ep[0].time_s
+    assert ep[1].held_gpu_seconds == pytest.approx(ep[1].time_s, rel=1e-9)

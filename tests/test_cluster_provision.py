@@ -14,7 +14,9 @@ Proves: a job given only the node types (no GPU node is alive) plans on launchab
 of the chosen allocation and the actors train on them (each epoch serves every sample once);
 the launched nodes keep their candidates' names, so a second epoch on the same allocation
 keeps its actors; after the run the request is cleared and the autoscaler lets the nodes go
-(the head alone within its idle timeout).
+(the head alone within its idle timeout). The GPU-hours reported are those of the nodes held:
+epoch 1, with both launched nodes alive throughout, holds their 4 GPUs for the whole epoch;
+epoch 0 holds nothing while the nodes launch, all 4 GPUs from training on.
 """
 from __future__ import annotations
 
@@ -98,3 +100,13 @@ def test_the_request_is_cleared_and_the_nodes_go(run):
     assert run["requested_after"] is None
     assert len(run["alive_after"]) == 1, \
         f"{len(run['alive_after'])} nodes alive 120 s after the run (idle timeout 6 s)"
+
+
+def test_the_gpu_hours_reported_are_those_of_the_nodes_held(run):
+    first, second = run["epochs"]
+    gpus = sum(first["allocation"].values())
+    assert gpus == 4
+    # epoch 1: every GPU of both nodes for the whole epoch (nodes alive before it began)
+    assert second["held_gpu_seconds"] == pytest.approx(gpus * second["time_s"], rel=1e-9)
+    # epoch 0: nothing held before the nodes joined, all of them while training
+    assert gpus * first["train_time_s"] <= first["held_gpu_seconds"] < gpus * first["time_s"]

@@ -193,3 +193,25 @@ def test_refresh_leaves_out_types_without_a_profile_and_says_what_changed(monkey
                      "'<type>+<i>': nodes Ray's autoscaler can launch)"]
     by_hand = ClusterView(ClusterSpec(nodes=[NodeSpec("a", "fast", 2)]), emulate=True)
     assert by_hand.refresh(given) == (None, [])
+
+
+def test_held_gpus_integrate_the_count_between_reads():
+    """2 GPUs from t=0, 6 from t=10 (nodes joined), 2 from t=15 (one went): 2*10 + 6*5 + 2*5."""
+    from jabasray.actors.cluster_view import HeldGpus
+    held = HeldGpus()
+    held.start(0.0, 2)
+    held.read(10.0, 6)
+    held.read(15.0, 2)
+    assert held.take(20.0, 2) == 2 * 10 + 6 * 5 + 2 * 5
+    assert held.take(23.0, 0) == 2 * 3                       # a new span from the last take
+
+
+def test_a_fixed_spec_holds_all_its_gpus_and_the_line_says_the_gpu_hours():
+    from jabasray.actors.cluster_view import ClusterView
+    from jabasray.actors.metrics import EpochRecord, epoch_line
+    spec = ClusterSpec(nodes=[NodeSpec("a", "A", 2), NodeSpec("b", "B", 4)])
+    assert ClusterView(spec, emulate=True).held_gpus(spec) == 6
+    rec = EpochRecord(epoch=0, allocation={"a": 1}, gpu_types=["A"], trajectory=[8],
+                      predicted_trajectory=[], train_loss=1.0, val_accuracy=None, time_s=600.0,
+                      gpu_seconds=600.0, samples=10, throughput=1.0, held_gpu_seconds=3600.0)
+    assert epoch_line(rec).endswith(", 1 GPU-h held")

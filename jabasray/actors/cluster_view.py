@@ -47,6 +47,13 @@ The driver asks this module, as it asks the planners, at the start and at every 
    (rule 1 leaves it out), and the driver leaves it mid-epoch before it goes: a mid-epoch
    checkpoint, the allocation chosen again without it, the actors re-placed, the epoch
    continued from its cursor (:meth:`jabasray.actors.driver.JabasDriver.run`).
+6. **GPU-hours held.** What a job pays for is the nodes held, not the GPUs its actors use: a
+   node's every GPU from when it joins until it goes, idle ones and the autoscaler's idle
+   timeout included. For a job that follows Ray the held GPUs are those of the live GPU nodes
+   (``ray.nodes()``; on a cluster shared with other jobs, theirs too); for any other spec the
+   nodes it lists, held throughout. The driver reads them at the epoch's start, after its
+   placement, after every interval and at its end; :class:`HeldGpus` integrates the count
+   (constant between reads) into the epoch's ``held_gpu_seconds``.
 """
 from __future__ import annotations
 
@@ -198,6 +205,32 @@ def placed_nodes(placement: Any) -> dict[str, str]:
     return out
 
 
+class HeldGpus:
+    """GPU-seconds of the nodes held (module rule 6): the GPU count read at times ``t`` (any
+    one clock), constant from one read to the next."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+        self.gpus = 0
+        self.total = 0.0
+
+    def start(self, t: float, gpus: int) -> None:
+        """Begin a new span at ``t`` with ``gpus`` held."""
+        self.t, self.gpus, self.total = t, int(gpus), 0.0
+
+    def read(self, t: float, gpus: int) -> None:
+        """``gpus`` held from ``t`` on (the previous count up to ``t``)."""
+        if self.t is not None:
+            self.total += self.gpus * (t - self.t)
+        self.t, self.gpus = t, int(gpus)
+
+    def take(self, t: float, gpus: int) -> float:
+        """The GPU-seconds from :meth:`start` to ``t``; a new span starts at ``t``."""
+        self.read(t, gpus)
+        total, self.total = self.total, 0.0
+        return total
+
+
 class ClusterView:
     """The driver's view of what the cluster can provide (module notes).
 
@@ -302,6 +335,16 @@ class ClusterView:
         used = {s.node for s in placement.slots}
         return {where[i]: t for i, t in self.leaving.items() if where.get(i) in used}
 
+    def held_gpus(self, current: ClusterSpec) -> int:
+        """The GPUs held now (module rule 6): of the live GPU nodes for a job that follows
+        Ray, else of ``current``'s nodes."""
+        if self.follows_ray:
+            import ray
+
+            if ray.is_initialized():
+                return sum(n.num_gpus for n in live_nodes(ray.nodes(), {}))
+        return sum(n.num_gpus for n in current.nodes)
+
     def release(self) -> None:
         """Clear this job's request (the run ended or failed)."""
         if self.requested is not None:
@@ -309,5 +352,5 @@ class ClusterView:
             self.requested = None
 
 
-__all__ = ["ClusterView", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
+__all__ = ["ClusterView", "HeldGpus", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
            "placed_nodes", "request_bundles", "request_resources", "type_figures"]
