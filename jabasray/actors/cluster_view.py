@@ -50,14 +50,18 @@ The driver asks this module, as it asks the planners, at the start and at every 
 6. **GPU-hours held.** What a job pays for is the nodes held, not the GPUs its actors use: a
    node's every GPU from when it joins until it goes, idle ones and the autoscaler's idle
    timeout included. For a job that follows Ray the held GPUs are those of the live GPU nodes
-   (``ray.nodes()``; on a cluster shared with other jobs, theirs too); for any other spec the
-   nodes it lists, held throughout. The driver reads them at the epoch's start, after its
-   placement, after every interval and at its end; :class:`HeldGpus` integrates the count
-   (constant between reads) into the epoch's ``held_gpu_seconds``.
+   (``ray.nodes()``; on a cluster shared with other jobs, theirs too) and of the nodes its
+   last request asked Ray's autoscaler to launch that have not joined yet (paid from the
+   launch: a cloud bills a node from its start, not from its raylet's); for any other spec the
+   nodes it lists, held throughout. The view reads them (:attr:`ClusterView.held`) right after
+   every request, and the driver at the epoch's start, after its placement, after every
+   interval and at its end; :class:`HeldGpus` integrates the count (constant between reads)
+   into the epoch's ``held_gpu_seconds``.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -248,6 +252,10 @@ class ClusterView:
         self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
         self._unknown: list[str] = []   # nodes last left out for a GPU type without a profile
         self.leaving: dict[str, float | None] = {}   # draining Ray node id -> its deadline (unix s)
+        self.held = HeldGpus()   # GPU-seconds of the nodes held (rule 6), per span the driver takes
+        self._launching: dict[str, list[int]] = {}   # GPU type -> GPUs of each node requested,
+                                                     # not live when asked for
+        self._live_at_request: dict[str, int] = {}   # GPU type -> live nodes when last asked
 
     @property
     def follows_ray(self) -> bool:
@@ -310,7 +318,20 @@ class ClusterView:
         if bundles != self.requested:
             request_resources(bundles)
             self.requested = bundles
+            self._launching = {}
+            for n in cluster.nodes:
+                if n.launched and allocation.get(n.name):
+                    self._launching.setdefault(n.gpu_type, []).append(n.num_gpus)
+            self._live_at_request = self._live_per_type(ray.nodes())
+            self.held.read(time.perf_counter(), self.held_gpus(cluster))
         return bundles
+
+    @staticmethod
+    def _live_per_type(ray_nodes: list[dict]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in live_nodes(ray_nodes, {}):
+            out[n.gpu_type] = out.get(n.gpu_type, 0) + 1
+        return out
 
     def draining(self, placement: Any) -> dict[str, float | None]:
         """The nodes ``placement`` runs on that drain now (module rule 5): ``{node name: unix
@@ -342,7 +363,13 @@ class ClusterView:
             import ray
 
             if ray.is_initialized():
-                return sum(n.num_gpus for n in live_nodes(ray.nodes(), {}))
+                nodes = ray.nodes()
+                held = sum(n.num_gpus for n in live_nodes(nodes, {}))
+                live = self._live_per_type(nodes) if self._launching else {}
+                for gpu_type, sizes in self._launching.items():   # asked for, not joined yet
+                    joined = max(0, live.get(gpu_type, 0) - self._live_at_request.get(gpu_type, 0))
+                    held += sum(sorted(sizes)[joined:])
+                return held
         return sum(n.num_gpus for n in current.nodes)
 
     def release(self) -> None:
@@ -350,6 +377,7 @@ class ClusterView:
         if self.requested is not None:
             request_resources([])
             self.requested = None
+        self._launching = {}
 
 
 __all__ = ["ClusterView", "HeldGpus", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",

@@ -47,7 +47,7 @@ from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
-from .cluster_view import ClusterView, HeldGpus
+from .cluster_view import ClusterView
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
@@ -141,7 +141,6 @@ class JabasDriver:
         # what the cluster can provide (live and launchable nodes) and what the job asks Ray for
         self.view = ClusterView(cluster, self.options.emulate, loader_cpus(hooks))
         self._drains_seen: set[str] = set()   # draining nodes already acted on
-        self._held = HeldGpus()   # the GPU-seconds of the nodes held, per epoch
         self.failure = failure or FailureConfig()
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
@@ -594,10 +593,10 @@ class JabasDriver:
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
-        self._held.start(t_epoch, self.view.held_gpus(state.cluster))
+        self.view.held.start(t_epoch, self.view.held_gpus(state.cluster))
         self._placed_now_s = None
         state, replaced = self._place_live(state, worker_state)
-        self._held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
+        self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
         self._note_model(state.epochs_done)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
@@ -614,7 +613,7 @@ class JabasDriver:
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
-            self._held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
+            self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
             if cursor < self.dataset_size:
                 going = {n: t for n, t in self.view.draining(self.pool.placement).items()
                          if n not in self._drains_seen}
@@ -732,7 +731,7 @@ class JabasDriver:
         eval_s = time.perf_counter() - t_end
         trajectory = ctl.end_epoch()
         t_done = time.perf_counter()
-        held = self._held.take(t_done, self.view.held_gpus(state.cluster))
+        held = self.view.held.take(t_done, self.view.held_gpus(state.cluster))
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
