@@ -215,3 +215,31 @@ def test_a_fixed_spec_holds_all_its_gpus_and_the_line_says_the_gpu_hours():
                       predicted_trajectory=[], train_loss=1.0, val_accuracy=None, time_s=600.0,
                       gpu_seconds=600.0, samples=10, throughput=1.0, held_gpu_seconds=3600.0)
     assert epoch_line(rec).endswith(", 1 GPU-h held")
+
+
+def test_a_requested_node_is_held_from_the_request_until_it_goes(monkeypatch):
+    """Live: the head and a node of 2 "fast" GPUs. The job asks for it and for a launchable
+    node of 2 more: 4 GPUs held from the request on, while the second node launches and once
+    it has joined; the request cleared and the second node gone, 2 again."""
+    import ray
+
+    from jabasray.actors import cluster_view
+    from jabasray.actors.cluster_view import ClusterView
+    live = [HEAD, FAST]
+    asked = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: list(live))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "gpu_fast": 2.0})
+    monkeypatch.setattr(cluster_view, "request_resources", asked.append)
+    given = ClusterSpec(nodes=[], node_types=[NodeType("fast", "fast", 2, max_workers=2)])
+    view = ClusterView(given, emulate=True)
+    cluster = view.candidates()
+    assert [(n.name, n.launched) for n in cluster.nodes] == [("ffffffff-fast", False), ("fast+0", True)]
+    assert view.held_gpus(cluster) == 2
+    view.request(cluster, {"ffffffff-fast": 2, "fast+0": 2})
+    assert len(asked[-1]) == 4 and view.held_gpus(cluster) == 4     # launching: paid already
+    live.append(ray_node("e" * 56, {"gpu_fast": 2.0}))
+    assert view.held_gpus(cluster) == 4                              # joined: counted once
+    view.release()
+    live.pop()
+    assert asked[-1] == [] and view.held_gpus(cluster) == 2
