@@ -39,10 +39,23 @@ SAMPLES = 96        # provision_scenario.SAMPLES
 CHILD_S = 400       # the whole job with its node launches; generous for a loaded 2-core machine
 
 
+def _environment() -> dict[str, str]:
+    """This process's environment, less the variable pytest itself sets per test."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _current_cluster_file() -> str | None:
+    """The machine's current-cluster file (what a later ``ray.init()`` would connect to)."""
+    from ray._common.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    return open(path).read() if os.path.exists(path) else None
+
+
 @pytest.fixture(scope="module")
 def run(without_session_ray, tmp_path_factory):
     """The scenario's facts (``provision_scenario.py``), from one run on one cluster."""
     folder = tmp_path_factory.mktemp("provision")
+    env, current = _environment(), _current_cluster_file()
     cluster = FakeAutoscalingCluster(WORKER_TYPES)
     try:
         cluster.start()
@@ -56,6 +69,9 @@ def run(without_session_ray, tmp_path_factory):
     finally:
         left = cluster.stop()
         assert not left, f"processes of the autoscaling cluster still alive: {left}"
+        # nothing else left behind for the modules after this one
+        assert not os.path.exists(cluster.temp) and _environment() == env
+        assert _current_cluster_file() == current
 
 
 def test_only_the_head_before_the_run(run):
