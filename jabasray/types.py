@@ -90,6 +90,8 @@ class NodeSpec(JsonMixin):
     tflops: float | None = None    # FP32 TFLOPS, for the cost model (Eq. 8); None -> speed
     ray_node_id: str | None = None # the Ray node that holds these GPUs (detected clusters): actors
                                    # of this node are placed there; None: any node with the resources
+    launch_s: float | None = None  # None: the node exists; seconds: a node Ray's autoscaler must
+                                   # launch first (a candidate of a NodeType), charged this long
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -101,11 +103,59 @@ class NodeSpec(JsonMixin):
         check_float(f"nodes[{self.name}].speed", self.speed, min_value=0, min_exclusive=True)
         if self.tflops is not None:
             check_float(f"nodes[{self.name}].tflops", self.tflops, min_value=0, min_exclusive=True)
+        if self.launch_s is not None:
+            check_float(f"nodes[{self.name}].launch_s", self.launch_s, min_value=0)
+
+    @property
+    def launched(self) -> bool:
+        """Whether the node must be launched before its GPUs exist (``launch_s`` is set)."""
+        return self.launch_s is not None
 
     @property
     def price_weight(self) -> float:
         """Price per GPU-second in arbitrary units, proportional to TFLOPS (Eq. 8 of JABAS)."""
         return self.tflops if self.tflops is not None else self.speed
+
+
+DEFAULT_LAUNCH_S = 120.0   # seconds a node of a NodeType takes to launch when not given
+
+
+@dataclass(frozen=True)
+class NodeType(JsonMixin):
+    """A kind of node Ray's autoscaler can launch (a node type of its cluster config):
+    ``max_workers`` nodes of ``num_gpus`` GPUs of ``gpu_type`` each, at ``tflops`` per GPU
+    (Eq. 8's price; None: ``speed``). Each launchable node is a candidate node of the
+    auto-scaler, charged ``launch_s`` seconds (:mod:`jabasray.actors.cluster_view`)."""
+
+    name: str                      # the autoscaler's node type name, e.g. "gpu_fast_2x"
+    gpu_type: str                  # GPU type of its nodes (their gpu_<type> resource)
+    num_gpus: int                  # GPUs per node
+    max_workers: int = 1           # nodes of this type the autoscaler may run at once
+    memory_gb: float = 16.0        # memory per GPU (GiB)
+    speed: float = 1.0             # relative speed when emulated on CPU
+    tflops: float | None = None    # FP32 TFLOPS per GPU (Eq. 8's price); None -> speed
+    launch_s: float = DEFAULT_LAUNCH_S   # seconds from the request to the node's GPUs being usable
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"node_types name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.gpu_type, str) or not self.gpu_type:
+            raise ValueError(f"node_types[{self.name}].gpu_type must be a non-empty string, "
+                             f"got {self.gpu_type!r}")
+        check_int(f"node_types[{self.name}].num_gpus", self.num_gpus, min_value=1)
+        check_int(f"node_types[{self.name}].max_workers", self.max_workers, min_value=0)
+        check_float(f"node_types[{self.name}].memory_gb", self.memory_gb, min_value=0, min_exclusive=True)
+        check_float(f"node_types[{self.name}].speed", self.speed, min_value=0, min_exclusive=True)
+        if self.tflops is not None:
+            check_float(f"node_types[{self.name}].tflops", self.tflops, min_value=0, min_exclusive=True)
+        check_float(f"node_types[{self.name}].launch_s", self.launch_s, min_value=0)
+
+    def node(self, index: int) -> NodeSpec:
+        """The ``index``-th launchable node of this type (not live: ``launch_s`` set, no Ray
+        node id), named ``<type name>+<index>``."""
+        return NodeSpec(name=f"{self.name}+{index}", gpu_type=self.gpu_type, num_gpus=self.num_gpus,
+                        memory_gb=self.memory_gb, speed=self.speed, tflops=self.tflops,
+                        launch_s=float(self.launch_s))
 
 
 @dataclass(frozen=True)
@@ -118,10 +168,19 @@ class ClusterSpec(JsonMixin):
     """
 
     nodes: list[NodeSpec] = field(default_factory=list)
+    node_types: list[NodeType] = field(default_factory=list)   # nodes Ray's autoscaler can launch
+                                   # (the auto-scaler's candidates beside ``nodes``: cluster_view)
+    follow_ray: bool = False       # the job plans with the live Ray nodes, read again at every
+                                   # epoch end (set by placement.ray_cluster_spec; cluster_view)
 
     def __post_init__(self) -> None:
-        if not self.nodes:
-            raise ValueError("nodes must list at least one node, got an empty list")
+        if not self.nodes and not self.node_types:
+            raise ValueError("nodes must list at least one node (or node_types one node type "
+                             "Ray's autoscaler can launch), got an empty list")
+        types = [t.name for t in self.node_types]
+        dup_types = {t for t in types if types.count(t) > 1}
+        if dup_types:
+            raise ValueError(f"node_types must have unique names, got duplicates {sorted(dup_types)}")
         names = [n.name for n in self.nodes]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -172,7 +231,7 @@ class ClusterSpec(JsonMixin):
         if not out:
             raise ValueError("nodes: this mode needs GPUs in identical pairs on one node, "
                              "and no node has two GPUs")
-        return ClusterSpec(nodes=out)
+        return replace(self, nodes=out)
 
     @property
     def gpu_types(self) -> list[str]:
@@ -211,25 +270,42 @@ class ClusterSpec(JsonMixin):
 
     @classmethod
     def from_mapping(cls, data: object, source: str = "cluster") -> "ClusterSpec":
-        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        """``{nodes: [{name, gpu_type, num_gpus, ...}], node_types: [{name, gpu_type, num_gpus,
+        max_workers, tflops, memory_gb, speed, launch_s}]}`` (``node_types``: optional, what
+        Ray's autoscaler can launch; ``nodes`` may then be empty)."""
+        if not isinstance(data, dict) or not isinstance(data.get("nodes", []), list) or \
+                ("nodes" not in data and not data.get("node_types")):
             raise ValueError(f"{source}: nodes must be a list of nodes, e.g. "
                              "{nodes: [{name: a0, gpu_type: v100, num_gpus: 4}]}")
-        nodes = []
-        allowed = {f.name for f in fields(NodeSpec)}
-        for i, nd in enumerate(data["nodes"]):
+        nodes = [NodeSpec(**nd) for nd in cls._records(data.get("nodes", []), NodeSpec, "nodes",
+                                                       source, name_prefix="node")]
+        if not isinstance(data.get("node_types", []), list):
+            raise ValueError(f"{source}: node_types must be a list of node types, e.g. "
+                             "{node_types: [{name: a100x4, gpu_type: a100, num_gpus: 4, max_workers: 2}]}")
+        types = [NodeType(**nd) for nd in cls._records(data.get("node_types", []), NodeType,
+                                                       "node_types", source, name_prefix="type")]
+        return cls(nodes=nodes, node_types=types)
+
+    @staticmethod
+    def _records(items: list, kind: type, key: str, source: str, name_prefix: str) -> list[dict]:
+        """The mappings of ``items`` checked against the fields of ``kind`` (unknown or missing
+        fields name the entry); a missing name becomes ``<name_prefix><index>``."""
+        out = []
+        allowed = {f.name for f in fields(kind)}
+        for i, nd in enumerate(items):
             if not isinstance(nd, dict):
-                raise ValueError(f"{source}: nodes[{i}] must be a mapping, got {nd!r}")
+                raise ValueError(f"{source}: {key}[{i}] must be a mapping, got {nd!r}")
             extra = set(nd) - allowed
             if extra:
-                raise ValueError(f"{source}: nodes[{i}] has unknown field(s) {sorted(extra)}; "
+                raise ValueError(f"{source}: {key}[{i}] has unknown field(s) {sorted(extra)}; "
                                  f"allowed: {sorted(allowed)}")
             missing = {"gpu_type", "num_gpus"} - set(nd)
             if missing:
-                raise ValueError(f"{source}: nodes[{i}] is missing field(s) {sorted(missing)}")
+                raise ValueError(f"{source}: {key}[{i}] is missing field(s) {sorted(missing)}")
             nd = dict(nd)
-            nd.setdefault("name", f"node{i}")
-            nodes.append(NodeSpec(**nd))
-        return cls(nodes=nodes)
+            nd.setdefault("name", f"{name_prefix}{i}")
+            out.append(nd)
+        return out
 
     @classmethod
     def emulated(cls, types: dict[str, tuple[int, int, float]]) -> "ClusterSpec":
@@ -247,7 +323,8 @@ class ClusterSpec(JsonMixin):
         """Build the spec from Ray's node records (``nodes`` in the format of ``ray.nodes()``;
         pure: the live call is :func:`jabasray.actors.placement.ray_cluster_spec`).
 
-        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>``, with
+        One NodeSpec per alive Ray node and GPU type, named ``<node id[:8]>-<type>`` (a longer
+        id prefix where two nodes' ids share their first 8 characters), with
         ``ray_node_id`` set (placement pins the node's actors to it). GPU types come, in this
         order of precedence, from
 
@@ -267,6 +344,8 @@ class ClusterSpec(JsonMixin):
         speeds = speeds or {}
         memory_gb = memory_gb or {}
         specs: list[NodeSpec] = []
+        ids = [str(nd.get("NodeID") or nd.get("node_id") or f"node{i}") for i, nd in enumerate(nodes)
+               if isinstance(nd, dict)]
         for i, nd in enumerate(nodes):
             if not isinstance(nd, dict):
                 raise ValueError(f"nodes[{i}] must be a ray.nodes() mapping, got {nd!r}")
@@ -285,7 +364,7 @@ class ClusterSpec(JsonMixin):
                 label = labels.get(ACCELERATOR_LABEL)
                 types[(label or (accel[0] if accel else "gpu")).lower()] = int(res["GPU"])
             for gpu_type, count in types.items():
-                specs.append(NodeSpec(name=f"{node_id[:8]}-{gpu_type}", gpu_type=gpu_type,
+                specs.append(NodeSpec(name=_node_name(node_id, gpu_type, ids), gpu_type=gpu_type,
                                       num_gpus=count, speed=float(speeds.get(gpu_type, 1.0)),
                                       memory_gb=float(memory_gb.get(gpu_type, 16.0)),
                                       ray_node_id=str(ray_id) if ray_id else None))
@@ -295,6 +374,15 @@ class ClusterSpec(JsonMixin):
                              "them on CPU: cluster=ClusterSpec.emulated({'cpu': (1, 2, 1.0)}) with "
                              "DriverOptions(device='cpu'), or `jabasray train --device cpu`")
         return cls(nodes=specs)
+
+
+def _node_name(node_id: str, gpu_type: str, ids: list[str]) -> str:
+    """``<node id[:8]>-<type>``, the id prefix lengthened (by 4) while another of ``ids`` shares
+    it (ids that agree in their first 8 characters, e.g. a fake cluster's)."""
+    k = 8
+    while k < len(node_id) and any(o != node_id and o[:k] == node_id[:k] for o in ids):
+        k += 4
+    return f"{node_id[:k]}-{gpu_type}"
 
 
 class WorkerConfig(NamedTuple):

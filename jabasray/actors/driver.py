@@ -19,7 +19,10 @@
    (one Ray call per actor; burst parallelism :mod:`.burst_host`), feed Phi to the adaptive rule
    (:mod:`jabasray.adaptive.batch_rule`; the driver keeps the requested B_G);
 4. at the epoch end: validation, forecast of the next epoch's B_G (GPR + ESM), re-profiling
-   check, auto-scaling decision, the epoch record (:mod:`.metrics`), a checkpoint;
+   check, auto-scaling decision over what the cluster can provide now (:mod:`.cluster_view`:
+   the live nodes, joined ones included, and the nodes Ray's autoscaler can launch; the chosen
+   allocation's bundles are requested from Ray's autoscaler before they are placed, the request
+   cleared when the run ends), the epoch record (:mod:`.metrics`), a checkpoint;
 5. a dead GPU actor: redo the epoch from the last checkpoint without its pair (:mod:`.recovery`).
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..profiler.cluster import job_perf_model
 from ..storage import StoragePath, as_storage_path
 from .allreduce_fit import MeasuredFits, fit_description
 from .burst_host import BurstIntervals
+from .cluster_view import ClusterView
 from .checkpoint import MID_EPOCH, Checkpoint, DriverState, drop_mid_epoch, save_checkpoint
 from .driver_options import TRAINING_PHASE, DriverCallback, DriverOptions, check_driver_inputs
 from .fanout import ActorFailure
@@ -134,6 +138,9 @@ class JabasDriver:
         self.lock: Any = None   # the run's lock, set by whoever holds it (a lost lease stops saves)
         self.val_dataset = val_dataset
         self.options = options or DriverOptions()
+        # what the cluster can provide (live and launchable nodes) and what the job asks Ray for
+        self.view = ClusterView(cluster, self.options.emulate, loader_cpus(hooks))
+        self._drains_seen: set[str] = set()   # draining nodes already acted on
         self.failure = failure or FailureConfig()
         self._gpu_strikes: dict[str, int] = {}   # GPU key -> single failures (recovery.failed_gpus)
         self.force_resume = force_resume   # resume a checkpoint of a different JobConfig
@@ -233,6 +240,7 @@ class JabasDriver:
                     state, worker_state = self._recover(failure, ctl)
         finally:
             self.shutdown()
+            self.view.release()   # the autoscaler may let this run's nodes go
         return self.metrics
 
     def shutdown(self) -> None:
@@ -395,7 +403,11 @@ class JabasDriver:
         """The given cluster mapped onto the live Ray nodes (:mod:`.reconcile`; a spec that pins
         no node stays as it is): ids of a spec detected before a cluster or driver restart name
         dead raylets. ValueError (one line) when none of its nodes is alive."""
-        cluster, _, notes = reconcile_with_ray(self.cluster)
+        cluster, notes = None, []
+        if self.cluster.nodes:
+            cluster, _, notes = reconcile_with_ray(self.cluster)
+        if self.view.follows_ray:   # the live nodes and the launchable ones (:mod:`.cluster_view`)
+            cluster = self.view.candidates() or cluster
         if cluster is None:
             raise ValueError(f"cluster: none of its nodes {[n.name for n in self.cluster.nodes]} "
                              f"is in the live Ray cluster ({'; '.join(notes)})")
@@ -427,6 +439,7 @@ class JabasDriver:
         the state placed and whether actors were re-placed."""
         for _ in range(MAX_REPLANS):
             try:
+                self.view.request(state.cluster, state.allocation)   # Ray's autoscaler provisions it
                 return state, self._ensure_placement(state, worker_state, state.epochs_done)
             except NodesGone as gone:
                 cluster, rename, notes = reconcile_with_ray(state.cluster)
@@ -580,8 +593,10 @@ class JabasDriver:
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
         t_epoch = time.perf_counter()
+        self.view.held.start(t_epoch, self.view.held_gpus(state.cluster))
         self._placed_now_s = None
         state, replaced = self._place_live(state, worker_state)
+        self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
         self._note_model(state.epochs_done)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
@@ -598,16 +613,45 @@ class JabasDriver:
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
-            if cursor < self.dataset_size and self._mid_epoch_due():
-                self._save_mid_epoch(state, ctl, tally, cursor, interval)
+            self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
+            if cursor < self.dataset_size:
+                going = {n: t for n, t in self.view.draining(self.pool.placement).items()
+                         if n not in self._drains_seen}
+                if going:
+                    self._drains_seen.update(going)
+                    state = self._leave_draining(state, ctl, tally, cursor, interval, going)
+                    replaced = True
+                elif self._mid_epoch_due():
+                    self._save_mid_epoch(state, ctl, tally, cursor, interval)
         return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+
+    def _leave_draining(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
+                        interval: int, going: dict[str, float | None]) -> DriverState:
+        """Nodes of the allocation drain (:meth:`.cluster_view.ClusterView.draining`): before
+        they go, a mid-epoch checkpoint (what the epoch has done stays done), the allocation
+        chosen again on the cluster without them, the actors re-placed from the live actors'
+        state; the epoch goes on from ``cursor``. Without another node the job stays where it
+        is (a node that then goes is an actor failure, recovered from this checkpoint)."""
+        worker_state = self._worker_state()
+        self._save_mid_epoch(state, ctl, tally, cursor, interval, worker_state)
+        when = {n: (f"in {max(0.0, t - time.time()):.0f} s" if t else "no deadline") for n, t in going.items()}
+        cluster = replace(state.cluster, nodes=[n for n in state.cluster.nodes if n.name not in going])
+        if not cluster.nodes:
+            self._event(f"epoch {state.epochs_done + 1}: node(s) {when} drain and no other node is "
+                        f"left; training goes on until they go (mid-epoch checkpoint written)")
+            return state
+        allocation = self._choose_allocation(cluster, state.forecast or None)
+        self._event(f"epoch {state.epochs_done + 1}: node(s) {when} drain: mid-epoch checkpoint at "
+                    f"sample {cursor}, re-planned without them: allocation {allocation}")
+        state, _ = self._place_live(replace(state, cluster=cluster, allocation=allocation), worker_state)
+        return state
 
     def _mid_epoch_due(self) -> bool:
         minutes = self.checkpoint.interval_minutes
         return minutes is not None and time.monotonic() - self._last_save >= 60.0 * minutes
 
     def _save_mid_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
-                        interval: int) -> None:
+                        interval: int, worker_state: dict | None = None) -> None:
         """The mid-epoch checkpoint (``CheckpointConfig.interval_minutes``) at an interval
         boundary: the epoch's cursor, interval index and tally, the adaptive controller and the
         metrics so far, and the actors' state; one slot, replaced each time (manifest-last)."""
@@ -616,7 +660,8 @@ class JabasDriver:
         mid = {"cursor": cursor, "interval": interval, "tally": dataclasses.asdict(tally)}
         save_checkpoint(self.run_dir, replace(state, adaptive=ctl.state_dict(), metrics=self.metrics,
                                               mid_epoch=mid, allreduce_fits=dict(self.allreduce.records)),
-                        self._worker_state(), folder=MID_EPOCH)
+                        worker_state if worker_state is not None else self._worker_state(),
+                        folder=MID_EPOCH)
         self._last_save = time.monotonic()
 
     def _run_interval(self, state: DriverState, ctl: Any, interval: int, cursor: int,
@@ -685,12 +730,15 @@ class JabasDriver:
         val_metrics = self.pool.evaluate(self._val_ref) if self._evaluates else {}
         eval_s = time.perf_counter() - t_end
         trajectory = ctl.end_epoch()
+        t_done = time.perf_counter()
+        held = self.view.held.take(t_done, self.view.held_gpus(state.cluster))
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,
-                              predicted_time_s=predicted, time_s=time.perf_counter() - t_epoch,
+                              predicted_time_s=predicted, time_s=t_done - t_epoch,
                               dataset_size=self.dataset_size, allreduce_fit=self._fit_used(slots),
-                              placement_s=self._placed_now_s, eval_s=eval_s)
+                              placement_s=self._placed_now_s, eval_s=eval_s,
+                              held_gpu_seconds=held)
         if record.served_exactly_once is False:
             self._event(f"epoch {epoch + 1}: exactly-once failure: the actors served "
                         f"{tally.samples} samples whose digest is not that of the dataset's "
@@ -721,6 +769,7 @@ class JabasDriver:
         forecast = forecast_next_epoch(ctl.completed_trajectories, self.job, self.dataset_size)
         self._maybe_reprofile()
         switch_s = self._replacement_cost()
+        state = self._refresh_cluster(state)
         allocation, uncharged, decision = self._next_allocation(state.cluster, forecast,
                                                                 state.allocation, switch_s)
         if decision is not None and self.metrics.epochs:   # beside the epoch that ends here
@@ -731,6 +780,17 @@ class JabasDriver:
             self._event(f"after epoch {state.epochs_done}: keeping {allocation}: the next epoch on {uncharged} "
                         f"would not repay re-placing the actors ({switch_s:.1f} s)")
         return replace(state, allocation=allocation, forecast=[float(x) for x in forecast])
+
+    def _refresh_cluster(self, state: DriverState) -> DriverState:
+        """``state`` on what the cluster can provide now, of the GPU types the model knows
+        (:meth:`.cluster_view.ClusterView.refresh`), what changed said in events; unchanged for
+        a cluster that does not follow Ray."""
+        profiles = getattr(self.planner.model, "profiles", None)   # the types the model can plan
+        cluster, notes = self.view.refresh(state.cluster, self.pool.placement,
+                                           set(profiles) if isinstance(profiles, dict) else None)
+        for note in notes:
+            self._event(f"after epoch {state.epochs_done}: {note}")
+        return replace(state, cluster=job_cluster(cluster, self.job)) if cluster is not None else state
 
     def _maybe_reprofile(self) -> None:
         """Re-measure a profile the measurements contradict (correction factor beyond

@@ -112,6 +112,10 @@ class EpochRecord(JsonMixin):
                                               # (start, re-placement; None: the actors stayed)
     eval_s: float = 0.0                       # seconds of the epoch end: the actors' state read
                                               # for the checkpoint and the validation
+    held_gpu_seconds: float | None = None     # GPU-seconds of the GPU nodes held during the epoch,
+                                              # used or idle (actors.cluster_view.HeldGpus; a job
+                                              # that follows Ray: the live nodes, launched ones
+                                              # from when they joined; a fixed cluster: all of it)
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -124,7 +128,8 @@ class EpochRecord(JsonMixin):
         row.update({"lr": self.lr, "global_batch_min": min(traj), "global_batch_max": max(traj),
                     "num_gpus": len(self.gpu_types), "samples": self.samples,
                     "throughput": self.throughput, "time_s": self.time_s,
-                    "gpu_seconds": self.gpu_seconds, "replaced": self.replaced})
+                    "gpu_seconds": self.gpu_seconds, "held_gpu_seconds": self.held_gpu_seconds,
+                    "replaced": self.replaced})
         return row
 
 
@@ -143,6 +148,11 @@ class MetricsHistory(JsonMixin):
     @property
     def total_gpu_seconds(self) -> float:
         return sum(e.gpu_seconds for e in self.epochs)
+
+    @property
+    def total_held_gpu_seconds(self) -> float:
+        """GPU-seconds of the nodes held over all epochs (epochs without the figure count 0)."""
+        return sum(e.held_gpu_seconds or 0.0 for e in self.epochs)
 
     @property
     def total_time_s(self) -> float:
@@ -230,13 +240,14 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                  val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
                  time_s: float, dataset_size: int | None = None,
                  allreduce_fit: dict | None = None, placement_s: float | None = None,
-                 eval_s: float = 0.0) -> EpochRecord:
+                 eval_s: float = 0.0, held_gpu_seconds: float | None = None) -> EpochRecord:
     """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
     the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
     ``time_s``, GPU-seconds = ``time_s`` x the number of GPUs and, given ``dataset_size``,
     whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`),
     and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`);
-    ``placement_s`` and ``eval_s``: the epoch's placement and epoch-end seconds."""
+    ``placement_s`` and ``eval_s``: the epoch's placement and epoch-end seconds;
+    ``held_gpu_seconds``: the GPU-seconds of the nodes held (:class:`.cluster_view.HeldGpus`)."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
@@ -248,20 +259,22 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        served_exactly_once=None if dataset_size is None
                        else tally.served_exactly_once(dataset_size),
                        allreduce_fit=dict(allreduce_fit or {}), placement_s=placement_s,
-                       eval_s=float(eval_s))
+                       eval_s=float(eval_s), held_gpu_seconds=held_gpu_seconds)
 
 
 def decision_record(decision: Any, current: dict[str, int], switch_s: float) -> dict:
     """What the auto-scaler weighed (:class:`jabasray.planners.autoscale.AutoscaleDecision`),
     as plain JSON: the objective, the allocation the job ran, the re-placement charge, every
-    candidate (allocation, predicted epoch seconds, seconds charged for moving to it, Eq. 8
+    candidate (allocation, predicted epoch seconds, seconds charged for moving to it and for
+    launching its nodes, Eq. 8
     cost, GPUs, why it is infeasible where it is) and the allocation chosen with its predicted
     epoch time. The next epoch's record holds what then ran (its ``time_s``,
     ``predicted_time_s``), so every prediction sits beside its outcome."""
     return {"objective": decision.objective, "current": dict(current), "switch_s": float(switch_s),
             "chosen": dict(decision.allocation.node_gpus), "predicted_epoch_s": float(decision.epoch_time),
             "candidates": [{"allocation": dict(c.allocation.node_gpus), "num_gpus": c.allocation.num_gpus,
-                            "epoch_time_s": c.epoch_time, "switch_s": c.switch_s, "cost": c.cost,
+                            "epoch_time_s": c.epoch_time, "switch_s": c.switch_s,
+                            "launch_s": c.launch_s, "cost": c.cost,
                             "reason": c.reason} for c in decision.candidates]}
 
 
@@ -298,6 +311,8 @@ def epoch_line(record: EpochRecord) -> str:
     line = (f"epoch {record.epoch + 1}: B_G {min(traj)}-{max(traj)}, allocation {alloc} "
             f"({len(record.gpu_types)} GPUs), {record.throughput:.0f} samples/s, "
             f"{', '.join(metrics)}, {record.time_s:.1f}s")
+    if record.held_gpu_seconds is not None:
+        line += f", {record.held_gpu_seconds / 3600:.3g} GPU-h held"
     if record.prediction_error is not None:
         line += (f", train {record.train_time_s:.1f}s vs predicted "
                  f"{record.predicted_train_time_s:.1f}s (error {100 * record.prediction_error:+.0f}%)")

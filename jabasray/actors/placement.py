@@ -52,6 +52,8 @@ class Slot(JsonMixin):
     pair: int          # unit index = index into plan.workers / group_gpus
     local_pair: int = 0  # index of the unit on its node (identity of the unit's GPUs)
     ray_node_id: str | None = None  # Ray node the slot is pinned to (NodeSpec.ray_node_id)
+    launch_s: float | None = None   # its node must be launched first (NodeSpec.launch_s): its
+                                    # bundle names gpu_<type>, its placement waits this longer
 
     @property
     def pair_key(self) -> tuple[str, int]:
@@ -65,12 +67,15 @@ class Slot(JsonMixin):
 
 def ray_cluster_spec(speeds: dict[str, float] | None = None,
                      memory_gb: dict[str, float] | None = None) -> ClusterSpec:
-    """The running Ray cluster as a ClusterSpec: ``ClusterSpec.from_ray(ray.nodes(), ...)``."""
+    """The running Ray cluster as a ClusterSpec: ``ClusterSpec.from_ray(ray.nodes(), ...)``,
+    marked ``follow_ray`` (a job given it plans with the live nodes, joined ones included:
+    :mod:`.cluster_view`)."""
     import ray
     if not ray.is_initialized():
         raise ValueError("the cluster is detected from a running Ray: call ray.init() first "
                          "or pass a ClusterSpec")
-    return ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb)
+    return replace(ClusterSpec.from_ray(ray.nodes(), speeds=speeds, memory_gb=memory_gb),
+                   follow_ray=True)
 
 
 def job_cluster(cluster: ClusterSpec, job: JobConfig) -> ClusterSpec:
@@ -148,7 +153,7 @@ def slots_for(cluster: ClusterSpec, allocation: dict[str, int]) -> list[Slot]:
             for g in groups:
                 slots.append(Slot(rank=len(slots), node=node.name, gpu_type=node.gpu_type,
                                   speed=node.speed, group=g, pair=unit, local_pair=k,
-                                  ray_node_id=node.ray_node_id))
+                                  ray_node_id=node.ray_node_id, launch_s=node.launch_s))
             unit += 1
     return slots
 
@@ -316,10 +321,12 @@ def free_cluster(cluster: ClusterSpec, free_per_node: dict[str, dict[str, float]
     say whether ``gpu_<type>`` exists). A pinned node counts only its own Ray node; an unpinned
     one takes, in cluster order, the Ray node that offers the most GPUs of its bundle (a unit's
     GPUs must share a node), whose offer then shrinks by what it took. Nodes with no free GPU
-    are left out; None when no node has one."""
+    (and nodes still to launch, ``NodeSpec.launched``) are left out; None when no node has one."""
     left = {k: dict(v) for k, v in free_per_node.items()}
     nodes: list[NodeSpec] = []
     for n in cluster.nodes:
+        if n.launched:   # a node still to launch has no free GPU
+            continue
         bundle = bundle_for(n.gpu_type, emulate, totals, cpus)
         if n.ray_node_id is not None:
             where = n.ray_node_id if n.ray_node_id in left else None
@@ -415,11 +422,14 @@ def place_actors(slots: list[Slot], make_actor: Callable[[Slot, dict], Any], emu
             if key in old:    # a solo GPU became a pair or a pair a solo GPU: new actors
                 _release_pair(*old.pop(key))
             pair_slots = sorted(pair_slots, key=lambda s: s.group)
-            bundles, selector = pair_request(pair_slots, emulate, available, cpus)
+            launch_s = pair_slots[0].launch_s   # a node still to launch: its resource, its wait
+            avail = {**available, resource_name(pair_slots[0].gpu_type): 1.0} \
+                if launch_s is not None else available
+            bundles, selector = pair_request(pair_slots, emulate, avail, cpus)
             pg = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selector)
             created.append((pg, []))
             try:
-                ray.get(pg.ready(), timeout=timeout_s)
+                ray.get(pg.ready(), timeout=timeout_s + (launch_s or 0.0))
             except ray.exceptions.GetTimeoutError:
                 raise PlacementTimeout(placement_timeout_message(
                     key[0], pair_slots[0].ray_node_id, bundles, timeout_s,

@@ -14,6 +14,11 @@ counterpart in the tested Ray:
   ``ray.available_resources()`` is the cluster's sum, ``ray.nodes()`` and
   ``ray.util.state.list_nodes()`` give totals only (the latter also needs the dashboard), and
   the auto-scaler must know which node can still host a GPU pair.
+* **The nodes that are draining**: ``ray._private.state.state.get_draining_nodes()`` (Ray node
+  id -> the drain deadline in ms, 0: none), the GCS's own list, which Ray Serve reads too. A
+  drain request (``ray drain-node``, a cloud's preemption notice through KubeRay or the
+  autoscaler) marks a node that Ray will schedule nothing new on and that goes at its deadline;
+  ``ray.nodes()`` still calls it alive and the state API needs the dashboard.
 * **An S3 filesystem's endpoint and credentials** (pyarrow): ``S3FileSystem`` exposes only
   ``region``; its other constructor arguments are readable only from what pickling rebuilds it
   from (``__reduce__()[1][0]``, a dict of them). The S3 lease (:mod:`.lease`) needs them to talk
@@ -43,6 +48,7 @@ RAY_INTERNALS = (
     ("ray.experimental.internal_kv", "_internal_kv_get", ("key", "namespace")),
     ("ray.experimental.internal_kv", "_internal_kv_del", ("key", "del_by_prefix", "namespace")),
     ("ray._private.state", "available_resources_per_node", ()),
+    ("ray._private.state", "state.get_draining_nodes", ()),
 )
 S3_OPTION_KEYS = ("endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token")
 
@@ -86,12 +92,15 @@ def _params(fn: Any) -> tuple[str, ...] | None:
 
 
 def _internal(module: str, name: str, params: tuple[str, ...]) -> Any:
-    """The internal ``module.name`` (None when missing or its leading parameters changed)."""
+    """The internal ``module.name`` (``name`` may be dotted: an attribute of an object of the
+    module; None when missing or its leading parameters changed)."""
     import importlib
     try:
-        fn = getattr(importlib.import_module(module), name, None)
+        fn: Any = importlib.import_module(module)
     except ImportError:
         return None
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
     if fn is None or (_params(fn) or ())[:len(params)] != params:
         return None
     return fn
@@ -175,6 +184,13 @@ def available_resources_per_node() -> dict[str, dict[str, float]]:
     return _require("ray._private.state", "available_resources_per_node")()
 
 
+def draining_nodes() -> dict[str, float | None]:
+    """Ray node id -> the unix time (s) by which each draining node goes (None: no deadline),
+    as the GCS reports them now; {} when no node drains."""
+    got = _require("ray._private.state", "state.get_draining_nodes")()
+    return {str(k): (float(v) / 1000.0 if v else None) for k, v in got.items()}
+
+
 def s3_filesystem_options(filesystem: Any) -> dict[str, Any]:
     """The endpoint, scheme, region and credentials a pyarrow ``S3FileSystem`` was built with
     (:data:`S3_OPTION_KEYS`; empty values left out). Only ``region`` is public; the rest comes
@@ -193,4 +209,4 @@ def s3_filesystem_options(filesystem: Any) -> dict[str, Any]:
 
 __all__ = ["TESTED_RAY", "RAY_INTERNALS", "RayInternalsError", "tested_text", "version_problem",
            "missing_internals", "problems", "kv_put", "kv_get", "kv_delete",
-           "available_resources_per_node", "s3_filesystem_options"]
+           "available_resources_per_node", "draining_nodes", "s3_filesystem_options"]

@@ -59,6 +59,13 @@ Implementation notes
   charged ``switch_cost_s`` seconds on top of its epoch time (and its GPUs' price for them), so
   the job moves only when the next epoch repays the move. ``switch_cost_s = 0`` is the paper's
   rule. The horizon is the next epoch, the one the forecast covers.
+* Launch charge (ours): a candidate node that Ray's autoscaler must launch first
+  (``NodeSpec.launch_s`` set: :mod:`jabasray.actors.cluster_view`) has no GPUs until it is up,
+  so an allocation that uses such nodes is charged the longest ``launch_s`` among them (they
+  launch together) on top of its epoch time and of the re-placement charge, its GPUs priced
+  for it like the re-placement (:meth:`Allocation.launch_s`, :meth:`CandidateEstimate.weighed`).
+  Unlike the re-placement charge it applies with or without a current allocation, and also
+  to the choice "without the re-placement charge" (the wait is real either way).
 """
 from __future__ import annotations
 
@@ -132,6 +139,12 @@ class Allocation(JsonMixin):
         """Sum of Eq. 8 price weights of the allocated GPUs (per second)."""
         return sum(g * cluster.node(n).price_weight for n, g in self.node_gpus.items())
 
+    def launch_s(self, cluster: ClusterSpec) -> float:
+        """Seconds before this allocation's GPUs exist: the longest ``launch_s`` of the nodes
+        it uses that must be launched first (module notes, "Launch charge"); 0 on live nodes."""
+        return max((float(cluster.node(n).launch_s) for n, g in self.node_gpus.items()
+                    if g > 0 and cluster.node(n).launch_s is not None), default=0.0)
+
 
 @dataclass(frozen=True)
 class EpochTime(JsonMixin):
@@ -154,11 +167,13 @@ class CandidateEstimate(JsonMixin):
     iterations: int
     reason: str = "ok"
     switch_s: float = 0.0                   # re-placement seconds charged (not the current allocation)
+    launch_s: float = 0.0                   # seconds charged for launching its nodes (module notes)
 
     def weighed(self, charge_switch: bool = True) -> tuple[float, float]:
-        """``(time, cost)`` the choice weighs: the epoch's, plus (``charge_switch``) the
-        re-placement to this allocation, its GPUs priced for it (feasible candidates only)."""
-        extra = self.switch_s if charge_switch else 0.0
+        """``(time, cost)`` the choice weighs: the epoch's, plus the launch of its nodes and
+        (``charge_switch``) the re-placement to this allocation, its GPUs priced for both
+        (feasible candidates only)."""
+        extra = self.launch_s + (self.switch_s if charge_switch else 0.0)
         rate = self.cost / self.epoch_time if self.epoch_time else 0.0
         return self.epoch_time + extra, self.cost + extra * rate
 
@@ -205,10 +220,12 @@ def _ordered(names: list[str], combos: Sequence[Sequence[int]]) -> list[Allocati
 
 def node_classes(cluster: ClusterSpec) -> list[list[int]]:
     """Indices of interchangeable nodes, cluster order: nodes alike in GPU type, GPU count,
-    memory, speed and TFLOPS (everything the model and Eq. 8 read of a node)."""
+    memory, speed, TFLOPS and launch time (everything the model, Eq. 8 and the launch charge
+    read of a node)."""
     classes: dict[tuple, list[int]] = {}
     for i, n in enumerate(cluster.nodes):
-        classes.setdefault((n.gpu_type, n.num_gpus, n.memory_gb, n.speed, n.tflops), []).append(i)
+        classes.setdefault((n.gpu_type, n.num_gpus, n.memory_gb, n.speed, n.tflops, n.launch_s),
+                           []).append(i)
     return list(classes.values())
 
 
@@ -397,9 +414,10 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         size = (alloc.num_gpus, alloc.multi_node)
         if size not in retargeted:
             retargeted[size] = (_retarget(model, *size), {})
-        if size not in peaks:
-            peaks[size] = peak_throughputs(retargeted[size][0], cl.gpu_types, min_local_batch)
-        return epoch_lower_bound(alloc, cl, peaks[size], dataset_size)
+        types = tuple(cl.gpu_types)    # a cluster may gain GPU types between decisions
+        if size + types not in peaks:
+            peaks[size + types] = peak_throughputs(retargeted[size][0], types, min_local_batch)
+        return epoch_lower_bound(alloc, cl, peaks[size + types], dataset_size)
 
     bounds = [bound_of(a) for a in allocs] if prune and objective in ("time", "cost") else [None] * len(allocs)
     order = sorted(range(len(allocs)), key=lambda i: (bounds[i] is not None, bounds[i] or 0.0, i))
@@ -407,12 +425,12 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     estimates: dict[int, CandidateEstimate] = {}
     for i in order:
         alloc, lb, group = allocs[i], bounds[i], groups[i]
-        switch = switch_of(alloc)
+        switch, launch = switch_of(alloc), alloc.launch_s(cl)
         if lb is not None:
             rate = alloc.price_rate(cl) if objective == "cost" else 1.0
-            if lb * rate > best_free and (lb + switch) * rate > best_charged:
+            if (lb + launch) * rate > best_free and (lb + launch + switch) * rate > best_charged:
                 estimates[i] = CandidateEstimate(alloc, group, None, None, 0, f"pruned: at least "
-                                                 f"{lb:.4g} s, slower than the best", switch)
+                                                 f"{lb:.4g} s, slower than the best", switch, launch)
                 continue
         key = (tuple(group), alloc.num_gpus, alloc.multi_node)
         m, tables = retargeted.setdefault((alloc.num_gpus, alloc.multi_node),
@@ -421,7 +439,7 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
                          cache=memo.setdefault(key, {}), tolerance=tolerance, tables=tables)
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
         c = estimates[i] = CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations,
-                                             est.reason, switch)
+                                             est.reason, switch, launch)
         if est.epoch_time is not None:
             plans_of[key] = est.plans
             value = 0 if objective == "time" else 1

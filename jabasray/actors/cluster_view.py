@@ -1,0 +1,384 @@
+"""What the cluster can provide: the auto-scaler's candidate nodes, and what the job asks Ray for.
+
+The driver asks this module, as it asks the planners, at the start and at every epoch end
+(:class:`ClusterView`); the rules:
+
+1. **Live nodes.** A job whose cluster follows Ray (``ClusterSpec.follow_ray``: the cluster
+   :func:`.placement.ray_cluster_spec` detects, ``--cluster ray``; or a spec that lists
+   ``node_types``) plans with the GPU nodes alive *now* (``ray.nodes()`` through
+   :meth:`jabasray.types.ClusterSpec.from_ray`), read again at every epoch end: a node that
+   joined (added by hand, or launched by Ray's autoscaler) is a candidate of the next
+   allocation, a node that left is not. A live node keeps the name and the place in the
+   cluster's node order it had when first seen (the given spec's name, ``<Ray node
+   id[:8]>-<type>``, or the name of the launchable node it was launched for, read from its
+   placement groups), so an allocation that stays on it keeps its ranks and actors. Speed,
+   memory and TFLOPS of a GPU type come from the given spec's nodes or node types of that type;
+   nodes of a GPU type the job's model has no profile of are left out (:func:`only_types`).
+   Any other spec - a hand-written one, or a part of a detected one - is used as given (the
+   cluster a job was given bounds what it uses: :mod:`.reconcile`; nothing joins).
+2. **Launchable nodes.** ``ClusterSpec.node_types`` (:class:`jabasray.types.NodeType`: name,
+   GPU type, GPUs per node, ``max_workers``, TFLOPS as the price of Eq. 8, memory, ``launch_s``)
+   say what Ray's autoscaler can launch. Ray 2.60 offers no public API that tells a running
+   driver its autoscaler's node types: ``ray.autoscaler.v2.sdk.get_cluster_status()`` lists
+   live, pending and failed nodes only, and the GCS key the autoscaler v2 ``ClusterConfig``
+   would live under is private (``ray._private.state``) and empty with the open-source
+   monitor (v1 and v2 alike) - so the user gives them, in the cluster file's ``node_types:``
+   section. A type contributes ``max_workers`` minus its live nodes (same GPU type and count)
+   launchable nodes, named ``<type>+<i>``, with ``ray_node_id`` None and ``launch_s`` set
+   (:attr:`jabasray.types.NodeSpec.launched`): placement asks for their ``gpu_<type>``
+   resource on any node and waits ``launch_s`` longer for it; they are never "free" GPUs when a
+   placement times out (:func:`.placement.free_cluster`).
+3. **Launch charge.** A candidate allocation that uses launchable nodes is charged the longest
+   of their ``launch_s`` (default :data:`jabasray.types.DEFAULT_LAUNCH_S`, 120 s) on top of its
+   epoch time and the re-placement charge, in one place:
+   :meth:`jabasray.planners.autoscale.Allocation.launch_s` (module notes of
+   :mod:`jabasray.planners.autoscale`, "Launch charge").
+4. **Requests.** Before every placement (at the start and after every decision) the job asks Ray's autoscaler for the
+   chosen allocation's placement bundles (:func:`request_bundles`: one
+   :func:`.placement.bundle_for` per GPU, the bundles its actors' placement groups ask for)
+   through ``ray.autoscaler.sdk.request_resources(bundles=...)``; each request replaces the
+   previous one, so a job that shrinks lowers it and the autoscaler may let the unused nodes go
+   after its idle timeout. When the run ends or fails the request is cleared
+   (``request_resources(bundles=[])``). The request is one per Ray cluster (the last caller's
+   wins): two jobs that provision on one cluster overwrite each other's floor.
+5. **Draining nodes.** A node that drains (a drain request to Ray's GCS: a spot node's
+   preemption notice, a scale-down; :func:`.ray_internals.draining_nodes`) is read after every
+   interval (:meth:`ClusterView.draining`, one GCS call). While it drains it is no candidate
+   (rule 1 leaves it out), and the driver leaves it mid-epoch before it goes: a mid-epoch
+   checkpoint, the allocation chosen again without it, the actors re-placed, the epoch
+   continued from its cursor (:meth:`jabasray.actors.driver.JabasDriver.run`).
+6. **GPU-hours held.** What a job pays for is the nodes held, not the GPUs its actors use: a
+   node's every GPU from when it joins until it goes, idle ones and the autoscaler's idle
+   timeout included. For a job that follows Ray the held GPUs are those of the live GPU nodes
+   (``ray.nodes()``; on a cluster shared with other jobs, theirs too) and of the nodes its
+   last request asked Ray's autoscaler to launch that have not joined yet (paid from the
+   launch: a cloud bills a node from its start, not from its raylet's); for any other spec the
+   nodes it lists, held throughout. The view reads them (:attr:`ClusterView.held`) right after
+   every request, and the driver at the epoch's start, after its placement, after every
+   interval and at its end; :class:`HeldGpus` integrates the count (constant between reads)
+   into the epoch's ``held_gpu_seconds``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from ..types import ClusterSpec, NodeSpec, NodeType
+from .placement import bundle_for, resource_name, slots_for
+
+log = logging.getLogger(__name__)
+
+
+def follows_ray(cluster: ClusterSpec) -> bool:
+    """Whether a job given ``cluster`` plans with the live Ray nodes (module rule 1): detected
+    from Ray (``follow_ray``), or node types listed."""
+    return bool(cluster.node_types) or cluster.follow_ray
+
+
+def type_figures(cluster: ClusterSpec) -> dict[str, dict[str, Any]]:
+    """Per GPU type, the user's figures of it (speed, memory, TFLOPS): from its node types,
+    then its nodes (a node's figures win)."""
+    out: dict[str, dict[str, Any]] = {}
+    for t in cluster.node_types:
+        out[t.gpu_type] = dict(speed=t.speed, memory_gb=t.memory_gb, tflops=t.tflops)
+    for n in cluster.nodes:
+        out[n.gpu_type] = dict(speed=n.speed, memory_gb=n.memory_gb, tflops=n.tflops)
+    return out
+
+
+def live_nodes(ray_nodes: list[dict], figures: dict[str, dict[str, Any]],
+               names: dict[str, str] | None = None) -> list[NodeSpec]:
+    """The alive GPU nodes of ``ray_nodes`` (``ray.nodes()`` records) as pinned NodeSpecs with
+    the user's ``figures`` per GPU type; ``names``: Ray node id -> the name a node keeps (the
+    name it had when first seen, or of the launchable node it was launched for; a new node
+    whose default name is taken is named by its whole id), kept ones in the order of ``names``.
+    Empty when no alive node has GPUs."""
+    try:
+        spec = ClusterSpec.from_ray(ray_nodes)
+    except ValueError:   # no alive GPU node
+        return []
+    names = names or {}
+    kept = set(names.values())
+    out = []
+    for n in spec.nodes:
+        fig = figures.get(n.gpu_type, {})
+        name = names.get(n.ray_node_id or "")
+        if name is None:   # a node not seen before: its own name, unless a kept one has it
+            name = n.name if n.name not in kept else f"{n.ray_node_id}-{n.gpu_type}"
+        out.append(replace(n, name=name,
+                           speed=float(fig.get("speed", n.speed)),
+                           memory_gb=float(fig.get("memory_gb", n.memory_gb)),
+                           tflops=fig.get("tflops")))
+    # kept nodes in the order they were first seen, new ones after (ray.nodes() has no fixed
+    # order; the ranks of an allocation follow the cluster's node order)
+    seen = {name: i for i, name in enumerate(names.values())}
+    return sorted(out, key=lambda n: (0, seen[n.name]) if n.name in seen else (1, 0))
+
+
+def launchable_nodes(node_types: list[NodeType], live: list[NodeSpec],
+                     taken: set[str] = frozenset()) -> list[NodeSpec]:
+    """Per node type, ``max_workers`` minus its live nodes (each live node counted against the
+    first type of its GPU type and count) launchable nodes (:meth:`NodeType.node`), numbered
+    past the names in ``taken``."""
+    claimed: set[int] = set()
+    out: list[NodeSpec] = []
+    names = set(taken) | {n.name for n in live}
+    for t in node_types:
+        running = [i for i, n in enumerate(live) if i not in claimed
+                   and n.gpu_type == t.gpu_type and n.num_gpus == t.num_gpus][:t.max_workers]
+        claimed.update(running)
+        index = 0
+        for _ in range(t.max_workers - len(running)):
+            while f"{t.name}+{index}" in names:
+                index += 1
+            node = t.node(index)
+            names.add(node.name)
+            out.append(node)
+    return out
+
+
+def candidate_cluster(given: ClusterSpec, ray_nodes: list[dict] | None,
+                      names: dict[str, str] | None = None) -> ClusterSpec | None:
+    """The nodes the auto-scaler may choose from (module rules 1-2; pure: ``ray_nodes`` is
+    ``ray.nodes()``): the live GPU nodes (or, for a spec that does not follow Ray, its own
+    nodes) then the launchable nodes of ``given.node_types``. ``names``: Ray node id -> name
+    kept from earlier use. None when there is no node at all."""
+    if not follows_ray(given):
+        return given
+    live = live_nodes(ray_nodes or [], type_figures(given), names)
+    nodes = live + launchable_nodes(given.node_types, live, set((names or {}).values()))
+    return ClusterSpec(nodes=nodes, node_types=list(given.node_types)) if nodes else None
+
+
+def only_types(cluster: ClusterSpec, gpu_types: Any) -> tuple[ClusterSpec | None, list[str]]:
+    """``cluster`` without the nodes whose GPU type is not in ``gpu_types`` (types the job's
+    iteration-time model has no profile of; None: every type is kept), and the names left out."""
+    if gpu_types is None:
+        return cluster, []
+    keep = [n for n in cluster.nodes if n.gpu_type in gpu_types]
+    dropped = [n.name for n in cluster.nodes if n.gpu_type not in gpu_types]
+    return (replace(cluster, nodes=keep) if keep else None), dropped
+
+
+def request_bundles(cluster: ClusterSpec, allocation: dict[str, int], emulate: bool,
+                    available: dict[str, float] | None = None, cpus: float = 0.0
+                    ) -> list[dict[str, float]]:
+    """The placement bundles of ``allocation`` on ``cluster``, one per GPU, as its actors ask
+    for them (:func:`.placement.bundle_for` with the cluster's ``available`` resources and
+    ``cpus`` loader CPUs; a node still to launch always by its ``gpu_<type>`` resource)."""
+    out = []
+    for s in slots_for(cluster, allocation):
+        avail = available
+        if s.launch_s is not None and avail is not None:
+            avail = {**avail, resource_name(s.gpu_type): 1.0}
+        out.append(bundle_for(s.gpu_type, emulate, avail, cpus))
+    return out
+
+
+def request_resources(bundles: list[dict[str, float]]) -> None:
+    """Ask Ray's autoscaler to keep ``bundles`` in the cluster (replaces the previous request;
+    [] clears it). Never raises: a cluster without an autoscaler ignores the request."""
+    try:
+        from ray.autoscaler.sdk import request_resources as ray_request
+        ray_request(bundles=[dict(b) for b in bundles])
+    except Exception as e:  # noqa: BLE001 - a request that fails must not stop training
+        log.warning("could not ask Ray's autoscaler for %d bundle(s): %s", len(bundles), e)
+
+
+def placed_nodes(placement: Any) -> dict[str, str]:
+    """``{Ray node id: node name}`` of the launchable nodes a placement's actors run on (read
+    from its placement groups, ``ray.util.placement_group_table``): the live node keeps the name
+    the allocation knows it by (module rule 1)."""
+    if placement is None:
+        return {}
+    from ray.util.placement_group import placement_group_table
+
+    out: dict[str, str] = {}
+    for (name, _), (pg, _) in placement.pairs.items():
+        slot = next((s for s in placement.slots if s.node == name), None)
+        if slot is None or slot.launch_s is None:
+            continue
+        try:
+            where = placement_group_table(pg).get("bundles_to_node_id", {})
+        except Exception:  # noqa: BLE001 - a removed group: nothing to keep
+            continue
+        for node_id in where.values():
+            out[str(node_id)] = name
+    return out
+
+
+class HeldGpus:
+    """GPU-seconds of the nodes held (module rule 6): the GPU count read at times ``t`` (any
+    one clock), constant from one read to the next."""
+
+    def __init__(self) -> None:
+        self.t: float | None = None
+        self.gpus = 0
+        self.total = 0.0
+
+    def start(self, t: float, gpus: int) -> None:
+        """Begin a new span at ``t`` with ``gpus`` held."""
+        self.t, self.gpus, self.total = t, int(gpus), 0.0
+
+    def read(self, t: float, gpus: int) -> None:
+        """``gpus`` held from ``t`` on (the previous count up to ``t``)."""
+        if self.t is not None:
+            self.total += self.gpus * (t - self.t)
+        self.t, self.gpus = t, int(gpus)
+
+    def take(self, t: float, gpus: int) -> float:
+        """The GPU-seconds from :meth:`start` to ``t``; a new span starts at ``t``."""
+        self.read(t, gpus)
+        total, self.total = self.total, 0.0
+        return total
+
+
+class ClusterView:
+    """The driver's view of what the cluster can provide (module notes).
+
+    Args:
+        given: the cluster the job was given (its node types, its figures per GPU type).
+        emulate: GPUs emulated by ``gpu_<type>`` resources (``DriverOptions.emulate``).
+        cpus: loader CPUs each GPU's bundle reserves (``DriverOptions``/hooks).
+    """
+
+    def __init__(self, given: ClusterSpec, emulate: bool, cpus: float = 0.0) -> None:
+        self.given, self.emulate, self.cpus = given, emulate, float(cpus)
+        # Ray node id -> the name it keeps: the given spec's pinned nodes first, in its order,
+        # then nodes as first seen (a launched node: the candidate's name it was launched for)
+        self.names: dict[str, str] = {n.ray_node_id: n.name for n in given.nodes if n.ray_node_id}
+        self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
+        self._unknown: list[str] = []   # nodes last left out for a GPU type without a profile
+        self.leaving: dict[str, float | None] = {}   # draining Ray node id -> its deadline (unix s)
+        self.held = HeldGpus()   # GPU-seconds of the nodes held (rule 6), per span the driver takes
+        self._launching: dict[str, list[int]] = {}   # GPU type -> GPUs of each node requested,
+                                                     # not live when asked for
+        self._live_at_request: dict[str, int] = {}   # GPU type -> live nodes when last asked
+
+    @property
+    def follows_ray(self) -> bool:
+        return follows_ray(self.given)
+
+    def candidates(self, placement: Any = None) -> ClusterSpec | None:
+        """The candidate cluster now (:func:`candidate_cluster` over ``ray.nodes()``); the
+        launchable nodes ``placement`` runs on keep their names once live. None without Ray
+        (or without any node)."""
+        if not self.follows_ray:
+            return self.given
+        import ray
+
+        if not ray.is_initialized():   # a driver tested without Ray: nothing to read
+            return None
+        self.names.update(placed_nodes(placement))
+        nodes = [n for n in ray.nodes() if n.get("NodeID") not in self.leaving]   # rule 5
+        cluster = candidate_cluster(self.given, nodes, self.names)
+        for n in cluster.nodes if cluster is not None else []:   # a live node keeps its name
+            if n.ray_node_id is not None:
+                self.names.setdefault(n.ray_node_id, n.name)
+        return cluster
+
+    def refresh(self, current: ClusterSpec, placement: Any = None, gpu_types: Any = None
+                ) -> tuple[ClusterSpec | None, list[str]]:
+        """The candidates at an epoch end (:meth:`candidates`) without the nodes of GPU types
+        not in ``gpu_types`` (those the job's model has profiles of; None: all), and the lines
+        that say what changed since ``current`` (the nodes offered; nodes left out, said once
+        per change). None (and no line) when the cluster does not follow Ray or has no node."""
+        cluster = self.candidates(placement) if self.follows_ray else None
+        if cluster is None:
+            return None, []
+        cluster, unknown = only_types(cluster, gpu_types)
+        notes = []
+        if unknown and unknown != self._unknown:
+            notes.append(f"node(s) {unknown} are not candidates: their GPU type has no profile "
+                         f"(restart the run, or pass profiles, to use them)")
+        self._unknown = unknown
+        if cluster is None:
+            return None, notes
+        before = {n.name: n.num_gpus for n in current.nodes}
+        after = {n.name: n.num_gpus for n in cluster.nodes}
+        if before != after:
+            notes.append(f"the cluster offers {after} (was {before}; '<type>+<i>': nodes Ray's "
+                         f"autoscaler can launch)")
+        return cluster, notes
+
+    def request(self, cluster: ClusterSpec, allocation: dict[str, int]) -> list[dict[str, float]]:
+        """Ask Ray's autoscaler for ``allocation``'s bundles (module rule 4); returns them."""
+        import ray
+
+        if not ray.is_initialized():   # a driver tested without Ray: no autoscaler to ask
+            return []
+        try:
+            bundles = request_bundles(cluster, allocation, self.emulate, ray.cluster_resources(),
+                                      self.cpus)
+        except ValueError as e:   # an allocation of nodes the cluster no longer has
+            log.warning("no request to Ray's autoscaler for allocation %s: %s", allocation, e)
+            return []
+        if bundles != self.requested:
+            request_resources(bundles)
+            self.requested = bundles
+            self._launching = {}
+            for n in cluster.nodes:
+                if n.launched and allocation.get(n.name):
+                    self._launching.setdefault(n.gpu_type, []).append(n.num_gpus)
+            self._live_at_request = self._live_per_type(ray.nodes())
+            self.held.read(time.perf_counter(), self.held_gpus(cluster))
+        return bundles
+
+    @staticmethod
+    def _live_per_type(ray_nodes: list[dict]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n in live_nodes(ray_nodes, {}):
+            out[n.gpu_type] = out.get(n.gpu_type, 0) + 1
+        return out
+
+    def draining(self, placement: Any) -> dict[str, float | None]:
+        """The nodes ``placement`` runs on that drain now (module rule 5): ``{node name: unix
+        time it goes by (None: no deadline)}``; {} without Ray, or when the GCS cannot say."""
+        import ray
+
+        from .ray_internals import RayInternalsError, draining_nodes
+
+        if placement is None or not ray.is_initialized():
+            return {}
+        try:
+            self.leaving = draining_nodes()
+        except RayInternalsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unanswered poll must not stop training
+            log.warning("could not read the draining nodes from Ray's GCS: %s", e)
+            return {}
+        if not self.leaving:
+            return {}
+        where = {**self.names, **placed_nodes(placement)}
+        where.update({s.ray_node_id: s.node for s in placement.slots if s.ray_node_id})
+        used = {s.node for s in placement.slots}
+        return {where[i]: t for i, t in self.leaving.items() if where.get(i) in used}
+
+    def held_gpus(self, current: ClusterSpec) -> int:
+        """The GPUs held now (module rule 6): of the live GPU nodes for a job that follows
+        Ray, else of ``current``'s nodes."""
+        if self.follows_ray:
+            import ray
+
+            if ray.is_initialized():
+                nodes = ray.nodes()
+                held = sum(n.num_gpus for n in live_nodes(nodes, {}))
+                live = self._live_per_type(nodes) if self._launching else {}
+                for gpu_type, sizes in self._launching.items():   # asked for, not joined yet
+                    joined = max(0, live.get(gpu_type, 0) - self._live_at_request.get(gpu_type, 0))
+                    held += sum(sorted(sizes)[joined:])
+                return held
+        return sum(n.num_gpus for n in current.nodes)
+
+    def release(self) -> None:
+        """Clear this job's request (the run ended or failed)."""
+        if self.requested is not None:
+            request_resources([])
+            self.requested = None
+        self._launching = {}
+
+
+__all__ = ["ClusterView", "HeldGpus", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
+           "placed_nodes", "request_bundles", "request_resources", "type_figures"]

@@ -1,0 +1,96 @@
+"""A node that drains mid-epoch, on a ``ray.cluster_utils.Cluster``: a head with 2 CPUs and no
+GPU, two nodes with 1 CPU and one emulated "fast" GPU each.
+
+The drain is what a spot node's preemption notice is to Ray: a drain request to the GCS
+(``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``, the
+same call the autoscaler and KubeRay make) after which Ray schedules nothing new on the node
+and whoever asked kills it at the deadline; here the test removes it once the job has left.
+
+Proves: a job on both GPUs whose second node is drained after interval 0 of epoch 0 writes a
+mid-epoch checkpoint, re-plans on the other node and goes on with the epoch there, before the
+node goes: the node is removed (its raylet killed) one interval later and no actor fails; the
+drain costs no completed sample (each epoch serves every sample exactly once, no interval is
+redone), and epoch 1 runs on the node that stayed. The GPU-hours reported follow the nodes
+held: both GPUs until the drained node went, then one; epoch 1 holds one GPU throughout.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from actors_helpers import (assert_each_sample_once_per_epoch, loss_fn, model_fn, optimizer_fn,
+                            perf_model, running_cluster, tiny_data)
+from jabasray.actors.checkpoint import MID_EPOCH
+from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
+from jabasray.actors.placement import ray_cluster_spec
+from jabasray.config import JobConfig
+
+pytestmark = pytest.mark.multinode
+
+SAMPLES = 128
+
+
+@pytest.fixture(scope="module")
+def cluster(without_session_ray):
+    gpu = dict(num_cpus=1, resources={"gpu_fast": 1})
+    with running_cluster(dict(num_cpus=2, include_dashboard=False), [gpu, gpu]) as c:
+        yield c
+
+
+class DrainThenRemove(DriverCallback):
+    """After interval 0 of epoch 0: a preemption drain of the node of the last rank; after
+    interval 1: that node removed, noting what the job held then."""
+
+    def __init__(self, cluster, run_dir) -> None:
+        self.cluster, self.run_dir = cluster, run_dir
+        self.node_id = self.name = None
+        self.removed_while: dict | None = None
+
+    def on_interval(self, driver, record):
+        if record.epoch != 0:
+            return
+        if record.interval == 0:
+            slot = driver.slots()[-1]
+            self.node_id, self.name = slot.ray_node_id, slot.node
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node",
+                            f"--address={self.cluster.address}", f"--node-id={self.node_id}",
+                            "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot notice",
+                            "--deadline-remaining-seconds=120"], check=True, capture_output=True,
+                           timeout=120)
+        elif record.interval == 1:
+            self.removed_while = {
+                "nodes_used": sorted({s.node for s in driver.slots()}),
+                "mid_epoch_checkpoint": (self.run_dir / "checkpoints" / MID_EPOCH).is_dir()}
+            node = next(n for n in self.cluster.worker_nodes if n.node_id == self.node_id)
+            self.cluster.remove_node(node)
+
+
+def test_a_node_drained_mid_epoch_costs_no_completed_sample(cluster, tmp_path):
+    spec = ray_cluster_spec(speeds={"fast": 1.0})
+    assert sorted(n.num_gpus for n in spec.nodes) == [1, 1]
+    ds, _ = tiny_data(SAMPLES)
+    job = JobConfig(epochs=2, initial_global_batch=16, min_global_batch=16, max_global_batch=16,
+                    min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
+    run_dir = tmp_path / "drain"
+    cb = DrainThenRemove(cluster, run_dir)
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, spec, run_dir,
+                      perf_model=perf_model({"fast": 1.0}), callbacks=[cb],
+                      options=DriverOptions(record_samples=True))
+    hist = drv.run()
+    other = next(n.name for n in spec.nodes if n.name != cb.name)
+    # the job left before the node went, from a mid-epoch checkpoint
+    assert cb.removed_while == {"nodes_used": [other], "mid_epoch_checkpoint": True}
+    assert any("drain" in e and cb.name in e and "mid-epoch checkpoint at sample 32" in e
+               for e in hist.events), hist.events
+    assert not any("failure" in e for e in hist.events), hist.events
+    # no completed sample lost or redone
+    assert_each_sample_once_per_epoch(hist, SAMPLES)
+    ep0 = [r for r in hist.intervals if r.epoch == 0]
+    assert sum(len(r.served) for r in ep0) == SAMPLES and [r.interval for r in ep0] == list(range(len(ep0)))
+    assert hist.epochs[0].allocation == {other: 1} and hist.epochs[0].replaced
+    assert hist.epochs[1].allocation == {other: 1}
+    ep = hist.epochs
+    assert ep[0].time_s < ep[0].held_gpu_seconds < 2 * ep[0].time_s
+    assert ep[1].held_gpu_seconds == pytest.approx(ep[1].time_s, rel=1e-9)
