@@ -239,8 +239,10 @@ def _apply_scaling(scaling_config: Any, cluster: ClusterSpec | None, options: Dr
     """``(cluster, options, scaling)`` for a Ray Train ``ScalingConfig`` (:func:`scaling_from_ray`):
     ``use_gpu=False`` becomes ``num_workers`` GPUs emulated on CPU (Ray Train's CPU workers);
     ``use_gpu=True`` real GPUs (``DriverOptions(device="cuda")``), at most ``num_workers`` of the
-    detected cluster's (``scaling``, applied when the cluster is detected). One-line ValueError
-    where it contradicts ``cluster`` or ``options``."""
+    detected cluster's (``scaling``, applied when the cluster is detected: those GPUs, on the
+    fewest nodes, are the job's for the whole run; like any part of a detected cluster it does
+    not follow nodes that join later, :mod:`.cluster_view` rule 1). One-line ValueError where it
+    contradicts ``cluster`` or ``options``."""
     if scaling_config is None:
         return cluster, options, None
     scaling = scaling_from_ray(scaling_config)
