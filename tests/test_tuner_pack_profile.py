@@ -29,11 +29,13 @@ def test_costs_are_measured_once_per_key_and_read_back_from_the_cache(tmp_path, 
 
     monkeypatch.setattr(pack_profile, "_child_cpu_s", fake_child)
     monkeypatch.setattr(pack_profile, "_measure_units", counting_units)
+    # as in a process without Ray (in the whole suite an earlier module's Ray may still run here)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
     spec = digits_mlp_spec(steps_per_unit=2)
     c = pack_profile.measure_pack_costs(spec, CONFIGS, 40, cache_dir=str(tmp_path), steps=2)
     # one packed unit per pack size 1..2; the start of a trial alone adds the data's build
     assert len(c.unit_packed_s) == 2 and all(t > 0 for t in c.unit_packed_s)
-    assert c.unit_alone_s > 0 and c.load_s > 0 and c.relay_s == 0.0       # Ray is not running here
+    assert c.unit_alone_s > 0 and c.load_s > 0 and c.relay_s == 0.0       # no Ray: no relay call
     assert c.start_relay_s == 1.5 and c.start_alone_s > 3.0 and c.start_coordinator_s == c.start_alone_s
     assert sorted(starts) == sorted([pack_profile.RELAY_IMPORTS, pack_profile.ALONE_IMPORTS])
     # the same sweep again: read from the cache, nothing re-measured
