@@ -486,16 +486,16 @@ def engine_loop(worker: IIDPWorker, micro: list) -> Callable[[int], None]:
 
 
 def plain_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor,
-                     y: torch.Tensor) -> Callable[[int], None]:
+                     y: torch.Tensor, warmup: int = 3) -> Callable[[int], None]:
     """A plain training step captured as one CUDA graph, by PyTorch's whole-network recipe:
-    three warm-up steps on a side stream, capture of forward/backward/``opt.step()`` (gradients
+    ``warmup`` steps on a side stream, capture of forward/backward/``opt.step()`` (gradients
     set to None first), then per step: copy the batch into the static inputs, replay, keep the
     loss (a device copy); the window's losses are read once at its end."""
     static_x, static_y = X.clone(), y.clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmup):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(static_x), static_y).backward()
             opt.step()
@@ -659,31 +659,7 @@ def ddp_graph_loop(model: nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor
     after :data:`DDP_GRAPH_WARMUP` eager iterations, the NCCL all-reduces inside the graph
     (PyTorch's CUDA-graph notes, "Usage with DistributedDataParallel"); per step the batch is
     copied into the static inputs and the graph replayed. Raises where torch refuses."""
-    static_x, static_y = X.clone(), y.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(DDP_GRAPH_WARMUP):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(static_x), static_y).backward()
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = F.cross_entropy(model(static_x), static_y)
-        static_loss.backward()
-        opt.step()
-
-    def run(steps: int) -> None:
-        losses = []
-        for _ in range(steps):
-            static_x.copy_(X, non_blocking=True)
-            static_y.copy_(y, non_blocking=True)
-            graph.replay()
-            losses.append(static_loss.detach().clone())
-        read_losses(losses)
-    return run
+    return plain_graph_loop(model, opt, X, y, warmup=DDP_GRAPH_WARMUP)
 
 
 def _ddp_rank(rank: int, world: int, init_file: str, out_file: str, models: list[str], counts: list[int],

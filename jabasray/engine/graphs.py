@@ -483,6 +483,17 @@ def captured_for(cache: GraphCache, key: tuple, device: torch.device, capture: C
     return cache.get(key)
 
 
+def static_inputs_of(st: Any, parts: list[list[Any]]) -> StaticRounds:
+    """The static input buffers of a captured step on state ``st`` (a
+    :class:`~jabasray.engine.state.StepState`), allocated and first filled on the main VSW's
+    stream, after the caller's stream (which produced the micro-batches)."""
+    lanes = st.lanes
+    ready = lanes.record()
+    with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
+        lanes.wait(lanes.vsw[0], ready)
+        return StaticRounds([[to_device(p, st.device) for p in r] for r in parts], st.device)
+
+
 class GraphedExecution:
     """A batched step as the replay of a captured CUDA graph (module notes), on one device.
 
@@ -534,16 +545,10 @@ class GraphedExecution:
         return self.replay(cap, parts, req.sizes, req.t0)
 
     def static_inputs(self, parts: list[list[Any]]) -> StaticRounds:
-        """The static input buffers, allocated and first filled on the main VSW's stream
-        (after the caller's stream, which produced the micro-batches)."""
-        st = self.state
-        lanes = st.lanes
-        ready = lanes.record()
-        with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
-            lanes.wait(lanes.vsw[0], ready)
-            inputs = StaticRounds([[to_device(p, st.device) for p in r] for r in parts], st.device)
+        """:func:`static_inputs_of` this worker's state, and the capture stream made once."""
+        inputs = static_inputs_of(self.state, parts)
         if self.capture_stream is None:
-            self.capture_stream = new_stream(st.device)
+            self.capture_stream = new_stream(self.state.device)
         return inputs
 
     def capture(self, parts: list[list[Any]]) -> CapturedStep:

@@ -48,8 +48,7 @@ from .aggregation import BucketAggregation, Issued
 from .batched import join_any_order, join_batches
 from .eager import StepRequest
 from .graphs import (GraphCache, StaticRounds, batch_signature, captured_for, graph_key, lr_tensors_in,
-                     round_parts)
-from .loader import to_device
+                     round_parts, static_inputs_of)
 from .state import StepState, backward
 from .stats import StepStats
 from .streams import new_stream
@@ -261,11 +260,7 @@ class SegmentedExecution:
         nothing. The segments share one memory pool (replayed in capture order)."""
         st, upd, buckets = self.state, self.update, self.buckets
         main = st.vsws[0]
-        lanes = st.lanes
-        ready = lanes.record()
-        with lanes.context(lanes.vsw[0]):     # buffers live on the stream that refills them
-            lanes.wait(lanes.vsw[0], ready)
-            inputs = StaticRounds([[to_device(p, st.device) for p in r] for r in parts], st.device)
+        inputs = static_inputs_of(st, parts)
         if self.capture_stream is None:
             self.capture_stream = new_stream(st.device)
         divisor = float(st.global_num_workers)
