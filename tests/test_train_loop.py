@@ -6,8 +6,11 @@ epoch 2 (the job re-placed on the GPU left, the loop entered again there and res
 with its scheduler restored), serves the same samples in every interval, with the same LRs and
 B_G trajectory, and ends every epoch with the same weights, optimizer and scheduler state as
 the same job through the hooks API (model_fn, dataset_fn, step_fn, lr_scheduler_fn) under the
-same fault; every sample is served once per epoch. (At a fixed B_G every update equals one
-plain SGD step on the union of the micro-batches: tests/test_train_loop_engine.py, no Ray.)
+same fault; every sample is served once per epoch. With a checkpoint at every interval
+boundary, a GPU actor killed mid-epoch resumes the loop at that checkpoint's sample, its
+scheduler restored, and ends bit-identical to the uninterrupted loop run. (At a fixed B_G
+every update equals one plain SGD step on the union of the micro-batches:
+tests/test_train_loop_engine.py, no Ray.)
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from ray import cloudpickle
 from jabasray.actors.checkpoint import list_checkpoints
 from jabasray.actors.driver import DriverOptions
 from jabasray.actors.trainer import JabasTrainer
-from jabasray.config import CheckpointConfig, JobConfig, RunConfig
+from jabasray.config import CheckpointConfig, FailureConfig, JobConfig, RunConfig
 from jabasray.types import ClusterSpec, NodeSpec
 from jabasray.train import (JabasTorchTrainer, epochs, get_context, prepare_data_loader,
                             prepare_model, prepare_optimizer, report)
@@ -151,3 +154,44 @@ def test_a_gpu_actor_killed_mid_epoch_reenters_the_loop_and_serves_each_sample_o
     state = list_checkpoints(own.storage)[-1].load_worker_state()
     assert state["loop"]["scheduler"]["last_epoch"] == 2
     assert state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05 / 4)
+
+
+@pytest.mark.ray
+def test_loop_resumes_a_gpu_actor_failure_from_the_mid_epoch_checkpoint(ray_session, tmp_path):
+    """CheckpointConfig(interval_minutes=0): a checkpoint at every interval boundary. Rank 1
+    killed in epoch 2 after such a checkpoint and retried on the same GPUs (drop_gpu_after=-1):
+    the loop is entered again and resumes at that checkpoint's sample, not at the epoch start
+    (no interval redone), its scheduler restored from the mid-epoch checkpoint; the run ends
+    with the weights and momentum (float64, bit for bit), scheduler state, B_G trajectory, LRs
+    and interval positions of the uninterrupted loop run, each sample served once per epoch."""
+    from actors_helpers import KillOnce, assert_each_sample_once_per_epoch, perf_model
+    common = dict(train_loop_config={"epochs": 2, "scheduler": True}, job_config=ADAPTIVE,
+                  cluster=CLUSTER, perf_model=perf_model(), options=_options(failure_grace_s=10),
+                  verbose=0)
+    ref = JabasTorchTrainer(loop, run_config=_run_config(tmp_path, "whole"), **common).fit()
+    rc = RunConfig(str(tmp_path), "cut",
+                   checkpoint_config=CheckpointConfig(num_to_keep=None, interval_minutes=0),
+                   failure_config=FailureConfig(max_failures=1, drop_gpu_after=-1))
+    got = JabasTorchTrainer(loop, run_config=rc, callbacks=[KillOnce(epoch=1, rank=1, interval=0)],
+                            **common).fit()
+    at = next(r.cursor for r in ref.history.intervals if (r.epoch, r.interval) == (1, 1))
+    events = got.history.events
+    failed = next(i for i, m in enumerate(events) if m.startswith("GPU actor failure: rank 1"))
+    assert events[failed + 1] == (f"resumed within epoch 2 at sample {at} from "
+                                  f"{got.storage / 'checkpoints' / 'mid_epoch'}"), events
+    pos = [(r.epoch, r.interval, r.cursor) for r in got.history.intervals]
+    assert pos == [(r.epoch, r.interval, r.cursor) for r in ref.history.intervals]   # none redone
+    assert [e.allocation for e in got.history.epochs] == [{"f": 1, "s": 1}] * 2
+    assert [e.trajectory for e in got.history.epochs] == [e.trajectory for e in ref.history.epochs]
+    assert [r.lr for r in got.history.intervals] == [r.lr for r in ref.history.intervals]
+    assert_each_sample_once_per_epoch(got.history, N)
+    wa, wb = (r.run_checkpoint.load_worker_state() for r in (ref, got))
+    for k in wa["model"]:
+        assert wa["model"][k].dtype == torch.float64 and torch.equal(wb["model"][k], wa["model"][k]), k
+    ma, mb = wa["optimizer"]["state"], wb["optimizer"]["state"]
+    assert len(ma) == len(mb) > 0
+    for sa, sb in zip(ma.values(), mb.values()):
+        assert torch.equal(sb["momentum_buffer"], sa["momentum_buffer"])
+    assert wb["optimizer"]["param_groups"] == wa["optimizer"]["param_groups"]
+    assert wb["loop"]["scheduler"] == wa["loop"]["scheduler"]      # restored mid-epoch, stepped once
+    assert wa["loop"]["scheduler"]["last_epoch"] == 2
