@@ -84,8 +84,12 @@ class LoopRun:
 
     def __init__(self, fn: Callable, config: Any, total_epochs: int | None = None) -> None:
         self.fn, self.config, self.total_epochs = fn, config, total_epochs
-        self._cv = threading.Condition()
-        self._turn = "engine"
+        # the hand-over: each side blocks on its own lock until the other releases it (one
+        # wake-up per hand-over, nothing run between handing over and blocking)
+        self._user_go = threading.Lock()
+        self._engine_go = threading.Lock()
+        self._user_go.acquire()
+        self._engine_go.acquire()
         self._to_user: Any = None
         self._to_engine: tuple[str, Any] | None = None
         self._step_lock = threading.Lock()       # per-VSW threads hand their batches one by one
@@ -111,23 +115,18 @@ class LoopRun:
     # ------------------------------------------------------------------ loop side
     def request(self, kind: str, payload: Any = None) -> Any:
         """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer."""
-        with self._cv:
-            self._to_engine = (kind, payload)
-            self._turn = "engine"
-            self._cv.notify_all()
-            while self._turn != "user":
-                self._cv.wait()
-            reply, self._to_user = self._to_user, None
+        self._to_engine = (kind, payload)
+        self._engine_go.release()
+        self._user_go.acquire()
+        reply, self._to_user = self._to_user, None
         if isinstance(reply, _Raise):
             raise reply.exc
         return reply
 
     def _main(self) -> None:
         _local.run = self
-        with self._cv:
-            while self._turn != "user":
-                self._cv.wait()
-            first, self._to_user = self._to_user, None
+        self._user_go.acquire()
+        first, self._to_user = self._to_user, None
         final: tuple[str, Any]
         if isinstance(first, _Raise):
             final = ("abandoned", None)
@@ -138,11 +137,9 @@ class LoopRun:
                 final = ("abandoned", None)
             except BaseException as e:  # noqa: BLE001 - handed to the engine, which raises it
                 final = ("error", e)
-        with self._cv:
-            self.finished = True
-            self._to_engine = final
-            self._turn = "engine"
-            self._cv.notify_all()
+        self.finished = True
+        self._to_engine = final
+        self._engine_go.release()
 
     # ------------------------------------------------------------------ engine side
     def advance(self, reply: Any = None) -> tuple[str, Any]:
@@ -150,17 +147,14 @@ class LoopRun:
         for the loop's next request; an error of the loop is raised here, naming the loop."""
         if self.finished:
             raise RuntimeError(f"{LOOP_NAME} has already returned")
-        with self._cv:
-            if not self.started:
-                self.started = True
-                self.thread.start()
-            self._to_user = reply
-            self._to_engine = None
-            self._turn = "user"
-            self._cv.notify_all()
-            while self._turn != "engine":
-                self._cv.wait()
-            req = self._to_engine
+        self._to_user = reply
+        self._to_engine = None
+        if not self.started:
+            self.started = True
+            self.thread.start()
+        self._user_go.release()
+        self._engine_go.acquire()
+        req = self._to_engine
         self.pending = req
         if req[0] == "error":
             exc = req[1]
