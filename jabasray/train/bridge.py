@@ -93,6 +93,7 @@ class LoopRun:
         self._to_user: Any = None
         self._to_engine: tuple[str, Any] | None = None
         self._step_lock = threading.Lock()       # per-VSW threads hand their batches one by one
+        self._handed: tuple | None = None        # (module, batch, context) the loop's next batch request takes
         self.thread = threading.Thread(target=self._main, daemon=True, name=LOOP_NAME)
         self.started = self.finished = False
         self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
@@ -114,7 +115,13 @@ class LoopRun:
 
     # ------------------------------------------------------------------ loop side
     def request(self, kind: str, payload: Any = None) -> Any:
-        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer."""
+        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer; a
+        batch the engine handed along with its answer to the previous loss (:meth:`step`) is
+        taken without a hand-over."""
+        if kind == "batch" and self._handed is not None:
+            (self.current_module, batch, self.engine_context), self._handed = self._handed, None
+            self.in_step = True
+            return batch
         self._to_engine = (kind, payload)
         self._engine_go.release()
         self._user_go.acquire()
@@ -219,16 +226,31 @@ class LoopRun:
         """The engine's ``step_fn``: hand ``batch`` (for ``module``, the main VSW or a replica)
         to the loop and return the loss it calls ``backward()`` on."""
         with self._step_lock:
+            ctx = engine_context(module)
+            if self.pending is not None and self.pending[0] == "loss":
+                # an earlier batch of this iteration: its loss is answered and this batch handed
+                # along, so that the loop's next batch request takes it without a hand-over
+                self.in_step, self.update_done = False, False
+                self._handed = (module, batch, ctx)
+                try:
+                    kind, payload = self.advance(None)
+                finally:
+                    taken, self._handed = self._handed is None, None
+                if taken:
+                    return self._loss(kind, payload)
             self.until("batch")
             self.current_module, self.in_step, self.update_done = module, True, False
-            self.engine_context = engine_context(module)
-            kind, payload = self.advance(batch)
-            if kind != "loss":
-                self.in_step = False
-                raise ValueError(f"{LOOP_NAME} did not call backward() on the loss of a batch "
-                                 f"before {'asking for the next one' if kind == 'batch' else kind!r}: "
-                                 f"every batch of the prepared loader must be trained on")
-            return payload
+            self.engine_context = ctx
+            return self._loss(*self.advance(batch))
+
+    def _loss(self, kind: str, payload: Any) -> Any:
+        """The loss of the batch just handed to the loop: its next request must be its loss."""
+        if kind != "loss":
+            self.in_step = False
+            raise ValueError(f"{LOOP_NAME} did not call backward() on the loss of a batch "
+                             f"before {'asking for the next one' if kind == 'batch' else kind!r}: "
+                             f"every batch of the prepared loader must be trained on")
+        return payload
 
     def after_step(self, epoch_end: bool) -> None:
         """After the engine's update: let the loop finish its iteration (``optimizer.step()``
