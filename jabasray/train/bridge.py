@@ -84,11 +84,16 @@ class LoopRun:
 
     def __init__(self, fn: Callable, config: Any, total_epochs: int | None = None) -> None:
         self.fn, self.config, self.total_epochs = fn, config, total_epochs
-        self._cv = threading.Condition()
-        self._turn = "engine"
+        # the hand-over: each side blocks on its own lock until the other releases it (one
+        # wake-up per hand-over, nothing run between handing over and blocking)
+        self._user_go = threading.Lock()
+        self._engine_go = threading.Lock()
+        self._user_go.acquire()
+        self._engine_go.acquire()
         self._to_user: Any = None
         self._to_engine: tuple[str, Any] | None = None
         self._step_lock = threading.Lock()       # per-VSW threads hand their batches one by one
+        self._handed: tuple | None = None        # (module, batch, context) the loop's next batch request takes
         self.thread = threading.Thread(target=self._main, daemon=True, name=LOOP_NAME)
         self.started = self.finished = False
         self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
@@ -110,24 +115,25 @@ class LoopRun:
 
     # ------------------------------------------------------------------ loop side
     def request(self, kind: str, payload: Any = None) -> Any:
-        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer."""
-        with self._cv:
-            self._to_engine = (kind, payload)
-            self._turn = "engine"
-            self._cv.notify_all()
-            while self._turn != "user":
-                self._cv.wait()
-            reply, self._to_user = self._to_user, None
+        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer; a
+        batch the engine handed along with its answer to the previous loss (:meth:`step`) is
+        taken without a hand-over."""
+        if kind == "batch" and self._handed is not None:
+            (self.current_module, batch, self.engine_context), self._handed = self._handed, None
+            self.in_step = True
+            return batch
+        self._to_engine = (kind, payload)
+        self._engine_go.release()
+        self._user_go.acquire()
+        reply, self._to_user = self._to_user, None
         if isinstance(reply, _Raise):
             raise reply.exc
         return reply
 
     def _main(self) -> None:
         _local.run = self
-        with self._cv:
-            while self._turn != "user":
-                self._cv.wait()
-            first, self._to_user = self._to_user, None
+        self._user_go.acquire()
+        first, self._to_user = self._to_user, None
         final: tuple[str, Any]
         if isinstance(first, _Raise):
             final = ("abandoned", None)
@@ -138,11 +144,9 @@ class LoopRun:
                 final = ("abandoned", None)
             except BaseException as e:  # noqa: BLE001 - handed to the engine, which raises it
                 final = ("error", e)
-        with self._cv:
-            self.finished = True
-            self._to_engine = final
-            self._turn = "engine"
-            self._cv.notify_all()
+        self.finished = True
+        self._to_engine = final
+        self._engine_go.release()
 
     # ------------------------------------------------------------------ engine side
     def advance(self, reply: Any = None) -> tuple[str, Any]:
@@ -150,17 +154,14 @@ class LoopRun:
         for the loop's next request; an error of the loop is raised here, naming the loop."""
         if self.finished:
             raise RuntimeError(f"{LOOP_NAME} has already returned")
-        with self._cv:
-            if not self.started:
-                self.started = True
-                self.thread.start()
-            self._to_user = reply
-            self._to_engine = None
-            self._turn = "user"
-            self._cv.notify_all()
-            while self._turn != "engine":
-                self._cv.wait()
-            req = self._to_engine
+        self._to_user = reply
+        self._to_engine = None
+        if not self.started:
+            self.started = True
+            self.thread.start()
+        self._user_go.release()
+        self._engine_go.acquire()
+        req = self._to_engine
         self.pending = req
         if req[0] == "error":
             exc = req[1]
@@ -225,16 +226,31 @@ class LoopRun:
         """The engine's ``step_fn``: hand ``batch`` (for ``module``, the main VSW or a replica)
         to the loop and return the loss it calls ``backward()`` on."""
         with self._step_lock:
+            ctx = engine_context(module)
+            if self.pending is not None and self.pending[0] == "loss":
+                # an earlier batch of this iteration: its loss is answered and this batch handed
+                # along, so that the loop's next batch request takes it without a hand-over
+                self.in_step, self.update_done = False, False
+                self._handed = (module, batch, ctx)
+                try:
+                    kind, payload = self.advance(None)
+                finally:
+                    taken, self._handed = self._handed is None, None
+                if taken:
+                    return self._loss(kind, payload)
             self.until("batch")
             self.current_module, self.in_step, self.update_done = module, True, False
-            self.engine_context = engine_context(module)
-            kind, payload = self.advance(batch)
-            if kind != "loss":
-                self.in_step = False
-                raise ValueError(f"{LOOP_NAME} did not call backward() on the loss of a batch "
-                                 f"before {'asking for the next one' if kind == 'batch' else kind!r}: "
-                                 f"every batch of the prepared loader must be trained on")
-            return payload
+            self.engine_context = ctx
+            return self._loss(*self.advance(batch))
+
+    def _loss(self, kind: str, payload: Any) -> Any:
+        """The loss of the batch just handed to the loop: its next request must be its loss."""
+        if kind != "loss":
+            self.in_step = False
+            raise ValueError(f"{LOOP_NAME} did not call backward() on the loss of a batch "
+                             f"before {'asking for the next one' if kind == 'batch' else kind!r}: "
+                             f"every batch of the prepared loader must be trained on")
+        return payload
 
     def after_step(self, epoch_end: bool) -> None:
         """After the engine's update: let the loop finish its iteration (``optimizer.step()``
