@@ -833,24 +833,19 @@ def main(argv: list[str] | None = None) -> dict:
         result["weight_sync"] = bench_weight_sync(device, 32, 4, rounds, iters, bucket_cap_mb=4.0)
     if device.type == "cpu" and not args.no_dist and "dist" in parts:
         result["distributed_gloo"] = bench_distributed(rounds, iters)
-    if "batched" in parts:
+    if "batched" in parts or "ddp" in parts:   # the models and VSW counts both parts run
         models = (args.models.split(",") if args.models else
                   ["resnet18", "small_transformer"] if device.type == "cuda" else ["small_cnn", "small_transformer"])
         bad = [m for m in models if m not in BATCHED_MODELS]
         if bad:
             ap.error(f"--models must be among {sorted(BATCHED_MODELS)}, got {bad}")
         counts = positive_ints(ap, "--vsw", args.vsw) if args.vsw else [1, 2, 4]
+    if "batched" in parts:
         result["window"] = args.window
         result["batched_vs_plain"] = [row for m in models for row in bench_batched_vs_plain(
             device, m, local_batches, counts, rounds, args.window)]
         result["load_average_end"] = os.getloadavg()
     if "ddp" in parts:
-        models = (args.models.split(",") if args.models else
-                  ["resnet18", "small_transformer"] if device.type == "cuda" else ["small_cnn", "small_transformer"])
-        bad = [m for m in models if m not in BATCHED_MODELS]
-        if bad:
-            ap.error(f"--models must be among {sorted(BATCHED_MODELS)}, got {bad}")
-        counts = positive_ints(ap, "--vsw", args.vsw) if args.vsw else [1, 2, 4]
         ddp_rounds = args.ddp_rounds or (args.rounds if args.rounds is not None else (2 if args.quick else 11))
         result["ddp"] = {"window": args.ddp_window, "rounds": ddp_rounds, "load_average_start": os.getloadavg(),
                          "rows": bench_ddp(device, models, counts, args.ddp_local_batch, ddp_rounds,
