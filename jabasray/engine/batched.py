@@ -153,6 +153,22 @@ def _join_adjacent(parts: Sequence[Any]) -> Any:
     return _NOT_ADJACENT
 
 
+def batched_rounds(state: Any, buckets: Any, rounds: Sequence[Any], weight: float,
+                   losses: list[torch.Tensor]) -> None:
+    """The main VSW's GA rounds, one forward/backward pass each over ``rounds[j]`` (the ``n``
+    VSWs' ``j``-th micro-batches side by side, BatchNorm per VSW by
+    :func:`~jabasray.engine.vsw_norm.ghost_norms`), the loss scaled by ``weight`` and appended
+    to ``losses``; the gradients accumulate in place and the main VSW's buckets are finished
+    after the last round. The batched and segmented executions both run their rounds here (the
+    segmented one's bucket hooks end its segments inside ``backward``)."""
+    main = state.vsws[0]
+    for j, batch in enumerate(rounds):
+        with ghost_norms(state.norms):
+            scaled = state.forward(main, batch, weight, losses)
+        backward(main, scaled, last=j == len(rounds) - 1)
+    buckets.finish_vsw(main)
+
+
 class BatchedExecution(EagerExecution):
     """One forward/backward of the main VSW per GA round over the n VSWs' micro-batches."""
 
@@ -191,11 +207,7 @@ class BatchedExecution(EagerExecution):
         try:
             with lanes.context(lanes.vsw[0]):
                 _, losses = begin_vsw(main)
-                for j, batch in enumerate(plan):
-                    with ghost_norms(state.norms):
-                        scaled = state.forward(main, batch, weight, losses)
-                    backward(main, scaled, last=j == len(plan) - 1)
-                self.buckets.finish_vsw(main)
+                batched_rounds(state, self.buckets, plan, weight, losses)
         finally:
             main.in_step = main.counting = False
         return [losses]

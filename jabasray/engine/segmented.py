@@ -45,14 +45,13 @@ import torch
 import torch.distributed as dist
 
 from .aggregation import BucketAggregation, Issued
-from .batched import join_any_order, join_batches
+from .batched import batched_rounds, join_any_order, join_batches
 from .eager import StepRequest
 from .graphs import (GraphCache, StaticRounds, batch_signature, captured_for, graph_key, lr_tensors_in,
                      round_parts, static_inputs_of)
-from .state import StepState, backward
+from .state import StepState
 from .stats import StepStats
 from .streams import new_stream
-from .vsw_norm import ghost_norms
 from .weight_sync import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -162,11 +161,7 @@ class SegmentedExecution:
         losses: list[torch.Tensor] = []
         main.buffers.begin_step()
         try:
-            for j, batch in enumerate(rounds):
-                with ghost_norms(st.norms):
-                    scaled = st.forward(main, batch, weight, losses)
-                backward(main, scaled, last=j == len(rounds) - 1)
-            self.buckets.finish_vsw(main)
+            batched_rounds(st, self.buckets, rounds, weight, losses)
         finally:
             main.in_step = main.counting = False
         return losses
