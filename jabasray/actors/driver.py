@@ -667,7 +667,8 @@ class JabasDriver:
         rule, the iteration count and the epoch's tally. Returns the new epoch cursor."""
         if self._burst:
             rec, end = self._burst.run(self.job, self.dataset_size, state.epochs_done, state.iteration,
-                                       interval, cursor, ctl.global_batch, self.pool, self.pool.train)
+                                       interval, cursor, ctl.global_batch, self.pool, self.pool.train,
+                                       record_samples=self.options.record_samples)
         else:
             rec, end = self._iidp_interval(state, interval, cursor, ctl.global_batch)
         self.metrics.intervals.append(rec)
