@@ -2,11 +2,11 @@
 GPU, two nodes with 1 CPU and two emulated "fast" GPUs each (one pair: what SMA and burst
 parallelism place on).
 
-The drain is what a spot node's preemption notice is to Ray: a drain request to the GCS
-(``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``, the
-same call the autoscaler and KubeRay make) after which Ray schedules nothing new on the node
-and whoever asked kills it at the deadline; here the test removes it once the job has left
-(and adds a fresh node for the next test).
+The drain is what a spot node's preemption notice is to Ray: a drain request to the GCS (what
+``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds`` sends,
+the call the autoscaler and KubeRay make; sent here from the test process) after which Ray
+schedules nothing new on the node and whoever asked kills it at the deadline; here the test
+removes it once the job has left (and adds a fresh node for the next test).
 
 Proves, in each mode - IIDP data parallelism (the default), Crossbow SMA learners and DeepPool
 burst parallelism: a job on both nodes whose second node is drained after interval 0 of epoch 0
@@ -20,8 +20,7 @@ until the drained node went, then two; epoch 1 holds two GPUs throughout.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
+import time
 
 import pytest
 
@@ -58,6 +57,19 @@ def two_nodes(cluster):
     return cluster
 
 
+def drain(address: str, node_id: str, deadline_s: int) -> None:
+    """What ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``
+    sends: the same request to the GCS through the same client the CLI builds, from this
+    process (a CLI process would take seconds to start on a loaded machine)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "spot notice",
+        time.time_ns() // 1_000_000 + deadline_s * 1000)
+    assert accepted, why
+
+
 class DrainThenRemove(DriverCallback):
     """After interval 0 of epoch 0: a preemption drain of the node of the last rank; after
     interval 1: that node removed, noting what the job held then."""
@@ -73,11 +85,7 @@ class DrainThenRemove(DriverCallback):
         if record.interval == 0:
             slot = driver.slots()[-1]
             self.node_id, self.name = slot.ray_node_id, slot.node
-            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "drain-node",
-                            f"--address={self.cluster.address}", f"--node-id={self.node_id}",
-                            "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=spot notice",
-                            "--deadline-remaining-seconds=120"], check=True, capture_output=True,
-                           timeout=120)
+            drain(self.cluster.address, self.node_id, deadline_s=120)
         elif record.interval == 1:
             self.removed_while = {
                 "nodes_used": sorted({s.node for s in driver.slots()}),
