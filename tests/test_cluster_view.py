@@ -9,7 +9,9 @@ and the launchable ones are numbered past it; a hand-written spec is used as giv
 ``node_types:`` section of a cluster file; a candidate on launchable nodes is charged the
 longest launch time on top of its epoch (and of the re-placement charge), exactly, so a launch
 is chosen only when the epoch repays it; the request bundles name the ``gpu_<type>`` resource of
-a node that is not there yet.
+a node that is not there yet. The GPU-seconds held in a window are the GPU nodes' lifetimes
+within it (checked slice by slice against the GPUs held at each instant), a node launched for
+the job's request paid from the request, a launch not joined yet from its request on.
 """
 from __future__ import annotations
 
@@ -195,22 +197,63 @@ def test_refresh_leaves_out_types_without_a_profile_and_says_what_changed(monkey
     assert by_hand.refresh(given) == (None, [])
 
 
-def test_held_gpus_integrate_the_count_between_reads():
-    """2 GPUs from t=0, 6 from t=10 (nodes joined), 2 from t=15 (one went): 2*10 + 6*5 + 2*5."""
-    from jabasray.actors.cluster_view import HeldGpus
-    held = HeldGpus()
-    held.start(0.0, 2)
-    held.read(10.0, 6)
-    held.read(15.0, 2)
-    assert held.take(20.0, 2) == 2 * 10 + 6 * 5 + 2 * 5
-    assert held.take(23.0, 0) == 2 * 3                       # a new span from the last take
+def life(node_id: str, gpus: dict, start_s: float, end_s: float | None = None) -> dict:
+    """A :func:`jabasray.actors.ray_internals.node_lifetimes` record."""
+    return {"node_id": node_id, "start_s": start_s, "end_s": end_s,
+            "resources": {"CPU": 1.0, **gpus}, "labels": {}}
+
+
+def brute_held(lives, t0: float, t1: float, paid_from: dict, pending, step: float = 0.5) -> float:
+    """The GPUs held summed over the midpoints of ``step``-wide slices of [t0, t1] (every event
+    of the cases below falls on a multiple of ``step``, so the midpoint sum is exact)."""
+    total, k = 0.0, 0
+    while t0 + (k + 0.5) * step < t1:
+        t = t0 + (k + 0.5) * step
+        total += step * sum(n.num_gpus for n in lives if paid_from.get(n.node_id, n.start_s) <= t
+                            and (n.end_s is None or t < n.end_s))
+        total += step * sum(x.num_gpus for x in pending if x.asked_s <= t)
+        k += 1
+    return total
+
+
+@pytest.mark.parametrize("t0, t1", [(0.0, 100.0), (10.0, 12.5), (25.0, 60.0), (70.0, 71.0), (-5.0, 3.0)])
+def test_held_gpu_seconds_are_the_lifetimes_within_the_window(t0, t1):
+    """A head (no GPU, never counted); a node of 2 GPUs alive throughout; one of 4 "slow" GPUs
+    from 10 to 30; one launched for a request at 20 that started at 26 and is alive (paid from
+    20); a launch asked at 50 that has not joined: each window's GPU-seconds equal the GPUs
+    held summed slice by slice."""
+    from jabasray.actors.cluster_view import Launch, held_gpu_seconds, match_launches, node_lives
+    lives = node_lives([life("h" * 56, {}, -100.0), life("a" * 56, {"gpu_fast": 2.0}, -100.0),
+                        life("b" * 56, {"gpu_slow": 4.0}, 10.0, 30.0),
+                        life("c" * 56, {"gpu_fast": 2.0}, 26.0)])
+    assert [(n.gpu_type, n.num_gpus) for n in lives] == [("fast", 2), ("slow", 4), ("fast", 2)]
+    paid, pending = match_launches(lives, [Launch("fast", 2, 20.0), Launch("fast", 2, 50.0)], {})
+    assert paid == {"c" * 56: 20.0} and pending == [Launch("fast", 2, 50.0)]
+    got = held_gpu_seconds(lives, t0, t1, paid, pending)
+    assert got == pytest.approx(brute_held(lives, t0, t1, paid, pending), abs=1e-9)
+    if (t0, t1) == (0.0, 100.0):
+        assert got == 2 * 100 + 4 * 20 + 2 * 80 + 2 * 50
+
+
+def test_a_launch_takes_the_first_node_of_its_type_started_after_the_request():
+    """Nodes that started before the request, or of another GPU type or count, are not the
+    launched node; two launches take two nodes, earliest first (a node that already ended
+    counts: it was held); a pair once made is kept."""
+    from jabasray.actors.cluster_view import Launch, match_launches, node_lives
+    lives = node_lives([life("a" * 56, {"gpu_fast": 2.0}, 5.0), life("b" * 56, {"gpu_fast": 4.0}, 12.0),
+                        life("c" * 56, {"gpu_slow": 2.0}, 11.0), life("d" * 56, {"gpu_fast": 2.0}, 15.0),
+                        life("e" * 56, {"gpu_fast": 2.0}, 13.0, 14.0)])
+    paid, pending = match_launches(lives, [Launch("fast", 2, 10.0), Launch("fast", 2, 10.5),
+                                           Launch("fast", 2, 11.0)], {})
+    assert paid == {"e" * 56: 10.0, "d" * 56: 10.5} and pending == [Launch("fast", 2, 11.0)]
+    assert match_launches(lives, pending, paid) == (paid, pending)   # no third node: pending
 
 
 def test_a_fixed_spec_holds_all_its_gpus_and_the_line_says_the_gpu_hours():
     from jabasray.actors.cluster_view import ClusterView
     from jabasray.actors.metrics import EpochRecord, epoch_line
     spec = ClusterSpec(nodes=[NodeSpec("a", "A", 2), NodeSpec("b", "B", 4)])
-    assert ClusterView(spec, emulate=True).held_gpus(spec) == 6
+    assert ClusterView(spec, emulate=True).held_seconds(spec, 100.0, 110.0) == 60.0
     rec = EpochRecord(epoch=0, allocation={"a": 1}, gpu_types=["A"], trajectory=[8],
                       predicted_trajectory=[], train_loss=1.0, val_accuracy=None, time_s=600.0,
                       gpu_seconds=600.0, samples=10, throughput=1.0, held_gpu_seconds=3600.0)
@@ -218,28 +261,37 @@ def test_a_fixed_spec_holds_all_its_gpus_and_the_line_says_the_gpu_hours():
 
 
 def test_a_requested_node_is_held_from_the_request_until_it_goes(monkeypatch):
-    """Live: the head and a node of 2 "fast" GPUs. The job asks for it and for a launchable
-    node of 2 more: 4 GPUs held from the request on, while the second node launches and once
-    it has joined; the request cleared and the second node gone, 2 again."""
+    """Live: the head and a node of 2 "fast" GPUs since t=0. At t=10 the job asks for it and
+    for a launchable node of 2 more, which starts at t=16 and ends at t=40 (the request was
+    cleared at t=30): 2 GPUs throughout, 2 more from the request until the node ended - while
+    it launched, once it had joined, and after the request was cleared until it went."""
     import ray
 
-    from jabasray.actors import cluster_view
+    from jabasray.actors import cluster_view, ray_internals
     from jabasray.actors.cluster_view import ClusterView
-    live = [HEAD, FAST]
+    now = [10.0]
+    lives = [life("h" * 56, {}, 0.0), life("f" * 56, {"gpu_fast": 2.0}, 0.0)]
     asked = []
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(ray, "nodes", lambda: list(live))
+    monkeypatch.setattr(ray, "nodes", lambda: [HEAD, FAST])
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "gpu_fast": 2.0})
     monkeypatch.setattr(cluster_view, "request_resources", asked.append)
+    monkeypatch.setattr(cluster_view.time, "time", lambda: now[0])
+    monkeypatch.setattr(ray_internals, "node_lifetimes", lambda: [dict(x) for x in lives])
     given = ClusterSpec(nodes=[], node_types=[NodeType("fast", "fast", 2, max_workers=2)])
     view = ClusterView(given, emulate=True)
     cluster = view.candidates()
     assert [(n.name, n.launched) for n in cluster.nodes] == [("ffffffff-fast", False), ("fast+0", True)]
-    assert view.held_gpus(cluster) == 2
+    assert view.held_seconds(cluster, 0.0, 10.0) == 2 * 10
     view.request(cluster, {"ffffffff-fast": 2, "fast+0": 2})
-    assert len(asked[-1]) == 4 and view.held_gpus(cluster) == 4     # launching: paid already
-    live.append(ray_node("e" * 56, {"gpu_fast": 2.0}))
-    assert view.held_gpus(cluster) == 4                              # joined: counted once
+    assert len(asked[-1]) == 4
+    assert view.held_seconds(cluster, 0.0, 15.0) == 2 * 15 + 2 * 5         # launching: paid already
+    lives.append(life("e" * 56, {"gpu_fast": 2.0}, 16.0))
+    view.request(cluster, {"ffffffff-fast": 2, "fast+0": 2})                # the same: not asked again
+    assert len(asked) == 1
+    assert view.held_seconds(cluster, 12.0, 20.0) == 2 * 8 + 2 * 8          # joined: from the request
+    now[0] = 30.0
     view.release()
-    live.pop()
-    assert asked[-1] == [] and view.held_gpus(cluster) == 2
+    lives[-1] = life("e" * 56, {"gpu_fast": 2.0}, 16.0, 40.0)
+    assert asked[-1] == [] and view.launches == []
+    assert view.held_seconds(cluster, 0.0, 50.0) == 2 * 50 + 2 * 30        # until it went

@@ -17,7 +17,9 @@ Actor side (:class:`BurstWorker`, the actor's ``worker`` in burst mode): one exe
 optimizer state on every rank (a rank may run layers it did not run before).  An interval walks
 the epoch's permutation like IIDP's sampler (iteration k takes the next B_G entries, the last
 iteration of an epoch the remainder): each rank reads the inputs of its input-layer rows and the
-targets of its output-layer rows, so every sample is read once per epoch.  ``state_dict`` is
+targets of its output-layer rows, so every sample is read once per epoch (the rows whose inputs
+a rank read are the samples it reports served: their digest, and the indices themselves with
+``DriverOptions.record_samples``, as in IIDP mode).  ``state_dict`` is
 collective (every rank must call it) and leaves every rank with the full model.
 
 Training metrics: burst mode runs the default supervised step (the layers are split over
@@ -39,6 +41,7 @@ from typing import Any, Callable
 
 from ..config import JobConfig
 from ..planners.burst import BurstPlan, BurstPlanCache, NetworkModel, candidate_gpu_counts
+from ..engine.sampler import add_digests, sample_digest
 from ..engine.train_metrics import merge_metric_sums
 from .metrics import IntervalRecord, interval_record
 
@@ -134,9 +137,11 @@ class BurstIntervals:
         self.applied = None
 
     def run(self, job: JobConfig, dataset_size: int, epoch: int, iteration: int, interval: int,
-            cursor: int, target: int, pool: Any, train: Callable) -> tuple[IntervalRecord, int]:
+            cursor: int, target: int, pool: Any, train: Callable, record_samples: bool = False
+            ) -> tuple[IntervalRecord, int]:
         """The plan for B_G = ``target`` on ``pool``'s GPUs, p iterations from ``cursor``
-        (``train(request) -> (replies, end cursor)``). Returns the record and the end cursor."""
+        (``train(request) -> (replies, end cursor)``; ``record_samples``: the replies list the
+        indices served). Returns the record and the end cursor."""
         from .gpu_actor import IntervalRequest
 
         plan = self.plans.plan(target, len(pool.slots))
@@ -146,7 +151,8 @@ class BurstIntervals:
         factor = self.calibration.factor(BURST_KEY)
         t0 = time.perf_counter()
         req = IntervalRequest.for_job(job, epoch, iteration, cursor, dataset_size, target,
-                                      local_batch=target, layout=[1], similarity=job.adaptive)
+                                      local_batch=target, layout=[1], similarity=job.adaptive,
+                                      record_samples=record_samples)
         replies, end = train(req)
         dt = time.perf_counter() - t0
         iterations = replies[0].num_iterations
@@ -263,7 +269,8 @@ class BurstWorker:
         perm = self._perm[1]
         hosting = getattr(actor, "_bg_runner_obj", None)
         ex.background = hosting
-        cursor, losses, samples, phi = req.cursor, [], 0, None
+        cursor, losses, samples, phi, digest = req.cursor, [], 0, None, 0
+        served: list[int] | None = [] if req.record_samples else None
         msums: dict = {}                       # loss_fn's training metrics (engine.train_metrics)
         mcounts: dict[str, int] = {}
         compute = comm = 0.0
@@ -287,6 +294,9 @@ class BurstWorker:
             losses.append(st.loss)
             merge_metric_sums(msums, mcounts, st.metric_sums, st.metric_counts)
             samples += b - a
+            digest = add_digests(digest, sample_digest(idx[a:b]))
+            if served is not None:
+                served.extend(idx[a:b].tolist())
             compute += st.compute_s
             comm += st.wait_s + st.allreduce_s
             if keep and st.local_grad is not None and st.local_grad.numel() > 0:
@@ -297,6 +307,6 @@ class BurstWorker:
                              loss=sum(losses) / len(losses) if losses else math.nan, phi=phi, lr=lr,
                              compute_time=compute, comm_time=comm, update_time=0.0,
                              emulation_sleep=0.0, wall_time=time.perf_counter() - t_start,
-                             end_cursor=cursor, losses=losses,
+                             end_cursor=cursor, losses=losses, served_digest=digest, served=served,
                              metric_sums={k: float(v) for k, v in msums.items()},  # one read per interval
                              metric_counts=mcounts)

@@ -48,21 +48,23 @@ The driver asks this module, as it asks the planners, at the start and at every 
    checkpoint, the allocation chosen again without it, the actors re-placed, the epoch
    continued from its cursor (:meth:`jabasray.actors.driver.JabasDriver.run`).
 6. **GPU-hours held.** What a job pays for is the nodes held, not the GPUs its actors use: a
-   node's every GPU from when it joins until it goes, idle ones and the autoscaler's idle
-   timeout included. For a job that follows Ray the held GPUs are those of the live GPU nodes
-   (``ray.nodes()``; on a cluster shared with other jobs, theirs too) and of the nodes its
-   last request asked Ray's autoscaler to launch that have not joined yet (paid from the
-   launch: a cloud bills a node from its start, not from its raylet's); for any other spec the
-   nodes it lists, held throughout. The view reads them (:attr:`ClusterView.held`) right after
-   every request, and the driver at the epoch's start, after its placement, after every
-   interval and at its end; :class:`HeldGpus` integrates the count (constant between reads)
-   into the epoch's ``held_gpu_seconds``.
+   node's every GPU from when it starts until it ends, idle ones and the autoscaler's idle
+   timeout included. For a job that follows Ray these are the lifetimes the GCS records of
+   every GPU node (:func:`.ray_internals.node_lifetimes`: the raylet's start, the GCS's end;
+   on a cluster shared with other jobs, theirs too), so a node that joins or goes between two
+   reads of the driver is counted to the millisecond, not from the next read. A node launched
+   for the job's request is paid from the request instead (a cloud bills a node from its
+   launch, not from its raylet's start): :func:`match_launches` pairs each launch asked for
+   with the first node of its GPU type and count that started after the request, and a launch
+   not joined yet is held from its request on. For any other spec: the nodes it lists, held
+   throughout. The driver asks at every epoch end for the epoch's window
+   (:meth:`ClusterView.held_seconds`, :func:`held_gpu_seconds`).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..types import ClusterSpec, NodeSpec, NodeType
@@ -209,30 +211,77 @@ def placed_nodes(placement: Any) -> dict[str, str]:
     return out
 
 
-class HeldGpus:
-    """GPU-seconds of the nodes held (module rule 6): the GPU count read at times ``t`` (any
-    one clock), constant from one read to the next."""
+@dataclass(frozen=True)
+class NodeLife:
+    """One GPU node's lifetime (unix seconds) and GPUs, per GPU type it carries."""
 
-    def __init__(self) -> None:
-        self.t: float | None = None
-        self.gpus = 0
-        self.total = 0.0
+    node_id: str
+    gpu_type: str
+    num_gpus: int
+    start_s: float
+    end_s: float | None   # None: alive
 
-    def start(self, t: float, gpus: int) -> None:
-        """Begin a new span at ``t`` with ``gpus`` held."""
-        self.t, self.gpus, self.total = t, int(gpus), 0.0
 
-    def read(self, t: float, gpus: int) -> None:
-        """``gpus`` held from ``t`` on (the previous count up to ``t``)."""
-        if self.t is not None:
-            self.total += self.gpus * (t - self.t)
-        self.t, self.gpus = t, int(gpus)
+@dataclass(frozen=True)
+class Launch:
+    """A node the job's request asked Ray's autoscaler to launch, and when (unix seconds)."""
 
-    def take(self, t: float, gpus: int) -> float:
-        """The GPU-seconds from :meth:`start` to ``t``; a new span starts at ``t``."""
-        self.read(t, gpus)
-        total, self.total = self.total, 0.0
-        return total
+    gpu_type: str
+    num_gpus: int
+    asked_s: float
+
+
+def node_lives(records: list[dict]) -> list[NodeLife]:
+    """The GPU nodes of :func:`.ray_internals.node_lifetimes` records, one per node and GPU
+    type (GPU types and counts as :meth:`jabasray.types.ClusterSpec.from_ray` reads them)."""
+    out = []
+    for r in records:
+        as_ray = {"NodeID": r["node_id"], "Alive": True, "Resources": r.get("resources", {}),
+                  "Labels": r.get("labels", {})}
+        try:
+            spec = ClusterSpec.from_ray([as_ray])
+        except ValueError:   # no GPU on this node (a head, a CPU node)
+            continue
+        out += [NodeLife(r["node_id"], n.gpu_type, n.num_gpus, float(r["start_s"]),
+                         None if r.get("end_s") is None else float(r["end_s"])) for n in spec.nodes]
+    return out
+
+
+def match_launches(lives: list[NodeLife], launches: list[Launch], paid_from: dict[str, float]
+                   ) -> tuple[dict[str, float], list[Launch]]:
+    """Pair launches with the nodes they brought (module rule 6): in the order asked, each
+    launch takes the earliest-started node of its GPU type and count that started at or after
+    the request and is not paired yet. Returns ``paid_from`` with the new pairs (node id -> the
+    request's time, from which the node is paid) and the launches no node answers yet."""
+    paid = dict(paid_from)
+    pending = []
+    for launch in sorted(launches, key=lambda x: x.asked_s):
+        joined = [n for n in lives if n.node_id not in paid and n.gpu_type == launch.gpu_type
+                  and n.num_gpus == launch.num_gpus and n.start_s >= launch.asked_s]
+        if joined:
+            paid[min(joined, key=lambda n: n.start_s).node_id] = launch.asked_s
+        else:
+            pending.append(launch)
+    return paid, pending
+
+
+def held_gpu_seconds(lives: list[NodeLife], t0: float, t1: float,
+                     paid_from: dict[str, float] | None = None, pending: list[Launch] = ()) -> float:
+    """GPU-seconds held in the window [t0, t1] (module rule 6; pure):
+
+        sum over nodes n of  g_n * |[a_n, e_n) ∩ [t0, t1]|  +  sum over launches l of  g_l * |[a_l, t1] ∩ [t0, t1]|
+
+    with g the GPUs, a_n the node's start (``paid_from[n]``, its request's time, for a node
+    launched for the job), e_n its end (t1 while alive) and a_l the time a launch not joined
+    yet was asked for."""
+    paid_from = paid_from or {}
+
+    def overlap(a: float, b: float) -> float:
+        return max(0.0, min(b, t1) - max(a, t0))
+
+    total = sum(n.num_gpus * overlap(paid_from.get(n.node_id, n.start_s),
+                                     t1 if n.end_s is None else n.end_s) for n in lives)
+    return total + sum(x.num_gpus * overlap(x.asked_s, t1) for x in pending)
 
 
 class ClusterView:
@@ -252,10 +301,8 @@ class ClusterView:
         self.requested: list[dict[str, float]] | None = None   # the last request (None: none)
         self._unknown: list[str] = []   # nodes last left out for a GPU type without a profile
         self.leaving: dict[str, float | None] = {}   # draining Ray node id -> its deadline (unix s)
-        self.held = HeldGpus()   # GPU-seconds of the nodes held (rule 6), per span the driver takes
-        self._launching: dict[str, list[int]] = {}   # GPU type -> GPUs of each node requested,
-                                                     # not live when asked for
-        self._live_at_request: dict[str, int] = {}   # GPU type -> live nodes when last asked
+        self.launches: list[Launch] = []   # nodes the last request asked to launch, not joined yet
+        self.paid_from: dict[str, float] = {}   # Ray node id -> its request's time (rule 6)
 
     @property
     def follows_ray(self) -> bool:
@@ -316,22 +363,19 @@ class ClusterView:
             log.warning("no request to Ray's autoscaler for allocation %s: %s", allocation, e)
             return []
         if bundles != self.requested:
+            now = time.time()
             request_resources(bundles)
             self.requested = bundles
-            self._launching = {}
+            # a launch asked for again keeps the time it was first asked for (still pending)
+            before = {}
+            for x in self.launches:
+                before.setdefault((x.gpu_type, x.num_gpus), []).append(x.asked_s)
+            self.launches = []
             for n in cluster.nodes:
                 if n.launched and allocation.get(n.name):
-                    self._launching.setdefault(n.gpu_type, []).append(n.num_gpus)
-            self._live_at_request = self._live_per_type(ray.nodes())
-            self.held.read(time.perf_counter(), self.held_gpus(cluster))
+                    earlier = before.get((n.gpu_type, n.num_gpus))
+                    self.launches.append(Launch(n.gpu_type, n.num_gpus, earlier.pop(0) if earlier else now))
         return bundles
-
-    @staticmethod
-    def _live_per_type(ray_nodes: list[dict]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for n in live_nodes(ray_nodes, {}):
-            out[n.gpu_type] = out.get(n.gpu_type, 0) + 1
-        return out
 
     def draining(self, placement: Any) -> dict[str, float | None]:
         """The nodes ``placement`` runs on that drain now (module rule 5): ``{node name: unix
@@ -356,29 +400,35 @@ class ClusterView:
         used = {s.node for s in placement.slots}
         return {where[i]: t for i, t in self.leaving.items() if where.get(i) in used}
 
-    def held_gpus(self, current: ClusterSpec) -> int:
-        """The GPUs held now (module rule 6): of the live GPU nodes for a job that follows
-        Ray, else of ``current``'s nodes."""
+    def held_seconds(self, current: ClusterSpec, t0: float, t1: float) -> float | None:
+        """GPU-seconds held from unix time ``t0`` to ``t1`` (module rule 6): from the nodes'
+        lifetimes for a job that follows Ray, else every GPU of ``current``'s nodes throughout.
+        None when the GCS cannot say (logged)."""
         if self.follows_ray:
             import ray
 
+            from .ray_internals import RayInternalsError, node_lifetimes
+
             if ray.is_initialized():
-                nodes = ray.nodes()
-                held = sum(n.num_gpus for n in live_nodes(nodes, {}))
-                live = self._live_per_type(nodes) if self._launching else {}
-                for gpu_type, sizes in self._launching.items():   # asked for, not joined yet
-                    joined = max(0, live.get(gpu_type, 0) - self._live_at_request.get(gpu_type, 0))
-                    held += sum(sorted(sizes)[joined:])
-                return held
-        return sum(n.num_gpus for n in current.nodes)
+                try:
+                    lives = node_lives(node_lifetimes())
+                except RayInternalsError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - an unanswered read must not stop training
+                    log.warning("could not read the nodes' lifetimes from Ray's GCS: %s", e)
+                    return None
+                self.paid_from, self.launches = match_launches(lives, self.launches, self.paid_from)
+                return held_gpu_seconds(lives, t0, t1, self.paid_from, self.launches)
+        return sum(n.num_gpus for n in current.nodes) * max(0.0, t1 - t0)
 
     def release(self) -> None:
         """Clear this job's request (the run ended or failed)."""
         if self.requested is not None:
             request_resources([])
             self.requested = None
-        self._launching = {}
+        self.launches = []   # nothing more is launched for this job
 
 
-__all__ = ["ClusterView", "HeldGpus", "candidate_cluster", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
+__all__ = ["ClusterView", "Launch", "NodeLife", "candidate_cluster", "held_gpu_seconds",
+           "match_launches", "node_lives", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
            "placed_nodes", "request_bundles", "request_resources", "type_figures"]

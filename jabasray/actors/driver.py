@@ -592,11 +592,9 @@ class JabasDriver:
 
     # ------------------------------------------------------------------ epochs
     def _run_epoch(self, state: DriverState, worker_state: dict | None, ctl: Any) -> tuple[DriverState, dict]:
-        t_epoch = time.perf_counter()
-        self.view.held.start(t_epoch, self.view.held_gpus(state.cluster))
+        t_epoch, t_wall = time.perf_counter(), time.time()   # the epoch's window (GPU-hours held)
         self._placed_now_s = None
         state, replaced = self._place_live(state, worker_state)
-        self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
         self._note_model(state.epochs_done)
         if worker_state is None:   # fresh actors: checkpoint their initial weights (epoch 0)
             worker_state = self._worker_state()
@@ -613,7 +611,6 @@ class JabasDriver:
         while cursor < self.dataset_size:
             cursor = self._run_interval(state, ctl, interval, cursor, tally)
             interval += 1
-            self.view.held.read(time.perf_counter(), self.view.held_gpus(state.cluster))
             if cursor < self.dataset_size:
                 going = {n: t for n, t in self.view.draining(self.pool.placement).items()
                          if n not in self._drains_seen}
@@ -623,7 +620,7 @@ class JabasDriver:
                     replaced = True
                 elif self._mid_epoch_due():
                     self._save_mid_epoch(state, ctl, tally, cursor, interval)
-        return self._end_epoch(state, ctl, tally, replaced, t_epoch, predicted)
+        return self._end_epoch(state, ctl, tally, replaced, (t_epoch, t_wall), predicted)
 
     def _leave_draining(self, state: DriverState, ctl: Any, tally: EpochTally, cursor: int,
                         interval: int, going: dict[str, float | None]) -> DriverState:
@@ -670,7 +667,8 @@ class JabasDriver:
         rule, the iteration count and the epoch's tally. Returns the new epoch cursor."""
         if self._burst:
             rec, end = self._burst.run(self.job, self.dataset_size, state.epochs_done, state.iteration,
-                                       interval, cursor, ctl.global_batch, self.pool, self.pool.train)
+                                       interval, cursor, ctl.global_batch, self.pool, self.pool.train,
+                                       record_samples=self.options.record_samples)
         else:
             rec, end = self._iidp_interval(state, interval, cursor, ctl.global_batch)
         self.metrics.intervals.append(rec)
@@ -721,9 +719,11 @@ class JabasDriver:
         return rec, end
 
     def _end_epoch(self, state: DriverState, ctl: Any, tally: EpochTally, replaced: bool,
-                   t_epoch: float, predicted: float | None) -> tuple[DriverState, dict]:
+                   started: tuple[float, float], predicted: float | None) -> tuple[DriverState, dict]:
         """Validation, forecast, re-profiling check, auto-scaling decision, checkpoint and
-        metrics of the epoch."""
+        metrics of the epoch (``started``: its start on ``time.perf_counter`` and on the wall
+        clock, the clock of the nodes' lifetimes its GPU-hours held are counted from)."""
+        t_epoch, t_wall = started
         epoch, slots = state.epochs_done, self.pool.slots
         t_end = time.perf_counter()
         worker_state = self._worker_state()   # burst: also completes every rank's model
@@ -731,7 +731,8 @@ class JabasDriver:
         eval_s = time.perf_counter() - t_end
         trajectory = ctl.end_epoch()
         t_done = time.perf_counter()
-        held = self.view.held.take(t_done, self.view.held_gpus(state.cluster))
+        # the window [t_wall, t_wall + time_s]: one duration for the epoch's time and its GPUs held
+        held = self.view.held_seconds(state.cluster, t_wall, t_wall + (t_done - t_epoch))
         record = epoch_record(tally, epoch=epoch, allocation=state.allocation,
                               gpu_types=[s.gpu_type for s in slots], trajectory=trajectory,
                               forecast=state.forecast, val_metrics=val_metrics, replaced=replaced,

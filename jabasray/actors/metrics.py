@@ -113,9 +113,10 @@ class EpochRecord(JsonMixin):
     eval_s: float = 0.0                       # seconds of the epoch end: the actors' state read
                                               # for the checkpoint and the validation
     held_gpu_seconds: float | None = None     # GPU-seconds of the GPU nodes held during the epoch,
-                                              # used or idle (actors.cluster_view.HeldGpus; a job
-                                              # that follows Ray: the live nodes, launched ones
-                                              # from when they joined; a fixed cluster: all of it)
+                                              # used or idle (actors.cluster_view, rule 6; a job
+                                              # that follows Ray: every GPU node's lifetime, one
+                                              # launched for its request from the request; a fixed
+                                              # cluster: all of it; None: the GCS did not answer)
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -247,7 +248,7 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
     whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`),
     and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`);
     ``placement_s`` and ``eval_s``: the epoch's placement and epoch-end seconds;
-    ``held_gpu_seconds``: the GPU-seconds of the nodes held (:class:`.cluster_view.HeldGpus`)."""
+    ``held_gpu_seconds``: the GPU-seconds of the nodes held (:meth:`.cluster_view.ClusterView.held_seconds`)."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),

@@ -19,6 +19,13 @@ counterpart in the tested Ray:
   drain request (``ray drain-node``, a cloud's preemption notice through KubeRay or the
   autoscaler) marks a node that Ray will schedule nothing new on and that goes at its deadline;
   ``ray.nodes()`` still calls it alive and the state API needs the dashboard.
+* **When each node started and ended**: the GCS's node records (``GcsNodeInfo``:
+  ``start_time_ms``, when the raylet started; ``end_time_ms``, when the GCS marked it dead;
+  ``resources_total``), read through the driver's GCS client
+  (``ray._private.worker.global_worker.gcs_client.get_all_node_info()``). ``ray.nodes()``
+  drops both times, and the public ``ray.util.state.list_nodes(detail=True)`` that has them
+  needs the dashboard (absent from a minimal install, off with ``include_dashboard=False``).
+  The GPU-hours a job reports as held (:mod:`.cluster_view`, rule 6) are these lifetimes.
 * **An S3 filesystem's endpoint and credentials** (pyarrow): ``S3FileSystem`` exposes only
   ``region``; its other constructor arguments are readable only from what pickling rebuilds it
   from (``__reduce__()[1][0]``, a dict of them). The S3 lease (:mod:`.lease`) needs them to talk
@@ -49,6 +56,8 @@ RAY_INTERNALS = (
     ("ray.experimental.internal_kv", "_internal_kv_del", ("key", "del_by_prefix", "namespace")),
     ("ray._private.state", "available_resources_per_node", ()),
     ("ray._private.state", "state.get_draining_nodes", ()),
+    ("ray._private.worker", "global_worker", ()),
+    ("ray._raylet", "InnerGcsClient.get_all_node_info", ("self", "timeout")),
 )
 S3_OPTION_KEYS = ("endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token")
 
@@ -191,6 +200,26 @@ def draining_nodes() -> dict[str, float | None]:
     return {str(k): (float(v) / 1000.0 if v else None) for k, v in got.items()}
 
 
+def node_lifetimes(timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Every node the GCS knows, alive or dead: ``{"node_id", "start_s", "end_s" (None while
+    alive), "resources" (its total resources), "labels"}``, times in unix seconds as the GCS recorded
+    them (the raylet's clock for the start, the GCS's for the end; millisecond resolution).
+    Needs a connected driver (``ray.init``)."""
+    _require("ray._raylet", "InnerGcsClient.get_all_node_info")
+    client = getattr(_require("ray._private.worker", "global_worker"), "gcs_client", None)
+    if client is None:
+        raise RuntimeError("no GCS client: ray.init() was not called in this process")
+    out = []
+    for info in client.get_all_node_info(timeout=timeout_s).values():
+        end_ms = int(info.end_time_ms)
+        alive = info.state == 0   # GcsNodeInfo.ALIVE
+        out.append({"node_id": info.node_id.hex(), "start_s": int(info.start_time_ms) / 1000.0,
+                    "end_s": end_ms / 1000.0 if (end_ms and not alive) else None,
+                    "resources": {str(k): float(v) for k, v in info.resources_total.items()},
+                    "labels": {str(k): str(v) for k, v in info.labels.items()}})
+    return out
+
+
 def s3_filesystem_options(filesystem: Any) -> dict[str, Any]:
     """The endpoint, scheme, region and credentials a pyarrow ``S3FileSystem`` was built with
     (:data:`S3_OPTION_KEYS`; empty values left out). Only ``region`` is public; the rest comes
@@ -209,4 +238,4 @@ def s3_filesystem_options(filesystem: Any) -> dict[str, Any]:
 
 __all__ = ["TESTED_RAY", "RAY_INTERNALS", "RayInternalsError", "tested_text", "version_problem",
            "missing_internals", "problems", "kv_put", "kv_get", "kv_delete",
-           "available_resources_per_node", "draining_nodes", "s3_filesystem_options"]
+           "available_resources_per_node", "draining_nodes", "node_lifetimes", "s3_filesystem_options"]
