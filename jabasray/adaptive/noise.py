@@ -9,7 +9,7 @@ the same quantity. AdaScale's gain ratio for a batch S times the base batch B_0 
 
 with |g|^2 the squared norm of the true gradient and sigma^2 the variance (trace of the
 covariance) of a gradient estimated on B_0 samples: sigma^2 = tr(Sigma) / B_0 for the per-sample
-covariance Sigma. r = S where the noise dominates (scaling the LR with the batch is safe: the
+covariance Sigma. r = S where the noise dominates (the LR scales with the batch: the
 linear rule), r = 1 where the gradient is exact (a larger batch buys nothing: keep the LR).
 With B = S B_0, r = (1 + B_noise / B_0) / (1 + B_noise / B) for the noise scale
 B_noise = tr(Sigma) / |g|^2 (McCandlish et al. 2018).
@@ -23,7 +23,8 @@ covariance Sigma / b, so
 
 give the unbiased estimates tr(Sigma)^ = b |g_A - g_B|^2 / 2 and
 |g|^2^ = |(g_A + g_B) / 2|^2 - tr(Sigma)^ / (2 b) (the second can come out negative on one
-draw; AdaScale and Pollux smooth both over steps and clamp at zero, as :func:`gain_ratio` does).
+draw; AdaScale and Pollux smooth both estimates over steps, and :func:`gain_ratio` clamps a
+negative |g|^2 at zero, i.e. r = S).
 Everything needs only |g_A|^2, |g_B|^2 and <g_A, g_B>: what the similarity reduction computes.
 
 Status: ``benchmarks/adaptive_reference.py`` compares this gain as an LR rule with the others
