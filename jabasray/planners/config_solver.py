@@ -641,8 +641,44 @@ def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[s
     return best
 
 
+def min_max_assignment_reference(tables: Sequence[np.ndarray], total: int) -> tuple[float, list[int]] | None:
+    """Plain-Python transcription of :func:`min_max_assignment`: the bottleneck T by the min-max
+    recurrence f_j(s) = min over k >= 1 of max(f_{j-1}(s - k), tables[j][k]) (as in
+    :func:`solve_configuration_reference`), the assignment by the same backtracking over the
+    reachable totals of the first j GPUs kept as Python sets. O(N M^2); an oracle for tests."""
+    n = len(tables)
+    if n == 0 or total < n:
+        return None
+    inf = float("inf")
+    f = [0.0] + [inf] * total
+    for t in tables:
+        nxt = [inf] * (total + 1)
+        for s in range(total + 1):
+            if f[s] == inf:
+                continue
+            for k in range(1, min(total - s, len(t) - 1) + 1):
+                v = max(f[s], float(t[k]))
+                if v < nxt[s + k]:
+                    nxt[s + k] = v
+        f = nxt
+    T = f[total]
+    if T == inf:
+        return None
+    reach = [{0}]
+    for t in tables:
+        admissible = [k for k in range(1, len(t)) if t[k] <= T]
+        reach.append({s + k for s in reach[-1] for k in admissible if s + k <= total})
+    ks, s = [0] * n, total
+    for j in range(n - 1, -1, -1):
+        t = tables[j]
+        options = [k for k in range(1, min(s, len(t) - 1) + 1) if t[k] <= T and s - k in reach[j]]
+        ks[j] = min(options, key=lambda k: (t[k], k))
+        s -= ks[j]
+    return T, ks
+
+
 __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_configuration",
            "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
            "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
-           "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
-           "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]
+           "min_max_assignment", "min_max_assignment_reference", "fastest_per_worker_count",
+           "num_workers_per_group", "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]
