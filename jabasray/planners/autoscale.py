@@ -333,6 +333,15 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
     check_int("min_local_batch", min_local_batch, min_value=1)
+    return _epoch_time(group_gpus, model, traj, dataset_size, adapt_interval, min_local_batch, cache,
+                       tolerance, tables, solutions)
+
+
+def _epoch_time(group_gpus: Sequence[str], model: Any, traj: list[int], dataset_size: int,
+                adapt_interval: int, min_local_batch: int, cache: dict[int, Plan | str] | None,
+                tolerance: float, tables: dict | None, solutions: dict | None) -> EpochTime:
+    """:func:`epoch_time` on arguments already checked (``traj``: whole batches, as
+    ``_check_trajectory`` returns them): the auto-scaler checks them once per decision."""
     memo: dict[int, Plan | str] = {} if cache is None else cache
     plans: dict[int, Plan] = {}
     remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
@@ -426,7 +435,15 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
             peaks[size + types] = peak_throughputs(retargeted[size][0], types, min_local_batch)
         return epoch_lower_bound(alloc, cl, peaks[size + types], dataset_size)
 
-    bounds = [bound_of(a) for a in allocs] if prune and objective in ("time", "cost") else [None] * len(allocs)
+    bounds: list[float | None] = [None] * len(allocs)
+    if prune and objective in ("time", "cost"):
+        # the enumerated candidates' bounds depend on the cluster, the model, N and min B_L only:
+        # kept beside the candidates (dropped with them when the cluster changes)
+        kept = memo.get(("candidates",)) if allocations is None else None
+        kept_bounds = kept.get(("bounds", dataset_size, min_local_batch)) if kept is not None else None
+        bounds = kept_bounds if kept_bounds is not None else [bound_of(a) for a in allocs]
+        if kept is not None:
+            kept[("bounds", dataset_size, min_local_batch)] = bounds
     order = sorted(range(len(allocs)), key=lambda i: (bounds[i] is not None, bounds[i] or 0.0, i))
     best_free = best_charged = math.inf      # the objective's value of the best so far
     estimates: dict[int, CandidateEstimate] = {}
@@ -442,9 +459,8 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         key = (tuple(group), alloc.num_gpus, alloc.multi_node)
         m, tables = retargeted.setdefault((alloc.num_gpus, alloc.multi_node),
                                           (_retarget(model, alloc.num_gpus, alloc.multi_node), {}))
-        est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
-                         cache=memo.setdefault(key, {}), tolerance=tolerance, tables=tables,
-                         solutions=memo.setdefault(("solutions",) + key, {}))
+        est = _epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
+                          memo.setdefault(key, {}), tolerance, tables, memo.setdefault(("solutions",) + key, {}))
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
         c = estimates[i] = CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations,
                                              est.reason, switch, launch)
