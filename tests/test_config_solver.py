@@ -210,11 +210,15 @@ def test_min_max_assignment_matches_brute_force():
             assert max(tables[j][k] for j, k in enumerate(got[1])) == best
 
 
-def test_min_max_assignment_is_the_plain_computation_exactly():
+@pytest.mark.parametrize("max_runs", [64, 0])
+def test_min_max_assignment_is_the_plain_computation_exactly(monkeypatch, max_runs):
     """The bitset search (threshold and backtracking) returns exactly what the plain-Python
     recurrence and set-based backtracking return - the same T and the same k of every GPU -
     and T is the exhaustive optimum; GPUs share table objects (one per type) in any order, as
-    the solver hands them over, including long runs of one type."""
+    the solver hands them over, including long runs of one type. ``max_runs`` 0: every sumset
+    by convolution (the path of sets full of holes)."""
+    from jabasray.planners import config_solver
+    monkeypatch.setattr(config_solver, "_MAX_RUNS", max_runs)
     rng = np.random.default_rng(11)
     solved = 0
     for trial in range(300):

@@ -24,8 +24,9 @@ Implementation notes (how this maps onto Algorithm 1)
   T is feasible iff M is in the sumset S_1(T) + ... + S_N(T), S_j(T) = {k : best_j[k] <= T}.
   Feasibility is monotone in T, the optimum is one of the best_j values, and each set and
   sumset is an int bitset (a sumset: per maximal run of set bits of one operand, a few
-  shift-ORs of the other; exact integer logic); GPUs of one type are one count-fold sumset,
-  by doubling. We start at a cheap necessary lower bound (the smallest admissible k's sum to
+  shift-ORs of the other; exact integer logic; sets full of holes by a 0/1 convolution, FFT
+  for long ones, exact after thresholding integer counts at 0.5); GPUs of one type are one
+  count-fold sumset, by doubling. We start at a cheap necessary lower bound (the smallest admissible k's sum to
   at most M and the largest to at least M, checked for every candidate T at once) and gallop
   upwards, so usually only one or two feasibility checks run per B_L. The assignment is
   recovered by backtracking through the reachable totals of the first j GPUs: GPU j, last
@@ -218,8 +219,12 @@ def fastest_per_worker_count(model: Any, gpu: str, local_batch: int, max_workers
 # ---------------------------------------------------------------------------- min-max assignment
 # Sets of worker counts are int bitsets (bit k set: k is in the set). The sets are small (at
 # most M + 1 bits) and nearly intervals, so a sumset is a few shifts and ORs per maximal run of
-# set bits, exact integer logic with no rounding.
+# set bits, exact integer logic with no rounding. Where both operands have many runs (sets
+# full of holes) a 0/1 convolution is cheaper: np.convolve, or an FFT for long arrays, exact
+# after thresholding the integer counts at 0.5; so a sumset stays O(M log M) whatever the sets.
 _ONES = re.compile("1+")
+_MAX_RUNS = 64     # runs of set bits beyond which a sumset is a convolution
+_FFT_MIN = 96      # below this length np.convolve is faster than FFT
 
 
 def _bitset(mask: np.ndarray) -> int:
@@ -248,7 +253,10 @@ def _sumset(a: int, b: int, limit: int, b_runs: list[tuple[int, int]] | None = N
         return 0
     if b_runs is None:
         b_runs = _runs(b)
-    if _num_runs(a) < len(b_runs):
+    a_runs = _num_runs(a)
+    if min(a_runs, len(b_runs)) > _MAX_RUNS:
+        return _bitset(_convolve(_bool_array(a, limit), _bool_array(b, limit), limit))
+    if a_runs < len(b_runs):
         runs, other = _runs(a), b
     else:
         runs, other = b_runs, a
@@ -263,6 +271,27 @@ def _sumset(a: int, b: int, limit: int, b_runs: list[tuple[int, int]] | None = N
             width += step
         out |= smeared << start
     return out & mask
+
+
+def _bool_array(bits: int, limit: int) -> np.ndarray:
+    """The bitset ``bits`` as a bool array of length limit + 1 (bits beyond it dropped)."""
+    raw = np.frombuffer(bits.to_bytes(limit // 8 + 1, "little"), dtype=np.uint8)
+    return np.unpackbits(raw, bitorder="little")[: limit + 1].astype(bool)
+
+
+def _convolve(a: np.ndarray, b: np.ndarray, limit: int) -> np.ndarray:
+    """{x + y : a[x], b[y]} as a bool array of length limit + 1 (0/1 convolution)."""
+    fa, fb = a.astype(np.float64), b.astype(np.float64)
+    n = len(fa) + len(fb) - 1
+    if min(len(fa), len(fb)) < _FFT_MIN:
+        c = np.convolve(fa, fb)
+    else:
+        size = 1 << (n - 1).bit_length()
+        c = np.fft.irfft(np.fft.rfft(fa, size) * np.fft.rfft(fb, size), size)[:n]
+    out = np.zeros(limit + 1, dtype=bool)
+    m = min(limit + 1, n)
+    out[:m] = c[:m] > 0.5
+    return out
 
 
 def _power_sumset(allowed: int, count: int, limit: int) -> int:
