@@ -77,17 +77,20 @@ def scale(args) -> dict:
                 profiles, notes = type_profiles(measured, cluster, "v100")
                 job = JobConfig(min_local_batch=args.min_local_batch, **fields)
                 model = PerfModel(profiles, weight_sync=job.weight_sync)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 result = compare(args.policies, job, cluster, PACKAGED_DATASET_SIZE[app], model, conv,
                                  None, placement_s=args.placement_s, target=target)
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 row = {"app": app, "cluster": name, "gpus": size, "target": target,
-                       "simulation_wall_s": wall, "profile_notes": notes, "policies": result["policies"]}
+                       "simulation_wall_s": wall, "simulation_cpu_s": cpu,
+                       "policy_wall_s": result["simulation_wall_s"], "profile_notes": notes,
+                       "policies": result["policies"]}
                 rows.append(row)
                 line = ", ".join(f"{p} {r['time_vs_jabas']:.2f}/{r['cost_vs_jabas']:.2f}"
                                  if r.get("time_vs_jabas") is not None else f"{p} missed"
                                  for p, r in result["policies"].items())
-                print(f"{app} {name}:{size} (time/cost vs JABAS) {line}  [{wall:.0f} s]", flush=True)
+                print(f"{app} {name}:{size} (time/cost vs JABAS) {line}  [{wall:.0f} s, CPU {cpu:.0f} s]",
+                      flush=True)
     return {"rows": rows, "placement_s": args.placement_s}
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from jabasray.planners import solve_configuration
 from jabasray.planners.config_solver import (explain_configuration, fastest_per_worker_count,
-                                             min_max_assignment, num_workers_per_group,
+                                             min_max_assignment, min_max_assignment_reference,
+                                             num_workers_per_group,
                                              solve_configuration_detailed,
                                              solve_configuration_reference)
 from jabasray.types import Plan
@@ -207,6 +208,42 @@ def test_min_max_assignment_matches_brute_force():
             assert got is not None and got[0] == best
             assert sum(got[1]) == total
             assert max(tables[j][k] for j, k in enumerate(got[1])) == best
+
+
+@pytest.mark.parametrize("max_runs", [64, 0])
+def test_min_max_assignment_is_the_plain_computation_exactly(monkeypatch, max_runs):
+    """The bitset search (threshold and backtracking) returns exactly what the plain-Python
+    recurrence and set-based backtracking return - the same T and the same k of every GPU -
+    and T is the exhaustive optimum; GPUs share table objects (one per type) in any order, as
+    the solver hands them over, including long runs of one type. ``max_runs`` 0: every sumset
+    by convolution (the path of sets full of holes)."""
+    from jabasray.planners import config_solver
+    monkeypatch.setattr(config_solver, "_MAX_RUNS", max_runs)
+    rng = np.random.default_rng(11)
+    solved = 0
+    for trial in range(300):
+        total = int(rng.integers(1, 40))
+        types = []
+        for _ in range(int(rng.integers(1, 4))):
+            t = rng.integers(1, int(rng.choice([4, 30, 1000])), size=total + 1).astype(float)
+            t[rng.random(total + 1) < rng.random() * 0.6] = np.inf
+            t[0] = np.inf
+            types.append(t)
+        n = int(rng.integers(1, min(total, 12) + 1))
+        tables = [types[int(rng.integers(0, len(types)))] for _ in range(n)]
+        if trial % 2:
+            tables.sort(key=id)              # runs of one type, as group H lists nodes
+        got, want = min_max_assignment(tables, total), min_max_assignment_reference(tables, total)
+        assert got == want, trial
+        if n <= 4 and total <= 10:           # exhaustive optimum
+            best = min((max(tables[j][k] for j, k in enumerate(ks))
+                        for ks in itertools.product(range(1, total + 1), repeat=n) if sum(ks) == total),
+                       default=math.inf)
+            assert (got is None) == (best == math.inf) and (got is None or got[0] == best)
+        if got is not None:
+            solved += 1
+            assert sum(got[1]) == total and max(tables[j][k] for j, k in enumerate(got[1])) == got[0]
+    assert solved >= 150
 
 
 def test_figure8_example():

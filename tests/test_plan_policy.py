@@ -145,6 +145,42 @@ def test_too_many_local_batch_candidates_names_min_local_batch():
         solve_for_batch(64, ["g"], Huge(), 1)
 
 
+def test_answers_remembered_per_local_batch_and_m_are_the_plain_ones(monkeypatch):
+    """``solutions`` (kept per (B_L, M) across calls on one group) changes no answer: over a
+    random walk of B_G on several groups every plan equals the one solved from scratch (its
+    request included) and every NoPlanError says the same; many B_G share an M (hits), and the
+    memo stays within its bound, dropping its oldest answers."""
+    from jabasray.planners import config_solver, plan_policy
+
+    monkeypatch.setattr(plan_policy, "MAX_SOLUTIONS", 6)
+    solved = []
+    real = config_solver.solve_local_batch
+    monkeypatch.setattr(plan_policy, "solve_local_batch", lambda *a, **kw: solved.append(1) or real(*a, **kw))
+    rng = __import__("random").Random(3)
+    m = model()
+    for gpus in (["fast"], ["fast", "slow"], ["slow", "fast", "fast"], ["fast/solo", "slow"]):
+        gm = m.for_allocation(2 * len(gpus), False)
+        solutions, tables = {}, {}
+        bg, plain_solves, memo_solves = 40, 0, 0
+        for _ in range(60):
+            bg = max(1, bg + rng.randint(-12, 14))
+            answers = []
+            for memo in (None, solutions):
+                before = len(solved)
+                try:
+                    answers.append(solve_for_batch(bg, gpus, gm, 8, tolerance=0.05, tables=tables,
+                                                   solutions=memo))
+                except NoPlanError as e:
+                    answers.append(e.reason)
+                if memo is None:
+                    plain_solves += len(solved) - before
+                else:
+                    memo_solves += len(solved) - before
+            assert answers[0] == answers[1], (gpus, bg)
+            assert len(solutions) <= 6
+        assert 6 < memo_solves < plain_solves / 2, gpus     # more answers than the bound: some dropped
+
+
 # ---------------------------------------------------------------------------- consistency
 @pytest.mark.parametrize("counts", [(4, 2), (3, 1)])
 def test_autoscaler_assumes_the_plans_the_driver_runs(counts):

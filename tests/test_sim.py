@@ -190,6 +190,38 @@ def test_jabas_in_the_simulator_decides_with_the_drivers_functions():
         assert nxt.allocation == chosen
 
 
+def test_jabas_decides_the_same_with_the_plain_solver_and_no_solver_memo(monkeypatch):
+    """The solver's shortcuts change no decision of a whole JABAS run: with the plain min-max
+    computation (:func:`~jabasray.planners.config_solver.min_max_assignment_reference`) and no
+    answers kept per (B_L, M) across candidates and decisions, every epoch's allocation,
+    forecast and decision record (each candidate's epoch time) and every interval's B_G and plan
+    are the same, to the last digit of the run's JSON; the memo did save solves."""
+    from jabasray.planners import config_solver, plan_policy
+
+    job = JobConfig(initial_global_batch=32, min_global_batch=32, max_global_batch=256, adapt_interval=4,
+                    epochs=6, gamma=0.5, alpha=0.25, min_local_batch=8, seed=0)
+    cluster = ClusterSpec(CLUSTER.nodes + [NodeSpec("f1", "fast", 3, tflops=2.0)])
+    counted = []
+    real = config_solver.solve_local_batch
+    monkeypatch.setattr(plan_policy, "solve_local_batch", lambda *a, **kw: counted.append(1) or real(*a, **kw))
+
+    def run():
+        counted.clear()
+        r = simulate(make_policy("jabas"), job, cluster, N, _model(), Noise(noise=150.0), placement_s=0.0)
+        return json.dumps(r.history.to_dict()), len(counted)
+
+    fast, fast_solves = run()
+    monkeypatch.setattr(plan_policy, "solve_remembered", lambda bg, gpus, model, bl, tables=None, solutions=None:
+                        plan_policy.solve_local_batch(bg, gpus, model, bl, tables=tables))
+    monkeypatch.setattr(config_solver, "min_max_assignment", config_solver.min_max_assignment_reference)
+    plain, plain_solves = run()
+    assert fast == plain
+    hist = json.loads(fast)
+    assert len({json.dumps(e["allocation"]) for e in hist["epochs"]}) > 2       # it moved
+    assert len({i["global_batch"] for i in hist["intervals"]}) > 3               # B_G adapted
+    assert fast_solves < plain_solves
+
+
 # ----------------------------------------------------------------------- auto-scaler shortcuts
 def _random_cluster(rng, nodes):
     return ClusterSpec([NodeSpec(f"n{i}", rng.choice(["fast", "slow"]), int(rng.integers(1, 4)))

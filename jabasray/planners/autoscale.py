@@ -40,7 +40,8 @@ Implementation notes
   charged its configure call), exactly what the driver records as each interval's
   prediction. The epoch's last iteration may be ragged (fewer samples); it is charged a full
   iteration time (the model has no per-sample term for a partial step). Each distinct B_G is
-  solved once per (group H, N_G, multi-node) - a memo shared by all candidates.
+  solved once per (group H, N_G, multi-node) - a memo shared by all candidates - and each
+  (B_L, M) of Alg. 1 once per group, whichever B_G rounds to it.
 * The performance model is re-targeted per allocation when it offers
   ``for_allocation(num_gpus, multi_node)`` (``PerfModel`` does: N_G and the intra-/inter-node
   all-reduce fit of Eq. 3 depend on the allocation); other models are used as given.
@@ -318,18 +319,29 @@ def _retarget(model: Any, num_gpus: int, multi_node: bool) -> Any:
 def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int], dataset_size: int,
                adapt_interval: int, min_local_batch: int,
                cache: dict[int, Plan | str] | None = None,
-               tolerance: float = DEFAULT_TOLERANCE, tables: dict | None = None) -> EpochTime:
+               tolerance: float = DEFAULT_TOLERANCE, tables: dict | None = None,
+               solutions: dict | None = None) -> EpochTime:
     """Predicted epoch time of group H for a B_G trajectory (module notes). ``model`` must already
     describe the allocation (see ``PerfModel.for_allocation``); ``cache`` memoises B_G -> plan
     (or the reason there is none). Plans come from :func:`.plan_policy.solve_for_batch` with
     ``tolerance``: the plan the driver will run. A B_G below what the group can run (the policy
     would raise it to its floor) makes the group infeasible here: the auto-scaler does not pick
     an allocation that cannot run the forecast batch sizes. ``tables``: the solver's tables for
-    ``model`` (:func:`.config_solver.cached_table`)."""
+    ``model`` (:func:`.config_solver.cached_table`); ``solutions``: the solver's answers per
+    (B_L, M) on this group and ``model`` (:func:`.plan_policy.solve_remembered`)."""
     traj = _check_trajectory(trajectory)
     check_int("dataset_size", dataset_size, min_value=1)
     check_int("adapt_interval", adapt_interval, min_value=1)
     check_int("min_local_batch", min_local_batch, min_value=1)
+    return _epoch_time(group_gpus, model, traj, dataset_size, adapt_interval, min_local_batch, cache,
+                       tolerance, tables, solutions)
+
+
+def _epoch_time(group_gpus: Sequence[str], model: Any, traj: list[int], dataset_size: int,
+                adapt_interval: int, min_local_batch: int, cache: dict[int, Plan | str] | None,
+                tolerance: float, tables: dict | None, solutions: dict | None) -> EpochTime:
+    """:func:`epoch_time` on arguments already checked (``traj``: whole batches, as
+    ``_check_trajectory`` returns them): the auto-scaler checks them once per decision."""
     memo: dict[int, Plan | str] = {} if cache is None else cache
     plans: dict[int, Plan] = {}
     remaining, total, iters, chunk = dataset_size, 0.0, 0, 0
@@ -338,7 +350,8 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
         bg = traj[min(chunk, len(traj) - 1)]
         plan = memo.get(bg)
         if plan is None:
-            plan = memo[bg] = _plan_or_reason(bg, group_gpus, model, min_local_batch, tolerance, tables)
+            plan = memo[bg] = _plan_or_reason(bg, group_gpus, model, min_local_batch, tolerance, tables,
+                                              solutions)
         if isinstance(plan, str):
             return EpochTime(None, iters, plans, f"B_G={bg}: {plan}")
         plans[bg] = plan
@@ -354,10 +367,11 @@ def epoch_time(group_gpus: Sequence[str], model: Any, trajectory: Sequence[int],
 
 
 def _plan_or_reason(bg: int, group_gpus: Sequence[str], model: Any, min_local_batch: int,
-                    tolerance: float, tables: dict | None = None) -> Plan | str:
+                    tolerance: float, tables: dict | None = None, solutions: dict | None = None
+                    ) -> Plan | str:
     try:
         plan = solve_for_batch(bg, list(group_gpus), model, min_local_batch, tolerance=tolerance,
-                               tables=tables)
+                               tables=tables, solutions=solutions)
     except NoPlanError as e:
         return e.reason
     if plan.requested_global_batch_size != bg:    # raised to the group's floor
@@ -381,7 +395,9 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
     other candidate is charged ``switch_cost_s`` seconds of re-placement (module notes).
     ``plan_cache``: plans (or why there is none) per (group H, N_G, multi-node) and B_G, kept by
     the caller across calls while the model stays the same (the answers are the same; a new
-    forecast mostly asks for B_G already solved); None: a memo for this call only.
+    forecast mostly asks for B_G already solved), and beside them the solver's answers per
+    (group H, N_G, multi-node) and (B_L, M) (:func:`.plan_policy.solve_remembered`: a B_G not
+    solved yet mostly rounds to an M that was); None: a memo for this call only.
     ``prune``: skip the candidates that cannot be chosen (:func:`epoch_lower_bound`; objectives
     "time" and "cost"); their estimate says so instead of an epoch time. False: every candidate
     is estimated (the same choice, slower).
@@ -419,7 +435,15 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
             peaks[size + types] = peak_throughputs(retargeted[size][0], types, min_local_batch)
         return epoch_lower_bound(alloc, cl, peaks[size + types], dataset_size)
 
-    bounds = [bound_of(a) for a in allocs] if prune and objective in ("time", "cost") else [None] * len(allocs)
+    bounds: list[float | None] = [None] * len(allocs)
+    if prune and objective in ("time", "cost"):
+        # the enumerated candidates' bounds depend on the cluster, the model, N and min B_L only:
+        # kept beside the candidates (dropped with them when the cluster changes)
+        kept = memo.get(("candidates",)) if allocations is None else None
+        kept_bounds = kept.get(("bounds", dataset_size, min_local_batch)) if kept is not None else None
+        bounds = kept_bounds if kept_bounds is not None else [bound_of(a) for a in allocs]
+        if kept is not None:
+            kept[("bounds", dataset_size, min_local_batch)] = bounds
     order = sorted(range(len(allocs)), key=lambda i: (bounds[i] is not None, bounds[i] or 0.0, i))
     best_free = best_charged = math.inf      # the objective's value of the best so far
     estimates: dict[int, CandidateEstimate] = {}
@@ -435,8 +459,8 @@ def choose_allocation(cluster: ClusterSpec, model: Any, trajectory: Sequence[int
         key = (tuple(group), alloc.num_gpus, alloc.multi_node)
         m, tables = retargeted.setdefault((alloc.num_gpus, alloc.multi_node),
                                           (_retarget(model, alloc.num_gpus, alloc.multi_node), {}))
-        est = epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
-                         cache=memo.setdefault(key, {}), tolerance=tolerance, tables=tables)
+        est = _epoch_time(group, m, traj, dataset_size, adapt_interval, min_local_batch,
+                          memo.setdefault(key, {}), tolerance, tables, memo.setdefault(("solutions",) + key, {}))
         cost = est.epoch_time * alloc.price_rate(cl) if est.epoch_time is not None else None
         c = estimates[i] = CandidateEstimate(alloc, group, est.epoch_time, cost, est.iterations,
                                              est.reason, switch, launch)

@@ -22,12 +22,17 @@ Implementation notes (how this maps onto Algorithm 1)
 * Lines 21-23 (dynamic programming): we need min over k_1 + ... + k_N = M of max_j best_j[k_j].
   Instead of the O(M^2 N_H) min-max recurrence we search the bottleneck time T directly:
   T is feasible iff M is in the sumset S_1(T) + ... + S_N(T), S_j(T) = {k : best_j[k] <= T}.
-  Feasibility is monotone in T, the optimum is one of the best_j values, and each sumset is a
-  0/1 convolution (FFT, exact after thresholding integer counts at 0.5). We start at a cheap
-  necessary lower bound (sum of the largest admissible k's reaches M) and gallop upwards, so
-  usually only one or two feasibility checks run per B_L. The assignment is recovered by
-  backtracking through the stored reachability arrays. This is exact: the same optimum as the
-  recurrence (checked against exhaustive enumeration in tests/test_config_solver.py).
+  Feasibility is monotone in T, the optimum is one of the best_j values, and each set and
+  sumset is an int bitset (a sumset: per maximal run of set bits of one operand, a few
+  shift-ORs of the other; exact integer logic; sets full of holes by a 0/1 convolution, FFT
+  for long ones, exact after thresholding integer counts at 0.5); GPUs of one type are one
+  count-fold sumset, by doubling. We start at a cheap necessary lower bound (the smallest admissible k's sum to
+  at most M and the largest to at least M, checked for every candidate T at once) and gallop
+  upwards, so usually only one or two feasibility checks run per B_L. The assignment is
+  recovered by backtracking through the reachable totals of the first j GPUs: GPU j, last
+  first, takes its fastest admissible k (ties: the smaller k) whose remainder is reachable.
+  This is exact: the same optimum as the recurrence (checked against exhaustive enumeration
+  in tests/test_config_solver.py).
 * Search bounds (ours): one GPU takes at most ``MAX_WORKERS_PER_GPU`` decoupled workers (a
   B_L with M > N_H * MAX_WORKERS_PER_GPU is skipped: some GPU would need more), and at most
   ``MAX_LOCAL_BATCH_CANDIDATES`` local batch sizes are searched (ValueError naming
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -65,7 +71,6 @@ from ..validation import check_float, check_int
 
 log = logging.getLogger(__name__)
 
-_FFT_MIN = 96  # below this length np.convolve is faster than FFT
 # Search bounds (ours, not the paper's): they make the solver's work bounded by construction.
 MAX_WORKERS_PER_GPU = 4096        # decoupled workers n_vsw * (n_GA + 1) one GPU may take
 MAX_LOCAL_BATCH_CANDIDATES = 4096  # B_L values searched (max B_L / min B_L)
@@ -212,41 +217,86 @@ def fastest_per_worker_count(model: Any, gpu: str, local_batch: int, max_workers
 
 
 # ---------------------------------------------------------------------------- min-max assignment
-def _sumset(reach: np.ndarray, allowed: np.ndarray, limit: int) -> np.ndarray:
-    """{a + b : reach[a], allowed[b]} as a bool array of length limit + 1."""
-    a = reach.astype(np.float64)
-    b = allowed.astype(np.float64)
-    n = len(a) + len(b) - 1
-    if min(len(a), len(b)) < _FFT_MIN:
-        c = np.convolve(a, b)
+# Sets of worker counts are int bitsets (bit k set: k is in the set). The sets are small (at
+# most M + 1 bits) and nearly intervals, so a sumset is a few shifts and ORs per maximal run of
+# set bits, exact integer logic with no rounding. Where both operands have many runs (sets
+# full of holes) a 0/1 convolution is cheaper: np.convolve, or an FFT for long arrays, exact
+# after thresholding the integer counts at 0.5; so a sumset stays O(M log M) whatever the sets.
+_ONES = re.compile("1+")
+_MAX_RUNS = 64     # runs of set bits beyond which a sumset is a convolution
+_FFT_MIN = 96      # below this length np.convolve is faster than FFT
+
+
+def _bitset(mask: np.ndarray) -> int:
+    """The set {k : mask[k]} as an int bitset."""
+    return int.from_bytes(np.packbits(np.asarray(mask, dtype=bool), bitorder="little").tobytes(), "little")
+
+
+def _runs(bits: int) -> list[tuple[int, int]]:
+    """Maximal runs of set bits of ``bits``: (first bit, length), lowest first."""
+    return [(m.start(), m.end() - m.start()) for m in _ONES.finditer(format(bits, "b")[::-1])]
+
+
+def _num_runs(bits: int) -> int:
+    """How many maximal runs of set bits ``bits`` has (bits whose lower neighbour is clear)."""
+    return (bits & ~(bits << 1)).bit_count()
+
+
+def _sumset(a: int, b: int, limit: int, b_runs: list[tuple[int, int]] | None = None) -> int:
+    """{x + y : x in a, y in b} up to ``limit``, of two bitsets: the operand with fewer runs of
+    set bits is taken run by run ([s, s + L) shifts the other by s and smears it over L
+    positions, in O(log L) shift-ORs). ``b_runs``: ``_runs(b)`` when the caller has it."""
+    mask = (1 << (limit + 1)) - 1
+    a &= mask
+    b &= mask
+    if not a or not b:
+        return 0
+    if b_runs is None:
+        b_runs = _runs(b)
+    a_runs = _num_runs(a)
+    if min(a_runs, len(b_runs)) > _MAX_RUNS:
+        return _bitset(_convolve(_bool_array(a, limit), _bool_array(b, limit), limit))
+    if a_runs < len(b_runs):
+        runs, other = _runs(a), b
+    else:
+        runs, other = b_runs, a
+    out = 0
+    for start, length in runs:
+        if start > limit:
+            break
+        smeared, width = other, 1
+        while width < length:                 # smeared = OR of other << d, d < width
+            step = min(width, length - width)
+            smeared |= smeared << step
+            width += step
+        out |= smeared << start
+    return out & mask
+
+
+def _bool_array(bits: int, limit: int) -> np.ndarray:
+    """The bitset ``bits`` as a bool array of length limit + 1 (bits beyond it dropped)."""
+    raw = np.frombuffer(bits.to_bytes(limit // 8 + 1, "little"), dtype=np.uint8)
+    return np.unpackbits(raw, bitorder="little")[: limit + 1].astype(bool)
+
+
+def _convolve(a: np.ndarray, b: np.ndarray, limit: int) -> np.ndarray:
+    """{x + y : a[x], b[y]} as a bool array of length limit + 1 (0/1 convolution)."""
+    fa, fb = a.astype(np.float64), b.astype(np.float64)
+    n = len(fa) + len(fb) - 1
+    if min(len(fa), len(fb)) < _FFT_MIN:
+        c = np.convolve(fa, fb)
     else:
         size = 1 << (n - 1).bit_length()
-        c = np.fft.irfft(np.fft.rfft(a, size) * np.fft.rfft(b, size), size)[:n]
+        c = np.fft.irfft(np.fft.rfft(fa, size) * np.fft.rfft(fb, size), size)[:n]
     out = np.zeros(limit + 1, dtype=bool)
     m = min(limit + 1, n)
     out[:m] = c[:m] > 0.5
     return out
 
 
-def _reachability(tables: Sequence[np.ndarray], total: int, threshold: float) -> list[np.ndarray] | None:
-    """reach[j][s]: the first j GPUs can take exactly s workers with every time <= threshold."""
-    reach = np.zeros(total + 1, dtype=bool)
-    reach[0] = True
-    out = [reach]
-    for best in tables:
-        allowed = best <= threshold
-        if not allowed.any():
-            return None
-        reach = _sumset(reach, allowed, total)
-        if not reach.any():
-            return None
-        out.append(reach)
-    return out
-
-
-def _power_sumset(allowed: np.ndarray, count: int, limit: int) -> np.ndarray:
+def _power_sumset(allowed: int, count: int, limit: int) -> int:
     """The ``count``-fold sumset allowed + ... + allowed (up to ``limit``) by doubling:
-    O(log count) convolutions instead of ``count``."""
+    O(log count) sumsets instead of ``count``."""
     result, base = None, allowed
     while count:
         if count & 1:
@@ -259,68 +309,70 @@ def _power_sumset(allowed: np.ndarray, count: int, limit: int) -> np.ndarray:
 
 def _feasible(groups: Sequence[tuple[np.ndarray, int]], total: int, threshold: float) -> bool:
     """Whether the units, ``count`` alike per (table, count) of ``groups``, can take exactly
-    ``total`` workers with every time <= ``threshold`` (the last entry of
-    :func:`_reachability`, each group's sumset by :func:`_power_sumset`)."""
-    reach = np.zeros(total + 1, dtype=bool)
-    reach[0] = True
+    ``total`` workers with every time <= ``threshold`` (each group's sumset by
+    :func:`_power_sumset`)."""
+    reach = 1                                   # {0}
     for best, count in groups:
-        allowed = best <= threshold
-        if not allowed.any():
+        allowed = _bitset(best <= threshold)
+        if not allowed:
             return False
         reach = _sumset(reach, _power_sumset(allowed, count, total), total)
-        if not reach.any():
+        if not reach:
             return False
-    return bool(reach[total])
+    return bool(reach >> total & 1)
+
+
+def _first_necessary(groups: Sequence[tuple[np.ndarray, int]], total: int, cands: np.ndarray) -> int | None:
+    """Index of the first candidate threshold T meeting the necessary condition (every unit has
+    an admissible k, the smallest admissible k's sum to <= ``total`` and the largest to >=
+    ``total``), all candidates at once; None when none does. The condition is monotone in T:
+    the smallest admissible k of a table is the first k whose prefix minimum is <= T, the
+    largest the last k whose suffix minimum is <= T."""
+    lo = np.zeros(len(cands), dtype=np.int64)
+    hi = np.zeros(len(cands), dtype=np.int64)
+    ok = np.ones(len(cands), dtype=bool)
+    for t, count in groups:
+        prefix = np.fmin.accumulate(t)                       # non-increasing
+        suffix = np.fmin.accumulate(t[::-1])[::-1]           # non-decreasing
+        first = np.searchsorted(-prefix, -cands, side="left")
+        last = np.searchsorted(suffix, cands, side="right") - 1
+        ok &= first < len(t)
+        lo += count * np.minimum(first, len(t) - 1)
+        hi += count * last
+    meets = ok & (lo <= total) & (hi >= total)
+    return int(np.argmax(meets)) if meets[-1] else None
 
 
 def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float, list[int]] | None:
     """Exact ``min over k_1+...+k_N = total, k_j >= 1 of max_j tables[j][k_j]``.
 
     ``tables[j][k]`` is GPU j's time with k workers (index 0 and infeasible entries = inf).
-    Returns (bottleneck time, [k_1, ..., k_N]) or None when no assignment exists.
+    Returns (bottleneck time T, [k_1, ..., k_N]) or None when no assignment exists. The
+    assignment is the backtracking's (module notes): GPU j, from the last to the first, takes
+    the fastest k with tables[j][k] <= T (the smallest such k on ties) whose remainder the GPUs
+    before it can take within T.
     """
     n = len(tables)
     if n == 0 or total < n:
         return None
     # units given the same table (GPUs of one type) are handled once, with their count
-    distinct: dict[int, tuple[np.ndarray, int]] = {}
+    distinct: dict[int, list] = {}
     tabs = []
     for t in tables:
-        key = id(t)
-        if key not in distinct:
+        entry = distinct.get(id(t))
+        if entry is None:
             arr = np.array(t[: total - n + 2], dtype=float)
             arr[0] = np.inf                  # every GPU takes at least one worker
-            distinct[key] = (arr, 0)
-        arr, count = distinct[key]
-        distinct[key] = (arr, count + 1)
-        tabs.append(arr)
-    groups = list(distinct.values())
+            entry = distinct[id(t)] = [arr, 0]
+        entry[1] += 1
+        tabs.append(entry[0])
+    groups = [(arr, count) for arr, count in distinct.values()]
     cands = np.unique(np.concatenate([t[np.isfinite(t)] for t, _ in groups]))
     if cands.size == 0:
         return None
-    # Necessary condition, monotone in T: every GPU has an admissible k, the smallest
-    # admissible k's sum to <= total and the largest to >= total.
-
-    def necessary(T: float) -> bool:
-        lo = hi = 0
-        for t, count in groups:
-            ok = np.flatnonzero(t <= T)
-            if ok.size == 0:
-                return False
-            lo += count * int(ok[0])
-            hi += count * int(ok[-1])
-        return lo <= total <= hi
-
-    lo_i, hi_i = 0, len(cands) - 1
-    if not necessary(cands[hi_i]):
+    start = _first_necessary(groups, total, cands)
+    if start is None:
         return None
-    while lo_i < hi_i:                       # first candidate meeting the necessary condition
-        mid = (lo_i + hi_i) // 2
-        if necessary(cands[mid]):
-            hi_i = mid
-        else:
-            lo_i = mid + 1
-    start = lo_i
     # Gallop from the lower bound to the first exactly feasible threshold, then bisect.
     step, prev, probe = 1, start - 1, start
     found: int | None = None
@@ -341,25 +393,33 @@ def min_max_assignment(tables: Sequence[np.ndarray], total: int) -> tuple[float,
         else:
             lo_i = mid + 1
     T = float(cands[hi_i])
-    best_r = _reachability(tabs, total, T)   # per unit, for the backtracking
-    if best_r is None or not best_r[-1][total]:   # cannot happen: T was feasible
+    # per distinct table: its admissible set (bits and runs) and its admissible k, fastest first
+    # (ties: the smaller k)
+    admissible: dict[int, tuple[int, list[tuple[int, int]], list[int]]] = {}
+    for t in tabs:
+        if id(t) not in admissible:
+            ks = np.flatnonzero(t <= T)
+            bits = _bitset(t <= T)
+            admissible[id(t)] = (bits, _runs(bits), ks[np.lexsort((ks, t[ks]))].tolist())
+    reach = [1]                                 # reach[j]: the first j units' totals within T
+    for t in tabs:
+        bits, runs, _ = admissible[id(t)]
+        reach.append(_sumset(reach[-1], bits, total, runs))
+    if not reach[-1] >> total & 1:             # cannot happen: T was feasible
         raise RuntimeError("min_max_assignment: the feasible threshold is not reachable unit by unit")
     # Backtrack: GPU j takes the fastest admissible k that leaves a reachable remainder.
-    ks = [0] * n
+    ks_out = [0] * n
     s = total
     for j in range(n - 1, -1, -1):
-        t = tabs[j]
-        kmax = min(s, len(t) - 1)
-        k = np.arange(1, kmax + 1)
-        ok = (t[1:kmax + 1] <= T) & best_r[j][s - k]
-        choice = k[ok]
-        if choice.size == 0:  # cannot happen: best_r[j+1][s] was reachable
+        before = reach[j]
+        for k in admissible[id(tabs[j])][2]:
+            if k <= s and before >> (s - k) & 1:
+                break
+        else:  # cannot happen: reach[j + 1] holds s
             raise RuntimeError("min_max_assignment: backtracking failed")
-        times = t[choice]
-        pick = int(choice[np.argmin(times)])
-        ks[j] = pick
-        s -= pick
-    return T, ks
+        ks_out[j] = k
+        s -= k
+    return T, ks_out
 
 
 # ---------------------------------------------------------------------------- Algorithm 1
@@ -610,8 +670,44 @@ def solve_configuration_reference(global_batch_size: int, group_gpus: Sequence[s
     return best
 
 
+def min_max_assignment_reference(tables: Sequence[np.ndarray], total: int) -> tuple[float, list[int]] | None:
+    """Plain-Python transcription of :func:`min_max_assignment`: the bottleneck T by the min-max
+    recurrence f_j(s) = min over k >= 1 of max(f_{j-1}(s - k), tables[j][k]) (as in
+    :func:`solve_configuration_reference`), the assignment by the same backtracking over the
+    reachable totals of the first j GPUs kept as Python sets. O(N M^2); an oracle for tests."""
+    n = len(tables)
+    if n == 0 or total < n:
+        return None
+    inf = float("inf")
+    f = [0.0] + [inf] * total
+    for t in tables:
+        nxt = [inf] * (total + 1)
+        for s in range(total + 1):
+            if f[s] == inf:
+                continue
+            for k in range(1, min(total - s, len(t) - 1) + 1):
+                v = max(f[s], float(t[k]))
+                if v < nxt[s + k]:
+                    nxt[s + k] = v
+        f = nxt
+    T = f[total]
+    if T == inf:
+        return None
+    reach = [{0}]
+    for t in tables:
+        admissible = [k for k in range(1, len(t)) if t[k] <= T]
+        reach.append({s + k for s in reach[-1] for k in admissible if s + k <= total})
+    ks, s = [0] * n, total
+    for j in range(n - 1, -1, -1):
+        t = tables[j]
+        options = [k for k in range(1, min(s, len(t) - 1) + 1) if t[k] <= T and s - k in reach[j]]
+        ks[j] = min(options, key=lambda k: (t[k], k))
+        s -= ks[j]
+    return T, ks
+
+
 __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_configuration",
            "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
            "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
-           "min_max_assignment", "fastest_per_worker_count", "num_workers_per_group",
-           "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]
+           "min_max_assignment", "min_max_assignment_reference", "fastest_per_worker_count",
+           "num_workers_per_group", "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]

@@ -31,16 +31,19 @@ checked against the same bound.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Sequence
 
 from ..types import Plan
 from ..validation import check_float, check_int
-from .config_solver import (MAX_LOCAL_BATCH_CANDIDATES, MAX_WORKERS_PER_GPU, _validate, local_batch_candidates,
-                            max_global_batch, solve_local_batch, unit_model)
+from .config_solver import (MAX_LOCAL_BATCH_CANDIDATES, MAX_WORKERS_PER_GPU, LocalBatchOutcome, _validate,
+                            local_batch_candidates, max_global_batch, num_workers_per_group,
+                            solve_local_batch, unit_model)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = 0.05   # = JobConfig.alpha / 2 with the default alpha 0.1
+MAX_SOLUTIONS = 512        # per-(B_L, M) answers a ``solutions`` memo keeps (oldest dropped first)
 
 
 class NoPlanError(ValueError):
@@ -80,11 +83,36 @@ def _pick(plans: list[Plan], global_batch: int, tolerance: float) -> Plan:
     return min(plans, key=lambda p: (abs(p.global_batch_size - global_batch), -p.throughput))
 
 
+def solve_remembered(global_batch: int, gpus: list[str], model: Any, local_batch: int,
+                     tables: dict | None = None, solutions: dict | None = None
+                     ) -> tuple[Plan | None, LocalBatchOutcome]:
+    """:func:`.config_solver.solve_local_batch` (no incumbent), its answers kept in
+    ``solutions`` per (B_L, M): on one group and one model the answer depends on B_G only
+    through M = round(B_G / 2 B_L) (Alg. 1 line 8) and the request the plan records, which is
+    set to ``global_batch`` on a hit. ``solutions`` belongs to the caller, for ONE group H and
+    ONE model (as ``tables``); it holds at most ``MAX_SOLUTIONS`` answers, the oldest dropped
+    first. None: nothing kept."""
+    if solutions is None:
+        return solve_local_batch(global_batch, gpus, model, local_batch, tables=tables)
+    key = (local_batch, num_workers_per_group(global_batch, local_batch))
+    hit = solutions.get(key)
+    if hit is None:
+        while len(solutions) >= MAX_SOLUTIONS:
+            solutions.pop(next(iter(solutions)))
+        hit = solutions[key] = solve_local_batch(global_batch, gpus, model, local_batch, tables=tables)
+    plan, outcome = hit
+    if plan is not None and plan.requested_global_batch_size != global_batch:
+        plan = replace(plan, requested_global_batch_size=global_batch, workers=list(plan.workers),
+                       worker_weight_sync=list(plan.worker_weight_sync))
+    return plan, outcome
+
+
 def _solve(global_batch: int, gpus: list[str], model: Any, candidates: list[int],
-           tolerance: float, tables: dict | None = None) -> tuple[Plan | None, list[str]]:
+           tolerance: float, tables: dict | None = None, solutions: dict | None = None
+           ) -> tuple[Plan | None, list[str]]:
     plans, notes = [], []
     for bl in candidates:
-        plan, outcome = solve_local_batch(global_batch, gpus, model, bl, tables=tables)
+        plan, outcome = solve_remembered(global_batch, gpus, model, bl, tables, solutions)
         if plan is not None:
             plans.append(plan)
         else:
@@ -96,7 +124,8 @@ def _solve(global_batch: int, gpus: list[str], model: Any, candidates: list[int]
 
 def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_local_batch: int,
                     tolerance: float = DEFAULT_TOLERANCE,
-                    local_batches: Sequence[int] | None = None, tables: dict | None = None) -> Plan:
+                    local_batches: Sequence[int] | None = None, tables: dict | None = None,
+                    solutions: dict | None = None) -> Plan:
     """The plan that runs B_G = ``global_batch`` on group H = ``gpus`` (module notes).
 
     Args:
@@ -110,6 +139,8 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
         local_batches: restrict the candidate B_L (multiples of ``min_local_batch``).
         tables: the solver's per-type tables kept across calls on the same ``model``
             (:func:`.config_solver.cached_table`; None: computed for this call).
+        solutions: the solver's answers per (B_L, M) kept across calls on the same group and
+            ``model`` (:func:`solve_remembered`; None: not kept).
     Raises:
         NoPlanError (a ValueError) when no configuration exists; ValueError on bad input.
     """
@@ -129,16 +160,17 @@ def solve_for_batch(global_batch: int, gpus: Sequence[str], model: Any, min_loca
         raise NoPlanError(f"{global_batch} is too large for {len(gg)} GPU unit(s): it must be <= {limit} "
                           f"(search bound: at most {MAX_WORKERS_PER_GPU} decoupled workers per GPU "
                           f"at B_L {candidates[-1]})")
-    plan, notes = _solve(global_batch, gg, model, candidates, tolerance, tables)
+    plan, notes = _solve(global_batch, gg, model, candidates, tolerance, tables, solutions)
     if plan is None:
         floor = 2 * len(gg) * candidates[0]
         if global_batch < floor:
             log.debug("B_G %d is too small for %d GPU units; running B_G %d", global_batch, len(gg), floor)
-            plan, notes = _solve(floor, gg, model, candidates, tolerance, tables)
+            plan, notes = _solve(floor, gg, model, candidates, tolerance, tables, solutions)
     if plan is None:
         raise NoPlanError(f"no configuration for global batch {global_batch} on GPUs {gg} "
                           f"(min_local_batch={min_local_batch}): {'; '.join(notes)}")
     return plan
 
 
-__all__ = ["solve_for_batch", "NoPlanError", "DEFAULT_TOLERANCE", "check_min_local_batch"]
+__all__ = ["solve_for_batch", "solve_remembered", "NoPlanError", "DEFAULT_TOLERANCE", "MAX_SOLUTIONS",
+           "check_min_local_batch"]
