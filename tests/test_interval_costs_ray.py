@@ -66,8 +66,7 @@ def _rel(a: float, b: float) -> float:
 @pytest.mark.parametrize("step, speed, floor_s, bound", [(slow_step, 1.0, STEP_SLEEP_S, 0.15),
                                                         (busy_step, 0.25, STEP_CPU_S / 0.25, 0.2)],
                          ids=["sleeping-step", "emulated-gpu"])
-def test_injected_costs_are_predicted_term_by_term(ray_session, host_measurements, tmp_path, step, speed,
-                                                   floor_s, bound):
+def test_injected_costs_are_predicted_term_by_term(ray_session, tmp_path, step, speed, floor_s, bound):
     """Two GPU actors, B_G fixed, p = 3: every step takes at least ``floor_s`` (a step that
     sleeps 40 ms on a GPU of speed 1; or a step that burns 8 ms of CPU on an emulated GPU of
     speed 0.25, which the "wait" emulation stretches to 32 ms), every iteration's loader reads
@@ -88,7 +87,7 @@ def test_injected_costs_are_predicted_term_by_term(ray_session, host_measurement
                     min_local_batch=8, adapt_interval=3, adaptive=False, autoscale=False, seed=3)
     drv = JabasDriver(model_fn, SlowRows(ds), optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
                       hooks=JobHooks(step_fn=step),
-                      options=DriverOptions(profile_cache_dir=str(host_measurements(tmp_path / "profiles")),
+                      options=DriverOptions(profile_cache_dir=str(tmp_path / "profiles"),
                                             emulation="wait"))
     hist = drv.run()
     recs = [r for r in hist.intervals if r.num_iterations == job.adapt_interval]
