@@ -34,6 +34,34 @@ def float64():
         torch.set_default_dtype(old)
 
 
+@pytest.fixture(scope="session")
+def host_measurements(tmp_path_factory):
+    """``seed(folder)``: puts this host's gloo all-reduce fit and compute/communication
+    contention (the profiler's host measurements, cached per host and not model-specific:
+    :func:`jabasray.profiler.measure.cached_allreduce_fit`,
+    :func:`jabasray.profiler.contention.cached_contention`) into a profile cache ``folder``,
+    measured once per session. A driver that profiles its model into that folder then measures
+    the model only, as on a host that profiled another model before; each host measurement
+    otherwise starts gloo child processes (each importing torch) in every test that profiles."""
+    import shutil
+
+    from jabasray.profiler.contention import cached_contention
+    from jabasray.profiler.measure import cached_allreduce_fit
+
+    measured = tmp_path_factory.mktemp("host_measurements")
+    cached_allreduce_fit(measured)
+    cached_contention(measured)
+    files = sorted(measured.glob("*.json"))
+    assert [f.name.split("-")[0] for f in files] == ["allreduce", "contention"]
+
+    def seed(folder):
+        os.makedirs(folder, exist_ok=True)
+        for f in files:
+            shutil.copy(f, os.path.join(str(folder), f.name))
+        return folder
+    return seed
+
+
 def _start_session_ray(ray) -> None:
     # address="local": always a new instance, never a `ray start` cluster running on the machine
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,

@@ -50,10 +50,10 @@ TWO = ClusterSpec(nodes=[NodeSpec("f", "fast", 1, speed=1.0), NodeSpec("s", "slo
 SPEEDS = {"fast": 1.0, "slow": 0.5}
 
 
-def job(epochs: int = 2) -> JobConfig:
+def job(epochs: int = 2, **kw) -> JobConfig:
     return JobConfig(epochs=epochs, initial_global_batch=32, min_global_batch=16,
                      max_global_batch=64, min_local_batch=4, adapt_interval=2, autoscale=False,
-                     seed=1)
+                     seed=1, **kw)
 
 
 class HangOnce:
@@ -219,8 +219,13 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
 
     ds, val = tiny_data(240)
     rows = ds
+    # B_L up to 8 (the job's max_local_batch, so the driver reads the same cache entries): two
+    # profiled batch sizes instead of eight, which is all the profiling, caching and planning
+    # checked here need (and fewer points for the placed actors' step probe)
+    small = job(1, max_local_batch=8)
     kw = dict(loss_fn=loss_fn, optimizer_fn=optimizer_fn, device="cpu", emulate=True,
-              min_local_batch=4, weight_sync=job(1).weight_sync, bucket_cap_mb=25.0, cache_dir=tmp_path / "prof")
+              min_local_batch=4, max_local_batch=small.max_local_batch, weight_sync=small.weight_sync,
+              bucket_cap_mb=25.0, cache_dir=tmp_path / "prof")
     notes: list[str] = []
     profiles = profile_in_tasks(model_fn, rows, FOUR, notes=notes, **kw)
     assert sorted(profiles) == ["fast", "slow"]
@@ -231,12 +236,13 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
         f"profile of fast: measured in a Ray task holding {{'gpu_fast': 1.0}} on node {fast_node[:8]}",
         f"profile of slow: measured in a Ray task holding {{'gpu_slow': 1.0}} on node {slow_node[:8]}"])
     assert (profiles["fast"].speed, profiles["slow"].speed) == (1.0, 0.5)   # emulation scaling
+    assert all([b.local_batch for b in p.batches] == [4, 8] for p in profiles.values())
     again: list[str] = []
     assert profile_in_tasks(model_fn, rows, FOUR, notes=again, **kw) == profiles
     assert sorted(n.split(":")[0] for n in again) == ["profile of fast", "profile of slow"]
     assert all(": cached (" in n for n in again)
 
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "run",
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, small, TWO, tmp_path / "run",
                       val_dataset=val, options=DriverOptions(profile_in_tasks=True,
                                                              profile_cache_dir=str(tmp_path / "prof")))
     hist = drv.run()

@@ -7,7 +7,10 @@ sample served exactly once per epoch and the completed epoch kept; a pinned node
 between two placements makes the driver re-plan on the live cluster instead of raising.
 
 One cluster at a time: the module's fixture hands out a starter, and each started cluster is
-shut down before the next one starts (the point of the test is that they differ).
+shut down before the next one starts (the point of the test is that they differ). The pinned-node
+test runs first: the two nodes it leaves (fast head, slow node) are the shape the restart test
+starts from, so that test's first cluster is the one left running when there is one (a Ray
+cluster costs seconds to start) and a new one otherwise.
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ SPEEDS = {"fast": 1.0, "slow": 0.5}
 
 @pytest.fixture(scope="module")
 def clusters(without_session_ray):
-    """``start(extra_fast_node=False)`` -> a new Cluster: a head with 1 emulated "fast" GPU and
-    a node with 1 "slow" one (optionally one more "fast" node), Ray connected to it; the
-    previous one is shut down first. One GPU per node: the runs still span nodes and types,
-    with the fewest GPU-actor processes to start."""
+    """``start(extra_fast_node=False, reuse=False)`` -> a new Cluster: a head with 1 emulated
+    "fast" GPU and a node with 1 "slow" one (optionally one more "fast" node), Ray connected to
+    it; the previous one is shut down first. With ``reuse``, the cluster already running is
+    returned instead when its live nodes are exactly that head and slow node. One GPU per node:
+    the runs still span nodes and types, with the fewest GPU-actor processes to start."""
     ray = without_session_ray
     from ray.cluster_utils import Cluster
 
@@ -45,7 +49,15 @@ def clusters(without_session_ray):
         while live:
             live.pop().shutdown()
 
-    def start(extra_fast_node: bool = False):
+    def two_node_shape() -> bool:
+        gpus = sorted(tuple(sorted((k, v) for k, v in n["Resources"].items() if k.startswith("gpu_")))
+                      + (("head",) if "node:__internal_head__" in n["Resources"] else ())
+                      for n in ray.nodes() if n["Alive"])
+        return gpus == [(("gpu_fast", 1.0), "head"), (("gpu_slow", 1.0),)]
+
+    def start(extra_fast_node: bool = False, reuse: bool = False):
+        if reuse and not extra_fast_node and live and ray.is_initialized() and two_node_shape():
+            return live[-1]
         stop()
         nodes = [dict(num_cpus=1, resources={"gpu_slow": 1})]
         if extra_fast_node:
@@ -96,47 +108,6 @@ class Where(DriverCallback):
                 [a.ping.remote() for a in drv.gpu_actors()])]
 
 
-def test_resume_after_the_whole_cluster_restarted(clusters, tmp_path):
-    """Epoch 0 on cluster A; A shut down; cluster B (same shape, new ids) started; the run is
-    resumed with A's detected spec (every id dead) for 2 epochs: epoch 0 is kept from the
-    checkpoint (not retrained), epoch 1 runs on B's nodes - each of A's nodes replaced by B's
-    node of its type - and each epoch served every sample once."""
-    start = clusters
-    start()
-    spec_a = ray_cluster_spec(speeds=SPEEDS)
-    ids_a = alive_ids()
-    hist_a = driver(spec_a, tmp_path / "run", epochs=1).run()
-    assert [e.epoch for e in hist_a.epochs] == [0]
-    ep0_served = sorted(i for r in hist_a.intervals for i in r.served)
-
-    start()                                        # cluster B: all ids new
-    ids_b = alive_ids()
-    assert not ids_a & ids_b
-    where = Where()
-    hist = driver(spec_a, tmp_path / "run", epochs=2, callbacks=[where]).run()
-
-    assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert sorted(i for r in hist.intervals if r.epoch == 0 for i in r.served) == ep0_served
-    assert 0 not in where.nodes                    # epoch 0 was not trained again
-    assert_each_sample_once_per_epoch(hist, 240)
-    spec_b = ray_cluster_spec(speeds=SPEEDS)
-    by_type = {n.gpu_type: n.name for n in spec_b.nodes}
-    assert hist.epochs[1].allocation == {by_type["fast"]: 1, by_type["slow"]: 1}
-    assert sorted(hist.epochs[1].gpu_types) == ["fast", "slow"]
-    assert sorted(where.nodes[1]) == sorted(n.ray_node_id for n in spec_b.nodes)
-    assert any(m.startswith("cluster reconciled with the live Ray nodes") for m in hist.events)
-    assert any(m.startswith("resumed from") for m in hist.events)
-    cp = latest_checkpoint(tmp_path / "run")
-    assert cp.epochs_done == 2
-    assert {n.ray_node_id for n in cp.load_driver_state().cluster.nodes} <= ids_b
-
-    # the live cluster passed on resume (B detected) is used as it is: nothing to reconcile
-    hist3 = driver(spec_b, tmp_path / "run", epochs=3).run()
-    assert [e.epoch for e in hist3.epochs] == [0, 1, 2]
-    assert hist3.epochs[2].allocation == hist.epochs[1].allocation
-    assert_each_sample_once_per_epoch(hist3, 240)
-
-
 class RemoveAfterEpoch(DriverCallback):
     """After epoch ``epoch``'s checkpoint: remove ``node`` from the Ray cluster (it holds none of
     the run's actors' work in flight: the next placement finds it gone)."""
@@ -170,6 +141,47 @@ def test_a_pinned_node_gone_at_placement_replans(clusters, tmp_path):
     assert len(replans) == 1 and "left the Ray cluster" in replans[0]
     assert not [m for m in hist.events if "failure" in m]     # no actor failure, no epoch redone
     assert_each_sample_once_per_epoch(hist, 240)
+
+
+def test_resume_after_the_whole_cluster_restarted(clusters, tmp_path):
+    """Epoch 0 on cluster A; A shut down; cluster B (same shape, new ids) started; the run is
+    resumed with A's detected spec (every id dead) for 2 epochs: epoch 0 is kept from the
+    checkpoint (not retrained), epoch 1 runs on B's nodes - each of A's nodes replaced by B's
+    node of its type - and each epoch served every sample once."""
+    start = clusters
+    start(reuse=True)                              # cluster A: the one left running, if any
+    spec_a = ray_cluster_spec(speeds=SPEEDS)
+    ids_a = alive_ids()
+    hist_a = driver(spec_a, tmp_path / "run", epochs=1).run()
+    assert [e.epoch for e in hist_a.epochs] == [0]
+    ep0_served = sorted(i for r in hist_a.intervals for i in r.served)
+
+    start()                                        # cluster B: all ids new
+    ids_b = alive_ids()
+    assert not ids_a & ids_b
+    where = Where()
+    hist = driver(spec_a, tmp_path / "run", epochs=2, callbacks=[where]).run()
+
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert sorted(i for r in hist.intervals if r.epoch == 0 for i in r.served) == ep0_served
+    assert 0 not in where.nodes                    # epoch 0 was not trained again
+    assert_each_sample_once_per_epoch(hist, 240)
+    spec_b = ray_cluster_spec(speeds=SPEEDS)
+    by_type = {n.gpu_type: n.name for n in spec_b.nodes}
+    assert hist.epochs[1].allocation == {by_type["fast"]: 1, by_type["slow"]: 1}
+    assert sorted(hist.epochs[1].gpu_types) == ["fast", "slow"]
+    assert sorted(where.nodes[1]) == sorted(n.ray_node_id for n in spec_b.nodes)
+    assert any(m.startswith("cluster reconciled with the live Ray nodes") for m in hist.events)
+    assert any(m.startswith("resumed from") for m in hist.events)
+    cp = latest_checkpoint(tmp_path / "run")
+    assert cp.epochs_done == 2
+    assert {n.ray_node_id for n in cp.load_driver_state().cluster.nodes} <= ids_b
+
+    # the live cluster passed on resume (B detected) is used as it is: nothing to reconcile
+    hist3 = driver(spec_b, tmp_path / "run", epochs=3).run()
+    assert [e.epoch for e in hist3.epochs] == [0, 1, 2]
+    assert hist3.epochs[2].allocation == hist.epochs[1].allocation
+    assert_each_sample_once_per_epoch(hist3, 240)
 
 
 # Ray workers cannot import this test module: ship its classes by value.

@@ -39,18 +39,21 @@ def reference(ds, job, epochs):
     return model.state_dict()
 
 
-def test_burst_mode_trains_like_one_process_and_survives_resume_and_replacement(ray_session, tmp_path):
+def test_burst_mode_trains_like_one_process_and_survives_resume_and_replacement(ray_session, host_measurements,
+                                                                                tmp_path):
     ds, _ = tiny_data(N)
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
     job = JobConfig(epochs=1, parallelism="burst", amp_limit=3.0, initial_global_batch=BATCH,
                     min_global_batch=BATCH, max_global_batch=BATCH, min_local_batch=4,
                     adapt_interval=3, adaptive=False, lr_scaling="none", lr=0.05, seed=3)
     run = tmp_path / "run"
+    profiles = str(host_measurements(tmp_path / ".profiles"))   # the driver's default folder
     first = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, cluster, run,
-                        options=DriverOptions(evaluate=False)).run()
+                        options=DriverOptions(evaluate=False, profile_cache_dir=profiles)).run()
     job2 = JobConfig(**{**job.to_dict(), "epochs": 3})
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job2, cluster, run,
-                      options=DriverOptions(evaluate=False, force_replacement=True))
+                      options=DriverOptions(evaluate=False, force_replacement=True,
+                                            profile_cache_dir=profiles))
     hist = drv.run()
     assert any("resumed" in e for e in hist.events)
     assert hist.epochs[2].replaced and any("re-placing" in e for e in hist.events)

@@ -15,10 +15,19 @@ Eq. 3, a second placement of the same (backend, world size, span) measures nothi
 resumed run (a new driver on the run's checkpoint) measures nothing and plans with the
 checkpointed fit; every epoch record says which fit its plans used. (These share this module's
 cluster instead of starting their own Cluster of two raylets.)
+
+Where the driver actor runs: on the head node, as the README says, also when a worker node
+offers more CPUs (the second fast node has 4 CPUs, the head 1). Ray 2.60 places an actor that
+asks for no resource on any node, whatever its soft node affinity (about half of such actors
+land on another node), so each of several drivers started here must say it runs on the head.
+The drivers are given an empty job (their construction fails at once): where the actor lands is
+decided before its job is read, and each one ends as soon as the test collected its error.
+(This too shares the module's cluster instead of starting a Cluster of its own.)
 """
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -41,9 +50,10 @@ SPEEDS = {"fast": 1.0, "slow": 0.5}
 @pytest.fixture(scope="module")
 def cluster(without_session_ray):
     """Three raylets; the head (fast, 1 CPU) hosts the test's driver. GPU actors need no CPU
-    (emulated GPUs are custom resources), so 2 CPUs cover the whole module."""
+    (emulated GPUs are custom resources); the second fast node offers 4 CPUs, more than the
+    head, for the driver-actor placement test."""
     with running_cluster(dict(num_cpus=1, include_dashboard=False, resources={"gpu_fast": 2}),
-                         [dict(num_cpus=1, resources={"gpu_fast": 2}),
+                         [dict(num_cpus=4, resources={"gpu_fast": 2}),
                           dict(num_cpus=0, resources={"gpu_slow": 2})]) as c:
         yield c
 
@@ -220,6 +230,50 @@ def test_one_node_fits_intra_once_and_a_resumed_run_does_not_measure_again(clust
     assert resumed.allreduce.measured == [] and resumed.allreduce.records == first.allreduce.records
     assert resumed.planner.alloc_model(2, False).comm_time("fast") == eq4(fit, "fast", 2)
     assert [e.allreduce_fit for e in hist.epochs] == [described] * 3
+
+
+# ------------------------------------------------------------------ where the driver actor runs
+DRIVERS = 6      # an actor placed by chance passes all six with probability 1/64
+
+
+def head_node_id() -> str:
+    import ray
+    return next(n["NodeID"] for n in ray.nodes()
+                if n["Alive"] and "node:__internal_head__" in n["Resources"])
+
+
+def settled_status(name: str, timeout: float = 180.0) -> dict:
+    """The status of run ``name`` once its driver has read its job (here: failed on it)."""
+    from jabasray.actors import run_client
+    t0 = time.monotonic()
+    while True:
+        st = run_client.status(name)
+        if st["state"] == "failed":
+            return st
+        assert time.monotonic() - t0 < timeout, f"run {name} still {st['state']}"
+        time.sleep(0.2)
+
+
+def test_the_driver_actor_runs_on_the_head_node(cluster):
+    import ray
+
+    from jabasray.actors import run_client
+
+    head = head_node_id()
+    cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]}
+    assert max(cpus.values()) > cpus[head]           # a worker node offers more CPUs
+    names = [f"pinned{i}" for i in range(DRIVERS)]
+    for name in names:
+        run_client.start_run(name, (), {}, DriverOptions())
+    where = {}
+    for name in names:
+        where[name] = settled_status(name)["node_id"]
+        with pytest.raises(TypeError):     # the empty job's error; the actor then exits
+            run_client.follow(name)
+    assert all(node == head for node in where.values()), \
+        f"driver actors off the head node {head[:8]}: " \
+        f"{ {n: w[:8] for n, w in where.items() if w != head} }"
+    assert run_client.running_runs() == []
 
 
 class RemoveNodeOnce(DriverCallback):

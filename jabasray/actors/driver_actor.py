@@ -10,7 +10,7 @@ Design notes:
   :data:`DRIVER_CPUS`, a token share of a CPU (it only orchestrates): Ray 2.60 ignores a soft
   node affinity for an actor that asks for no resource at all and places it on any node (about
   half the time on another one, where a local run folder does not exist;
-  tests/test_driver_node.py). The price: a node must have that share free to host the driver
+  tests/test_multinode.py). The price: a node must have that share free to host the driver
   (a head started with no CPUs never does, and the driver then runs elsewhere), and on the
   driver's node GPU bundles that reserve whole loader CPUs fit one fewer time when they would
   have taken every CPU.
