@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
 import greenlet
@@ -339,16 +340,24 @@ class LoopRun:
                 or any(obj is o for o in self.loop_optimizers))
 
 
+# each VSW module's first parameter (walking a module's parameters costs more than the switch)
+_first_param: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Parameter]" = weakref.WeakKeyDictionary()
+
+
 def engine_context(module: Any) -> dict:
     """(engine side) What the engine's thread-local state says about the forward of a batch
     for ``module``: its autocast (device type, dtype) where enabled and, on CUDA, its current
     stream. The loop enters the same before the user's forward (:func:`enter_engine_context`),
     since autocast and the current stream are each side's own (:mod:`.torch_state`)."""
     ctx: dict = {}
-    try:
-        dev = next(module.parameters()).device
-    except (StopIteration, AttributeError):
-        return ctx
+    param = _first_param.get(module) if isinstance(module, torch.nn.Module) else None
+    if param is None:
+        try:
+            param = next(module.parameters())
+        except (StopIteration, AttributeError):
+            return ctx
+        _first_param[module] = param
+    dev = param.device                   # (the same Parameter after .to(): its data is moved)
     if torch.is_autocast_enabled(dev.type):
         ctx["autocast"] = (dev.type, torch.get_autocast_dtype(dev.type))
     if dev.type == "cuda":
