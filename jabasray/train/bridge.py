@@ -4,7 +4,7 @@
 hosts the engine (a GPU actor, the probe task, a profiling task) and started it: the loop runs
 only while the engine waits for it, and the engine only while the loop waits in one of
 jabasray's calls (:class:`LoopRun` ``request``). A hand-over is a switch of stacks on that one
-thread (about a microsecond; no other thread to wake, no cache lines moving between cores),
+thread (a few microseconds; no other thread to wake, no cache lines moving between cores),
 twice per batch. torch's per-thread state (grad mode, autocast, mode stacks, the CUDA stream) is
 kept per side and swapped at each switch (:mod:`.torch_state`), so each side sees its own as
 on a thread of its own. Every waiting point of the loop is a *request* the engine answers:
@@ -30,9 +30,9 @@ in :mod:`.actor`) hands the batch to the loop and returns the loss the loop call
 on; the engine then back-propagates it with its own scaling, buckets and all-reduce (JABAS/IIDP
 section 4), exactly as for a ``step_fn`` of the hooks API. ``Tensor.backward`` is routed to the
 engine only in a loop between a batch and its loss; everywhere else it is torch's own. The engine
-calls the loop only from the thread that started it: its per-VSW steps are issued from that
-thread (:attr:`jabasray.engine.iidp.IIDPWorker` ``vsw_execution``, a step_fn marked
-``runs_on_caller_thread``).
+calls the loop only from the thread that started it: the loop's step_fn is marked
+``runs_on_caller_thread``, so :class:`~jabasray.engine.iidp.IIDPWorker` issues per-VSW steps from
+that thread too (``"one_thread"``).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ class LoopRun:
         self._thread: int | None = None          # that thread's ident
         self._loop_state: Any = None             # torch's state of the side not running
         self._engine_state: Any = None           # (torch_state module)
-        self._outer_state: Any = None            # of whoever threw into the loop (garbage collection)
+        self._outer_state: Any = None            # of whoever threw into the loop (greenlet's kill)
         self._handed: tuple | None = None        # (module, batch, context) the loop's next batch request takes
         self.started = self.finished = False
         self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
@@ -144,8 +144,8 @@ class LoopRun:
         try:
             reply = self.glet.parent.switch((kind, payload))
         except BaseException:
-            # thrown in by greenlet, not answered by advance (the run collected unfinished):
-            # unwind on the loop's own state, the thrower's is put back at the end (_main)
+            # thrown in, not answered by advance (greenlet kills a suspended loop whose thread
+            # ends): unwind on the loop's own state; the thrower's is put back at the end (_main)
             self._outer_state = torch_state.swap(self._loop_state)
             raise
         if isinstance(reply, _Raise):
@@ -304,7 +304,7 @@ class LoopRun:
 
     def abandon(self) -> None:
         """Unwind the loop (its model is no longer the engine's). From another thread than the
-        loop's it cannot be switched to: it is left to be unwound when collected there."""
+        loop's it cannot be switched to: it stays suspended, as a blocked thread would."""
         if self.started and not self.finished:
             if self._thread != threading.get_ident():
                 log.debug("%s not unwound: abandoned from another thread", LOOP_NAME)
