@@ -5,10 +5,10 @@ emulated GPU pair, the driver in this process - trained by ``JabasTorchTrainer``
 Train-shaped ``train_loop_per_worker`` ("loop") and by ``JabasTrainer`` with ``model_fn``,
 ``dataset_fn`` and ``step_fn`` ("hooks"), which serve the same samples and compute the same
 updates (tests/test_train_loop.py). Both plan with the same hand-made profile (no profiling
-run), so they run the same plans and the comparison is the loop's own cost: the two threads
-taking turns in each GPU actor, the loop's Python per batch. Paired rounds, the order rotated
-every round (A B, B A, ...); per run: the wall time of ``fit()`` (Ray already up; actor start
-included), the median interval time (driver side) and the median seconds per iteration, and the
+run), so they run the same plans and the comparison is the loop's own cost: the hand-overs
+between the loop and the engine in each GPU actor, the loop's Python per batch. Paired rounds,
+the order rotated every round (A B, B A, ...); per run: the wall time of ``fit()`` (Ray already
+up; actor start included), the median interval time (driver side) and the median seconds per iteration, and the
 load average. Per-round ratios loop / hooks and their medians (1.0: no cost).
 
     python benchmarks/own_loop.py [--rounds 6] [--epochs 3] [--samples 1500] [--out FILE]

@@ -54,6 +54,8 @@ def make_loop(ds, build, steps, **kw):
                 opt.zero_grad()
                 loss.backward()
                 steps.append(opt.step())
+                if "views" in kw:
+                    kw["views"].append(torch_view())
                 if kw.get("skip"):
                     next(iter(loader))
     return loop
@@ -73,6 +75,16 @@ def micro(ds, idx, sizes):
         out.append((X[idx[k:k + s]], y[idx[k:k + s]]))
         k += s
     return out
+
+
+def torch_view():
+    """What this side of the hand-over sees of torch's per-thread state."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch._C._len_torch_function_stack(),
+            torch._C._autograd._top_saved_tensors_default_hooks(True) is not None)
+
+
+BASE = (True, False, torch.bfloat16, 0, False)         # a thread that entered nothing
 
 
 def test_loop_updates_as_the_step_fn_engine_with_vsws_bn_and_accumulation():
@@ -277,13 +289,14 @@ def test_a_copy_of_the_loops_model_trains_with_a_clone_of_its_optimizers():
 
 
 def test_the_loops_forward_runs_under_the_engines_autocast():
-    """precision="bf16": autocast is per thread, so the loop's forward enters the engine's
+    """precision="bf16": autocast is each side's own, so the loop's forward enters the engine's
     (the same bf16 losses and updates as the step_fn engine; an fp32 forward would differ
-    by ~1e-2)."""
+    by ~1e-2) and leaves it at ``backward()``: after it the loop sees a plain thread's state."""
     ds32 = torch.utils.data.TensorDataset(data().tensors[0].float(), data().tensors[1])
     torch.manual_seed(1)
     ref_model = mlp().float()
-    calls = LoopCallables(make_loop(ds32, lambda: mlp().float(), []), {"epochs": 1}, 1)
+    views = []
+    calls = LoopCallables(make_loop(ds32, lambda: mlp().float(), [], views=views), {"epochs": 1}, 1)
     calls.dataset_fn()
     base = calls.model_fn()
     base.load_state_dict(ref_model.state_dict())
@@ -299,6 +312,8 @@ def test_the_loops_forward_runs_under_the_engines_autocast():
         torch.testing.assert_close(la, lb, rtol=0, atol=0)
     for a, b in zip(loop_w.model.parameters(), ref.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # one batch per iteration (the VSWs batched); outside its forward, no engine autocast
+    assert views == [BASE] * 2
     run.abandon()
 
 
@@ -368,3 +383,189 @@ def test_a_per_iteration_scheduler_stepped_when_optimizer_step_says_so():
         torch.testing.assert_close(a, b)
     assert run.extra_state()["scheduler"]["last_epoch"] == 4
     run.abandon()
+
+
+# ---------------------------------------------------------------- the hand-over (a coroutine)
+def test_each_side_keeps_its_own_torch_state_across_the_hand_overs():
+    """The loop asks for every batch inside ``no_grad()``, an fp16 autocast block and
+    ``torch.device("cpu")``, and calls ``backward()`` inside ``no_grad()``, the autocast block
+    and ``saved_tensors_hooks``. Each side sees only its own state: the loop its blocks after
+    every hand-over, the engine a plain thread's state between steps, and the engine's own
+    autograd work (a ragged step: ``loss * n_i / B_L`` per VSW, then its backward) is done
+    with grad on - the weights equal plain SGD on the union of the micro-batches."""
+    ds, seen = data(), []
+    keep = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+    def loop(config):
+        loader = prepare_data_loader(ds)
+        model = prepare_model(mlp())
+        opt = prepare_optimizer(sgd(model.parameters()))
+        for _ in epochs(1, model=model, optimizer=opt):
+            it = iter(loader)
+            while True:
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), torch.device("cpu"):
+                    batch = next(it, None)
+                    seen.append(("batch", torch_view()))
+                if batch is None:
+                    break
+                loss = F.cross_entropy(model(batch[0]), batch[1])   # (float64: autocast casts nothing)
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16), keep:
+                    loss.backward()
+                    seen.append(("backward", torch_view()))
+                opt.step()
+                seen.append(("step", torch_view()))
+
+    calls = LoopCallables(loop, None, 1)
+    calls.dataset_fn()
+    torch.manual_seed(1)
+    w = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn)
+    run = bridge.active()
+    assert w.vsw_execution == "one_thread"          # the loop's step_fn runs on this thread only
+    w.configure(2, 0, 4)
+    torch.manual_seed(1)
+    model = mlp()
+    opt = sgd(model.parameters())
+    X, y = ds.tensors
+    for it, sizes in enumerate([[4, 3], [2, 4]]):            # ragged: weights 1, 3/4 and 1/2, 1
+        idx = torch.arange(it * 8, it * 8 + sum(sizes))
+        w.train_step(micro(ds, idx, sizes), ragged=True)
+        assert torch_view() == BASE                    # while the loop waits inside its blocks
+        run.after_step(epoch_end=it == 1)
+        assert torch_view() == BASE
+        opt.zero_grad()
+        F.cross_entropy(model(X[idx]), y[idx]).backward()
+        opt.step()
+    for a, b in zip(w.model.parameters(), model.parameters()):
+        torch.testing.assert_close(a, b)
+    assert [k for k, _ in seen] == ["batch", "backward", "step"] * 4 + ["batch"]
+    for kind, view in seen:
+        assert view == {"batch": (False, True, torch.float16, 1, False),
+                        "backward": (False, True, torch.float16, 0, True),
+                        "step": BASE}[kind], kind
+    run.finish()
+    assert run.finished and torch_view() == BASE
+
+
+def raising_loop(ds, cleanup):
+    def train_loop_per_worker(config):
+        loader = prepare_data_loader(ds)
+        model = prepare_model(mlp())
+        opt = prepare_optimizer(sgd(model.parameters()))
+        for _ in epochs(1, model=model, optimizer=opt):
+            for x, y in loader:
+                with torch.no_grad():
+                    try:
+                        raise_on_the_first_batch(x)
+                    finally:
+                        cleanup.append(torch.is_grad_enabled())
+    return train_loop_per_worker
+
+
+def raise_on_the_first_batch(x):
+    raise ZeroDivisionError(f"the user's error on {len(x)} samples")
+
+
+def test_an_error_in_the_loop_names_the_loop_and_the_users_frame_and_leaves_the_engine_state():
+    """An exception inside the user's loop (inside its ``no_grad()``) is raised by the engine's
+    step as a one-line HookError naming ``train_loop_per_worker``, with the user's frames under
+    it (and across pickling, as Ray carries it); the engine goes on with its own torch state."""
+    import pickle
+
+    from jabasray.errors import HookError
+
+    ds, cleanup = data(), []
+    w, run = loop_worker(raising_loop(ds, cleanup))
+    w.configure(1, 0, 8)
+    with pytest.raises(HookError) as info:
+        w.train_step(micro(ds, torch.arange(8), [8]))
+    for e in (info.value, pickle.loads(pickle.dumps(info.value))):
+        assert str(e) == "train_loop_per_worker raised ZeroDivisionError: the user's error on 8 samples"
+        frames = e.__notes__[0].splitlines()
+        assert frames[0] == "your code, where it failed:"
+        assert [ln.split(", in ")[-1] for ln in frames if ln.startswith("  File")] == [
+            "train_loop_per_worker", "raise_on_the_first_batch"]
+    assert cleanup == [False] and run.finished and torch_view() == BASE
+
+
+def test_an_abandoned_or_killed_loop_unwinds_on_its_own_state_and_leaves_the_engines():
+    """A loop waiting for its next batch inside ``no_grad()`` and ``torch.device("cpu")`` is
+    unwound (its ``finally`` runs on its own state) when abandoned (a new placement) and when
+    greenlet kills it (``GreenletExit`` thrown in, as when its thread ends); the engine's torch
+    state is untouched either way."""
+    def held_loop(ds, unwound):
+        def loop(config):
+            loader = prepare_data_loader(ds)
+            model = prepare_model(mlp())
+            opt = prepare_optimizer(sgd(model.parameters()))
+            for _ in epochs(1, model=model, optimizer=opt):
+                with torch.no_grad(), torch.device("cpu"):
+                    try:
+                        for x, y in loader:
+                            pass
+                    finally:
+                        unwound.append(torch_view())
+        return loop
+
+    import greenlet
+
+    ds = data()
+    for how in ("abandon", "kill"):
+        unwound = []
+        calls = LoopCallables(held_loop(ds, unwound), None, 1)
+        calls.dataset_fn()
+        calls.model_fn()
+        run = bridge.active()
+        run.until("batch")                 # the loop waits inside no_grad(), device("cpu")
+        assert torch_view() == BASE and unwound == []
+        if how == "abandon":
+            run.abandon()
+        else:
+            run.glet.throw(greenlet.GreenletExit)
+        assert unwound == [(False, False, torch.bfloat16, 1, False)], how
+        assert run.finished and torch_view() == BASE, how
+
+
+def test_the_loop_runs_only_on_the_thread_that_started_it():
+    """The engine issues a loop's steps from its own thread: per-VSW threads are refused for a
+    loop's step_fn, and advancing a loop from another thread is a RuntimeError."""
+    import threading
+
+    ds = data()
+    calls = LoopCallables(make_loop(ds, mlp, []), {"epochs": 1}, 1)
+    calls.dataset_fn()
+    with pytest.raises(ValueError, match="vsw_execution='threads' calls step_fn from one thread per VSW"):
+        IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn, vsw_execution="threads")
+    run, errors = bridge.active(), []
+
+    def other():
+        try:
+            run.until("batch")
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors == ["train_loop_per_worker runs on the thread that started it; it cannot be "
+                      "advanced from another thread"]
+    run.abandon()
+    assert run.finished
+
+
+def test_a_hand_over_inside_inference_mode_is_a_one_line_value_error():
+    ds = data()
+
+    def loop(config):
+        loader = prepare_data_loader(ds)
+        model = prepare_model(mlp())
+        opt = prepare_optimizer(sgd(model.parameters()))
+        for _ in epochs(1, model=model, optimizer=opt):
+            with torch.inference_mode():
+                next(iter(loader))
+
+    w, run = loop_worker(loop)
+    w.configure(1, 0, 8)
+    with pytest.raises(ValueError) as e:
+        w.train_step(micro(ds, torch.arange(8), [8]))
+    assert str(e.value) == ("train_loop_per_worker made a jabasray call ('batch') inside "
+                            "torch.inference_mode(); leave it first")
+    assert not torch.is_inference_mode_enabled() and run.finished

@@ -129,7 +129,10 @@ class IIDPWorker:
             (CPU: from the bucket hook, CPU backward running on the caller's thread). ``None`` (default): nothing is called. Settable as the attribute
             ``comm_guard`` between steps.
         step_fn: ``step_fn(model, micro_batch) -> mean loss`` (0-d tensor) instead of the
-            supervised default (dict batches, several outputs, auxiliary losses).
+            supervised default (dict batches, several outputs, auxiliary losses). A step_fn
+            with the attribute ``runs_on_caller_thread = True`` (a coroutine of the calling
+            thread: the user's own loop, :mod:`jabasray.train.bridge`) is called only from the
+            thread calling :meth:`train_step`: per VSW, ``"one_thread"``.
         precision: ``"fp32" | "bf16" | "fp16"`` (:mod:`~jabasray.engine.step`: autocast, and a
             GradScaler for fp16).
         grad_clip_norm: clip the GLOBAL gradient (all-reduced and averaged, i.e. the gradient of
@@ -137,7 +140,8 @@ class IIDPWorker:
             The norm couples all parameters, so clipping (like fp16's inf check) runs the update
             after the last bucket: OWS falls back to SWS (module notes of ``weight_sync``).
         vsw_execution: ``"auto"``: batched execution wherever it is exact, per VSW otherwise
-            (CUDA: ``"one_thread"``, CPU: ``"threads"``); ``"threads"`` or ``"one_thread"``
+            (CUDA, or a step_fn that runs on the caller's thread: ``"one_thread"``; CPU:
+            ``"threads"``); ``"threads"`` or ``"one_thread"``
             force per-VSW execution with that scheme (:mod:`~jabasray.engine.per_vsw`).
         per_sample_loss: the step's loss is the mean of per-sample losses (the default
             ``loss_fn`` with ``reduction="mean"``), which batched execution needs; ``False``
@@ -226,7 +230,13 @@ class IIDPWorker:
         # stay autograd's tensors (no bucket copy at all)
         flat = process_group is not None if flat_grads is None else flat_grads
         is_cuda = self.device.type == "cuda"
-        execution = ("one_thread" if is_cuda else "threads") if vsw_execution == "auto" else vsw_execution
+        caller_thread = bool(getattr(step_fn, "runs_on_caller_thread", False))
+        if caller_thread and vsw_execution == "threads":
+            raise ValueError("vsw_execution='threads' calls step_fn from one thread per VSW, but this "
+                             "step_fn runs only on the caller's thread (the user's own loop); use "
+                             "'auto' or 'one_thread'")
+        execution = (("one_thread" if is_cuda or caller_thread else "threads") if vsw_execution == "auto"
+                     else vsw_execution)
         # the step's state: VSWs, lanes, BatchNorm statistics, configuration (state module)
         self.state = StepState(model, specs, self.device, self.step_fn, precision, scaler, flat,
                                execution, [n for n, _ in trainable_parameters(model)])

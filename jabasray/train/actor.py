@@ -9,7 +9,8 @@ engine asks for -
 * ``model_fn()``: the model of ``prepare_model`` (a model that was already handed over means a new
   placement or a throwaway worker: the loop is entered again, the old run abandoned);
 * ``optimizer_fn(params)``: the optimizer of ``prepare_optimizer`` (it must hold ``params``);
-* ``step_fn(module, batch)``: the loss of the loop's next batch (:meth:`LoopRun.step`).
+* ``step_fn(module, batch)``: the loss of the loop's next batch (:meth:`LoopRun.step`), called
+  from the engine's thread only (``runs_on_caller_thread``).
 
 :class:`LoopGPUActor` adds what the hooks cannot see: after each engine step the loop finishes
 its iteration (and at an epoch end its epoch) before the interval goes on, the loop's own state
@@ -72,6 +73,10 @@ class LoopCallables:
         if run is None:
             raise RuntimeError("step_fn of a train_loop_per_worker job called before model_fn")
         return run.step(module, batch)
+
+    # the loop is a coroutine of the engine's thread (bridge): the engine issues every VSW's
+    # step from that thread (IIDPWorker's per-VSW "one_thread" scheme)
+    step_fn.runs_on_caller_thread = True  # type: ignore[attr-defined]
 
 
 def clone_optimizer(opt: Any, originals: list, params: list) -> Any:

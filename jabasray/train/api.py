@@ -24,7 +24,6 @@ returns what the loop keeps using:
 from __future__ import annotations
 
 import math
-import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -194,19 +193,19 @@ def check_params(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
 
 def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
     """(engine side) Give ``opt`` loop-side ``step``/``zero_grad`` (module notes); the
-    engine's own calls, from its threads, reach the optimizer's class methods."""
+    engine's own calls reach the optimizer's class methods."""
     cls_step, cls_zero = type(opt).step, type(opt).zero_grad
-    thread = run.thread
+    in_loop = run.in_loop
 
     def step(self: Any, closure: Any = None) -> Any:
-        if threading.current_thread() is thread:
+        if in_loop():
             if closure is not None:
                 raise ValueError("optimizer.step(closure): closures are not supported in the loop")
             return run.update_done
         return cls_step(self, closure)
 
     def zero_grad(self: Any, set_to_none: bool = True) -> None:
-        if threading.current_thread() is thread:
+        if in_loop():
             return None
         return cls_zero(self, set_to_none)
 

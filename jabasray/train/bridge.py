@@ -1,10 +1,13 @@
 """The user's training loop as a coroutine of the GPU actor (the engine side and the loop side).
 
-``train_loop_per_worker`` runs in a thread of the process that hosts the engine (a GPU actor,
-the probe task, a profiling task). Exactly one of the two threads runs at any time: the loop
-thread runs only while the engine waits for it, and the engine only while the loop waits in
-one of jabasray's calls (:class:`LoopRun` ``request``). Every waiting point of the loop is a
-*request* the engine answers:
+``train_loop_per_worker`` runs as a coroutine (a greenlet) on the thread of the process that
+hosts the engine (a GPU actor, the probe task, a profiling task) and started it: the loop runs
+only while the engine waits for it, and the engine only while the loop waits in one of
+jabasray's calls (:class:`LoopRun` ``request``). A hand-over is a switch of stacks on that one
+thread (a few microseconds; no other thread to wake, no cache lines moving between cores),
+twice per batch. torch's per-thread state (grad mode, autocast, mode stacks, the CUDA stream) is
+kept per side and swapped at each switch (:mod:`.torch_state`), so each side sees its own as
+on a thread of its own. Every waiting point of the loop is a *request* the engine answers:
 
 ============  =====================================  =============================================
 request       made by (loop side)                    answered by (engine side) with
@@ -26,32 +29,45 @@ The engine never runs the user's step itself: its ``step_fn(module, batch)`` (:c
 in :mod:`.actor`) hands the batch to the loop and returns the loss the loop called ``backward()``
 on; the engine then back-propagates it with its own scaling, buckets and all-reduce (JABAS/IIDP
 section 4), exactly as for a ``step_fn`` of the hooks API. ``Tensor.backward`` is routed to the
-engine only in a loop thread between a batch and its loss; everywhere else it is torch's own.
+engine only in a loop between a batch and its loss; everywhere else it is torch's own. The engine
+calls the loop only from the thread that started it: the loop's step_fn is marked
+``runs_on_caller_thread``, so :class:`~jabasray.engine.iidp.IIDPWorker` issues per-VSW steps from
+that thread too (``"one_thread"``).
 """
 from __future__ import annotations
 
 import inspect
 import logging
 import threading
+import weakref
 from typing import Any, Callable
 
+import greenlet
 import torch
 
 from ..errors import HookError
+from . import torch_state
 
 log = logging.getLogger(__name__)
 
 LOOP_NAME = "train_loop_per_worker"
 STOP = object()            # the loader's answer at the end of an epoch
 
-_local = threading.local()   # .run: the LoopRun of this loop thread
 _process_lock = threading.Lock()
 _active: "LoopRun | None" = None   # the run the engine of this process trains now
 
 
 class _Abandoned(BaseException):
-    """Raised inside a loop thread the engine no longer needs (a throwaway model, a new
-    placement): unwinds the user's function."""
+    """Raised inside a loop the engine no longer needs (a throwaway model, a new placement):
+    unwinds the user's function."""
+
+
+class _LoopGreenlet(greenlet.greenlet):
+    """The coroutine of one :class:`LoopRun` (``loop_run``: its run, for the loop-side lookups)."""
+
+    def __init__(self, run: "LoopRun") -> None:
+        super().__init__(run._main)
+        self.loop_run = run
 
 
 class _Raise:
@@ -74,7 +90,7 @@ def takes_config(fn: Callable) -> bool:
 
 
 class LoopRun:
-    """One execution of ``train_loop_per_worker`` in its own thread (module notes).
+    """One execution of ``train_loop_per_worker`` as a coroutine (module notes).
 
     Engine side: :meth:`advance`, :meth:`until`, :meth:`step`, :meth:`after_step`,
     :meth:`finish`, :meth:`abandon`. Loop side: :meth:`request`. What the loop handed over
@@ -84,17 +100,12 @@ class LoopRun:
 
     def __init__(self, fn: Callable, config: Any, total_epochs: int | None = None) -> None:
         self.fn, self.config, self.total_epochs = fn, config, total_epochs
-        # the hand-over: each side blocks on its own lock until the other releases it (one
-        # wake-up per hand-over, nothing run between handing over and blocking)
-        self._user_go = threading.Lock()
-        self._engine_go = threading.Lock()
-        self._user_go.acquire()
-        self._engine_go.acquire()
-        self._to_user: Any = None
-        self._to_engine: tuple[str, Any] | None = None
-        self._step_lock = threading.Lock()       # per-VSW threads hand their batches one by one
+        self.glet: _LoopGreenlet | None = None   # created by the first advance, on its thread
+        self._thread: int | None = None          # that thread's ident
+        self._loop_state: Any = None             # torch's state of the side not running
+        self._engine_state: Any = None           # (torch_state module)
+        self._outer_state: Any = None            # of whoever threw into the loop (greenlet's kill)
         self._handed: tuple | None = None        # (module, batch, context) the loop's next batch request takes
-        self.thread = threading.Thread(target=self._main, daemon=True, name=LOOP_NAME)
         self.started = self.finished = False
         self.pending: tuple[str, Any] | None = None   # the loop's request not yet answered
         self.model: Any = None          # the user's module (the engine's main VSW)
@@ -111,29 +122,37 @@ class LoopRun:
         self.context: Any = None        # train.api.LoopContext, set by the actor
         self.reports: list[dict] = []   # report() calls since the engine last read them
         self.engine_context: dict = {}  # the engine's autocast and CUDA stream for this batch
-        self.loop_context: Any = None   # (loop thread) those contexts, entered for the forward
+        self.loop_context: Any = None   # (loop side) those contexts, entered for the forward
+
+    def in_loop(self) -> bool:
+        """Whether the caller is this run's loop (not the engine)."""
+        return self.glet is not None and greenlet.getcurrent() is self.glet
 
     # ------------------------------------------------------------------ loop side
     def request(self, kind: str, payload: Any = None) -> Any:
-        """(loop thread) Hand ``(kind, payload)`` to the engine and wait for its answer; a
-        batch the engine handed along with its answer to the previous loss (:meth:`step`) is
-        taken without a hand-over."""
+        """(loop) Hand ``(kind, payload)`` to the engine and wait for its answer; a batch the
+        engine handed along with its answer to the previous loss (:meth:`step`) is taken
+        without a hand-over."""
         if kind == "batch" and self._handed is not None:
             (self.current_module, batch, self.engine_context), self._handed = self._handed, None
             self.in_step = True
             return batch
-        self._to_engine = (kind, payload)
-        self._engine_go.release()
-        self._user_go.acquire()
-        reply, self._to_user = self._to_user, None
+        held = torch_state.refusal()
+        if held is not None:
+            raise ValueError(f"{LOOP_NAME} made a jabasray call ({kind!r}) {held}; leave it first")
+        self._loop_state = torch_state.swap(self._engine_state)
+        try:
+            reply = self.glet.parent.switch((kind, payload))
+        except BaseException:
+            # thrown in, not answered by advance (greenlet kills a suspended loop whose thread
+            # ends): unwind on the loop's own state; the thrower's is put back at the end (_main)
+            self._outer_state = torch_state.swap(self._loop_state)
+            raise
         if isinstance(reply, _Raise):
             raise reply.exc
         return reply
 
-    def _main(self) -> None:
-        _local.run = self
-        self._user_go.acquire()
-        first, self._to_user = self._to_user, None
+    def _main(self, first: Any) -> tuple[str, Any]:
         final: tuple[str, Any]
         if isinstance(first, _Raise):
             final = ("abandoned", None)
@@ -145,8 +164,9 @@ class LoopRun:
             except BaseException as e:  # noqa: BLE001 - handed to the engine, which raises it
                 final = ("error", e)
         self.finished = True
-        self._to_engine = final
-        self._engine_go.release()
+        back, self._outer_state = self._outer_state or self._engine_state, None
+        torch_state.swap(back)
+        return final             # to the engine's advance (the greenlet's parent)
 
     # ------------------------------------------------------------------ engine side
     def advance(self, reply: Any = None) -> tuple[str, Any]:
@@ -154,14 +174,19 @@ class LoopRun:
         for the loop's next request; an error of the loop is raised here, naming the loop."""
         if self.finished:
             raise RuntimeError(f"{LOOP_NAME} has already returned")
-        self._to_user = reply
-        self._to_engine = None
+        here = greenlet.getcurrent()
         if not self.started:
             self.started = True
-            self.thread.start()
-        self._user_go.release()
-        self._engine_go.acquire()
-        req = self._to_engine
+            self._thread = threading.get_ident()
+            self._loop_state = torch_state.fresh()
+            self.glet = _LoopGreenlet(self)
+        elif self._thread != threading.get_ident():
+            raise RuntimeError(f"{LOOP_NAME} runs on the thread that started it; it cannot be "
+                               f"advanced from another thread")
+        if self.glet.parent is not here:
+            self.glet.parent = here          # where the loop's requests and its end return to
+        self._engine_state = torch_state.swap(self._loop_state)
+        req = self.glet.switch(reply)        # the loop swapped the engine's state back in
         self.pending = req
         if req[0] == "error":
             exc = req[1]
@@ -225,23 +250,22 @@ class LoopRun:
     def step(self, module: Any, batch: Any) -> Any:
         """The engine's ``step_fn``: hand ``batch`` (for ``module``, the main VSW or a replica)
         to the loop and return the loss it calls ``backward()`` on."""
-        with self._step_lock:
-            ctx = engine_context(module)
-            if self.pending is not None and self.pending[0] == "loss":
-                # an earlier batch of this iteration: its loss is answered and this batch handed
-                # along, so that the loop's next batch request takes it without a hand-over
-                self.in_step, self.update_done = False, False
-                self._handed = (module, batch, ctx)
-                try:
-                    kind, payload = self.advance(None)
-                finally:
-                    taken, self._handed = self._handed is None, None
-                if taken:
-                    return self._loss(kind, payload)
-            self.until("batch")
-            self.current_module, self.in_step, self.update_done = module, True, False
-            self.engine_context = ctx
-            return self._loss(*self.advance(batch))
+        ctx = engine_context(module)
+        if self.pending is not None and self.pending[0] == "loss":
+            # an earlier batch of this iteration: its loss is answered and this batch handed
+            # along, so that the loop's next batch request takes it without a hand-over
+            self.in_step, self.update_done = False, False
+            self._handed = (module, batch, ctx)
+            try:
+                kind, payload = self.advance(None)
+            finally:
+                taken, self._handed = self._handed is None, None
+            if taken:
+                return self._loss(kind, payload)
+        self.until("batch")
+        self.current_module, self.in_step, self.update_done = module, True, False
+        self.engine_context = ctx
+        return self._loss(*self.advance(batch))
 
     def _loss(self, kind: str, payload: Any) -> Any:
         """The loss of the batch just handed to the loop: its next request must be its loss."""
@@ -279,8 +303,12 @@ class LoopRun:
         self.abandon()
 
     def abandon(self) -> None:
-        """Unwind the loop thread (its model is no longer the engine's)."""
+        """Unwind the loop (its model is no longer the engine's). From another thread than the
+        loop's it cannot be switched to: it stays suspended, as a blocked thread would."""
         if self.started and not self.finished:
+            if self._thread != threading.get_ident():
+                log.debug("%s not unwound: abandoned from another thread", LOOP_NAME)
+                return
             try:
                 self.advance(_Raise(_Abandoned()))
             except Exception:  # noqa: BLE001 - the loop is being thrown away
@@ -312,16 +340,24 @@ class LoopRun:
                 or any(obj is o for o in self.loop_optimizers))
 
 
+# each VSW module's first parameter (walking a module's parameters costs more than the switch)
+_first_param: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Parameter]" = weakref.WeakKeyDictionary()
+
+
 def engine_context(module: Any) -> dict:
-    """(engine thread) What the engine's thread-local state says about the forward of a batch
+    """(engine side) What the engine's thread-local state says about the forward of a batch
     for ``module``: its autocast (device type, dtype) where enabled and, on CUDA, its current
-    stream. The loop's thread enters the same before the user's forward (:func:`enter_engine_context`),
-    since autocast and the current stream are per thread."""
+    stream. The loop enters the same before the user's forward (:func:`enter_engine_context`),
+    since autocast and the current stream are each side's own (:mod:`.torch_state`)."""
     ctx: dict = {}
-    try:
-        dev = next(module.parameters()).device
-    except (StopIteration, AttributeError):
-        return ctx
+    param = _first_param.get(module) if isinstance(module, torch.nn.Module) else None
+    if param is None:
+        try:
+            param = next(module.parameters())
+        except (StopIteration, AttributeError):
+            return ctx
+        _first_param[module] = param
+    dev = param.device                   # (the same Parameter after .to(): its data is moved)
     if torch.is_autocast_enabled(dev.type):
         ctx["autocast"] = (dev.type, torch.get_autocast_dtype(dev.type))
     if dev.type == "cuda":
@@ -330,7 +366,7 @@ def engine_context(module: Any) -> dict:
 
 
 def enter_engine_context(run: "LoopRun") -> None:
-    """(loop thread) Enter the engine's autocast and CUDA stream for the batch just received;
+    """(loop side) Enter the engine's autocast and CUDA stream for the batch just received;
     left before the loss goes back (:func:`leave_engine_context`)."""
     import contextlib
 
@@ -377,9 +413,14 @@ def set_active(run: "LoopRun | None") -> "LoopRun | None":
     return old
 
 
+def current_run() -> "LoopRun | None":
+    """(loop side) The run whose loop is calling, else None."""
+    return getattr(greenlet.getcurrent(), "loop_run", None)
+
+
 def user_run(what: str) -> LoopRun:
-    """(loop thread) This thread's run, else a one-line ValueError naming ``what``."""
-    run = getattr(_local, "run", None)
+    """(loop side) The calling loop's run, else a one-line ValueError naming ``what``."""
+    run = current_run()
     if run is None:
         raise ValueError(f"{what} must be called inside {LOOP_NAME} run by "
                          f"jabasray.train.JabasTorchTrainer(...).fit()")
@@ -392,7 +433,7 @@ _torch_backward = torch.Tensor.backward
 
 def _loop_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any = None,
                    create_graph: bool = False, inputs: Any = None) -> None:
-    run = getattr(_local, "run", None)
+    run = current_run()
     if run is None or not run.in_step:
         return _torch_backward(self, gradient, retain_graph, create_graph, inputs)
     if gradient is not None or create_graph or inputs is not None:
@@ -406,7 +447,7 @@ def _loop_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any =
 
 
 def install_backward() -> None:
-    """Route ``Tensor.backward`` of loop threads to the engine (idempotent, process-wide;
-    other threads keep torch's own)."""
+    """Route ``Tensor.backward`` of loops to the engine (idempotent, process-wide; everything
+    else keeps torch's own)."""
     if torch.Tensor.backward is not _loop_backward:
         torch.Tensor.backward = _loop_backward
