@@ -1,8 +1,8 @@
 """The user's own loop against a ``step_fn`` on one engine, without Ray: the hand-over's cost.
 
 One device's engine (:class:`jabasray.engine.iidp.IIDPWorker`, one intra-op thread as in a GPU
-actor) trains the tiny MLP of ``benchmarks/own_loop.py`` on digits rows, fed either by a Ray
-Train-shaped ``train_loop_per_worker`` through :class:`jabasray.train.actor.LoopCallables`
+actor) trains the job of ``benchmarks/own_loop.py`` (its MLP, optimizer, dataset, loop and
+``step_fn``), fed either by a Ray Train-shaped ``train_loop_per_worker`` through :class:`jabasray.train.actor.LoopCallables`
 ("loop": per batch the engine hands the batch to the loop and takes back the loss the loop
 called ``backward()`` on, then lets the loop finish its iteration) or by a plain ``step_fn``
 ("hooks"). Both do the same arithmetic (tests/test_train_loop_engine.py), so the difference is
@@ -26,43 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from common import default_out, rotated, write_json  # noqa: E402
-
-
-def dataset():
-    from jabasray.data import load_digits_split
-    return load_digits_split(image=False)[0]
-
-
-def net():
-    from jabasray.models import MLP
-    return MLP(64, (128, 128), 10)
-
-
-def sgd(params):
-    import torch
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def step_fn(model, batch):
-    import torch.nn.functional as F
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
-def loop(config):
-    import torch
-    import torch.nn.functional as F
-
-    from jabasray.train import epochs, prepare_data_loader, prepare_model, prepare_optimizer
-    loader = prepare_data_loader(torch.utils.data.DataLoader(dataset(), batch_size=64, shuffle=True))
-    model = prepare_model(net())
-    optimizer = prepare_optimizer(sgd(model.parameters()))
-    for _ in epochs(1, model=model, optimizer=optimizer):
-        for x, y in loader:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+from own_loop import dataset, loop, net, sgd, step_fn  # noqa: E402  (the same job as the Ray benchmark)
 
 
 class Contender:
@@ -77,7 +41,7 @@ class Contender:
         self.kind, self.after = kind, None
         torch.manual_seed(0)
         if kind == "loop":
-            calls = LoopCallables(loop, None, 1)
+            calls = LoopCallables(loop, {"epochs": 1}, 1)
             calls.dataset_fn()
             self.worker = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn)
             self.run = bridge.active()
