@@ -3,14 +3,14 @@
 One device's engine (:class:`jabasray.engine.iidp.IIDPWorker`, one intra-op thread as in a GPU
 actor) trains the job of ``benchmarks/own_loop.py`` (its MLP, optimizer, dataset, loop and
 ``step_fn``), fed either by a Ray Train-shaped ``train_loop_per_worker`` through
-:class:`jabasray.train.actor.LoopCallables` ("loop": per batch the engine hands the batch to the loop and takes back the loss the loop
-called ``backward()`` on, then lets the loop finish its iteration) or by a plain ``step_fn``
-("hooks"). Both do the same arithmetic (tests/test_train_loop_engine.py), so the difference is
-the loop's own cost per iteration: the hand-overs and the loop's Python. Rounds alternate the
-order (A B, B A, ...); per round and contender: the median wall seconds and the median process
-CPU seconds (all threads; what a loaded machine distorts least) of ``--iterations`` timed
-iterations after a warm-up. Per-round ratios loop / hooks and their medians (1.0: no cost);
-the load average at each round's start.
+:class:`jabasray.train.actor.LoopCallables` ("loop": per batch the engine hands the batch to the
+loop and takes back the loss the loop called ``backward()`` on, then lets the loop finish its
+iteration) or by a plain ``step_fn`` ("hooks"). Both do the same arithmetic
+(tests/test_train_loop_engine.py), so the difference is the loop's own cost per iteration: the
+hand-overs and the loop's Python. Rounds alternate the order (A B, B A, ...); per round and
+contender: the median wall seconds and the median process CPU seconds (all threads; what a
+loaded machine distorts least) of ``--iterations`` timed iterations after a warm-up. Per-round
+ratios loop / hooks and their medians (1.0: no cost); the load average at each round's start.
 
     python benchmarks/own_loop_engine.py [--rounds 20] [--iterations 200] [--vsw 2] [--ga 1]
                                          [--local-batch 16] [--out FILE]
