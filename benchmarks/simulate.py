@@ -21,7 +21,7 @@ profiles' smallest size), so on many GPUs the baselines start above B_G^init.
 A placement (start, re-placement) takes ``--placement-s`` (30 s).
 
     python benchmarks/simulate.py replay jabasray_runs/<main> benchmarks/out/adaptive_runs/* --target 0.93
-    python benchmarks/simulate.py scale                 # ~10 min on one core
+    python benchmarks/simulate.py scale                 # ~2.5 min on one core
 
 Writes ``<tmp>/jabasray_bench/simulate_<part>.json`` (``--out``).
 """
