@@ -569,3 +569,20 @@ def test_a_hand_over_inside_inference_mode_is_a_one_line_value_error():
     assert str(e.value) == ("train_loop_per_worker made a jabasray call ('batch') inside "
                             "torch.inference_mode(); leave it first")
     assert not torch.is_inference_mode_enabled() and run.finished
+
+
+def test_a_swap_to_an_equal_state_keeps_the_mode_and_hook_stacks():
+    """``torch_state.swap`` to a state equal to the current one (both sides inside the same
+    ``torch.device`` block and ``saved_tensors_hooks``) leaves the thread's stacks as they were:
+    capturing takes them off the thread, so they must be put back even when nothing differs."""
+    from jabasray.train import torch_state
+
+    with torch.device("cpu"), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        state = torch_state.capture()
+        torch_state.apply(state, torch_state.capture())      # put back what capture took
+        before = (torch._C._len_torch_function_stack(),
+                  torch._C._autograd._top_saved_tensors_default_hooks(True))
+        assert torch_state.swap(state) == state
+        assert (torch._C._len_torch_function_stack(),
+                torch._C._autograd._top_saved_tensors_default_hooks(True)) == before
+    assert torch_view() == BASE

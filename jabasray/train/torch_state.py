@@ -120,7 +120,8 @@ def apply(target: TorchState, current: TorchState) -> None:
 def swap(target: TorchState) -> TorchState:
     """Install ``target``; returns the state it replaced (module notes)."""
     current = capture()
-    if current != target:
+    if current != target or current[4] or current[5]:
+        # (capture took the mode and hook stacks off the thread: they go back even when equal)
         apply(target, current)
     return current
 
