@@ -57,6 +57,7 @@ from torch.func import functional_call, grad, vmap
 
 from common import default_out, positive_ints, write_json
 from jabasray.adaptive import cosine_similarity
+from jabasray.adaptive.noise import gain_ratio
 from jabasray.data import accuracy, load_digits_split
 from jabasray.models import DigitsCNN
 
@@ -64,11 +65,10 @@ COLUMNS = ("progress", "iteration", "metric", "grad_sqr", "grad_var", "similarit
 SMOOTHING = 0.999      # AdaptDL's per-step factor of its exponential averages (raised to scale)
 
 
-def gain(sqr: float, var: float, scale: float) -> float:
-    """AdaScale's r = (var + sqr) / (var / scale + sqr), statistics clipped at 0 (AdaptDL)."""
-    sqr, var = max(sqr, 0.0), max(var, 0.0)
-    den = var / scale + sqr
-    return (var + sqr) / den if den > 0 else 1.0
+def gain(sqr: float, var: float, batch: int, m0: int) -> float:
+    """AdaScale's r = (var + sqr) / (var / scale + sqr), scale = B / M0, statistics clipped at 0
+    (AdaptDL): :func:`jabasray.adaptive.noise.gain_ratio` with the per-sample trace M0 var."""
+    return gain_ratio(max(var, 0.0) * m0, sqr, batch, m0)
 
 
 class Ema:
@@ -129,7 +129,7 @@ def record(batch: int, m0: int, *, epochs: int | None, target_progress: float | 
             vars_.append(var)
             phis.append(cosine_similarity(g_a, g_b))
             factor = SMOOTHING ** scale
-            r = gain(ema_sqr.update(sqr, factor), ema_var.update(var, factor), scale)
+            r = gain(ema_sqr.update(sqr, factor), ema_var.update(var, factor), batch, m0)
             offset = 0
             for q in params:
                 q.grad = full[offset:offset + q.numel()].view_as(q).float().clone()
@@ -141,7 +141,7 @@ def record(batch: int, m0: int, *, epochs: int | None, target_progress: float | 
         epoch += 1
         n = len(sqrs)
         sqr_e, var_e, phi_e = sum(sqrs) / n, sum(vars_) / n, sum(phis) / n
-        progress += n * gain(sqr_e, var_e, scale)
+        progress += n * gain(sqr_e, var_e, batch, m0)
         acc = accuracy(model, val)
         rows.append({"progress": progress, "iteration": steps, "metric": acc, "grad_sqr": sqr_e,
                      "grad_var": var_e, "similarity": phi_e})
