@@ -1,21 +1,24 @@
 """Ray Train's PyTorch quick start (FashionMNIST), keeping its own training loop.
 
-The loop below is Ray Train's ``train_func``; the lines that differ are marked ``# jabasray``:
-the imports (``prepare_model``/``prepare_data_loader`` come from ``jabasray.train`` instead of
-``ray.train.torch``), the optimizer handed to ``prepare_optimizer``, ``range(epochs)`` becoming
-``epochs(n, model=..., optimizer=...)`` (where jabasray checkpoints, restores and re-places),
-``report`` without a checkpoint (the driver checkpoints), and ``TorchTrainer(...,
-scaling_config=...)`` becoming ``JabasTorchTrainer(..., job_config=..., cluster=...)``. Inside
-the loop nothing else changes: jabasray owns the batch size (each batch is this GPU's share of
-the current global batch, which adapts every p iterations), scales the
-LR with the global batch, and runs the virtual stream workers behind ``model``.
+The script below is Ray Train's, with six lines changed, each marked ``# jabasray``: two imports
+(``prepare_model``, ``prepare_data_loader``, ``report``, ``get_context`` come from
+``jabasray.train`` instead of ``ray.train``), the optimizer handed to ``prepare_optimizer``,
+``range(n)`` becoming ``epochs(n, model=..., optimizer=...)`` (where jabasray checkpoints,
+restores and re-places), ``TorchTrainer`` becoming ``JabasTorchTrainer`` and one added
+``job_config=`` line (the global batch's bounds). Ray's own ``RunConfig`` and
+``ScalingConfig`` are taken as they are (``use_gpu=False``: GPUs emulated on CPU).
+``tests/test_fashion_mnist_port.py`` turns those six lines back and runs the result under Ray
+Train itself. Inside the loop nothing else changes: jabasray owns the batch size (each batch
+is this GPU's share of the current global batch, which adapts every p iterations), scales the
+LR with the global batch, and runs the virtual stream workers behind ``model``. Ray's version
+also saves a checkpoint in ``report``; here the driver checkpoints (``report`` ignores one).
 
 FashionMNIST itself is not downloaded: the data is generated with its shape (1x28x28 images,
 10 classes, a faint class template under noise; as ``fashion_mnist_quickstart.py``). Run::
 
     python examples/fashion_mnist_loop.py [--epochs 3] [--storage-path jabasray_runs]
     jabasray train --script examples/fashion_mnist_loop.py --epochs 3 --initial-global-batch 128 \\
-        --min-global-batch 64 --max-global-batch 512 --min-local-batch 16 --no-autoscale
+        --min-local-batch 16
 """
 from __future__ import annotations
 
@@ -27,9 +30,9 @@ from torch.nn import CrossEntropyLoss
 from torch.optim import SGD
 from torch.utils.data import DataLoader
 
-from jabasray import ClusterSpec, JobConfig, RunConfig                          # jabasray
-from jabasray.train import (JabasTorchTrainer, epochs, get_context, prepare_data_loader,  # jabasray
-                            prepare_model, prepare_optimizer, report)
+from ray.train import RunConfig, ScalingConfig
+from jabasray.train import JabasTorchTrainer, JobConfig, epochs, prepare_optimizer       # jabasray
+from jabasray.train import get_context, prepare_data_loader, prepare_model, report       # jabasray
 
 train_loop_config = {"epochs": 3, "lr": 0.02}
 
@@ -76,7 +79,7 @@ def train_loop_per_worker(config: dict) -> None:
             loss.backward()
             optimizer.step()
         metrics = {"loss": loss.item(), "epoch": epoch}
-        report(metrics)                                                            # jabasray
+        report(metrics)
         if get_context().get_world_rank() == 0:
             print(metrics)
 
@@ -88,12 +91,10 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="run name (default: unique per run)")
     args = ap.parse_args()
     config = dict(train_loop_config, epochs=args.epochs)
-    # ScalingConfig(num_workers=2) -> an emulated GPU pair (a real cluster: cluster=None detects it)
     trainer = JabasTorchTrainer(                                                   # jabasray
         train_loop_per_worker, train_loop_config=config,
-        job_config=JobConfig(epochs=args.epochs, initial_global_batch=128, min_global_batch=64,
-                             max_global_batch=512, min_local_batch=16, autoscale=False),
-        cluster=ClusterSpec.emulated({"fast": (1, 2, 1.0)}),
+        job_config=JobConfig(epochs=args.epochs, initial_global_batch=128, min_local_batch=16),  # jabasray
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(storage_path=args.storage_path, name=args.name))
     result = trainer.fit()
     print(result)
