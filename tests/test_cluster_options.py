@@ -169,3 +169,33 @@ def test_free_cluster_counts_the_bundles_each_node_can_hold_now():
                        {"r": {"GPU": 5.0}}, emulate=False, totals={"GPU": 8})
     assert got.nodes[0].num_gpus == 5
     assert free_cluster(pinned, {}, emulate=True) is None
+
+
+@pytest.mark.parametrize("env_address", [None, "10.0.0.1:6379"])
+def test_ensure_ray_asks_ray_where_a_running_cluster_is_before_starting_one(monkeypatch, env_address):
+    """With no address given, ``ensure_ray`` lets Ray find a running cluster (``RAY_ADDRESS``,
+    else the address file where Ray writes it: its temp folder follows RAY_TMPDIR and TMPDIR, so
+    a path of our own would miss it) and starts a local instance only on Ray's ConnectionError."""
+    import ray
+
+    from jabasray.actors import trainer
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        if kw["address"] != "local" and len(calls) == 1:
+            raise ConnectionError("Could not find any running Ray instance")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    if env_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
+    assert trainer.ensure_ray(cluster, num_cpus=3) is True
+    assert [c["address"] for c in calls] == [env_address or "auto", "local"]
+    assert calls[1]["num_cpus"] == 3 and calls[1]["resources"] == {"gpu_fast": 2}
+    calls.clear()
+    assert trainer.ensure_ray(cluster, address="local") is True and [c["address"] for c in calls] == ["local"]

@@ -201,8 +201,10 @@ def ensure_ray(cluster: ClusterSpec | None, emulate: bool = True, num_cpus: int 
     if address and address != "local":
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
-    if address is None and (os.environ.get("RAY_ADDRESS") or
-                            os.path.exists("/tmp/ray/ray_current_cluster")):
+    if address is None:
+        # "auto": RAY_ADDRESS, else the address file a `ray start` on this machine wrote, where
+        # Ray itself looks for it (its temp folder: RAY_TMPDIR, TMPDIR, /tmp); a ConnectionError
+        # at once where there is neither
         try:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env=env,
                      log_to_driver=True)
