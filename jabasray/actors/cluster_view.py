@@ -499,6 +499,6 @@ class ClusterView:
         self.launches = []   # nothing more is launched for this job
 
 
-__all__ = ["ClusterView", "HELD_PARTS", "Launch", "NodeLife", "candidate_cluster", "held_gpu_seconds", "held_parts",
-           "match_launches", "node_lives", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
+__all__ = ["ClusterView", "HELD_PARTS", "Launch", "NodeLife", "candidate_cluster", "held_gpu_seconds",
+           "held_parts", "match_launches", "node_lives", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
            "placed_nodes", "request_bundles", "request_resources", "type_figures"]

@@ -4,7 +4,9 @@ Per interval (p iterations, one Ray call): B_G requested/used, B_L, the plan, me
 throughput, the gradient similarity Phi and the LR. Per epoch: the allocation, the actual B_G
 trajectory and the one the forecaster predicted for it, the validation metrics of the user's
 ``eval_fn`` (``val_metrics``; ``val_accuracy`` is its ``"accuracy"``), wall time and
-GPU-seconds (sum over allocated GPUs of the epoch's wall time).
+GPU-seconds (sum over allocated GPUs of the epoch's wall time) and GPU-seconds of the nodes held.
+Per run (:class:`RunHeld`): the GPU-seconds of the nodes held from the driver's start to the
+run's end, before, inside, between and after the epochs.
 
 Files (written through the run's filesystem, :mod:`jabasray.storage`): ``metrics.json`` (everything), ``metrics.csv`` (one row per epoch, flat columns - what
 ``pandas.read_csv`` and ``Result.metrics_dataframe`` read), and the PNG of :func:`plot_history`.
@@ -181,7 +183,7 @@ class MetricsHistory(JsonMixin):
     @property
     def total_held_gpu_seconds(self) -> float:
         """GPU-seconds of the nodes held inside the epochs (epochs without the figure count 0);
-    ``held.total`` holds the whole run's."""
+        ``held.total`` is the whole run's."""
         return sum(e.held_gpu_seconds or 0.0 for e in self.epochs)
 
     @property
