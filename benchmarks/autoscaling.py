@@ -121,6 +121,10 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
 
     fixed = name == "fixed"
     cluster = FakeAutoscalingCluster(worker_types(fixed), idle_timeout_s=args.idle_timeout_s)
+    # this checkout's jabasray in every process of the cluster (the driver actor, the GPU
+    # actors) as in the command, not an installed one
+    root = os.path.abspath(os.path.join(HERE, ".."))
+    cluster.env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [cluster.env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory() as tmp:
         try:
             cluster.start()
@@ -137,14 +141,11 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
                    cluster.address, "--cluster", cluster_file(tmp, args.launch_s)]
             if args.epochs is not None:
                 cmd += ["--epochs", str(args.epochs)]
-            root = os.path.abspath(os.path.join(HERE, ".."))   # this checkout's jabasray
-            env = dict(cluster.env, PYTHONPATH=os.pathsep.join(
-                [root, *filter(None, [cluster.env.get("PYTHONPATH")])]))
             load = os.getloadavg()[0]
             watch = HeldWatch(ray).start()
             t0 = time.perf_counter()
             unix_to_perf = t0 - time.time()   # the job's unix times on the watch's clock
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, cwd=tmp, env=cluster.env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
             to_target, epoch_at = None, []
             for line in proc.stdout:
