@@ -181,7 +181,7 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
             "gpu_hours_held": held / 3600, "gpu_hours_held_during_job": held_job_s / 3600,
             "gpu_hours_reported_held": sum(e.get("held_gpu_seconds") or 0.0 for e in epochs) / 3600,
             "gpu_hours_reported_run": run["total"] / 3600 if run else None,
-            "gpu_hours_reported_outside_epochs": (run["total"] - run["epochs"]) / 3600 if run else None,
+            "gpu_hours_reported_outside_epochs": (run["total"] - run["inside_epochs"]) / 3600 if run else None,
             "reported_launched_gpus_at_end": run.get("launched_gpus_at_end"),
             "gpu_hours_held_during_run": seen_run / 3600 if run else None,
             "gpu_hours_held_after_run": seen_after / 3600 if run else None,

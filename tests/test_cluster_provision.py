@@ -210,8 +210,8 @@ def test_the_run_total_is_the_nodes_held_from_its_start_to_its_end(run):
     windows = [(w["t0"], w["t1"]) for w in run["held"]]
     assert [(e["start_s"], e["start_s"] + e["time_s"]) for e in epochs] == windows
     assert h["epochs_counted"] == [0, 1, 2, 3]
-    assert h["total"] == h["before_first_epoch"] + h["epochs"] + h["between_epochs"] + h["after_last_epoch"]
-    assert h["epochs"] == sum(e["held_gpu_seconds"] for e in epochs)
+    assert h["total"] == h["before_first_epoch"] + h["inside_epochs"] + h["between_epochs"] + h["after_last_epoch"]
+    assert h["inside_epochs"] == sum(e["held_gpu_seconds"] for e in epochs)
     gaps = [(a[1], b[0]) for a, b in zip(windows, windows[1:])]
     expected = {"before_first_epoch": reference_held(run, h["start_s"], windows[0][0]),
                 "between_epochs": sum(reference_held(run, t0, t1) for t0, t1 in gaps),

@@ -337,16 +337,16 @@ def test_a_run_is_held_before_inside_between_and_after_its_epochs():
         return held_gpu_seconds(lives, t0, t1, paid, pending)
 
     parts = held_parts(held, 0.0, 100.0, [(20.0, 40.0, 80.0), (45.0, 80.0, None)])
-    assert parts == {"before_first_epoch": 70.0, "epochs": 440.0, "between_epochs": 32.0,
+    assert parts == {"before_first_epoch": 70.0, "inside_epochs": 440.0, "between_epochs": 32.0,
                      "after_last_epoch": 210.0, "total": 752.0}
-    windows = {"before_first_epoch": [(0, 20)], "epochs": [(20, 40), (45, 80)],
+    windows = {"before_first_epoch": [(0, 20)], "inside_epochs": [(20, 40), (45, 80)],
                "between_epochs": [(40, 45)], "after_last_epoch": [(80, 100)]}
     for name, spans in windows.items():
         assert parts[name] == sum(brute_held(lives, t0, t1, paid, pending) for t0, t1 in spans)
     assert parts["total"] == brute_held(lives, 0.0, 100.0, paid, pending)
     assert list(parts) == [*HELD_PARTS, "total"]
     # a run without an epoch (a finished run resumed with nothing left) is all start-up
-    assert held_parts(held, 0.0, 100.0, []) == {"before_first_epoch": 752.0, "epochs": 0.0,
+    assert held_parts(held, 0.0, 100.0, []) == {"before_first_epoch": 752.0, "inside_epochs": 0.0,
                                                 "between_epochs": 0.0, "after_last_epoch": 0.0,
                                                 "total": 752.0}
 
@@ -375,12 +375,12 @@ def test_the_run_figure_reads_the_lifetimes_once_and_counts_the_launched_gpus_le
     assert (parts["total"], alive, len(reads)) == (752.0, 2, 1)
     spec = ClusterSpec(nodes=[NodeSpec("a", "A", 2), NodeSpec("b", "B", 4)])
     parts, alive = ClusterView(spec, emulate=True).held_in_run(spec, 0.0, 10.0, [(2.0, 5.0, 18.0)])
-    assert (parts["before_first_epoch"], parts["epochs"], parts["after_last_epoch"], alive) == (12.0, 18.0, 30.0, 0)
+    assert (parts["before_first_epoch"], parts["inside_epochs"], parts["after_last_epoch"], alive) == (12.0, 18.0, 30.0, 0)
 
 
 def test_the_run_line_says_the_gpu_hours_in_all_and_outside_the_epochs():
     from jabasray.actors.metrics import MetricsHistory, RunHeld, held_line
-    held = RunHeld(start_s=0.0, end_s=100.0, before_first_epoch=360.0, epochs=7200.0,
+    held = RunHeld(start_s=0.0, end_s=100.0, before_first_epoch=360.0, inside_epochs=7200.0,
                    between_epochs=0.0, after_last_epoch=1440.0, total=9000.0, epochs_counted=[0, 1],
                    launched_gpus_at_end=4)
     assert held_line(held) == ("GPU-hours held: 2.5 GPU-h in all, 0.5 outside the epochs (before the "

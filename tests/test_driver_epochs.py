@@ -169,10 +169,10 @@ def test_a_fixed_cluster_is_held_over_the_whole_run_split_at_the_epochs(tmp_path
     assert t0 <= held.start_s < e0.start_s and e1.start_s + e1.time_s <= held.end_s <= t1
     assert held.total == pytest.approx(gpus * (held.end_s - held.start_s), rel=0, abs=tol)
     assert held.before_first_epoch == pytest.approx(gpus * (e0.start_s - held.start_s), rel=0, abs=tol)
-    assert held.epochs == e0.held_gpu_seconds + e1.held_gpu_seconds
+    assert held.inside_epochs == e0.held_gpu_seconds + e1.held_gpu_seconds
     assert held.between_epochs == pytest.approx(gpus * (e1.start_s - e0.start_s - e0.time_s), rel=0, abs=tol)
     assert held.after_last_epoch == pytest.approx(gpus * (held.end_s - e1.start_s - e1.time_s), rel=0, abs=tol)
-    assert held.total == held.before_first_epoch + held.epochs + held.between_epochs + held.after_last_epoch
+    assert held.total == held.before_first_epoch + held.inside_epochs + held.between_epochs + held.after_last_epoch
     assert (held.epochs_counted, held.launched_gpus_at_end) == ([0, 1], 0)
     assert MetricsHistory.from_json((tmp_path / "run" / "metrics.json").read_text()).held == held
     more = _driver(tmp_path, epochs=3, phi=0.0).run().held

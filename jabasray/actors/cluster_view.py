@@ -293,7 +293,7 @@ def held_gpu_seconds(lives: list[NodeLife], t0: float, t1: float,
     return total + sum(x.num_gpus * overlap(x.asked_s, t1) for x in pending)
 
 
-HELD_PARTS = ("before_first_epoch", "epochs", "between_epochs", "after_last_epoch")
+HELD_PARTS = ("before_first_epoch", "inside_epochs", "between_epochs", "after_last_epoch")
 
 
 def held_parts(held: Callable[[float, float], float], start_s: float, end_s: float,
@@ -304,10 +304,10 @@ def held_parts(held: Callable[[float, float], float], start_s: float, end_s: flo
     ``(t0, t1)`` in run order with the figure recorded at its end (None: ``held(t0, t1)``)::
 
         before_first_epoch = held(start_s, t0 of the first epoch)
-        epochs             = sum over epochs of their figures
+        inside_epochs      = sum over epochs of their figures
         between_epochs     = sum over consecutive epochs i, i+1 of held(t1 of i, t0 of i+1)
         after_last_epoch   = held(t1 of the last epoch, end_s)
-        total              = before_first_epoch + epochs + between_epochs + after_last_epoch
+        total              = before_first_epoch + inside_epochs + between_epochs + after_last_epoch
 
     (:data:`HELD_PARTS`, then ``total``: their sum in this order). Without an epoch the run is
     all ``before_first_epoch``."""
@@ -315,7 +315,7 @@ def held_parts(held: Callable[[float, float], float], start_s: float, end_s: flo
         parts = {**dict.fromkeys(HELD_PARTS, 0.0), "before_first_epoch": held(start_s, end_s)}
     else:
         parts = {"before_first_epoch": held(start_s, epochs[0][0]),
-                 "epochs": sum(held(t0, t1) if got is None else got for t0, t1, got in epochs),
+                 "inside_epochs": sum(held(t0, t1) if got is None else got for t0, t1, got in epochs),
                  "between_epochs": sum((held(a[1], b[0]) for a, b in zip(epochs, epochs[1:])), 0.0),
                  "after_last_epoch": held(epochs[-1][1], end_s)}
     parts["total"] = sum((parts[k] for k in HELD_PARTS), 0.0)

@@ -149,7 +149,7 @@ class RunHeld(JsonMixin):
     start_s: float                    # unix time the run started (before profiling)
     end_s: float                      # unix time it ended (actors gone, the request cleared)
     before_first_epoch: float         # start-up: reconciliation, profiling, the first checkpoint
-    epochs: float                     # the epochs' held_gpu_seconds, summed
+    inside_epochs: float              # the epochs' held_gpu_seconds, summed
     between_epochs: float             # epoch ends' decisions and checkpoints, epochs redone
     after_last_epoch: float           # the final checkpoint and metrics, actors released
     total: float                      # the four parts' sum
