@@ -20,7 +20,9 @@ keeps its actors; every epoch serves every sample once; after the run the reques
 and the head is alone again. The GPU-seconds each epoch reports as held equal those computed
 here from the nodes' lifetimes as the GCS recorded them after the run (a launched node paid
 from the request that asked for it), and the GCS's end of the node let go lies between the last
-read that saw it alive and the first that did not.
+read that saw it alive and the first that did not. So does the run's figure, from the driver's
+start to the run's end, part by part (before, inside, between and after the epochs: parts that
+sum to it exactly), and it names the GPUs the job still held at its end.
 """
 from __future__ import annotations
 
