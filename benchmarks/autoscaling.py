@@ -18,8 +18,13 @@ per run: seconds to finish (the command's wall time), seconds until the first ep
 reports a validation accuracy of at least ``--target``, and the GPU-hours held - the GPUs of the
 live worker nodes, read every 0.5 s from the command's start to its end, and for the
 autoscaling cluster on until its nodes are gone (they are paid until then) - beside the
-GPU-hours the job itself reports (``held_gpu_seconds`` of its epochs) and the GPUs its actors
-used (``gpu_seconds``). Per-round ratios fixed / autoscaling and their medians.
+GPU-hours the job itself reports: over its whole run (``metrics.json``'s ``held``: from the
+driver's start to its end, and the part outside the epochs) and inside its epochs
+(``held_gpu_seconds``), and the GPUs its actors used (``gpu_seconds``). What the watch saw
+over the job's own run (``gpu_hours_held_during_run``, the same span as the job's figure) and
+after it until the nodes went (``gpu_hours_held_after_run``: the autoscaler's idle timeout,
+which the job cannot count) split the gap between the two. Per-round ratios fixed /
+autoscaling and their medians.
 
     python benchmarks/autoscaling.py [--rounds 2] [--epochs N] [--target 0.97] [--out /tmp/x.json]
 
@@ -116,6 +121,10 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
 
     fixed = name == "fixed"
     cluster = FakeAutoscalingCluster(worker_types(fixed), idle_timeout_s=args.idle_timeout_s)
+    # this checkout's jabasray in every process of the cluster (the driver actor, the GPU
+    # actors) as in the command, not an installed one
+    root = os.path.abspath(os.path.join(HERE, ".."))
+    cluster.env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [cluster.env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory() as tmp:
         try:
             cluster.start()
@@ -132,13 +141,11 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
                    cluster.address, "--cluster", cluster_file(tmp, args.launch_s)]
             if args.epochs is not None:
                 cmd += ["--epochs", str(args.epochs)]
-            root = os.path.abspath(os.path.join(HERE, ".."))   # this checkout's jabasray
-            env = dict(cluster.env, PYTHONPATH=os.pathsep.join(
-                [root, *filter(None, [cluster.env.get("PYTHONPATH")])]))
             load = os.getloadavg()[0]
             watch = HeldWatch(ray).start()
             t0 = time.perf_counter()
-            proc = subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE,
+            unix_to_perf = t0 - time.time()   # the job's unix times on the watch's clock
+            proc = subprocess.Popen(cmd, cwd=tmp, env=cluster.env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
             to_target, epoch_at = None, []
             for line in proc.stdout:
@@ -158,8 +165,13 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
                 release_s = time.perf_counter() - t0 - finish if not watch.gpus() else None
             watch.stop()
             held_job_s = watch.gpu_seconds(t0, t0 + finish)
-            held = watch.gpu_seconds(t0, time.perf_counter()) if not fixed else held_job_s
+            t_end = time.perf_counter() if not fixed else t0 + finish   # what "held" counts to
+            held = watch.gpu_seconds(t0, t_end)
             metrics = json.loads((Path(tmp) / "jabasray_runs" / "bench" / "metrics.json").read_text())
+            run = metrics.get("held") or {}
+            if run:   # the job's own run, on the watch's clock
+                run_from, run_to = run["start_s"] + unix_to_perf, run["end_s"] + unix_to_perf
+                seen_run, seen_after = watch.gpu_seconds(run_from, run_to), watch.gpu_seconds(run_to, t_end)
         finally:
             if ray.is_initialized():
                 ray.shutdown()
@@ -168,11 +180,20 @@ def run_once(name: str, args: argparse.Namespace) -> dict:
     return {"finish_s": finish, "to_target_s": to_target, "epoch_lines_s": epoch_at,
             "gpu_hours_held": held / 3600, "gpu_hours_held_during_job": held_job_s / 3600,
             "gpu_hours_reported_held": sum(e.get("held_gpu_seconds") or 0.0 for e in epochs) / 3600,
+            "gpu_hours_reported_run": run["total"] / 3600 if run else None,
+            "gpu_hours_reported_outside_epochs": (run["total"] - run["inside_epochs"]) / 3600 if run else None,
+            "reported_launched_gpus_at_end": run.get("launched_gpus_at_end"),
+            "gpu_hours_held_during_run": seen_run / 3600 if run else None,
+            "gpu_hours_held_after_run": seen_after / 3600 if run else None,
             "gpu_hours_used": sum(e["gpu_seconds"] for e in epochs) / 3600,
             "release_s": release_s, "fixed_ready_s": ready_s if fixed else None,
             "allocations": [e["allocation"] for e in epochs],
             "final_val_accuracy": epochs[-1]["val_accuracy"],
             "load_start": load, "load_end": os.getloadavg()[0]}
+
+
+def hours(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -203,7 +224,10 @@ def main(argv: list[str] | None = None) -> None:
             m = runs[name]
             print(f"round {r + 1} {name}: finish {m['finish_s']:.1f}s, to target "
                   f"{m['to_target_s'] if m['to_target_s'] is None else round(m['to_target_s'], 1)}s, "
-                  f"held {m['gpu_hours_held']:.4f} GPU-h (job reports {m['gpu_hours_reported_held']:.4f}, "
+                  f"held {m['gpu_hours_held']:.4f} GPU-h (job reports {hours(m['gpu_hours_reported_run'])} "
+                  f"over its run, {hours(m['gpu_hours_reported_outside_epochs'])} of it outside the epochs, "
+                  f"{m['gpu_hours_reported_held']:.4f} inside; seen {hours(m['gpu_hours_held_during_run'])} "
+                  f"during its run, {hours(m['gpu_hours_held_after_run'])} after it; "
                   f"used {m['gpu_hours_used']:.4f}), allocations {m['allocations']}", flush=True)
         a, f = runs["autoscaling"], runs["fixed"]
         rounds.append({"order": rotated(list(CONTENDERS), r), "runs": runs,

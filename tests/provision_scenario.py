@@ -4,8 +4,8 @@ connects to that cluster (see the notes of ``autoscaling_cluster``).
 
 ``python provision_scenario.py OUT.json RUN_DIR``: connects to ``JABASRAY_TEST_ADDRESS``, runs
 the job, writes what the test checks to OUT.json (plain facts: the nodes the GCS saw and their
-lifetimes, the records of the run, the requests to Ray's autoscaler, the nodes alive at every
-interval, how long the launched nodes took to go after it), exits 0; any exception exits
+lifetimes, the records of the run and its GPU-seconds held, the requests to Ray's autoscaler,
+the nodes alive at every interval, how long the launched nodes took to go after it), exits 0; any exception exits
 non-zero with its traceback on stderr.
 
 The job's global batch follows :data:`SCRIPT` (one B_G per epoch: 8, 32, 8, 8) instead of the
@@ -140,9 +140,11 @@ def main(out_path: str, run_dir: str) -> None:
                       "served": sorted(i for r in hist.intervals if r.epoch == e.epoch for i in r.served),
                       "served_exactly_once": e.served_exactly_once,
                       "time_s": e.time_s, "train_time_s": e.train_time_s,
-                      "held_gpu_seconds": e.held_gpu_seconds, "decision": e.decision}
+                      "held_gpu_seconds": e.held_gpu_seconds, "start_s": e.start_s,
+                      "decision": e.decision}
                      for e in hist.epochs]
     out["held"] = held
+    out["run_held"] = hist.held.to_dict()   # the whole run's GPU-seconds held, in parts
     out["requests"] = requests
     out["names"] = dict(drv.view.names)              # Ray node id -> the name the job knows it by
     out["requested_after"] = drv.view.requested

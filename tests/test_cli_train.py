@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from actors_helpers import profile
+from jabasray.actors.metrics import RunHeld, held_line
 from jabasray.cli import main
 from jabasray.data import load_digits_split
 from jabasray.models import DigitsCNN
@@ -49,6 +50,10 @@ def test_train_end_to_end_writes_metrics_and_plot(tmp_path, capsys, monkeypatch)
     metrics = json.loads((run / "metrics.json").read_text())
     assert len(metrics["epochs"]) == 1
     assert metrics["epochs"][0]["samples"] == len(load_digits_split()[0])   # one full epoch
+    # the run's GPU-hours held, printed: the fixed spec's 3 GPUs from the run's start to its end
+    held = RunHeld.from_dict(metrics["held"])
+    assert held.total == pytest.approx(3 * (held.end_s - held.start_s), rel=0, abs=1e-5)
+    assert held_line(held) in out.stdout.splitlines()
     assert (run / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
     assert (run / "checkpoints" / "epoch_0001" / "worker.pt").exists()
     assert "sample" in out.stderr            # the tqdm bar went to stderr

@@ -20,7 +20,9 @@ keeps its actors; every epoch serves every sample once; after the run the reques
 and the head is alone again. The GPU-seconds each epoch reports as held equal those computed
 here from the nodes' lifetimes as the GCS recorded them after the run (a launched node paid
 from the request that asked for it), and the GCS's end of the node let go lies between the last
-read that saw it alive and the first that did not.
+read that saw it alive and the first that did not. So does the run's figure, from the driver's
+start to the run's end, part by part (before, inside, between and after the epochs: parts that
+sum to it exactly), and it names the GPUs the job still held at its end.
 """
 from __future__ import annotations
 
@@ -197,3 +199,30 @@ def test_the_gpu_hours_reported_are_those_of_the_nodes_held(run):
     # epoch 2 held both nodes until one went; epoch 3 one node throughout
     assert 2 * shrunk["time_s"] < shrunk["held_gpu_seconds"] < 4 * shrunk["time_s"]
     assert last["held_gpu_seconds"] == pytest.approx(2 * last["time_s"], rel=0, abs=1e-5)
+
+
+def test_the_run_total_is_the_nodes_held_from_its_start_to_its_end(run):
+    """The run's figure, part by part, equals the GPU-seconds computed here from the nodes'
+    lifetimes over the same spans (the epochs' windows as each epoch recorded its own); the
+    parts sum to the total exactly. Nothing is held before the first epoch (the head has no
+    GPU; the first launch is asked for in epoch 0), the launched nodes between the epochs and
+    after the last. Not counted, and said: the node the job held at its end stays until the
+    autoscaler removes it, its 2 GPUs the ones the figure names."""
+    h, epochs = run["run_held"], run["epochs"]
+    windows = [(w["t0"], w["t1"]) for w in run["held"]]
+    assert [(e["start_s"], e["start_s"] + e["time_s"]) for e in epochs] == windows
+    assert h["epochs_counted"] == [0, 1, 2, 3]
+    assert h["total"] == h["before_first_epoch"] + h["inside_epochs"] + h["between_epochs"] + h["after_last_epoch"]
+    assert h["inside_epochs"] == sum(e["held_gpu_seconds"] for e in epochs)
+    gaps = [(a[1], b[0]) for a, b in zip(windows, windows[1:])]
+    expected = {"before_first_epoch": reference_held(run, h["start_s"], windows[0][0]),
+                "between_epochs": sum(reference_held(run, t0, t1) for t0, t1 in gaps),
+                "after_last_epoch": reference_held(run, windows[-1][1], h["end_s"]),
+                "total": reference_held(run, h["start_s"], h["end_s"])}
+    for name, value in expected.items():   # 1e-5: the float rounding of unix times, as above
+        assert h[name] == pytest.approx(value, rel=0, abs=1e-5), name
+    assert h["before_first_epoch"] == 0.0 and h["between_epochs"] > 0 and h["after_last_epoch"] > 0
+    life = {x["node_id"]: x for x in run["lifetimes"]}
+    left = [n for n in gpu_nodes(run).values() if life[n["id"]]["end_s"] > h["end_s"]]
+    assert h["launched_gpus_at_end"] == sum(sum(n["gpus"].values()) for n in left) == 2
+    assert reference_held(run, h["end_s"], float("inf")) > 0   # held on after the run, not counted

@@ -11,7 +11,10 @@ longest launch time on top of its epoch (and of the re-placement charge), exactl
 is chosen only when the epoch repays it; the request bundles name the ``gpu_<type>`` resource of
 a node that is not there yet. The GPU-seconds held in a window are the GPU nodes' lifetimes
 within it (checked slice by slice against the GPUs held at each instant), a node launched for
-the job's request paid from the request, a launch not joined yet from its request on.
+the job's request paid from the request, a launch not joined yet from its request on. Over a
+whole run the GPU-seconds held split exactly into before the first epoch, the epochs, between
+them and after the last (a node launched in start-up, one released after the last epoch, one
+alive throughout, one launched for the job and never used), read from one set of lifetimes.
 """
 from __future__ import annotations
 
@@ -295,3 +298,94 @@ def test_a_requested_node_is_held_from_the_request_until_it_goes(monkeypatch):
     lives[-1] = life("e" * 56, {"gpu_fast": 2.0}, 16.0, 40.0)
     assert asked[-1] == [] and view.launches == []
     assert view.held_seconds(cluster, 0.0, 50.0) == 2 * 50 + 2 * 30        # until it went
+
+
+def run_lives():
+    """A run from t=0 to 100 with epochs in [20, 40] and [45, 80] (the times of the cases of
+    :func:`test_a_run_is_held_before_inside_between_and_after_its_epochs`)."""
+    from jabasray.actors.cluster_view import Launch, node_lives
+    lives = node_lives([life("h" * 56, {}, -50.0),                        # the head: no GPU
+                        life("a" * 56, {"gpu_fast": 2.0}, -50.0),         # alive the whole run
+                        life("b" * 56, {"gpu_fast": 2.0}, 12.0),          # launched in start-up
+                        life("c" * 56, {"gpu_slow": 4.0}, 50.0, 90.0),    # released after the last epoch
+                        life("d" * 56, {"gpu_slow": 4.0}, 70.0, 95.0)])   # launched, never used
+    launches = [Launch("fast", 2, 5.0), Launch("slow", 4, 42.0), Launch("slow", 4, 60.0),
+                Launch("fast", 2, 85.0)]                                  # the last never joins
+    return lives, launches
+
+
+def test_a_run_is_held_before_inside_between_and_after_its_epochs():
+    """Per node (GPUs x seconds in each part: before [0, 20], epochs [20, 40] + [45, 80],
+    between [40, 45], after [80, 100]):
+
+        a: alive throughout                        2 x (20, 20 + 35, 5, 20)  = 40, 110, 10, 40
+        b: asked at 5 (start-up), started at 12    2 x (15, 55, 5, 20)       = 30, 110, 10, 40
+        c: asked at 42, started 50, ended 90       4 x (0, 35, 3, 10)        =  0, 140, 12, 40
+        d: asked at 60, started 70, ended 95       4 x (0, 20, 0, 15)        =  0,  80,  0, 60
+           (launched for the job's request, never placed on: paid from the request)
+        a launch asked at 85 that never joined     2 x (0, 0, 0, 15)         =  0,   0,  0, 30
+
+    so 70 + 440 + 32 + 210 = 752 GPU-seconds, each part also equal to the GPUs held summed
+    slice by slice. The first epoch's figure is the one recorded at its end; the second has
+    none and is counted from the lifetimes."""
+    from jabasray.actors.cluster_view import HELD_PARTS, held_gpu_seconds, held_parts, match_launches
+    lives, launches = run_lives()
+    paid, pending = match_launches(lives, launches, {})
+    assert paid == {"b" * 56: 5.0, "c" * 56: 42.0, "d" * 56: 60.0} and len(pending) == 1
+
+    def held(t0, t1):
+        return held_gpu_seconds(lives, t0, t1, paid, pending)
+
+    parts = held_parts(held, 0.0, 100.0, [(20.0, 40.0, 80.0), (45.0, 80.0, None)])
+    assert parts == {"before_first_epoch": 70.0, "inside_epochs": 440.0, "between_epochs": 32.0,
+                     "after_last_epoch": 210.0, "total": 752.0}
+    windows = {"before_first_epoch": [(0, 20)], "inside_epochs": [(20, 40), (45, 80)],
+               "between_epochs": [(40, 45)], "after_last_epoch": [(80, 100)]}
+    for name, spans in windows.items():
+        assert parts[name] == sum(brute_held(lives, t0, t1, paid, pending) for t0, t1 in spans)
+    assert parts["total"] == brute_held(lives, 0.0, 100.0, paid, pending)
+    assert list(parts) == [*HELD_PARTS, "total"]
+    # a run without an epoch (a finished run resumed with nothing left) is all start-up
+    assert held_parts(held, 0.0, 100.0, []) == {"before_first_epoch": 752.0, "inside_epochs": 0.0,
+                                                "between_epochs": 0.0, "after_last_epoch": 0.0,
+                                                "total": 752.0}
+
+
+def test_the_run_figure_reads_the_lifetimes_once_and_counts_the_launched_gpus_left(monkeypatch):
+    """The view's run figure is :func:`held_parts` over the lifetimes the GCS gives (the cases
+    of :func:`test_a_run_is_held_before_inside_between_and_after_its_epochs`), and of the nodes
+    launched for the job only b (2 GPUs) is alive at the end: c and d have gone, a was not
+    launched for it. A fixed spec holds its GPUs throughout, nothing launched."""
+    import ray
+
+    from jabasray.actors import ray_internals
+    from jabasray.actors.cluster_view import ClusterView
+    _, launches = run_lives()
+    records = [life("h" * 56, {}, -50.0), life("a" * 56, {"gpu_fast": 2.0}, -50.0),
+               life("b" * 56, {"gpu_fast": 2.0}, 12.0), life("c" * 56, {"gpu_slow": 4.0}, 50.0, 90.0),
+               life("d" * 56, {"gpu_slow": 4.0}, 70.0, 95.0)]
+    reads = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray_internals, "node_lifetimes", lambda: reads.append(1) or [dict(x) for x in records])
+    given = ClusterSpec(nodes=[], node_types=[NodeType("fast", "fast", 2, max_workers=2),
+                                              NodeType("slow", "slow", 4, max_workers=2)])
+    view = ClusterView(given, emulate=True)
+    view.launches = launches
+    parts, alive = view.held_in_run(given, 0.0, 100.0, [(20.0, 40.0, 80.0), (45.0, 80.0, None)])
+    assert (parts["total"], alive, len(reads)) == (752.0, 2, 1)
+    spec = ClusterSpec(nodes=[NodeSpec("a", "A", 2), NodeSpec("b", "B", 4)])
+    parts, alive = ClusterView(spec, emulate=True).held_in_run(spec, 0.0, 10.0, [(2.0, 5.0, 18.0)])
+    assert (parts["before_first_epoch"], parts["inside_epochs"], parts["after_last_epoch"], alive) == (12.0, 18.0, 30.0, 0)
+
+
+def test_the_run_line_says_the_gpu_hours_in_all_and_outside_the_epochs():
+    from jabasray.actors.metrics import MetricsHistory, RunHeld, held_line
+    held = RunHeld(start_s=0.0, end_s=100.0, before_first_epoch=360.0, inside_epochs=7200.0,
+                   between_epochs=0.0, after_last_epoch=1440.0, total=9000.0, epochs_counted=[0, 1],
+                   launched_gpus_at_end=4)
+    assert held_line(held) == ("GPU-hours held: 2.5 GPU-h in all, 0.5 outside the epochs (before the "
+                               "first 0.1, between 0, after the last 0.4); 4 GPUs launched for the "
+                               "job are held on until Ray's autoscaler removes them (its idle "
+                               "timeout), not counted")
+    again = MetricsHistory.from_json(MetricsHistory(held=held).to_json())
+    assert again.held == held

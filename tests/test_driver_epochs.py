@@ -7,12 +7,14 @@ while nothing trains. What is checked is the driver's own bookkeeping:
 - every epoch runs on the allocation decided before it (the event "after epoch k: auto-scaling
   A -> B" names the allocation epoch k + 1 records and runs on), and nothing is planned after
   the final epoch (no forecast, no re-profiling, no auto-scaling event);
-- a finished run resumed with more epochs plans its next epoch when it continues.
+- a finished run resumed with more epochs plans its next epoch when it continues;
+- the GPU-seconds held over the run split exactly at the epochs' windows (a fixed cluster).
 """
 from __future__ import annotations
 
 import ast
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -150,6 +152,32 @@ def test_a_finished_run_resumed_with_more_epochs_plans_its_next_epoch_first(tmp_
     decisions = _decisions(hist.events)
     expected = decisions[2][1] if 2 in decisions else first.epochs[1].allocation
     assert hist.epochs[2].allocation == expected
+
+
+@pytest.mark.usefixtures("no_object_store")
+def test_a_fixed_cluster_is_held_over_the_whole_run_split_at_the_epochs(tmp_path):
+    """A fixed spec holds its 6 GPUs from the run's start to its end: the run's figure
+    (``metrics.json``'s ``held``) is 6 x the run's duration; before the first epoch, between
+    the epochs and after the last, 6 x those spans; inside, the epochs' own figures. A run
+    resumed with one more epoch counts from its own start and the one epoch it ran."""
+    from jabasray.actors.metrics import MetricsHistory
+    gpus, tol = 6, 1e-5   # unix times (~1.8e9 s) carry ~2.4e-7 s of rounding per term
+    t0 = time.time()
+    hist = _driver(tmp_path, epochs=2, phi=0.0).run()
+    t1 = time.time()
+    held, (e0, e1) = hist.held, hist.epochs
+    assert t0 <= held.start_s < e0.start_s and e1.start_s + e1.time_s <= held.end_s <= t1
+    assert held.total == pytest.approx(gpus * (held.end_s - held.start_s), rel=0, abs=tol)
+    assert held.before_first_epoch == pytest.approx(gpus * (e0.start_s - held.start_s), rel=0, abs=tol)
+    assert held.inside_epochs == e0.held_gpu_seconds + e1.held_gpu_seconds
+    assert held.between_epochs == pytest.approx(gpus * (e1.start_s - e0.start_s - e0.time_s), rel=0, abs=tol)
+    assert held.after_last_epoch == pytest.approx(gpus * (held.end_s - e1.start_s - e1.time_s), rel=0, abs=tol)
+    assert held.total == held.before_first_epoch + held.inside_epochs + held.between_epochs + held.after_last_epoch
+    assert (held.epochs_counted, held.launched_gpus_at_end) == ([0, 1], 0)
+    assert MetricsHistory.from_json((tmp_path / "run" / "metrics.json").read_text()).held == held
+    more = _driver(tmp_path, epochs=3, phi=0.0).run().held
+    assert more.start_s >= t1 and more.epochs_counted == [2]
+    assert more.total == pytest.approx(gpus * (more.end_s - more.start_s), rel=0, abs=tol)
 
 
 @pytest.mark.usefixtures("no_object_store")

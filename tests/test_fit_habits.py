@@ -11,6 +11,7 @@ import pytest
 from actors_helpers import KillOnce, loss_fn, model_fn, optimizer_fn, perf_model, tiny_data
 from jabasray.actors.checkpoint import list_checkpoints
 from jabasray.actors.driver import DriverCallback, DriverOptions
+from jabasray.actors.metrics import MetricsHistory, held_line
 from jabasray.actors.trainer import JabasTrainer
 from jabasray.config import CheckpointConfig, FailureConfig, JobConfig, RunConfig, run_config_from_ray
 from jabasray.types import ClusterSpec, NodeSpec
@@ -199,7 +200,7 @@ def test_ray_run_configs_are_converted_or_refused_in_one_line():
 def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
     """Three epochs, a checkpoint every 2 epochs (and the final), all kept; Ray's
     TBXLoggerCallback from RunConfig.callbacks; fit() prints what it changes in the training
-    once, then one line per epoch."""
+    once, then one line per epoch, then the GPU-hours held over the run."""
     from ray.tune.logger import TBXLoggerCallback
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -213,11 +214,13 @@ def test_fit_console_checkpoints_and_tensorboard(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     epochs = result.history.epochs
     # console: what jabasray changes in the training, once, then exactly one line per epoch, in
-    # order (no bar: stderr is not a terminal)
+    # order (no bar: stderr is not a terminal), and the run's GPU-hours held (metrics.json's)
     assert out[0] == ("jabasray changes in your training: the global batch starts at 24 and moves "
                       "between 16 and 48 every 2 iterations (adaptive=False keeps it); SGD's LR 0.05 "
                       "is kept whatever the batch (lr_scaling='none')")
-    assert [ln.split(":")[0] for ln in out[1:]] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert [ln.split(":")[0] for ln in out[1:-1]] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert out[-1] == held_line(result.history.held) and result.history.held.epochs_counted == [0, 1, 2]
+    assert MetricsHistory.from_json(result.metrics_path.read_text()).held == result.history.held
     # checkpoints: the start (epoch 0), every 2nd epoch and the final one; nothing pruned
     assert [c.epochs_done for c in list_checkpoints(result.storage)] == [0, 2, 3]
     # a compact repr: the last metrics, the path, the checkpoint - not the history

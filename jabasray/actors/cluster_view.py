@@ -58,14 +58,23 @@ The driver asks this module, as it asks the planners, at the start and at every 
    with the first node of its GPU type and count that started after the request, and a launch
    not joined yet is held from its request on. For any other spec: the nodes it lists, held
    throughout. The driver asks at every epoch end for the epoch's window
-   (:meth:`ClusterView.held_seconds`, :func:`held_gpu_seconds`).
+   (:meth:`ClusterView.held_seconds`, :func:`held_gpu_seconds`), and when the run ends for the
+   whole run (:meth:`ClusterView.held_in_run`, :func:`held_parts`): from the run's start
+   (:meth:`jabasray.actors.driver.JabasDriver.run`, before profiling) to its end (the actors
+   gone, the request cleared), in parts that sum to it exactly - before the first epoch, the
+   epochs' own figures, between epochs (decisions, checkpoints, an epoch redone after a
+   failure), after the last epoch. Not counted: what the nodes launched for the job are held
+   after the run's end, until Ray's autoscaler removes them (its idle timeout, a setting of the
+   cluster's autoscaler config the driver cannot read, and the job has ended by then); the
+   figure says how many of their GPUs were still alive at the end, so that tail is their GPUs
+   times the time they take to go.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from ..types import ClusterSpec, NodeSpec, NodeType
 from .placement import bundle_for, resource_name, slots_for
@@ -284,6 +293,35 @@ def held_gpu_seconds(lives: list[NodeLife], t0: float, t1: float,
     return total + sum(x.num_gpus * overlap(x.asked_s, t1) for x in pending)
 
 
+HELD_PARTS = ("before_first_epoch", "inside_epochs", "between_epochs", "after_last_epoch")
+
+
+def held_parts(held: Callable[[float, float], float], start_s: float, end_s: float,
+               epochs: Sequence[tuple[float, float, float | None]]) -> dict[str, float]:
+    """The GPU-seconds held over a run from unix time ``start_s`` to ``end_s`` (module rule 6),
+    split at the epochs' windows; ``held(t0, t1)``: the GPU-seconds held in a window
+    (:func:`held_gpu_seconds` over one read of the lifetimes), ``epochs``: each epoch's window
+    ``(t0, t1)`` in run order with the figure recorded at its end (None: ``held(t0, t1)``)::
+
+        before_first_epoch = held(start_s, t0 of the first epoch)
+        inside_epochs      = sum over epochs of their figures
+        between_epochs     = sum over consecutive epochs i, i+1 of held(t1 of i, t0 of i+1)
+        after_last_epoch   = held(t1 of the last epoch, end_s)
+        total              = before_first_epoch + inside_epochs + between_epochs + after_last_epoch
+
+    (:data:`HELD_PARTS`, then ``total``: their sum in this order). Without an epoch the run is
+    all ``before_first_epoch``."""
+    if not epochs:
+        parts = {**dict.fromkeys(HELD_PARTS, 0.0), "before_first_epoch": held(start_s, end_s)}
+    else:
+        parts = {"before_first_epoch": held(start_s, epochs[0][0]),
+                 "inside_epochs": sum(held(t0, t1) if got is None else got for t0, t1, got in epochs),
+                 "between_epochs": sum((held(a[1], b[0]) for a, b in zip(epochs, epochs[1:])), 0.0),
+                 "after_last_epoch": held(epochs[-1][1], end_s)}
+    parts["total"] = sum((parts[k] for k in HELD_PARTS), 0.0)
+    return parts
+
+
 class ClusterView:
     """The driver's view of what the cluster can provide (module notes).
 
@@ -400,26 +438,58 @@ class ClusterView:
         used = {s.node for s in placement.slots}
         return {where[i]: t for i, t in self.leaving.items() if where.get(i) in used}
 
+    def _lives(self) -> list[NodeLife] | None:
+        """One read of the GPU nodes' lifetimes from Ray's GCS, the launches asked for paired
+        with the nodes they brought (module rule 6); None when the GCS cannot say (logged)."""
+        from .ray_internals import RayInternalsError, node_lifetimes
+
+        try:
+            lives = node_lives(node_lifetimes())
+        except RayInternalsError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an unanswered read must not stop training
+            log.warning("could not read the nodes' lifetimes from Ray's GCS: %s", e)
+            return None
+        self.paid_from, self.launches = match_launches(lives, self.launches, self.paid_from)
+        return lives
+
+    def _held(self, current: ClusterSpec) -> tuple[Callable[[float, float], float] | None,
+                                                   list[NodeLife]]:
+        """GPU-seconds held in a window as a function of its start and end (module rule 6),
+        over one read of the lifetimes for a job that follows Ray (and the lives read), else
+        every GPU of ``current``'s nodes throughout (no lives); None when the GCS cannot say."""
+        if self.follows_ray:
+            import ray
+
+            if ray.is_initialized():
+                lives = self._lives()
+                if lives is None:
+                    return None, []
+                paid, pending = dict(self.paid_from), list(self.launches)
+                return (lambda t0, t1: held_gpu_seconds(lives, t0, t1, paid, pending)), lives
+        gpus = sum(n.num_gpus for n in current.nodes)
+        return (lambda t0, t1: gpus * max(0.0, t1 - t0)), []
+
     def held_seconds(self, current: ClusterSpec, t0: float, t1: float) -> float | None:
         """GPU-seconds held from unix time ``t0`` to ``t1`` (module rule 6): from the nodes'
         lifetimes for a job that follows Ray, else every GPU of ``current``'s nodes throughout.
         None when the GCS cannot say (logged)."""
-        if self.follows_ray:
-            import ray
+        held, _ = self._held(current)
+        return None if held is None else held(t0, t1)
 
-            from .ray_internals import RayInternalsError, node_lifetimes
-
-            if ray.is_initialized():
-                try:
-                    lives = node_lives(node_lifetimes())
-                except RayInternalsError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - an unanswered read must not stop training
-                    log.warning("could not read the nodes' lifetimes from Ray's GCS: %s", e)
-                    return None
-                self.paid_from, self.launches = match_launches(lives, self.launches, self.paid_from)
-                return held_gpu_seconds(lives, t0, t1, self.paid_from, self.launches)
-        return sum(n.num_gpus for n in current.nodes) * max(0.0, t1 - t0)
+    def held_in_run(self, current: ClusterSpec, start_s: float, end_s: float,
+                    epochs: Sequence[tuple[float, float, float | None]]
+                    ) -> tuple[dict[str, float], int] | None:
+        """The GPU-seconds held over a run from unix time ``start_s`` to ``end_s``, in parts
+        (:func:`held_parts` over one read of the lifetimes, as :meth:`held_seconds`), and the
+        GPUs of the nodes launched for the job still alive at the read (held on after the run
+        until Ray's autoscaler removes them: not counted, module rule 6). None when the GCS
+        cannot say (logged)."""
+        held, lives = self._held(current)
+        if held is None:
+            return None
+        alive = sum(n.num_gpus for n in lives if n.node_id in self.paid_from and n.end_s is None)
+        return held_parts(held, start_s, end_s, epochs), alive
 
     def release(self) -> None:
         """Clear this job's request (the run ended or failed)."""
@@ -429,6 +499,6 @@ class ClusterView:
         self.launches = []   # nothing more is launched for this job
 
 
-__all__ = ["ClusterView", "Launch", "NodeLife", "candidate_cluster", "held_gpu_seconds",
-           "match_launches", "node_lives", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
+__all__ = ["ClusterView", "HELD_PARTS", "Launch", "NodeLife", "candidate_cluster", "held_gpu_seconds",
+           "held_parts", "match_launches", "node_lives", "follows_ray", "launchable_nodes", "live_nodes", "only_types",
            "placed_nodes", "request_bundles", "request_resources", "type_figures"]

@@ -23,7 +23,9 @@
    the live nodes, joined ones included, and the nodes Ray's autoscaler can launch; the chosen
    allocation's bundles are requested from Ray's autoscaler before they are placed, the request
    cleared when the run ends), the epoch record (:mod:`.metrics`), a checkpoint;
-5. a dead GPU actor: redo the epoch from the last checkpoint without its pair (:mod:`.recovery`).
+5. a dead GPU actor: redo the epoch from the last checkpoint without its pair (:mod:`.recovery`);
+6. at the run's end: the GPU-seconds held over the whole run, before, inside, between and after
+   the epochs (``MetricsHistory.held``, :mod:`.cluster_view` rule 6).
 """
 from __future__ import annotations
 
@@ -56,8 +58,8 @@ from ..errors import JobFailed, NodesGone, PlacementTimeout
 from .gpu_actor import SHARE_DEVICES_ENV, GPUActor, IntervalReply, IntervalRequest
 from .hooks import named, named_hooks
 from .model_record import ModelRecord, resumed_record
-from .metrics import (EpochTally, IntervalRecord, MetricsHistory, decision_record, epoch_record,
-                      interval_record, save_metrics)
+from .metrics import (EpochTally, IntervalRecord, MetricsHistory, RunHeld, decision_record,
+                      epoch_record, held_line, interval_record, save_metrics)
 from .placement import (Slot, autoscale_allocation, gpu_ray_nodes, group_gpus, job_cluster,
                         multi_node, next_allocation, ray_cpus, slots_for)
 from .pool import ActorPool
@@ -210,6 +212,7 @@ class JabasDriver:
         """Train until ``job.epochs`` epochs are complete (resuming from the run's checkpoint)."""
         import ray
 
+        start_s = time.time()   # GPU-hours held over the run count from here (cluster_view rule 6)
         self._reconcile_start()
         self._model_record = resumed_record(self.run_dir, self.job, self.cluster, self.dataset_size)
         if self.options.preflight:   # every GPU node reaches the rendezvous port (one line if not)
@@ -241,7 +244,24 @@ class JabasDriver:
         finally:
             self.shutdown()
             self.view.release()   # the autoscaler may let this run's nodes go
+        self._note_held(start_s, time.time())
         return self.metrics
+
+    def _note_held(self, start_s: float, end_s: float) -> None:
+        """The GPU-seconds held over this run, from unix time ``start_s`` to ``end_s``, split at
+        the windows of the epochs it ran (:meth:`.cluster_view.ClusterView.held_in_run`), into
+        the metrics (``held``; None when the GCS cannot say) and ``metrics.json``."""
+        ran = [e for e in self.metrics.epochs if e.start_s is not None and e.start_s >= start_s]
+        got = self.view.held_in_run(self.cluster, start_s, end_s,
+                                    [(e.start_s, e.start_s + e.time_s, e.held_gpu_seconds) for e in ran])
+        self.metrics.held = None
+        if got is not None:
+            parts, alive = got
+            self.metrics.held = RunHeld(start_s=start_s, end_s=end_s, **parts,
+                                        epochs_counted=[e.epoch for e in ran],
+                                        launched_gpus_at_end=alive)
+            log.info("%s", held_line(self.metrics.held))
+        save_metrics(self.metrics, self.run_dir / "metrics.json")
 
     def shutdown(self) -> None:
         """Release all actors and placement groups."""
@@ -739,7 +759,7 @@ class JabasDriver:
                               predicted_time_s=predicted, time_s=t_done - t_epoch,
                               dataset_size=self.dataset_size, allreduce_fit=self._fit_used(slots),
                               placement_s=self._placed_now_s, eval_s=eval_s,
-                              held_gpu_seconds=held)
+                              held_gpu_seconds=held, start_s=t_wall)
         if record.served_exactly_once is False:
             self._event(f"epoch {epoch + 1}: exactly-once failure: the actors served "
                         f"{tally.samples} samples whose digest is not that of the dataset's "

@@ -4,7 +4,9 @@ Per interval (p iterations, one Ray call): B_G requested/used, B_L, the plan, me
 throughput, the gradient similarity Phi and the LR. Per epoch: the allocation, the actual B_G
 trajectory and the one the forecaster predicted for it, the validation metrics of the user's
 ``eval_fn`` (``val_metrics``; ``val_accuracy`` is its ``"accuracy"``), wall time and
-GPU-seconds (sum over allocated GPUs of the epoch's wall time).
+GPU-seconds (sum over allocated GPUs of the epoch's wall time) and GPU-seconds of the nodes held.
+Per run (:class:`RunHeld`): the GPU-seconds of the nodes held from the driver's start to the
+run's end, before, inside, between and after the epochs.
 
 Files (written through the run's filesystem, :mod:`jabasray.storage`): ``metrics.json`` (everything), ``metrics.csv`` (one row per epoch, flat columns - what
 ``pandas.read_csv`` and ``Result.metrics_dataframe`` read), and the PNG of :func:`plot_history`.
@@ -117,6 +119,8 @@ class EpochRecord(JsonMixin):
                                               # that follows Ray: every GPU node's lifetime, one
                                               # launched for its request from the request; a fixed
                                               # cluster: all of it; None: the GCS did not answer)
+    start_s: float | None = None              # unix time the epoch's window started (it ends
+                                              # time_s later: the window of held_gpu_seconds)
 
     def flat(self) -> dict[str, float | int | str | None]:
         """One flat row: scalar fields + ``val_<name>`` per validation metric (CSV, Result)."""
@@ -135,12 +139,38 @@ class EpochRecord(JsonMixin):
 
 
 @dataclass
+class RunHeld(JsonMixin):
+    """GPU-seconds of the GPU nodes held over one run of the driver, from its start to its end
+    (:mod:`.cluster_view`, rule 6: the same lifetimes as the epochs' ``held_gpu_seconds``), in
+    parts that sum to ``total`` exactly (:func:`.cluster_view.held_parts`). Not counted: the
+    nodes launched for the job are held after the run's end until Ray's autoscaler removes them
+    (its idle timeout, the cluster's setting); ``launched_gpus_at_end`` of their GPUs were alive then."""
+
+    start_s: float                    # unix time the run started (before profiling)
+    end_s: float                      # unix time it ended (actors gone, the request cleared)
+    before_first_epoch: float         # start-up: reconciliation, profiling, the first checkpoint
+    inside_epochs: float              # the epochs' held_gpu_seconds, summed
+    between_epochs: float             # epoch ends' decisions and checkpoints, epochs redone
+    after_last_epoch: float           # the final checkpoint and metrics, actors released
+    total: float                      # the four parts' sum
+    epochs_counted: list[int] = field(default_factory=list)   # the epochs this run ran
+    launched_gpus_at_end: int = 0     # GPUs of nodes launched for the job alive at end_s
+
+    @property
+    def outside_epochs(self) -> float:
+        """GPU-seconds held in the run outside every epoch."""
+        return self.before_first_epoch + self.between_epochs + self.after_last_epoch
+
+
+@dataclass
 class MetricsHistory(JsonMixin):
     """Everything ``fit()`` reports; saved as ``metrics.json`` in the run folder."""
 
     intervals: list[IntervalRecord] = field(default_factory=list)
     epochs: list[EpochRecord] = field(default_factory=list)
     events: list[str] = field(default_factory=list)   # re-placements, failures, resumes
+    held: RunHeld | None = None   # GPU-seconds held over the last run of the driver, from its
+                                  # start to its end (None: not ended yet, or the GCS did not answer)
 
     @property
     def final_val_accuracy(self) -> float | None:
@@ -152,7 +182,8 @@ class MetricsHistory(JsonMixin):
 
     @property
     def total_held_gpu_seconds(self) -> float:
-        """GPU-seconds of the nodes held over all epochs (epochs without the figure count 0)."""
+        """GPU-seconds of the nodes held inside the epochs (epochs without the figure count 0);
+        ``held.total`` is the whole run's."""
         return sum(e.held_gpu_seconds or 0.0 for e in self.epochs)
 
     @property
@@ -241,14 +272,16 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                  val_metrics: dict[str, float], replaced: bool, predicted_time_s: float | None,
                  time_s: float, dataset_size: int | None = None,
                  allreduce_fit: dict | None = None, placement_s: float | None = None,
-                 eval_s: float = 0.0, held_gpu_seconds: float | None = None) -> EpochRecord:
+                 eval_s: float = 0.0, held_gpu_seconds: float | None = None,
+                 start_s: float | None = None) -> EpochRecord:
     """An epoch's record: its intervals' totals (``tally``), the B_G ``trajectory`` that ran and
     the ``forecast`` made for it, the auto-scaler's estimate ``predicted_time_s``, the wall time
     ``time_s``, GPU-seconds = ``time_s`` x the number of GPUs and, given ``dataset_size``,
     whether the actors served every sample exactly once (:meth:`EpochTally.served_exactly_once`),
     and ``allreduce_fit``, the Eq. 3 fit the plans used (:func:`.allreduce_fit.fit_description`);
     ``placement_s`` and ``eval_s``: the epoch's placement and epoch-end seconds;
-    ``held_gpu_seconds``: the GPU-seconds of the nodes held (:meth:`.cluster_view.ClusterView.held_seconds`)."""
+    ``held_gpu_seconds``: the GPU-seconds of the nodes held (:meth:`.cluster_view.ClusterView.held_seconds`)
+    from unix time ``start_s`` on, for ``time_s``."""
     return EpochRecord(epoch=epoch, allocation=dict(allocation), gpu_types=list(gpu_types),
                        trajectory=trajectory, predicted_trajectory=list(forecast),
                        train_loss=tally.train_loss, val_accuracy=val_metrics.get("accuracy"),
@@ -260,7 +293,7 @@ def epoch_record(tally: EpochTally, *, epoch: int, allocation: dict[str, int],
                        served_exactly_once=None if dataset_size is None
                        else tally.served_exactly_once(dataset_size),
                        allreduce_fit=dict(allreduce_fit or {}), placement_s=placement_s,
-                       eval_s=float(eval_s), held_gpu_seconds=held_gpu_seconds)
+                       eval_s=float(eval_s), held_gpu_seconds=held_gpu_seconds, start_s=start_s)
 
 
 def decision_record(decision: Any, current: dict[str, int], switch_s: float) -> dict:
@@ -317,6 +350,18 @@ def epoch_line(record: EpochRecord) -> str:
     if record.prediction_error is not None:
         line += (f", train {record.train_time_s:.1f}s vs predicted "
                  f"{record.predicted_train_time_s:.1f}s (error {100 * record.prediction_error:+.0f}%)")
+    return line
+
+
+def held_line(held: RunHeld) -> str:
+    """The line printed when a run ends: the GPU-hours held over the run and the part outside
+    the epochs, part by part, and the GPUs launched for the job still held at its end."""
+    line = (f"GPU-hours held: {held.total / 3600:.3g} GPU-h in all, {held.outside_epochs / 3600:.3g} "
+            f"outside the epochs (before the first {held.before_first_epoch / 3600:.3g}, between "
+            f"{held.between_epochs / 3600:.3g}, after the last {held.after_last_epoch / 3600:.3g})")
+    if held.launched_gpus_at_end:
+        line += (f"; {held.launched_gpus_at_end} GPUs launched for the job are held on until Ray's "
+                 f"autoscaler removes them (its idle timeout), not counted")
     return line
 
 

@@ -35,7 +35,7 @@ from .checkpoint import Checkpoint, latest_checkpoint
 from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
 from .job_identity import check_run, job_identity
-from .metrics import MetricsHistory, plot_history, save_metrics
+from .metrics import MetricsHistory, held_line, plot_history, save_metrics
 from .placement import resource_name
 from .run_folder import probe_run_folder, run_lock
 from .run_record import RunRecord
@@ -529,6 +529,8 @@ class JabasTrainer:
                 reporter.close()
         if trackers is not None:
             trackers.finish(failed=False)
+        if result.history.held is not None:
+            self._say(held_line(result.history.held))
         return result
 
     def _detached_callbacks(self) -> list[Any]:
