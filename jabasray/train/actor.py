@@ -10,7 +10,8 @@ engine asks for -
   placement or a throwaway worker: the loop is entered again, the old run abandoned);
 * ``optimizer_fn(params)``: the optimizer of ``prepare_optimizer`` (it must hold ``params``);
 * ``step_fn(module, batch)``: the loss of the loop's next batch (:meth:`LoopRun.step`), called
-  from the engine's thread only (``runs_on_caller_thread``).
+  from the engine's thread only (``runs_on_caller_thread``); ``step_fn.grad_scaler()``: the
+  enabled GradScaler the loop passes to ``epochs()``, which the engine scales the losses with.
 
 :class:`LoopGPUActor` adds what the hooks cannot see: after each engine step the loop finishes
 its iteration (and at an epoch end its epoch) before the interval goes on, the loop's own state
@@ -77,6 +78,16 @@ class LoopCallables:
     # the loop is a coroutine of the engine's thread (bridge): the engine issues every VSW's
     # step from that thread (IIDPWorker's per-VSW "one_thread" scheme)
     step_fn.runs_on_caller_thread = True  # type: ignore[attr-defined]
+
+
+def _loop_grad_scaler() -> Any:
+    """The loop's enabled GradScaler (``epochs(scaler=...)``), asked by the engine every step."""
+    run = bridge.active()
+    return run.grad_scaler() if run is not None and not run.finished else None
+
+
+# the engine scales the loop's losses with the loop's GradScaler (IIDPWorker.set_grad_scaler)
+LoopCallables.step_fn.grad_scaler = _loop_grad_scaler  # type: ignore[attr-defined]
 
 
 def clone_optimizer(opt: Any, originals: list, params: list) -> Any:
