@@ -295,20 +295,21 @@ def batch_rows(ds: Any, k: int, collate_fn: Callable | None, hook: str) -> Any:
 
 def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None,
                   hook: str = "dataset") -> Any:
-    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
-    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
-    list of samples (the profiler batches them as training does: ``collate_fn``, else
-    ``default_collate``, and runs the step on them); None when neither applies. The rows are
-    batched here first (:func:`batch_rows`): samples the profiler could not batch are refused
-    now, in one line naming ``hook``."""
+    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows batched by
+    ``default_collate`` as a TensorDataset (the profiler cycles them); with a ``collate_fn``
+    whose batches are (inputs, targets), or with a ``step_fn``, a list of samples (the profiler
+    batches them as training does: ``collate_fn``, else ``default_collate``, and runs the step
+    on them); None when neither applies. The rows are batched here first (:func:`batch_rows`):
+    samples the profiler could not batch are refused now, in one line naming ``hook``."""
     import torch
 
     k = min(PROFILE_SAMPLES, len(train))
     rows = batch_rows(train, k, collate_fn, hook)
-    if (isinstance(rows, (list, tuple)) and len(rows) == 2
-            and all(isinstance(t, torch.Tensor) for t in rows)):
+    pair = (isinstance(rows, (list, tuple)) and len(rows) == 2
+            and all(isinstance(t, torch.Tensor) for t in rows))
+    if pair and collate_fn is None:
         return torch.utils.data.TensorDataset(*rows)
-    if step_fn is not None:
+    if pair or step_fn is not None:
         return [train[i] for i in range(k)]
     return None
 

@@ -285,8 +285,11 @@ class _EngineSampler:
 
 def prepare_data_loader(data_loader: Any, eval: bool = False) -> Any:
     """Hand the loop's training data to the engine: a ``torch.utils.data.DataLoader`` (its
-    dataset is read; its batch size, sampler and shuffling are the engine's now) or a map-style
-    dataset. Returns the loader the loop iterates (module notes).
+    dataset is read; its batch size, sampler and shuffling are the engine's now; its
+    ``collate_fn`` batches the samples, as the hooks API's ``collate_fn``: each rank's
+    micro-batches of an iteration are collated as one batch, split per micro-batch and each
+    round's joined, so the batch must be tensors or lists/tuples/dicts of them with samples
+    along dim 0) or a map-style dataset. Returns the loader the loop iterates (module notes).
 
     ``eval=True``: a validation loader instead, which the engine does not touch: each rank
     iterates its contiguous shard ``[r N / W, (r + 1) N / W)`` of the dataset in order, in
@@ -300,10 +303,6 @@ def prepare_data_loader(data_loader: Any, eval: bool = False) -> Any:
         raise ValueError(f"prepare_data_loader: eval must be True or False, got {eval!r}")
     if eval:
         return EvalLoader(bridge.user_run("prepare_data_loader"), data_loader)
-    collate = getattr(data_loader, "collate_fn", None)
-    if collate is not None and collate is not torch.utils.data.default_collate:
-        raise ValueError("prepare_data_loader: a DataLoader with its own collate_fn is not "
-                         "supported yet; give samples that torch's default_collate batches")
     return bridge.user_run("prepare_data_loader").request("loader", data_loader)
 
 
