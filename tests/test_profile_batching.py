@@ -187,12 +187,16 @@ def test_unbatchable_dataset_fn_is_one_line_naming_the_hook(dataset_fn):
 
 
 def test_samples_unbatchable_beyond_the_first_two_are_caught_with_the_profile_rows():
-    """The step check batches 2 samples; the profiler's rows (64) are batched by the probe too."""
-    ok = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+    """The step checks batch 2 and 8 samples (the per-sample-mean check); the profiler's rows
+    (64) are batched by the probe too."""
+    ok = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(9),
                                                             step_fn=token_step),
                    want_profile_rows=False)
-    assert ok.error is None                        # the first two samples batch
-    bad = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+    assert ok.error is None                        # the first eight samples batch
+    early = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+                                                               step_fn=token_step))
+    _one_line(early.error, "dataset_fn")           # sample 5 is among the check's eight
+    bad = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(9),
                                                              step_fn=token_step),
                     want_profile_rows=True)
     _one_line(bad.error, "dataset_fn")
