@@ -10,8 +10,9 @@ Proves: (a) with no overflow, the same weights and optimizer states as the loop 
 scaler, and the scale grown once per global iteration (not per micro-batch); (b) on two gloo
 ranks, an inf on ONE rank makes both ranks skip the same update and back off alike, the
 weights equal on both and equal to plain optimizers that skip that iteration; (c) the scaler's
-state (scale and growth tracker) is checkpointed and restored by ``epochs()``; and an enabled
-scaler the engine does not know is refused in one line.
+state (scale and growth tracker) is checkpointed and restored by ``epochs()``, also through
+the GPU actor's state dict into a new actor; and an enabled scaler the engine does not know is
+refused in one line.
 """
 from __future__ import annotations
 
@@ -196,3 +197,51 @@ def test_an_inf_on_one_rank_skips_the_update_and_backs_off_on_both(tmp_path):
         assert torch.equal(a, b)
     # before the all-reduce, rank 0's gradient was finite and rank 1's was not
     assert got[0]["local_finite"] and not got[1]["local_finite"]
+
+
+def test_the_gpu_actor_checkpoints_the_scaler_with_the_loops_state(tmp_path):
+    """The same through the GPU actor of a ``JabasTorchTrainer`` job (no Ray): an interval of
+    two iterations, ``state_dict()`` into a NEW actor (a re-placement), one more iteration:
+    weights and scaler state equal one actor's three iterations."""
+    from jabasray.actors.gpu_actor import IntervalRequest
+    from jabasray.actors.placement import Slot
+    from jabasray.actors.rendezvous import Rendezvous
+    from jabasray.config import JobConfig, RunConfig
+    from jabasray.train import JabasTorchTrainer
+    from jabasray.train.actor import LoopGPUActor
+
+    ds = data()
+    job = JobConfig(epochs=1, seed=4)
+    kw = {"enabled": True, "init_scale": 2.0 ** 10, "growth_interval": 3}
+    t = JabasTorchTrainer(scaler_loop(ds, [], **kw), job_config=job, run_config=RunConfig(str(tmp_path), "x"))
+    slot = Slot(rank=0, node="n0", gpu_type="fast", speed=1.0, group=0, pair=0)
+
+    def actor(state=None):
+        a = LoopGPUActor(slot, 1, job, t.calls.model_fn, t.calls.optimizer_fn, None, None, "cpu",
+                         False, hooks=t.trainer.hooks)
+        a.setup(Rendezvous("127.0.0.1", 29500, 1))
+        a.configure(2, 1, 4)
+        if state is not None:
+            a.load_state_dict(state)
+        return a
+
+    def interval(a, first, n):
+        a.run_interval(IntervalRequest(epoch=0, cursor=16 * first, num_iterations=n, local_batch=4,
+                                       layout=[4], iteration=first, base_lr=None, base_batch=16,
+                                       lr_scaling="none", warmup_iterations=0, similarity=False))
+        return a._loop.state["scaler"].state_dict(), [p.detach().clone() for p in a.worker.model.parameters()]
+
+    whole = actor()
+    want = interval(whole, 0, 3)
+    whole.shutdown()
+    before = actor()
+    interval(before, 0, 2)
+    state = before.state_dict()
+    before.shutdown()
+    assert state["loop"]["scaler"]["_growth_tracker"] == 2
+    after = actor(state)
+    got = interval(after, 2, 1)
+    after.shutdown()
+    assert got[0] == want[0] and want[0]["scale"] == 2.0 ** 11
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
