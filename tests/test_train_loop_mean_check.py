@@ -96,3 +96,10 @@ def test_a_declared_sum_trains_as_the_mean_of_the_micro_batches_summed_gradients
     for a, b in zip(w.model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b)
     run.abandon()
+
+
+def test_a_batchnorm_loop_on_three_samples_is_not_checked():
+    """Under 4 samples a half would hold 1 (BatchNorm refuses it in training): no check."""
+    small = torch.utils.data.TensorDataset(*(t[:3] for t in data().tensors))
+    report = probe_loop(reduced_loop(small, "sum", bn_net))
+    assert report.error is None and report.dataset_size == 3

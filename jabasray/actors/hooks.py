@@ -249,7 +249,7 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
             loss = check_loss(split_step_output(step(model, rows), hook)[0], hook)
         loss.backward()
         k = min(MEAN_CHECK_SAMPLES, len(train)) // 2 * 2
-        if per_sample_loss and k >= 2:
+        if per_sample_loss and k >= 4:       # halves of 2 at least (BatchNorm needs 2 in training)
             batch = batch_rows(train, k, hooks.collate_fn, data_hook)
             with torch.no_grad(), autocast(device, precision):
                 losses = [float(split_step_output(step(model, b), hook)[0])
