@@ -77,7 +77,8 @@ class JobConfig(JsonMixin):
     warmup_iterations: int = 0          # linear LR warm-up from 0 over this many iterations
     weight_sync: str = "auto"           # IIDP one-way weight sync: "auto" | "sws" | "ows"
     per_sample_loss: bool = True        # the step's loss is a mean of per-sample losses: the
-                                        # VSWs of a device run as one batched pass (False: per VSW)
+                                        # VSWs of a device run as one batched pass (False: per VSW);
+                                        # True and a loss summed over samples: the probe refuses it
     cuda_graphs: str = "auto"           # "auto": batched steps on one CUDA device replay a captured
                                         # CUDA graph where possible (engine.graphs) | "off": eager
     sync: str = "iidp"                  # "iidp" (VSWs + all-reduce) or "sma" (Crossbow learners)

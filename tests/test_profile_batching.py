@@ -112,17 +112,27 @@ class CountingTensorDataset(TensorDataset):
         return super().__getitem__(i)
 
 
-@pytest.mark.parametrize("collate_fn", [None, lambda rows: {"never": "called"}])
-def test_tensor_dataset_is_indexed_directly(collate_fn):
+def test_tensor_dataset_is_indexed_directly():
     """As training's in-memory batches (gather_rows): direct tensor indexing, a tuple, no
-    per-sample reads and no collate_fn."""
+    per-sample reads."""
     x, y, w = torch.randn(6, 5), torch.arange(6), torch.rand(6)
     ds = CountingTensorDataset(x, y, w)            # three tensors work too
     idx = torch.arange(9) % 6
-    got = _batch_fn(ds, collate_fn)(9)
+    got = _batch_fn(ds)(9)
     assert isinstance(got, tuple)
     assert_same_batch(got, (x[idx], y[idx], w[idx]))
     assert ds.reads == 0
+
+
+def test_a_collate_fn_batches_a_tensor_dataset_as_a_dataloader_does():
+    """With a collate_fn, a TensorDataset's samples go through it, as in a DataLoader with that
+    collate_fn (training's DataLoader path and its in-memory path alike)."""
+    x, y = torch.randn(6, 5), torch.arange(6)
+    ds = TensorDataset(x, y)
+    idx = torch.arange(9) % 6
+    got = _batch_fn(ds, lambda rows: {"x": torch.stack([r[0] for r in rows]),
+                                      "y": torch.stack([r[1] for r in rows])})(9)
+    assert_same_batch(got, {"x": x[idx], "y": y[idx]})
 
 
 def test_callable_data_is_used_as_is():
@@ -177,12 +187,16 @@ def test_unbatchable_dataset_fn_is_one_line_naming_the_hook(dataset_fn):
 
 
 def test_samples_unbatchable_beyond_the_first_two_are_caught_with_the_profile_rows():
-    """The step check batches 2 samples; the profiler's rows (64) are batched by the probe too."""
-    ok = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+    """The step checks batch 2 and 8 samples (the per-sample-mean check); the profiler's rows
+    (64) are batched by the probe too."""
+    ok = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(9),
                                                             step_fn=token_step),
                    want_profile_rows=False)
-    assert ok.error is None                        # the first two samples batch
-    bad = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+    assert ok.error is None                        # the first eight samples batch
+    early = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(5),
+                                                               step_fn=token_step))
+    _one_line(early.error, "dataset_fn")           # sample 5 is among the check's eight
+    bad = probe_job(tiny_model, optimizer_fn, None, JobHooks(dataset_fn=lambda: RaggedRows(9),
                                                              step_fn=token_step),
                     want_profile_rows=True)
     _one_line(bad.error, "dataset_fn")

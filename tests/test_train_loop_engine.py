@@ -169,13 +169,13 @@ def two_optimizers(model):
             torch.optim.Adam(head, lr=0.01, betas=(0.8, 0.9)))
 
 
-def scaler_loop(ds, steps, enabled=False):
+def scaler_loop(ds, steps, enabled=False, **scaler_kw):
     """Two optimizers (a body and a head) and a GradScaler, as an AMP loop writes them."""
     def loop(config):
         loader = prepare_data_loader(ds)
         model = prepare_model(mlp())
         opt_a, opt_b = prepare_optimizer(*two_optimizers(model))
-        scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+        scaler = torch.amp.GradScaler("cpu", enabled=enabled, **scaler_kw)
         for _ in epochs(1, model=model, opt_a=opt_a, opt_b=opt_b, scaler=scaler):
             for x, y in loader:
                 loss = F.cross_entropy(model(x), y)
@@ -226,17 +226,6 @@ def test_two_optimizers_and_a_grad_scaler_equal_the_plain_computation(weight_syn
                 torch.testing.assert_close(torch.as_tensor(sub.state[a][k]), torch.as_tensor(v))
     assert set(run.extra_state()) == {"scaler"}          # the optimizers are the engine's
     run.finish()
-
-
-def test_an_enabled_grad_scaler_is_refused():
-    ds = data()
-    calls = LoopCallables(scaler_loop(ds, [], enabled=True), None, 1)
-    calls.dataset_fn()
-    w = IIDPWorker(calls.model_fn(), calls.optimizer_fn, None, step_fn=calls.step_fn)
-    w.configure(1, 0, 8)
-    with pytest.raises(ValueError, match=r"scaler= is an enabled GradScaler.*precision='fp16'"):
-        w.train_step(micro(ds, torch.arange(8), [8]))
-    bridge.active().abandon()
 
 
 def test_cli_script_and_example_define_a_loop_and_the_trainer_refuses_other_modes(tmp_path):

@@ -195,3 +195,22 @@ def test_switching_methods_between_steps_keeps_the_update_exact():
     assert len(workers[0].bucket_nbytes) > 1
     for name in a:
         assert torch.allclose(a[name], b[name], atol=1e-6), name
+
+
+def test_a_plans_ows_keeps_sws_where_clipping_or_loss_scaling_needs_the_whole_gradient():
+    """A plan may predict OWS for a GPU; a worker that clips the global gradient or scales the
+    loss (fp16, or a loop's GradScaler) keeps SWS, as at its construction: OWS would step a
+    bucket before the global norm or the inf check saw the others. Without either it switches."""
+    import torch
+
+    from actors_helpers import loss_fn, model_fn, optimizer_fn
+    from jabasray.engine import IIDPWorker
+
+    for kw, want in (({"grad_clip_norm": 1.0}, "sws"), ({"precision": "fp16"}, "sws"), ({}, "ows")):
+        w = IIDPWorker(model_fn(), optimizer_fn, loss_fn, weight_sync="sws", bucket_cap_mb=0.001, **kw)
+        w.set_weight_sync("ows")
+        assert w.weight_sync_method == want, kw
+    w = IIDPWorker(model_fn(), optimizer_fn, loss_fn, weight_sync="sws", bucket_cap_mb=0.001)
+    w.set_grad_scaler(torch.amp.GradScaler("cpu"))
+    w.set_weight_sync("ows")
+    assert w.weight_sync_method == "sws"

@@ -6,7 +6,9 @@ evaluation, the LR scheduler. The in-memory ``dataset=`` path needs none of it.
 
 :func:`probe_job` runs ONCE before training, in a Ray task (so a ``dataset_fn``'s samples are
 never read in the driver's process): it builds the datasets, reads one tiny batch, runs the
-step (forward + backward on a fresh model) and the evaluation on it, and returns plain numbers
+step (forward + backward on a fresh model) and the evaluation on it - and the step on 8 samples
+and on their halves, to refuse a loss summed over samples that ``JobConfig.per_sample_loss``
+does not declare (:func:`summed_loss`) - and returns plain numbers
 - the dataset sizes the driver's plans need, the optimizer's LR - or a one-line error that
 names the hook and what it returned. A probe costs one model build and one small batch; the
 driver then never needs ``len(dataset)`` from anywhere else. With ``dataset_fn`` it also returns
@@ -16,6 +18,7 @@ nodes stop the run with one line naming the node instead of duplicating or missi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,6 +27,7 @@ from ..validation import check_choice, check_int
 
 LR_SCHEDULER_INTERVALS = ("iteration", "epoch")
 PROFILE_SAMPLES = 64       # rows the probe hands to the profiler (cycled to any batch size)
+MEAN_CHECK_SAMPLES = 8     # samples of the probe's per-sample-mean check (two halves of 4)
 
 
 @dataclass
@@ -212,9 +216,12 @@ def _check_dataset(ds: Any, hook: str) -> None:
 
 def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | None,
               hooks: JobHooks, dataset: Any = None, val_dataset: Any = None,
-              precision: str = "fp32", want_profile_rows: bool = False) -> ProbeReport:
+              precision: str = "fp32", want_profile_rows: bool = False,
+              per_sample_loss: bool = True) -> ProbeReport:
     """Build what each actor will build and run every hook once on a 2-sample batch (module
-    notes). Never raises for a bad hook: the error comes back as ``ProbeReport.error``."""
+    notes); with ``per_sample_loss`` (``JobConfig.per_sample_loss``) also check that the loss
+    is not a sum over samples (:func:`summed_loss`). Never raises for a bad hook: the error
+    comes back as ``ProbeReport.error``."""
     import torch
 
     from ..engine.loader import batch_size, split_batch
@@ -241,6 +248,18 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         with autocast(device, precision):
             loss = check_loss(split_step_output(step(model, rows), hook)[0], hook)
         loss.backward()
+        k = min(MEAN_CHECK_SAMPLES, len(train)) // 2 * 2
+        if per_sample_loss and k >= 4:       # halves of 2 at least (BatchNorm needs 2 in training)
+            batch = batch_rows(train, k, hooks.collate_fn, data_hook)
+            with torch.no_grad(), autocast(device, precision):
+                losses = [float(split_step_output(step(model, b), hook)[0])
+                          for b in [batch, *split_batch(batch, [k // 2, k // 2])]]
+            if summed_loss(*losses):
+                raise ValueError(f"per_sample_loss: the training loss is a sum over the batch's "
+                                 f"samples, not a per-sample mean (loss of {k} samples "
+                                 f"{losses[0]:.6g} = loss of its halves {losses[1]:.6g} + "
+                                 f"{losses[2]:.6g}); declare JobConfig(per_sample_loss=False) or "
+                                 f"return the mean")
         if val is not None:
             vrows = batch_rows(val, min(2, len(val)), hooks.collate_fn,
                                "val_dataset_fn" if hooks.val_dataset_fn is not None else "val_dataset")
@@ -262,6 +281,19 @@ def probe_job(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         if not isinstance(e, ValueError):
             msg = f"{type(e).__name__}: {msg}"
         return ProbeReport(0, None, 0.0, error=msg, hook_error=e if isinstance(e, HookError) else None)
+
+
+def summed_loss(whole: float, half1: float, half2: float) -> bool:
+    """Whether a step's losses on a batch and on its two equal halves say SUM over samples
+    rather than per-sample mean: a mean gives ``whole = (half1 + half2) / 2``, a sum (or a sum
+    over a fixed normaliser) ``whole = half1 + half2``. True only when ``whole`` is within 10 %
+    of the sum and the two predictions are clearly apart (not ~0), so that batch-coupled
+    modules (BatchNorm) or dropout, which move a mean a little, never make a mean look summed;
+    a per-token or other batch-dependent normaliser may pass unnoticed (it must be declared)."""
+    as_sum, as_mean = half1 + half2, (half1 + half2) / 2
+    if not all(map(math.isfinite, (whole, as_sum))):
+        return False
+    return abs(whole - as_sum) <= 0.1 * abs(as_sum) and abs(as_sum - as_mean) >= 0.25 * abs(as_sum) > 0
 
 
 def batch_rows(ds: Any, k: int, collate_fn: Callable | None, hook: str) -> Any:
@@ -295,27 +327,29 @@ def batch_rows(ds: Any, k: int, collate_fn: Callable | None, hook: str) -> Any:
 
 def _profile_rows(train: Any, collate_fn: Callable | None, step_fn: Callable | None = None,
                   hook: str = "dataset") -> Any:
-    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows as a
-    TensorDataset (the profiler cycles them); with a ``step_fn``, rows of any other type as a
-    list of samples (the profiler batches them as training does: ``collate_fn``, else
-    ``default_collate``, and runs the step on them); None when neither applies. The rows are
-    batched here first (:func:`batch_rows`): samples the profiler could not batch are refused
-    now, in one line naming ``hook``."""
+    """Up to PROFILE_SAMPLES training rows for the profiler: (inputs, targets) rows batched by
+    ``default_collate`` as a TensorDataset (the profiler cycles them); with a ``collate_fn``
+    whose batches are (inputs, targets), or with a ``step_fn``, a list of samples (the profiler
+    batches them as training does: ``collate_fn``, else ``default_collate``, and runs the step
+    on them); None when neither applies. The rows are batched here first (:func:`batch_rows`):
+    samples the profiler could not batch are refused now, in one line naming ``hook``."""
     import torch
 
     k = min(PROFILE_SAMPLES, len(train))
     rows = batch_rows(train, k, collate_fn, hook)
-    if (isinstance(rows, (list, tuple)) and len(rows) == 2
-            and all(isinstance(t, torch.Tensor) for t in rows)):
+    pair = (isinstance(rows, (list, tuple)) and len(rows) == 2
+            and all(isinstance(t, torch.Tensor) for t in rows))
+    if pair and collate_fn is None:
         return torch.utils.data.TensorDataset(*rows)
-    if step_fn is not None:
+    if pair or step_fn is not None:
         return [train[i] for i in range(k)]
     return None
 
 
 def run_probe(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | None,
               hooks: JobHooks, dataset: Any = None, val_dataset: Any = None,
-              precision: str = "fp32", want_profile_rows: bool = False) -> ProbeReport:
+              precision: str = "fp32", want_profile_rows: bool = False,
+              per_sample_loss: bool = True) -> ProbeReport:
     """:func:`probe_job` in a Ray task (no GPU, a small CPU share) when the job builds its data
     with ``dataset_fn``/``val_dataset_fn``; in this process otherwise (the in-memory datasets
     are here anyway). Raises the probe's one-line ValueError (a :class:`HookError`, with the
@@ -324,10 +358,10 @@ def run_probe(model_fn: Callable, optimizer_fn: Callable, loss_fn: Callable | No
         import ray
         task = ray.remote(num_cpus=0.01, max_retries=0)(probe_job)
         report = ray.get(task.remote(model_fn, optimizer_fn, loss_fn, hooks, dataset, val_dataset,
-                                     precision, want_profile_rows))
+                                     precision, want_profile_rows, per_sample_loss))
     else:
         report = probe_job(model_fn, optimizer_fn, loss_fn, hooks, dataset, val_dataset,
-                           precision, want_profile_rows)
+                           precision, want_profile_rows, per_sample_loss)
     if report.hook_error is not None:
         raise report.hook_error
     if report.error:

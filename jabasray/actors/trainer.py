@@ -574,7 +574,8 @@ class JabasTrainer:
         that ``JobConfig.lr``, when given, is the optimizer's LR. One-line ValueError."""
         need_rows = (self.dataset is None and self.perf_model is None and self.profiles is None)
         report = run_probe(self.model_fn, self.optimizer_fn, self.loss_fn, self.hooks,
-                           self.dataset, self.val_dataset, self.job.precision, need_rows)
+                           self.dataset, self.val_dataset, self.job.precision, need_rows,
+                           self.job.per_sample_loss)
         if self.job.lr is not None and not math.isclose(report.optimizer_lr, self.job.lr,
                                                         rel_tol=1e-12):
             raise ValueError(f"lr: JobConfig.lr = {self.job.lr} disagrees with the LR of the "

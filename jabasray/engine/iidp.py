@@ -85,6 +85,8 @@ from .weight_sync import ShardOptimizer, WeightUpdate, resolve_weight_sync
 log = logging.getLogger(__name__)
 
 MicroBatch = Any   # (inputs, targets) for the default step; any batch for a step_fn
+# the global norm / inf check needs every bucket before any update
+_SWS_WHY = "grad_clip_norm or loss scaling needs the whole gradient before the update"
 VSW_EXECUTIONS = ("auto", "threads", "one_thread")
 
 
@@ -220,9 +222,7 @@ class IIDPWorker:
         nbytes = bucket_nbytes(specs)
         method = resolve_weight_sync(weight_sync, nbytes, bucket_cap_mb)
         if method == "ows" and (grad_clip_norm is not None or scaler is not None):
-            # the global norm / inf check needs every bucket before any update
-            log.info("IIDP: SWS instead of OWS (grad_clip_norm or fp16 loss scaling needs the "
-                     "whole gradient before the update)")
+            log.info("IIDP: SWS instead of OWS (%s)", _SWS_WHY)
             method = "sws"
         log.info("IIDP: %d buckets (%s bytes), weight sync %s (%s)", len(specs), nbytes, method, weight_sync)
 
@@ -365,7 +365,54 @@ class IIDPWorker:
     def set_weight_sync(self, method: str) -> None:
         """Use ``"sws"`` or ``"ows"`` from the next step on (a plan's predicted choice; the
         shard optimizer exists either way, so switching between steps is safe)."""
-        self._weights.method = check_choice("weight_sync", method, ("sws", "ows"))
+        check_choice("weight_sync", method, ("sws", "ows"))
+        if method == "ows" and (self._weights.grad_clip_norm is not None or self.state.scaler is not None):
+            self._log_once("IIDP: SWS instead of OWS (%s)", _SWS_WHY)
+            method = "sws"
+        self._weights.method = method
+
+    @property
+    def grad_scaler(self) -> "torch.amp.GradScaler | None":
+        """The loss scaler in use: the worker's own (fp16), one set by :meth:`set_grad_scaler`,
+        or None."""
+        return self.state.scaler
+
+    def set_grad_scaler(self, scaler: "torch.amp.GradScaler") -> None:
+        """Scale the losses with ``scaler`` (an enabled ``torch.amp.GradScaler``: a user's loop's,
+        :mod:`jabasray.train`) from the next step on, in place of the worker's own.
+
+        As for fp16 (:mod:`~jabasray.engine.step`): every micro-batch's loss of a global
+        iteration is scaled by the same scale (it changes only in the update); the update
+        unscales the ALL-REDUCED gradient, skips the optimizer step if it holds inf/NaN and
+        updates the scale (:meth:`WeightUpdate.full_step`). An inf/NaN on any rank is in the
+        all-reduced sum of every rank, so all ranks find it, skip and back off alike (no extra
+        collective). The inf check is the host's: SWS, eager steps (no CUDA graph, no segments).
+        A step function may name its scaler instead: ``step_fn.grad_scaler()`` (returning a
+        GradScaler or None) is asked at the start of every step."""
+        if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+            raise ValueError(f"grad_scaler must be an enabled torch.amp.GradScaler, got {scaler!r}")
+        kind = getattr(scaler, "_device", self.device.type)
+        if kind != self.device.type:
+            raise ValueError(f"GradScaler: device must be {self.device.type!r} (the engine's device), "
+                             f"got {kind!r}; build it as torch.amp.GradScaler({self.device.type!r})")
+        # initialise the scale now (as make_grad_scaler: lazy initialisation is not thread-safe)
+        type(scaler).scale(scaler, torch.ones((), device=self.device))
+        self.state.scaler = self._weights.scaler = scaler
+        if self._weights.method == "ows":
+            self._log_once("IIDP: SWS instead of OWS (%s)", _SWS_WHY)
+            self._weights.method = "sws"
+        if self._graph_mode != "off" or self._segmented != "off":
+            self._log_once("IIDP: eager steps (%s)", "a GradScaler decides on the host whether to step")
+            self._graph_mode, self._segmented = "off", "off"
+            self._graphs.clear()
+
+    def _adopt_grad_scaler(self) -> None:
+        """The step function's own scaler (``step_fn.grad_scaler()``), where it names one."""
+        ask = getattr(self.state.step_fn, "grad_scaler", None)
+        if ask is not None:
+            scaler = ask()
+            if scaler is not None and scaler is not self.state.scaler:
+                self.set_grad_scaler(scaler)
 
     @property
     def bucket_nbytes(self) -> list[int]:
@@ -534,6 +581,7 @@ class IIDPWorker:
             raise ValueError(f"keep_local_grad='split' needs an even num_vsw (two equal VSW groups), "
                              f"got {self.num_vsw}")
         sizes = self._check_micro_batches(micro_batches, ragged)
+        self._adopt_grad_scaler()
         req = StepRequest(micro_batches, sizes, ragged, keep_local_grad, self._clock())
         # the one decision (execution module): a graph or segments where possible (they run
         # eagerly batched while their key warms up), batched where exact, else per VSW

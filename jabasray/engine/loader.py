@@ -7,8 +7,9 @@ device once, then split into the per-worker micro-batches (:func:`split_batch`).
 
 Two sources with the same surface, ``batches(iterations) -> iterator of batches``:
 
-* :class:`InMemoryBatches` - an in-memory map-style dataset (a ``TensorDataset`` is indexed
-  directly, anything else goes through ``collate_fn``); no worker processes.
+* :class:`InMemoryBatches` - an in-memory map-style dataset (without a ``collate_fn`` a
+  ``TensorDataset`` is indexed directly, anything else goes through ``collate_fn``); no
+  worker processes.
 * :class:`LoaderBatches` - a ``torch.utils.data.DataLoader`` over the dataset the actor built
   itself (``dataset_fn``): ``num_workers`` reader processes (persistent across intervals),
   ``collate_fn``, ``pin_memory`` on CUDA, ``prefetch_factor`` batches per worker. Its
@@ -86,11 +87,12 @@ def batch_size(batch: Any) -> int:
 
 
 def gather_rows(dataset: Any, indices: Any, collate_fn: Callable | None = None) -> Any:
-    """Rows ``indices`` of an in-memory dataset as one batch: a ``TensorDataset`` is indexed
-    directly (a tuple of tensors), other map-style datasets go through ``collate_fn``
-    (``default_collate``). Empty ``indices`` give a zero-row batch."""
+    """Rows ``indices`` of an in-memory dataset as one batch: without a ``collate_fn`` a
+    ``TensorDataset`` is indexed directly (a tuple of tensors, what ``default_collate`` gives),
+    anything else goes through ``collate_fn`` (``default_collate``), as a DataLoader with that
+    ``collate_fn`` batches it. Empty ``indices`` give a zero-row batch."""
     idx = torch.as_tensor(np.asarray(indices, dtype=np.int64))
-    if isinstance(dataset, TensorDataset):
+    if isinstance(dataset, TensorDataset) and collate_fn is None:
         return tuple(t[idx] for t in dataset.tensors)
     collate = collate_fn or default_collate
     if len(idx) == 0:

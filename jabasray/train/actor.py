@@ -6,11 +6,16 @@ here, each of which lets the process's loop run (:mod:`.bridge`) until it hands 
 engine asks for -
 
 * ``dataset_fn()``: the dataset of the loop's ``prepare_data_loader``;
+* ``collate_fn(samples)``: that DataLoader's ``collate_fn`` (``default_collate`` if none), the
+  job's collate hook: the actors' loaders batch a rank's micro-batches with it (then split
+  them and join each round's, as for the hooks API's ``collate_fn``), the probe and the
+  profiler too;
 * ``model_fn()``: the model of ``prepare_model`` (a model that was already handed over means a new
   placement or a throwaway worker: the loop is entered again, the old run abandoned);
 * ``optimizer_fn(params)``: the optimizer of ``prepare_optimizer`` (it must hold ``params``);
 * ``step_fn(module, batch)``: the loss of the loop's next batch (:meth:`LoopRun.step`), called
-  from the engine's thread only (``runs_on_caller_thread``).
+  from the engine's thread only (``runs_on_caller_thread``); ``step_fn.grad_scaler()``: the
+  enabled GradScaler the loop passes to ``epochs()``, which the engine scales the losses with.
 
 :class:`LoopGPUActor` adds what the hooks cannot see: after each engine step the loop finishes
 its iteration (and at an epoch end its epoch) before the interval goes on, the loop's own state
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from torch.utils.data import default_collate
 
 from ..actors.gpu_actor import GPUActor, IntervalReply, IntervalRequest, _to_cpu
 from . import bridge
@@ -68,6 +75,20 @@ class LoopCallables:
         # a copy of the loop's model (the profiler measures one): the same optimizer over it
         return clone_optimizer(opt, [p for p in run.model.parameters() if p.requires_grad], params)
 
+    def collate_fn(self, samples: list) -> Any:
+        """The loop's DataLoader's ``collate_fn`` (torch's ``default_collate`` if it has none)
+        on ``samples``: the job's ``collate_fn`` hook, so the actors' loaders, the probe and
+        the profiler batch the loop's samples as its own DataLoader would."""
+        return self.loop_collate()(samples)
+
+    def loop_collate(self) -> Callable:
+        """The collate function of the loop's ``prepare_data_loader`` (read, not run: the loop
+        runs only up to that call where it has not yet reached it)."""
+        run = self._run()
+        source = run.loader if run.loader is not None else run.until("loader")
+        fn = getattr(source, "collate_fn", None)
+        return fn if fn is not None else default_collate
+
     def step_fn(self, module: Any, batch: Any) -> Any:
         run = bridge.active()
         if run is None:
@@ -77,6 +98,16 @@ class LoopCallables:
     # the loop is a coroutine of the engine's thread (bridge): the engine issues every VSW's
     # step from that thread (IIDPWorker's per-VSW "one_thread" scheme)
     step_fn.runs_on_caller_thread = True  # type: ignore[attr-defined]
+
+
+def _loop_grad_scaler() -> Any:
+    """The loop's enabled GradScaler (``epochs(scaler=...)``), asked by the engine every step."""
+    run = bridge.active()
+    return run.grad_scaler() if run is not None and not run.finished else None
+
+
+# the engine scales the loop's losses with the loop's GradScaler (IIDPWorker.set_grad_scaler)
+LoopCallables.step_fn.grad_scaler = _loop_grad_scaler  # type: ignore[attr-defined]
 
 
 def clone_optimizer(opt: Any, originals: list, params: list) -> Any:

@@ -20,6 +20,9 @@ returns what the loop keeps using:
   (the exactly-once sampler, :mod:`jabasray.engine.sampler`): one batch per accumulation round,
   its VSWs' micro-batches joined; B_L and the VSW count change at adaptation intervals without
   the loop noticing. Each batch must be trained on (its loss ``backward()``-ed) before the next.
+* an enabled ``torch.amp.GradScaler`` passed to ``epochs(..., scaler=scaler)`` is the engine's
+  loss scaler (:func:`attach_scaler`): one scale per global iteration, the inf/NaN check on the
+  all-reduced gradient (so every rank skips alike); the loop's own scaler calls mirror it.
 """
 from __future__ import annotations
 
@@ -213,6 +216,40 @@ def attach_optimizer(run: "bridge.LoopRun", opt: torch.optim.Optimizer) -> None:
     opt.step, opt.zero_grad = types.MethodType(step, opt), types.MethodType(zero_grad, opt)
 
 
+def attach_scaler(run: "bridge.LoopRun", scaler: torch.amp.GradScaler) -> None:
+    """(engine side) The loop's enabled GradScaler is the engine's
+    (:meth:`~jabasray.engine.iidp.IIDPWorker.set_grad_scaler`): the engine scales every
+    micro-batch's loss by its scale (one scale per global iteration), unscales the
+    all-reduced gradient, skips the update on inf/NaN - on every rank alike, since the
+    all-reduced gradient is every rank's - and updates the scale, at the iteration's boundary.
+    The loop's calls, which come after that, only mirror it: ``scale(loss)`` returns ``loss``
+    (the engine scales it), ``unscale_`` and ``update()`` do nothing, ``step(opt)`` returns
+    ``opt.step()`` (True at the boundary, skipped or not); ``get_scale()``, ``state_dict()``
+    are the scaler's own. The engine's own calls reach the class's methods."""
+    cls = type(scaler)
+    in_loop = run.in_loop
+
+    def scale(self: Any, outputs: Any) -> Any:
+        return outputs if in_loop() else cls.scale(self, outputs)
+
+    def unscale_(self: Any, optimizer: Any) -> None:
+        return None if in_loop() else cls.unscale_(self, optimizer)
+
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step() if in_loop() else cls.step(self, optimizer, *args, **kwargs)
+
+    def update(self: Any, new_scale: Any = None) -> None:
+        if not in_loop():
+            return cls.update(self, new_scale)
+        if new_scale is not None:
+            raise ValueError("GradScaler.update(new_scale): jabasray updates the scale at the "
+                             "global iteration's boundary; new_scale is not supported in the loop")
+        return None
+
+    for name, fn in (("scale", scale), ("unscale_", unscale_), ("step", step), ("update", update)):
+        setattr(scaler, name, types.MethodType(fn, scaler))
+
+
 class PreparedLoader:
     """The loop's view of the job's data (module notes). ``dataset`` is the user's."""
 
@@ -248,8 +285,11 @@ class _EngineSampler:
 
 def prepare_data_loader(data_loader: Any, eval: bool = False) -> Any:
     """Hand the loop's training data to the engine: a ``torch.utils.data.DataLoader`` (its
-    dataset is read; its batch size, sampler and shuffling are the engine's now) or a map-style
-    dataset. Returns the loader the loop iterates (module notes).
+    dataset is read; its batch size, sampler and shuffling are the engine's now; its
+    ``collate_fn`` batches the samples, as the hooks API's ``collate_fn``: each rank's
+    micro-batches of an iteration are collated as one batch, split per micro-batch and each
+    round's joined, so the batch must be tensors or lists/tuples/dicts of them with samples
+    along dim 0) or a map-style dataset. Returns the loader the loop iterates (module notes).
 
     ``eval=True``: a validation loader instead, which the engine does not touch: each rank
     iterates its contiguous shard ``[r N / W, (r + 1) N / W)`` of the dataset in order, in
@@ -263,10 +303,6 @@ def prepare_data_loader(data_loader: Any, eval: bool = False) -> Any:
         raise ValueError(f"prepare_data_loader: eval must be True or False, got {eval!r}")
     if eval:
         return EvalLoader(bridge.user_run("prepare_data_loader"), data_loader)
-    collate = getattr(data_loader, "collate_fn", None)
-    if collate is not None and collate is not torch.utils.data.default_collate:
-        raise ValueError("prepare_data_loader: a DataLoader with its own collate_fn is not "
-                         "supported yet; give samples that torch's default_collate batches")
     return bridge.user_run("prepare_data_loader").request("loader", data_loader)
 
 
@@ -307,7 +343,9 @@ def epochs(n: int, **state: Any) -> Iterator[int]:
     checkpoint's epoch, the loader at its sample). ``state``: objects with ``state_dict`` /
     ``load_state_dict`` checkpointed at every checkpoint of the run and restored when the loop
     is entered again (the prepared model and optimizer are the engine's and checkpointed
-    anyway; schedulers, scalers and the like are the loop's)."""
+    anyway; schedulers, scalers and the like are the loop's). An enabled
+    ``torch.amp.GradScaler`` among them is the one the engine scales the losses with
+    (:func:`attach_scaler`); at most one."""
     run = bridge.user_run("epochs")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"epochs: n must be an int >= 1, got {n!r}")
@@ -315,9 +353,6 @@ def epochs(n: int, **state: Any) -> Iterator[int]:
         if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict")):
             raise ValueError(f"epochs: {k}= must have state_dict() and load_state_dict(), got "
                              f"{type(v).__name__}")
-        if isinstance(v, torch.amp.GradScaler) and v.is_enabled():
-            raise ValueError(f"epochs: {k}= is an enabled GradScaler; jabasray scales the loss "
-                             f"itself: use JobConfig(precision='fp16') and GradScaler(enabled=False)")
     epoch = run.request("epochs", (n, state))
     while epoch is not None:
         yield epoch

@@ -114,6 +114,8 @@ class LoopRun:
         self.loop_optimizers: tuple = ()  # what the loop handed to prepare_optimizer
         self.loader: Any = None         # the user's DataLoader (or dataset) given to prepare_data_loader
         self.state: dict[str, Any] = {}     # epochs(**state)
+        self.entered = False            # the loop's epochs() request was answered
+        self.scaler: Any = None         # the enabled GradScaler of epochs(**state): the engine's
         self.restore_state: dict | None = None   # the checkpoint's loop state, loaded at epochs()
         self.epoch = 0                  # the epoch the engine trains
         self.current_module: Any = None  # the VSW module of the batch in flight
@@ -230,6 +232,11 @@ class LoopRun:
                 raise ValueError(f"epochs: {LOOP_NAME} asks for epochs({n}) but JobConfig.epochs "
                                  f"is {self.total_epochs}; make them equal")
             self.state = dict(state)
+            self.entered = True
+            self.scaler = loop_scaler(self.state)
+            if self.scaler is not None:
+                from .api import attach_scaler
+                attach_scaler(self, self.scaler)
             if self.restore_state:
                 self._load_extra(self.restore_state)
                 self.restore_state = None
@@ -246,6 +253,16 @@ class LoopRun:
             raise ValueError(f"{LOOP_NAME} returned before training ended; its batches must come "
                              f"from the prepared loader inside `for epoch in epochs(n, ...)`")
         raise RuntimeError(f"{LOOP_NAME}: unexpected request {kind!r}")
+
+    def grad_scaler(self) -> Any:
+        """(engine side) The enabled ``torch.amp.GradScaler`` the loop passes to
+        ``epochs(**state)``, or None: the engine scales the losses with it
+        (:meth:`~jabasray.engine.iidp.IIDPWorker.set_grad_scaler`). Before the loop entered
+        ``epochs()`` it runs up to that call, which stays pending (answered with the first batch)."""
+        if self.entered:
+            return self.scaler
+        _, state = self.until("epochs")
+        return loop_scaler(state)
 
     def step(self, module: Any, batch: Any) -> Any:
         """The engine's ``step_fn``: hand ``batch`` (for ``module``, the main VSW or a replica)
@@ -338,6 +355,16 @@ class LoopRun:
     def _engine_owned(self, obj: Any) -> bool:
         return (obj is self.proxy or obj is self.model or obj is self.optimizer
                 or any(obj is o for o in self.loop_optimizers))
+
+
+def loop_scaler(state: dict) -> Any:
+    """The enabled ``torch.amp.GradScaler`` among ``epochs(**state)``'s objects, or None; two
+    are a one-line ValueError."""
+    found = [k for k, v in state.items() if isinstance(v, torch.amp.GradScaler) and v.is_enabled()]
+    if len(found) > 1:
+        raise ValueError(f"epochs: at most one enabled GradScaler (the engine scales every loss "
+                         f"with one scale), got {', '.join(found)}")
+    return state[found[0]] if found else None
 
 
 # each VSW module's first parameter (walking a module's parameters costs more than the switch)
@@ -446,8 +473,25 @@ def _loop_backward(self: torch.Tensor, gradient: Any = None, retain_graph: Any =
     run.request("loss", self)
 
 
+_torch_scale = torch.amp.GradScaler.scale
+
+
+def _loop_scale(self: Any, outputs: Any) -> Any:
+    """``GradScaler.scale`` of a scaler the engine does not know (the one given to ``epochs()``
+    has the loop-side methods of :func:`~.api.attach_scaler`): refused in a loop's step, where
+    the engine back-propagates the loss and would not unscale the gradient."""
+    run = current_run()
+    if run is not None and run.in_step and self.is_enabled():
+        raise ValueError("GradScaler: an enabled scaler must be passed to epochs(..., scaler=scaler) "
+                         "before training, so that jabasray scales, unscales and steps with it")
+    return _torch_scale(self, outputs)
+
+
 def install_backward() -> None:
-    """Route ``Tensor.backward`` of loops to the engine (idempotent, process-wide; everything
-    else keeps torch's own)."""
+    """Route ``Tensor.backward`` of loops to the engine, and refuse an enabled GradScaler the
+    engine does not know in a loop's step (idempotent, process-wide; everything else keeps
+    torch's own)."""
     if torch.Tensor.backward is not _loop_backward:
         torch.Tensor.backward = _loop_backward
+    if torch.amp.GradScaler.scale is not _loop_scale:
+        torch.amp.GradScaler.scale = _loop_scale

@@ -66,7 +66,8 @@ class JabasTorchTrainer:
         # the hooks API's trainer, fed by the loop (module notes); it checks its arguments here
         self.trainer = JabasTrainer(c.model_fn, optimizer_fn=c.optimizer_fn, job_config=job,
                                     cluster=cluster, run_config=run_config, dataset_fn=c.dataset_fn,
-                                    step_fn=c.step_fn, verbose=verbose, perf_model=perf_model,
+                                    step_fn=c.step_fn, collate_fn=c.collate_fn, verbose=verbose,
+                                    perf_model=perf_model,
                                     profiles=profiles, options=options, callbacks=list(callbacks),
                                     num_data_workers=num_data_workers, prefetch_factor=prefetch_factor,
                                     scaling_config=scaling_config)
