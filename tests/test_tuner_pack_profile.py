@@ -56,3 +56,41 @@ def test_a_child_process_start_is_its_cpu_time():
 def test_no_configuration_to_measure_is_a_value_error():
     with pytest.raises(ValueError, match="configs must hold at least one configuration"):
         pack_profile.measure_pack_costs(digits_mlp_spec(), [], 40, cache_dir=None)
+
+
+def test_a_cpu_unit_is_timed_in_thread_cpu_seconds_a_gpu_unit_in_wall_time():
+    """One torch thread on a CPU: a run costs its thread's CPU seconds (a busy machine's other
+    processes, here a sleep, do not count); on a GPU, or with several threads, wall time."""
+    import time
+
+    def nap():
+        time.sleep(0.2)
+    assert pack_profile._time(nap, pack_profile._unit_clock("cpu", 1)) < 0.1
+    assert pack_profile._time(nap, pack_profile._unit_clock("cuda:0", 1)) >= 0.2
+    assert pack_profile._time(nap, pack_profile._unit_clock("cpu", 2)) >= 0.2
+
+
+def test_alone_and_packed_units_are_timed_in_alternating_rounds(monkeypatch):
+    """Every round times each variant (each configuration alone, packs of 1..K) once, so a
+    change in the machine's load during the measurement shifts all of them alike."""
+    from jabasray.tuner.pack_runner import PackRunner
+    from jabasray.tuner.trainable import PlainMember
+
+    calls = []
+    plain_unit, pack_unit = PlainMember.unit, PackRunner.unit
+
+    def alone(self):
+        calls.append(("alone", self.b))
+        return plain_unit(self)
+
+    def packed(self, keys):
+        calls.append(("pack", len(keys)))
+        return pack_unit(self, keys)
+    monkeypatch.setattr(PlainMember, "unit", alone)
+    monkeypatch.setattr(PackRunner, "unit", packed)
+    out = pack_profile._measure_units(digits_mlp_spec(steps_per_unit=2), CONFIGS, 40, 1, 2, repeats=3)
+    variants = {("alone", 20), ("alone", 40), ("pack", 1), ("pack", 2)}
+    assert set(calls[:4]) == variants                               # the warm-up
+    rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(3)]
+    assert len(calls) == 16 and all(set(r) == variants for r in rounds)
+    assert len(out["unit_packed_s"]) == 2 and out["unit_alone_s"] > 0

@@ -10,7 +10,11 @@ the decision of :func:`jabasray.tuner.packed` is made from (Pack paper, sections
   member's load and free, one unit of each configuration trained alone and one packed unit of
   the first ``k = 1 .. K`` of them (``steps`` timed steps scaled to ``steps_per_unit``, plus
   each member's metric; the lower median of 3 runs after a warm-up: load on a shared machine
-  only slows a run down), all on the spec's device with the coordinator's torch threads;
+  only slows a run down), all on the spec's device with the coordinator's torch threads. The
+  runs of all variants alternate (each round times every variant once, in a rotated order),
+  so a change in the machine's load shifts them alike; on a CPU device with one torch thread
+  a run is timed in the thread's CPU seconds (``time.thread_time``): the same core-seconds as
+  the process starts, what the run costs on a core of its own however busy the machine is;
 * the relay: the round trip of a no-op Ray actor call (a packed trial asks its coordinator
   for every unit), when Ray is running.
 
@@ -40,7 +44,7 @@ __all__ = ["measure_pack_costs", "process_start_costs", "relay_round_trip", "def
 
 RELAY_IMPORTS = "import ray.tune, jabasray.tuner.packed_trials"
 ALONE_IMPORTS = "import ray.tune, torch, jabasray.tuner.packed_trials, jabasray.tuner.trainable"
-REVISION = 2                 # bump when the measurement changes (part of every cache key)
+REVISION = 3                 # bump when the measurement changes (part of every cache key)
 
 
 @dataclasses.dataclass
@@ -110,10 +114,17 @@ def relay_round_trip(calls: int = 30) -> float:
         ray.kill(a)
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
+def _time(fn, clock=time.perf_counter) -> float:
+    t0 = clock()
     fn()
-    return time.perf_counter() - t0
+    return clock() - t0
+
+
+def _unit_clock(device: Any, threads: int):
+    """``time.thread_time`` on a CPU device with one torch thread (the run's core-seconds, not
+    inflated by other processes on a shared machine), else wall time (a GPU's work is not the
+    host thread's CPU time, nor is the work of several threads one thread's)."""
+    return time.thread_time if str(device).startswith("cpu") and threads == 1 else time.perf_counter
 
 
 def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, threads: int,
@@ -137,28 +148,41 @@ def _measure_units(spec: Any, configs: Sequence[Mapping], stream_batch: int, thr
         short = dataclasses.replace(spec, steps_per_unit=n)
         scale = spec.steps_per_unit / n
 
-        def unit_time(run_unit, members: int, metric_s: float) -> float:
-            run_unit()                          # warm-up (allocations, the first pass)
-            t = lower_median([_time(run_unit) for _ in range(repeats)])
+        clock = _unit_clock(spec.device, threads)
+
+        def unit_time(t: float, members: int, metric_s: float) -> float:
             return max(0.0, t - members * metric_s) * scale + members * metric_s
 
         # alone: the same configurations the packs hold (a packed unit of k is compared with
-        # k of their units alone); the lower median of ``repeats``: load only slows a run down
-        alone, metric = [], []
-        for c in configs:
-            m = PlainMember(short, dict(c), stream_batch)
-            metric.append(lower_median([_time(lambda: spec.metric_fn(m.model, data[1])) for _ in range(repeats)]))
-            alone.append(unit_time(m.unit, 1, metric[-1]))
+        # k of their units alone); packed: one runner per k holding the first k (no restack
+        # between the rounds); loads and frees timed on the runner of all K
+        plain = [PlainMember(short, dict(c), stream_batch) for c in configs]
+        metric = [lower_median([_time(lambda m=m: spec.metric_fn(m.model, data[1]), clock)
+                                for _ in range(repeats)]) for m in plain]
+        runners, loads = [], []
+        for k in range(1, len(configs) + 1):
+            runner = PackRunner(short, stream_batch, data)
+            for i, c in enumerate(configs[:k]):
+                t = _time(lambda: runner.load(f"m{i}", c))
+                if k == len(configs):
+                    loads.append(t)
+            runners.append(runner)
+        variants = [m.unit for m in plain] + [
+            (lambda r=r: r.unit([f"m{i}" for i in range(len(r))])) for r in runners]
+        for run_unit in variants:
+            run_unit()                          # warm-up (allocations, the first pass)
+        times: list[list[float]] = [[] for _ in variants]
+        for rnd in range(repeats):              # interleaved, the order rotated every round
+            for v in range(len(variants)):
+                i = (v + rnd) % len(variants)
+                times[i].append(_time(variants[i], clock))
+        # the lower median of ``repeats``: load only slows a run down
+        alone = [unit_time(lower_median(times[i]), 1, metric[i]) for i in range(len(configs))]
         metric_s = statistics.mean(metric)
-        runner = PackRunner(short, stream_batch, data)
-        packed, loads = [], []
-        keys: list[str] = []
-        for i, c in enumerate(configs):
-            key = f"m{i}"
-            loads.append(_time(lambda: runner.load(key, c)))
-            keys.append(key)
-            packed.append(unit_time(lambda: runner.unit(keys), len(keys), metric_s))
-        frees = [_time(lambda k=k: runner.free(k)) for k in keys]
+        packed = [unit_time(lower_median(times[len(configs) + k - 1]), k, metric_s)
+                  for k in range(1, len(configs) + 1)]
+        last = runners[-1]
+        frees = [_time(lambda k=k: last.free(k)) for k in [f"m{i}" for i in range(len(configs))]]
         return {"data_s": data_s, "load_s": statistics.median(loads) + statistics.median(frees),
                 "unit_alone_s": statistics.mean(alone), "unit_packed_s": packed}
     finally:
