@@ -94,3 +94,19 @@ def test_alone_and_packed_units_are_timed_in_alternating_rounds(monkeypatch):
     rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(3)]
     assert len(calls) == 16 and all(set(r) == variants for r in rounds)
     assert len(out["unit_packed_s"]) == 2 and out["unit_alone_s"] > 0
+
+
+def test_a_new_measurement_revision_measures_again(tmp_path, monkeypatch):
+    """Costs cached by an older measurement are not read back once the measurement changes."""
+    measured = []
+    monkeypatch.setattr(pack_profile, "_child_cpu_s", lambda code: 1.0)
+    monkeypatch.setattr(pack_profile, "_measure_units", lambda *a: measured.append(1) or {
+        "data_s": 0.0, "load_s": 0.0, "unit_alone_s": 1.0, "unit_packed_s": [1.0]})
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    spec = digits_mlp_spec(steps_per_unit=2)
+    pack_profile.measure_pack_costs(spec, CONFIGS[:1], 40, cache_dir=str(tmp_path))
+    pack_profile.measure_pack_costs(spec, CONFIGS[:1], 40, cache_dir=str(tmp_path))
+    assert len(measured) == 1
+    monkeypatch.setattr(pack_profile, "REVISION", pack_profile.REVISION + 1)
+    pack_profile.measure_pack_costs(spec, CONFIGS[:1], 40, cache_dir=str(tmp_path))
+    assert len(measured) == 2

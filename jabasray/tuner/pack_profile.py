@@ -44,7 +44,8 @@ __all__ = ["measure_pack_costs", "process_start_costs", "relay_round_trip", "def
 
 RELAY_IMPORTS = "import ray.tune, jabasray.tuner.packed_trials"
 ALONE_IMPORTS = "import ray.tune, torch, jabasray.tuner.packed_trials, jabasray.tuner.trainable"
-REVISION = 3                 # bump when the measurement changes (part of every cache key)
+REVISION = 3                 # bump when the measurement changes (every cache key's "pack_revision";
+                             # "revision" is host_cached's own, the profiler's)
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def process_start_costs(cache_dir: str | None = None, refresh: bool = False) -> 
     def measure() -> _Starts:
         return _Starts(_child_cpu_s(RELAY_IMPORTS), _child_cpu_s(ALONE_IMPORTS))
 
-    s = host_cached(cache_dir, "trialstart", {"python": sys.executable, "revision": REVISION},
+    s = host_cached(cache_dir, "trialstart", {"python": sys.executable, "pack_revision": REVISION},
                     measure, _Starts.from_json, refresh)
     return s.relay_s, s.alone_s
 
@@ -206,7 +207,7 @@ def measure_pack_costs(spec: Any, configs: Sequence[Mapping], stream_batch: int,
            "batch": repr(spec.batch_size), "steps_per_unit": spec.steps_per_unit, "seed": spec.seed,
            "device": str(spec.device), "threads": threads, "stream_batch": stream_batch,
            "configs": json.dumps([dict(c) for c in configs], sort_keys=True, default=str),
-           "steps": steps, "revision": REVISION}
+           "steps": steps, "pack_revision": REVISION}
 
     class _Units(dict):
         def to_json(self) -> str:
