@@ -80,20 +80,45 @@ def test_alone_and_packed_units_are_timed_in_alternating_rounds(monkeypatch):
     plain_unit, pack_unit = PlainMember.unit, PackRunner.unit
 
     def alone(self):
-        calls.append(("alone", self.b))
+        calls.append(("alone", self.b, self.spec.steps_per_unit))
         return plain_unit(self)
 
     def packed(self, keys):
-        calls.append(("pack", len(keys)))
+        calls.append(("pack", len(keys), self.spec.steps_per_unit))
         return pack_unit(self, keys)
     monkeypatch.setattr(PlainMember, "unit", alone)
     monkeypatch.setattr(PackRunner, "unit", packed)
-    out = pack_profile._measure_units(digits_mlp_spec(steps_per_unit=2), CONFIGS, 40, 1, 2, repeats=3)
-    variants = {("alone", 20), ("alone", 40), ("pack", 1), ("pack", 2)}
-    assert set(calls[:4]) == variants                               # the warm-up
-    rounds = [calls[4 + 4 * r: 8 + 4 * r] for r in range(3)]
-    assert len(calls) == 16 and all(set(r) == variants for r in rounds)
+    out = pack_profile._measure_units(digits_mlp_spec(steps_per_unit=8), CONFIGS, 40, 1, 2, repeats=3)
+    # each variant at units of 2 and 4 steps
+    variants = {(kind, x, n) for kind, xs in (("alone", (20, 40)), ("pack", (1, 2))) for x in xs for n in (2, 4)}
+    assert set(calls[:8]) == variants                               # the warm-up
+    rounds = [calls[8 + 8 * r: 16 + 8 * r] for r in range(3)]
+    assert len(calls) == 32 and all(set(r) == variants for r in rounds)
     assert len(out["unit_packed_s"]) == 2 and out["unit_alone_s"] > 0
+
+
+def test_what_a_unit_pays_once_is_not_scaled_with_its_steps(monkeypatch):
+    """A unit of N steps timed from units of n and 2n steps: a fixed cost of every unit (here
+    30 ms of CPU added to each unit alone) counts once, as in the real unit, not N / n times."""
+    import time
+
+    from jabasray.tuner.trainable import PlainMember
+
+    def burn(seconds):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < seconds:
+            pass
+    spec = digits_mlp_spec(steps_per_unit=400)
+    base = pack_profile._measure_units(spec, CONFIGS[:1], 40, 1, 2, repeats=3)["unit_alone_s"]
+    plain_unit = PlainMember.unit
+
+    def slow_unit(self):
+        burn(0.03)
+        return plain_unit(self)
+    monkeypatch.setattr(PlainMember, "unit", slow_unit)
+    fixed = pack_profile._measure_units(spec, CONFIGS[:1], 40, 1, 2, repeats=3)["unit_alone_s"]
+    # once: about base + 0.03; scaled with the steps it would be base + 6 s (30 ms x 400 / 2)
+    assert fixed - base < 1.0
 
 
 def test_a_new_measurement_revision_measures_again(tmp_path, monkeypatch):
@@ -110,3 +135,10 @@ def test_a_new_measurement_revision_measures_again(tmp_path, monkeypatch):
     monkeypatch.setattr(pack_profile, "REVISION", pack_profile.REVISION + 1)
     pack_profile.measure_pack_costs(spec, CONFIGS[:1], 40, cache_dir=str(tmp_path))
     assert len(measured) == 2
+
+
+def test_a_packed_unit_is_taken_at_configurations_of_the_mean_cost_alone():
+    # the first configuration costs 1 alone, the second 3 (mean 2): a pack of the first alone
+    # (2 s) is a pack of one mean configuration at 4 s; the pack of both is already at the mean
+    assert pack_profile.typical_packed([2.0, 3.0], [1.0, 3.0]) == [4.0, 3.0]
+    assert pack_profile.typical_packed([2.0, 3.0], [2.0, 2.0]) == [2.0, 3.0]
