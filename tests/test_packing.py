@@ -284,3 +284,29 @@ def test_sgd_hyperparameters_changed_mid_pack_stay_exact():
         p.train_step(x, y)
         _plain_step(refs, ref_opts, [8] * 3, x, y)
     _assert_same(models, refs)
+
+
+def test_sweep_like_members_run_folded_and_match_plain_loop():
+    """The digits sweep's mix -- one layer structure, four activations, four optimizers, four
+    batch sizes -- runs as ONE folded group (the stacked linear layers, not the vmap fallback
+    taken when the folded forward disagrees with the members' modules) and every member
+    trains exactly as alone."""
+    torch.manual_seed(4)
+    acts = ["sigmoid", "relu", "tanh", "leaky_relu"]
+    models = [MLP(hidden=(16, 16, 16), act=a) for a in acts]
+    opts = [torch.optim.SGD(models[0].parameters(), lr=0.1),
+            torch.optim.Adam(models[1].parameters(), lr=1e-2),
+            torch.optim.Adagrad(models[2].parameters(), lr=0.05),
+            torch.optim.SGD(models[3].parameters(), lr=0.05, momentum=0.9)]
+    sizes = [5, 12, 9, 7]
+    refs, ref_opts = _reference(models, opts)
+    p = pack(models, opts, sizes)
+    for x, y in _batches(4, 12, seed=6):
+        losses = p.train_step(x, y)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_plain_step(refs, ref_opts, sizes, x, y)))
+    (g,) = p._groups
+    assert g.folded is not None and g.checked
+    _assert_same(models, refs)
+    for (m, o), r, ro in zip(p.free_all(), refs, ref_opts):
+        _assert_same([m], [r])
+        _assert_same_state(o, ro)
