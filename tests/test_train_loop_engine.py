@@ -169,6 +169,17 @@ def two_optimizers(model):
             torch.optim.Adam(head, lr=0.01, betas=(0.8, 0.9)))
 
 
+def assert_same_optimizer_state(optimizers, references):
+    """Each optimizer's state equals its reference's, parameter by parameter (and is not empty)."""
+    for sub, ref in zip(optimizers, references, strict=True):
+        pa = [p for g in sub.param_groups for p in g["params"]]
+        pb = [p for g in ref.param_groups for p in g["params"]]
+        for a, b in zip(pa, pb, strict=True):
+            assert set(sub.state[a]) == set(ref.state[b]) != set()
+            for k, v in ref.state[b].items():
+                torch.testing.assert_close(torch.as_tensor(sub.state[a][k]), torch.as_tensor(v))
+
+
 def scaler_loop(ds, steps, enabled=False, **scaler_kw):
     """Two optimizers (a body and a head) and a GradScaler, as an AMP loop writes them."""
     def loop(config):
@@ -217,13 +228,7 @@ def test_two_optimizers_and_a_grad_scaler_equal_the_plain_computation(weight_syn
     assert steps == [(False, False), (True, True)] * 3
     for a, b in zip(w.model.parameters(), model.parameters()):
         torch.testing.assert_close(a, b)
-    for sub, ref in zip(w.optimizer.optimizers, opts):       # state per parameter
-        pa = [p for g in sub.param_groups for p in g["params"]]
-        pb = [p for g in ref.param_groups for p in g["params"]]
-        for a, b in zip(pa, pb):
-            assert set(sub.state[a]) == set(ref.state[b]) != set()
-            for k, v in ref.state[b].items():
-                torch.testing.assert_close(torch.as_tensor(sub.state[a][k]), torch.as_tensor(v))
+    assert_same_optimizer_state(w.optimizer.optimizers, opts)
     assert set(run.extra_state()) == {"scaler"}          # the optimizers are the engine's
     run.finish()
 
