@@ -47,7 +47,7 @@ def assert_same_training(a: Result, b: Result) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(ray_session, tmp_path_factory):
     return fit(tmp_path_factory.mktemp("ref"), "ref", epochs=2)
 
 
@@ -98,7 +98,7 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
                      perf_model=perf_model()).fit()
 
 
-def test_sma_sync_hosts_crossbow_learners(tmp_path):
+def test_sma_sync_hosts_crossbow_learners(ray_session, tmp_path):
     """JobConfig.sync="sma": the GPU actors host SMAWorker (same actor surface): one epoch on one
     pair serves every sample once, and the central model z moved away from its initialisation."""
     ds, val = tiny_data(120)
