@@ -171,31 +171,34 @@ def test_free_cluster_counts_the_bundles_each_node_can_hold_now():
     assert free_cluster(pinned, {}, emulate=True) is None
 
 
-@pytest.mark.parametrize("env_address", [None, "10.0.0.1:6379"])
-def test_ensure_ray_asks_ray_where_a_running_cluster_is_before_starting_one(monkeypatch, env_address):
-    """With no address given, ``ensure_ray`` lets Ray find a running cluster (``RAY_ADDRESS``,
-    else the address file where Ray writes it: its temp folder follows RAY_TMPDIR and TMPDIR, so
-    a path of our own would miss it) and starts a local instance only on Ray's ConnectionError."""
+@pytest.mark.parametrize("found", ["none", "address_file", "env"])
+def test_ensure_ray_joins_a_ray_start_cluster_and_else_starts_its_own(monkeypatch, tmp_path, found):
+    """With no address given, ``ensure_ray`` joins the cluster ``RAY_ADDRESS`` names or whose
+    address a `ray start` wrote where Ray keeps it (Ray's temp folder follows RAY_TMPDIR and
+    TMPDIR: a fixed /tmp/ray path misses it), and otherwise starts a local instance with the
+    cluster's resources - without asking Ray to look for "any" Ray process on the machine
+    (``address="auto"`` alone joins another user's local instance)."""
     import ray
 
     from jabasray.actors import trainer
+    from jabasray.actors.ray_internals import ray_address_file
 
     calls = []
-
-    def init(**kw):
-        calls.append(kw)
-        if kw["address"] != "local" and len(calls) == 1:
-            raise ConnectionError("Could not find any running Ray instance")
-
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", init)
-    if env_address is None:
-        monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    else:
-        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address_file().startswith(str(tmp_path))
+    if found == "address_file":
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.2:6379")
+    elif found == "env":
+        monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     cluster = ClusterSpec(nodes=[NodeSpec("n0", "fast", 2, speed=1.0)])
-    assert trainer.ensure_ray(cluster, num_cpus=3) is True
-    assert [c["address"] for c in calls] == [env_address or "auto", "local"]
-    assert calls[1]["num_cpus"] == 3 and calls[1]["resources"] == {"gpu_fast": 2}
+    started = trainer.ensure_ray(cluster, num_cpus=3)
+    want = {"none": "local", "address_file": "auto", "env": "10.0.0.1:6379"}[found]
+    assert started is (found == "none") and [c["address"] for c in calls] == [want]
+    if found == "none":
+        assert calls[0]["num_cpus"] == 3 and calls[0]["resources"] == {"gpu_fast": 2}
     calls.clear()
     assert trainer.ensure_ray(cluster, address="local") is True and [c["address"] for c in calls] == ["local"]

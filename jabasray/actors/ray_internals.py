@@ -26,6 +26,11 @@ counterpart in the tested Ray:
   drops both times, and the public ``ray.util.state.list_nodes(detail=True)`` that has them
   needs the dashboard (absent from a minimal install, off with ``include_dashboard=False``).
   The GPU-hours a job reports as held (:mod:`.cluster_view`, rule 6) are these lifetimes.
+* **Where a `ray start` on this machine wrote its address**: ``ray._common.utils.
+  get_ray_address_file`` (Ray's temp folder: RAY_TMPDIR, else TMPDIR, else /tmp). ``ray.init()``
+  reads it itself but then refuses the ``num_cpus`` and resources of a local instance, and
+  ``address="auto"`` also joins any Ray process it finds on the machine (another user's local
+  instance); ``jabasray train`` joins a `ray start` cluster only.
 * **An S3 filesystem's endpoint and credentials** (pyarrow): ``S3FileSystem`` exposes only
   ``region``; its other constructor arguments are readable only from what pickling rebuilds it
   from (``__reduce__()[1][0]``, a dict of them). The S3 lease (:mod:`.lease`) needs them to talk
@@ -58,6 +63,7 @@ RAY_INTERNALS = (
     ("ray._private.state", "state.get_draining_nodes", ()),
     ("ray._private.worker", "global_worker", ()),
     ("ray._raylet", "InnerGcsClient.get_all_node_info", ("self", "timeout")),
+    ("ray._common.utils", "get_ray_address_file", ("temp_dir",)),
 )
 S3_OPTION_KEYS = ("endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token")
 
@@ -198,6 +204,12 @@ def draining_nodes() -> dict[str, float | None]:
     as the GCS reports them now; {} when no node drains."""
     got = _require("ray._private.state", "state.get_draining_nodes")()
     return {str(k): (float(v) / 1000.0 if v else None) for k, v in got.items()}
+
+
+def ray_address_file() -> str:
+    """The file where a `ray start` on this machine wrote its cluster's address (it may not
+    exist), in Ray's temp folder as Ray itself resolves it."""
+    return str(_require("ray._common.utils", "get_ray_address_file")(None))
 
 
 def node_lifetimes(timeout_s: float = 30.0) -> list[dict[str, Any]]:

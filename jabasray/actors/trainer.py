@@ -36,6 +36,7 @@ from .driver import DriverCallback, DriverOptions, JabasDriver
 from .hooks import JobHooks, ProbeReport, run_probe
 from .job_identity import check_run, job_identity
 from .metrics import MetricsHistory, held_line, plot_history, save_metrics
+from .ray_internals import ray_address_file
 from .placement import resource_name
 from .run_folder import probe_run_folder, run_lock
 from .run_record import RunRecord
@@ -201,10 +202,8 @@ def ensure_ray(cluster: ClusterSpec | None, emulate: bool = True, num_cpus: int 
     if address and address != "local":
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
-    if address is None:
-        # "auto": RAY_ADDRESS, else the address file a `ray start` on this machine wrote, where
-        # Ray itself looks for it (its temp folder: RAY_TMPDIR, TMPDIR, /tmp); a ConnectionError
-        # at once where there is neither
+    if address is None and (os.environ.get("RAY_ADDRESS") or os.path.exists(ray_address_file())):
+        # RAY_ADDRESS, else the address a `ray start` on this machine wrote where Ray keeps it
         try:
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), runtime_env=env,
                      log_to_driver=True)
