@@ -375,8 +375,10 @@ def actor_node(handle) -> str:
 
 
 def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tmp_path):
-    """The driver actor runs on a node of its own (``driver_node``, not the head); in the middle
-    of epoch 1 that node leaves the cluster. Its GPU actors die with their owner; Ray restarts
+    """The driver actor runs on a node of its own (``driver_node``: the module's worker node,
+    which the job's GPUs are not on; not the head); in the middle of epoch 1 that node leaves
+    the cluster (the module's last test: no test after it needs that node, so none is added
+    for it). Its GPU actors die with their owner; Ray restarts
     the driver on another node, which removes the old incarnation's leftovers, resumes from the
     epoch-1 checkpoint and finishes: epoch 0 is kept (not trained again), each epoch served
     every sample exactly once, and nothing of the run is left. Epoch 1 is held open (its reads
@@ -389,9 +391,8 @@ def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tm
     from jabasray.actors.trainer import JabasTrainer
     from jabasray.config import RunConfig
 
-    host = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    pair = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0)])   # 2 actors: a short test
+    host = next(iter(cluster.worker_nodes))                        # the slow GPUs' node
+    pair = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0)])   # 2 actors (on the head): a short test
     ds, val = tiny_data(240)
     held = HeldRows(ds, tmp_path, after=240 + 32)
     trainer = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=pair,
