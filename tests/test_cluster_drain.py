@@ -1,15 +1,16 @@
-"""A node that drains mid-epoch, on a ``ray.cluster_utils.Cluster``: a head with 2 CPUs and no
-GPU, two nodes with 1 CPU and two emulated "fast" GPUs each (one pair: what SMA and burst
-parallelism place on).
+"""A node that drains mid-epoch, on a ``ray.cluster_utils.Cluster``: a head with 2 CPUs and a
+worker node with 1 CPU, each with two emulated "fast" GPUs (one pair: what SMA and burst
+parallelism place on); the worker node is the one drained (the head holds the GCS and this
+process's connection). Two raylets, not three: one node start fewer for the module.
 
 The drain is what a spot node's preemption notice is to Ray: a drain request to the GCS (what
 ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds`` sends,
 the call the autoscaler and KubeRay make; sent here from the test process) after which Ray
 schedules nothing new on the node and whoever asked kills it at the deadline; here the test
-removes it once the job has left (and adds a fresh node for the next test).
+removes it once the job has left (and adds a fresh worker node for the next test).
 
 Proves, in each mode - IIDP data parallelism (the default), Crossbow SMA learners and DeepPool
-burst parallelism: a job on both nodes whose second node is drained after interval 0 of epoch 0
+burst parallelism: a job on both nodes whose worker node is drained after interval 0 of epoch 0
 writes a mid-epoch checkpoint, re-plans on the other node and goes on with the epoch there,
 before the node goes: the node is removed (its raylet killed) one interval later and no actor
 fails; the drain costs no completed sample (each epoch serves every sample exactly once, by the
@@ -44,14 +45,16 @@ MODES = {   # mode -> (its JobConfig fields, epochs): B_G 16, 2 iterations an in
 
 @pytest.fixture(scope="module")
 def cluster(without_session_ray):
-    with running_cluster(dict(num_cpus=2, include_dashboard=False), [GPU_NODE, GPU_NODE]) as c:
+    with running_cluster(dict(num_cpus=2, include_dashboard=False, resources=GPU_NODE["resources"]),
+                         [GPU_NODE]) as c:
         yield c
 
 
 @pytest.fixture
 def two_nodes(cluster):
-    """The cluster with two GPU nodes (a test before this one removed one)."""
-    while len(cluster.worker_nodes) < 2:
+    """The cluster with two GPU nodes, the head and a worker (a test before this one removed
+    the worker)."""
+    while len(cluster.worker_nodes) < 1:
         cluster.add_node(**GPU_NODE)
     cluster.wait_for_nodes()
     return cluster
@@ -71,8 +74,8 @@ def drain(address: str, node_id: str, deadline_s: int) -> None:
 
 
 class DrainThenRemove(DriverCallback):
-    """After interval 0 of epoch 0: a preemption drain of the node of the last rank; after
-    interval 1: that node removed, noting what the job held then."""
+    """After interval 0 of epoch 0: a preemption drain of the worker node (the node of the last
+    rank not on the head); after interval 1: that node removed, noting what the job held then."""
 
     def __init__(self, cluster, run_dir) -> None:
         self.cluster, self.run_dir = cluster, run_dir
@@ -83,7 +86,8 @@ class DrainThenRemove(DriverCallback):
         if record.epoch != 0:
             return
         if record.interval == 0:
-            slot = driver.slots()[-1]
+            head = self.cluster.head_node.node_id
+            slot = [s for s in driver.slots() if s.ray_node_id != head][-1]
             self.node_id, self.name = slot.ray_node_id, slot.node
             drain(self.cluster.address, self.node_id, deadline_s=120)
         elif record.interval == 1:

@@ -91,34 +91,6 @@ class Arm(DriverCallback):
         self.events.append((time.monotonic(), message))
 
 
-def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(cluster, tmp_path):
-    """One actor blocks in its step in epoch 1 (the other one waits for it in the gradient
-    all-reduce). The interval's deadline (call_timeout_s=5; the collective timeout is 120 s)
-    turns it into one actor failure naming the ranks still running; the driver kills every
-    actor, restarts epoch 1 from its checkpoint on the same allocation (a hang drops no GPU
-    pair) and finishes: epoch 0 kept, each epoch served every sample exactly once."""
-    ds, val = tiny_data(240)
-    hook = Arm(str(tmp_path / "armed"), epoch=1)
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), TWO, tmp_path / "hang",
-                      val_dataset=val, perf_model=perf_model(SPEEDS),
-                      hooks=JobHooks(step_fn=HangOnce(str(tmp_path / "armed"), str(tmp_path / "taken"))),
-                      callbacks=[hook],
-                      options=DriverOptions(failure_grace_s=5, call_timeout_s=5,
-                                            collective_timeout_s=120, record_samples=True))
-    hist = drv.run()
-    assert os.path.exists(tmp_path / "taken")              # the hang happened
-    fail = [(t, m) for t, m in hook.events if "failure" in m]
-    assert len(fail) == 1
-    t_fail, msg = fail[0]
-    assert "ActorHung" in msg and "run_interval on rank(s) [" in msg and "within 5s" in msg
-    assert t_fail - hook.t_armed >= 5                      # not before its deadline
-    assert "restarting epoch 2" in msg
-    assert [e.epoch for e in hist.epochs] == [0, 1]
-    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 1, "s": 1}
-    assert_each_sample_once_per_epoch(hist, 240)
-    assert drv.gpu_actors() == []
-
-
 class Env(DriverCallback):
     """At the first interval: each actor's values of ``names`` and the rendezvous port."""
 
@@ -143,18 +115,59 @@ def free_port_range(n: int = 8) -> tuple[int, int]:
     return (port, port + n - 1) if port + n - 1 <= 65535 else (port - n + 1, port)
 
 
-def test_actor_env_reaches_the_actors_and_the_store_listens_in_the_port_range(cluster, tmp_path):
+ENV = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+@pytest.fixture(scope="module")
+def hung_run(cluster, tmp_path_factory):
+    """One run shared by the hang test and the actor-environment test (each checks its own facts
+    of it; one run instead of two saves a driver and two GPU-actor processes): one actor blocks
+    in its step in epoch 1; the actors get ``ENV`` (``actor_env``) and the rendezvous store a
+    port range. ``(drv, hist, hook, seen, ports, tmp)``."""
+    tmp = tmp_path_factory.mktemp("hang")
     ds, val = tiny_data(240)
-    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+    hook = Arm(str(tmp / "armed"), epoch=1)
     ports = free_port_range()
-    seen = Env(list(env) + ["OMP_NUM_THREADS"])
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(1), TWO, tmp_path / "env",
-                      val_dataset=val, perf_model=perf_model(SPEEDS), callbacks=[seen],
-                      options=DriverOptions(actor_env=env, rendezvous_ports=ports))
+    seen = Env(list(ENV) + ["OMP_NUM_THREADS"])
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job(), TWO, tmp / "hang",
+                      val_dataset=val, perf_model=perf_model(SPEEDS),
+                      hooks=JobHooks(step_fn=HangOnce(str(tmp / "armed"), str(tmp / "taken"))),
+                      callbacks=[hook, seen],
+                      options=DriverOptions(failure_grace_s=5, call_timeout_s=5,
+                                            collective_timeout_s=120, record_samples=True,
+                                            actor_env=ENV, rendezvous_ports=ports))
     hist = drv.run()
-    assert len(hist.epochs) == 1
+    return drv, hist, hook, seen, ports, tmp
+
+
+def test_a_hung_actor_is_a_failure_at_its_deadline_and_the_epoch_is_redone(hung_run):
+    """One actor blocks in its step in epoch 1 (the other one waits for it in the gradient
+    all-reduce). The interval's deadline (call_timeout_s=5; the collective timeout is 120 s)
+    turns it into one actor failure naming the ranks still running; the driver kills every
+    actor, restarts epoch 1 from its checkpoint on the same allocation (a hang drops no GPU
+    pair) and finishes: epoch 0 kept, each epoch served every sample exactly once."""
+    drv, hist, hook, _, _, tmp = hung_run
+    assert os.path.exists(tmp / "taken")                   # the hang happened
+    fail = [(t, m) for t, m in hook.events if "failure" in m]
+    assert len(fail) == 1
+    t_fail, msg = fail[0]
+    assert "ActorHung" in msg and "run_interval on rank(s) [" in msg and "within 5s" in msg
+    assert t_fail - hook.t_armed >= 5                      # not before its deadline
+    assert "restarting epoch 2" in msg
+    assert [e.epoch for e in hist.epochs] == [0, 1]
+    assert hist.epochs[1].allocation == hist.epochs[0].allocation == {"f": 1, "s": 1}
+    assert_each_sample_once_per_epoch(hist, 240)
+    assert drv.gpu_actors() == []
+
+
+def test_actor_env_reaches_the_actors_and_the_store_listens_in_the_port_range(hung_run):
+    """The hang test's run (its actors got ``actor_env`` and its store ``rendezvous_ports``),
+    read at its first interval: every actor's process has ``ENV``, and the store listens on a
+    port of the range."""
+    _, hist, _, seen, ports, _ = hung_run
+    assert len(hist.epochs) == 2 and seen.env is not None
     # the job's own runtime_env (OMP_NUM_THREADS) is kept beside actor_env
-    assert seen.env == [dict(env, OMP_NUM_THREADS="1")] * 2
+    assert seen.env == [dict(ENV, OMP_NUM_THREADS="1")] * 2
     assert ports[0] <= seen.port <= ports[1]
 
 
@@ -203,7 +216,8 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
     finally:
         release(placement)
     with pytest.raises(PlacementTimeout) as info:
-        place_actors(slots_for(FOUR, {"f": 2, "s": 2}), make, emulate=True, timeout_s=3, cpus=2)
+        # never met (8 CPUs of 3), whatever the wait: 1 s of waiting shows it as well as 3 s
+        place_actors(slots_for(FOUR, {"f": 2, "s": 2}), make, emulate=True, timeout_s=1, cpus=2)
     msg = str(info.value)
     assert "\n" not in msg and "node f" in msg and "'CPU'" in msg and "missing" in msg
 
@@ -242,9 +256,12 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
     assert sorted(n.split(":")[0] for n in again) == ["profile of fast", "profile of slow"]
     assert all(": cached (" in n for n in again)
 
+    # no all-reduce timing on the placed actors (measure_allreduce) and no validation: neither
+    # is what this run checks (that it plans with the cached profiles and trains)
     drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, small, TWO, tmp_path / "run",
                       val_dataset=val, options=DriverOptions(profile_in_tasks=True,
-                                                             profile_cache_dir=str(tmp_path / "prof")))
+                                                             profile_cache_dir=str(tmp_path / "prof"),
+                                                             measure_allreduce=False, evaluate=False))
     hist = drv.run()
     assert len(hist.epochs) == 1
     assert sum("profile of" in m and "cached" in m for m in hist.events) == 2
@@ -359,8 +376,10 @@ def actor_node(handle) -> str:
 
 
 def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tmp_path):
-    """The driver actor runs on a node of its own (``driver_node``, not the head); in the middle
-    of epoch 1 that node leaves the cluster. Its GPU actors die with their owner; Ray restarts
+    """The driver actor runs on a node of its own (``driver_node``: the module's worker node,
+    which the job's GPUs are not on; not the head); in the middle of epoch 1 that node leaves
+    the cluster (the module's last test: no test after it needs that node, so none is added
+    for it). Its GPU actors die with their owner; Ray restarts
     the driver on another node, which removes the old incarnation's leftovers, resumes from the
     epoch-1 checkpoint and finishes: epoch 0 is kept (not trained again), each epoch served
     every sample exactly once, and nothing of the run is left. Epoch 1 is held open (its reads
@@ -373,9 +392,8 @@ def test_the_node_hosting_the_driver_actor_dies_and_the_run_finishes(cluster, tm
     from jabasray.actors.trainer import JabasTrainer
     from jabasray.config import RunConfig
 
-    host = cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    pair = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0)])   # 2 actors: a short test
+    host = next(iter(cluster.worker_nodes))                        # the slow GPUs' node
+    pair = ClusterSpec(nodes=[NodeSpec("f", "fast", 2, speed=1.0)])   # 2 actors (on the head): a short test
     ds, val = tiny_data(240)
     held = HeldRows(ds, tmp_path, after=240 + 32)
     trainer = JabasTrainer(model_fn, held, optimizer_fn, loss_fn, job(2), cluster=pair,

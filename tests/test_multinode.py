@@ -14,7 +14,8 @@ plans use then has Eq. 4 over that fit as its comm time; a run on one node fits 
 Eq. 3, a second placement of the same (backend, world size, span) measures nothing, and a
 resumed run (a new driver on the run's checkpoint) measures nothing and plans with the
 checkpointed fit; every epoch record says which fit its plans used. (These share this module's
-cluster instead of starting their own Cluster of two raylets.)
+cluster instead of starting their own Cluster of two raylets; the inter-node fit is read from the
+node-loss test's run, whose first placement spans fast2 and slow: one run for both.)
 
 Where the driver actor runs: on the head node, as the README says, also when a worker node
 offers more CPUs (the second fast node has 4 CPUs, the head 1). Ray 2.60 places an actor that
@@ -33,7 +34,7 @@ from dataclasses import replace
 import pytest
 from ray import cloudpickle
 
-from actors_helpers import loss_fn, model_fn, optimizer_fn, perf_model, profile, running_cluster, tiny_data
+from actors_helpers import loss_fn, model_fn, optimizer_fn, profile, running_cluster, tiny_data
 from jabasray.actors.allreduce_fit import fit_description, measurement_sizes, record_fit
 from jabasray.actors.checkpoint import latest_checkpoint
 from jabasray.actors.driver import DriverCallback, DriverOptions, JabasDriver
@@ -140,8 +141,12 @@ def test_allocation_places_actors_on_its_nodes_and_a_change_moves_them(cluster):
 
 
 # ------------------------------------------------------------------ the all-reduce fit
-# (on this module's cluster, before the node-loss test removes the slow node)
-AR_PROFILES = {"fast": profile("fast", 1.0), "slow": profile("slow", 0.5)}
+# (the inter-node fit: on the node-loss run, ``node_lost_run`` below)
+# Profiled local batches 4 and 8 (not 4..32): a run given profiles times its step at every
+# profiled point on its placed actors after each placement (interval_costs.probe_points: 4
+# points instead of 16); the all-reduce fit, its buckets and the plans' feasibility (B_G 16-64
+# over 2 GPUs with up to 4 VSWs each) do not depend on the larger batches.
+AR_PROFILES = {"fast": profile("fast", 1.0, max_local_batch=8), "slow": profile("slow", 0.5, max_local_batch=8)}
 
 
 def ar_job(epochs: int) -> JobConfig:
@@ -180,29 +185,6 @@ def ar_reference(rec: dict, multi_node: bool) -> AllReduceFit:
 
 def eq4(fit: AllReduceFit, gpu: str, n: int) -> float:
     return sum(fit.time(b, n) for b in AR_PROFILES[gpu].bucket_sizes)
-
-
-def test_a_run_across_nodes_measures_the_inter_node_fit_on_its_actors(cluster, tmp_path):
-    spec = ClusterSpec(nodes=[NodeSpec("f", "fast", 1, speed=1.0), NodeSpec("s", "slow", 1, speed=0.5)])
-    where = PlacedAt()
-    drv = ar_driver(tmp_path / "inter", 1, spec, [where])
-    hist = drv.run()
-
-    assert drv.allreduce.measured == ["gloo/2/inter"]          # the job's backend, 2 ranks, 2 nodes
-    rec = drv.allreduce.records["gloo/2/inter"]
-    placed = where.epochs[0]
-    assert rec["nodes"] == [node for _, node in placed] and len(set(rec["nodes"])) == 2
-    assert rec["sizes"] == measurement_sizes(AR_PROFILES["fast"].bucket_sizes) == [2500, 5000, 10000, 20000]
-    assert len(rec["rank_times"]) == 2 and all(len(t) == 4 and min(t) > 0 for t in rec["rank_times"])
-    fit = ar_reference(rec, multi_node=True)
-    assert record_fit(rec) == fit and fit.num_gpus == 2
-    model = drv.planner.alloc_model(2, True)                   # what the plans on f + s use
-    for g in ("fast", "slow"):
-        assert model.comm_time(g) == eq4(fit, g, 2)
-        assert model.comm_time(g) != eq4(AR_PROFILES[g].allreduce_inter, g, 2)
-    assert hist.epochs[0].allreduce_fit == fit_description("measured", fit, 2, True)
-    assert hist.epochs[0].allreduce_fit["source"] == "measured"
-    assert latest_checkpoint(tmp_path / "inter").load_driver_state().allreduce_fits == drv.allreduce.records
 
 
 def test_one_node_fits_intra_once_and_a_resumed_run_does_not_measure_again(cluster, tmp_path):
@@ -296,11 +278,14 @@ class RemoveNodeOnce(DriverCallback):
         self.node = None
 
 
-def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(cluster, tmp_path):
-    """The job runs on one GPU of fast2 and one of slow (2 actors: the fewest processes that
-    span two nodes); in the middle of epoch 1 the slow node leaves.
-    The driver drops that node's GPUs, reloads the epoch-1 checkpoint, redoes epoch 1 on fast2
-    alone and finishes: epoch 0 is kept as trained, epoch 1 is trained once, completely."""
+@pytest.fixture(scope="module")
+def node_lost_run(cluster, tmp_path_factory):
+    """One run shared by the inter-node fit test and the node-loss test (each checks its own
+    facts of it; one run instead of two saves a driver and two GPU-actor processes): a job on
+    one GPU of fast2 and one of slow (2 actors: the fewest processes that span two nodes), with
+    the profiles of ``AR_PROFILES`` (so the all-reduce fit is measured on its placed actors at
+    its first placement); in the middle of epoch 1 the slow node leaves. The last tests of the
+    module: the slow node is gone after it. ``(drv, hist, ds, hook, where, run_dir, fast2, slow, ids)``."""
     ids = node_ids(cluster)
     spec = ray_cluster_spec(speeds=SPEEDS)
     fast2, slow = spec_name(spec, ids["fast2"]), spec_name(spec, ids["slow"])
@@ -310,11 +295,42 @@ def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(cluster, tmp_pat
                     min_local_batch=4, adapt_interval=2, autoscale=False, seed=1)
     slow_node = cluster_node(cluster, ids["slow"])
     hook = RemoveNodeOnce(cluster, slow_node, epoch=1)
-    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, job_cluster, tmp_path / "mn",
-                      val_dataset=val, perf_model=perf_model(SPEEDS),
+    where = PlacedAt()
+    run_dir = tmp_path_factory.mktemp("mn") / "mn"
+    drv = JabasDriver(model_fn, ds, optimizer_fn, loss_fn, job, job_cluster, run_dir,
+                      val_dataset=val, profiles=AR_PROFILES,
                       options=DriverOptions(failure_grace_s=10, placement_timeout_s=60),
-                      callbacks=[hook])
+                      callbacks=[hook, where])
     hist = drv.run()
+    return drv, hist, ds, hook, where, run_dir, fast2, slow, ids
+
+
+def test_a_run_across_nodes_measures_the_inter_node_fit_on_its_actors(node_lost_run):
+    drv, hist, _, _, where, run_dir, _, _, _ = node_lost_run
+
+    assert drv.allreduce.measured == ["gloo/2/inter"]          # the job's backend, 2 ranks, 2 nodes
+    rec = drv.allreduce.records["gloo/2/inter"]
+    placed = where.epochs[0]
+    assert rec["nodes"] == [node for _, node in placed] and len(set(rec["nodes"])) == 2
+    assert rec["sizes"] == measurement_sizes(AR_PROFILES["fast"].bucket_sizes) == [2500, 5000, 10000, 20000]
+    assert len(rec["rank_times"]) == 2 and all(len(t) == 4 and min(t) > 0 for t in rec["rank_times"])
+    fit = ar_reference(rec, multi_node=True)
+    assert record_fit(rec) == fit and fit.num_gpus == 2
+    model = drv.planner.alloc_model(2, True)                   # what the plans on f + s use
+    for g in ("fast", "slow"):
+        assert model.comm_time(g) == eq4(fit, g, 2)
+        assert model.comm_time(g) != eq4(AR_PROFILES[g].allreduce_inter, g, 2)
+    assert hist.epochs[0].allreduce_fit == fit_description("measured", fit, 2, True)
+    assert hist.epochs[0].allreduce_fit["source"] == "measured"
+    assert latest_checkpoint(run_dir).load_driver_state().allreduce_fits == drv.allreduce.records
+
+
+def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(node_lost_run):
+    """The job runs on one GPU of fast2 and one of slow (2 actors: the fewest processes that
+    span two nodes); in the middle of epoch 1 the slow node leaves.
+    The driver drops that node's GPUs, reloads the epoch-1 checkpoint, redoes epoch 1 on fast2
+    alone and finishes: epoch 0 is kept as trained, epoch 1 is trained once, completely."""
+    drv, hist, ds, hook, _, run_dir, fast2, slow, ids = node_lost_run
 
     # before the loss: every actor ran on the node its slot names; names say run, node, rank
     assert sorted(n for _, n, _ in hook.seen) == sorted([ids["fast2"], ids["slow"]])
@@ -332,7 +348,7 @@ def test_node_lost_mid_epoch_driver_drops_its_gpus_and_finishes(cluster, tmp_pat
     ep1 = [r for r in hist.intervals if r.epoch == 1]
     assert sum(r.samples for r in ep0) == len(ds) and sum(r.samples for r in ep1) == len(ds)
     assert [r.interval for r in ep1] == list(range(len(ep1)))
-    cp = latest_checkpoint(tmp_path / "mn")
+    cp = latest_checkpoint(run_dir)
     assert cp.epochs_done == 2
     assert [n.name for n in cp.load_driver_state().cluster.nodes] == [fast2]
     assert drv.gpu_actors() == []
