@@ -72,8 +72,8 @@ def test_odd_gpu_counts_are_units_with_a_solo_gpu():
 
 def test_epoch_time_bookkeeping_and_memo(monkeypatch):
     """trajectory [64, 128], 1000 samples, p = 3: chunks of 3 iterations at 64 (192 samples),
-    then 128 for the rest: 3 + 3 (768 samples) + 1 final ragged iteration -> 10 iterations,
-    time = 3 t(64) + 7 t(128)."""
+    then 128 for the rest: 3 + 3 (768 samples) + 1 final ragged iteration of 40 samples -> 10
+    iterations, time = 3 t(64) + 6 t(128) + the ragged iteration run per VSW."""
     m = model().for_allocation(2, False)
     calls = []
     real = asc.solve_for_batch
@@ -83,7 +83,9 @@ def test_epoch_time_bookkeeping_and_memo(monkeypatch):
     p64, p128 = solve_for_batch(64, ["gA"], m, 8), solve_for_batch(128, ["gA"], m, 8)
     assert p64.global_batch_size == 64 and p128.global_batch_size == 128
     assert est.iterations == 10
-    assert est.epoch_time == pytest.approx(3 * p64.iteration_time + 7 * p128.iteration_time)
+    ragged = ragged_by_hand(p128, 40, m)
+    assert ragged != pytest.approx(p128.iteration_time)
+    assert est.epoch_time == pytest.approx(3 * p64.iteration_time + 6 * p128.iteration_time + ragged)
     assert est.plans == {64: p64, 128: p128}
     assert sorted(calls) == [64, 128]            # each distinct B_G solved once
     # the trajectory is longer than the epoch: only what is used counts
@@ -104,6 +106,16 @@ def _policy_plan(bg, gpus, m, mbl):
     return plan if plan.requested_global_batch_size == bg else None
 
 
+def ragged_by_hand(plan, remainder, m):
+    """The epoch's ragged last iteration of ``remainder`` samples (no measured extra): every GPU
+    runs its VSWs and GA steps at ceil(R / W) samples, the slowest sets the pace; a solo GPU
+    runs both groups' VSWs."""
+    size = -(-remainder // (plan.global_batch_size // plan.local_batch_size))
+    return max(m.iteration_time(w.gpu.split("/")[0], size, w.num_vsw * (2 if w.gpu.endswith("/solo") else 1),
+                                w.num_ga)
+               for w in plan.workers)
+
+
 def brute_force(cl, m, traj, n, p, mbl):
     """Epoch time and cost of every allocation, computed without memo or the chooser, on the
     plans the driver runs (the plan policy)."""
@@ -118,7 +130,11 @@ def brute_force(cl, m, traj, n, p, mbl):
                 ok = False
                 break
             k = min(p, -(-remaining // plan.global_batch_size))
-            t += k * plan.iteration_time
+            last = remaining - (k - 1) * plan.global_batch_size
+            if last < plan.global_batch_size:     # the epoch's ragged last iteration
+                t += (k - 1) * plan.iteration_time + ragged_by_hand(plan, last, mm)
+            else:
+                t += k * plan.iteration_time
             remaining -= k * plan.global_batch_size
             c += 1
         if ok:

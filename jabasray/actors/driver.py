@@ -42,7 +42,7 @@ from ..adaptive.forecast import forecast_next_epoch
 from ..config import CheckpointConfig, FailureConfig, JobConfig
 from ..types import ClusterSpec, Plan
 from ..planners.correction import OnlineCorrection
-from ..planners.interval_model import EmulationCost, HostCosts, plan_interval_terms
+from ..planners.interval_model import EmulationCost, HostCosts, plan_interval_terms, ragged_remainder
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..profiler.buckets import LibraBucketPlans
 from ..profiler.cluster import job_perf_model
@@ -356,6 +356,9 @@ class JabasDriver:
         replies = self.pool.call_all("probe_costs", points, self.job.adapt_interval)
         costs = interval_costs.host_costs(replies, time.perf_counter() - t0)
         fits = interval_costs.emulation_fits(replies, points, model)
+        if hasattr(model, "with_measured_costs"):   # the ragged step beyond what the model says
+            fixed, per_worker = interval_costs.ragged_extra(replies, model.with_measured_costs(costs, fits))
+            costs = replace(costs, ragged_fixed_s=fixed, ragged_per_worker_s=per_worker)
         self._host_costs, self._emulation_fits = costs, fits
         self._event(interval_costs.describe(costs, fits))
         self._use_model(self._base_model)
@@ -720,7 +723,11 @@ class JabasDriver:
         t_end = time.perf_counter()
         dt, iterations = t_end - t0, replies[0].num_iterations
         # no host costs (a given model, burst): Eq. 6 alone
-        predicted = plan_interval_terms(plan, iterations, self._host_costs, configure=reconfigured)
+        remainder = ragged_remainder(n - cursor, iterations, run_batch)
+        predicted = plan_interval_terms(plan, iterations, self._host_costs, configure=reconfigured,
+                                        remainder=remainder,
+                                        model=self.planner.alloc_model(len(self.pool.slots),
+                                                                       multi_node(self.pool.slots)))
         rec = interval_record(replies, dt, epoch=state.epochs_done, interval=interval,
                               iteration=state.iteration, cursor=cursor, requested_global_batch=target,
                               global_batch=run_batch, local_batch=plan.local_batch_size, plan=plan,
@@ -729,10 +736,11 @@ class JabasDriver:
                               predicted_terms=predicted,
                               measured_terms=interval_costs.measured_terms(
                                   replies, t_end - t_train, t_train - t0))
-        if iterations > 0:   # online correction (if on): the iterations' time, measured vs predicted
+        full = iterations - (remainder > 0)
+        if full > 0:   # online correction (if on): the full iterations' time, measured vs predicted
             steps = rec.measured_terms.get("steps", 0.0)
             self.planner.observe([s.gpu_type for s in self.pool.slots], plan.iteration_time,
-                                 (steps if steps > 0 else dt) / iterations)
+                                 (steps if steps > 0 else dt) / full)
         if self._learners is not None and end < n:
             # not at the epoch end: the ragged last iteration would look slower
             self._learners.observe(replies, rec.learners, self.learner_throughput)

@@ -127,7 +127,7 @@ class IntervalReply(JsonMixin):
     metric_counts: dict[str, int] = field(default_factory=dict)  # samples behind each sum
     terms: dict[str, float] = field(default_factory=dict)  # seconds of this call by interval term
                                  # (planners.interval_model.TERMS: steps incl. the emulation's
-                                 # sleep, loader, similarity, read)
+                                 # sleep, the ragged last step apart, loader, similarity, read)
 
 
 PROBE_REPEATS = 3   # timed repetitions per term in probe_costs (an interval's p at least, for steps)
@@ -485,7 +485,7 @@ class GPUActor(BackgroundHostMixin):
         hosting = getattr(self, "_bg_runner_obj", None) is not None   # background jobs here
         if hasattr(self.worker, "comm_guard"):
             self.worker.comm_guard = self.bg_foreground_critical if hosting else None
-        terms = dict.fromkeys(("steps", "loader", "similarity", "read"), 0.0)
+        terms = dict.fromkeys(("steps", "ragged", "loader", "similarity", "read"), 0.0)
         batches_iter = timed(self.interval_batches(req.epoch, cursor, req.num_iterations,
                                                    req.local_batch, req.layout), terms, "loader")
         for k, (batches, it) in enumerate(batches_iter):
@@ -500,7 +500,7 @@ class GPUActor(BackgroundHostMixin):
                 s, over = self._emulate(timer, stats)
                 slept += s
                 overrun += over
-                terms["steps"] += timer.wall + s
+                terms["ragged" if it.ragged else "steps"] += timer.wall + s
             losses.append(stats.loss_raw if hasattr(stats, "loss_raw") else stats.loss)
             merge_metric_sums(msums, mcounts, getattr(stats, "metric_sums", {}),
                               getattr(stats, "metric_counts", {}))
@@ -569,13 +569,14 @@ class GPUActor(BackgroundHostMixin):
         ``work_s`` (this call's own seconds), ``loader`` ([samples, seconds] of reading one
         iteration's batch: at each point, between its steps as in an interval, else alone),
         ``similarity_s`` (after a step where steps are probed, as in an interval), ``read_s``,
-        ``configure_s`` and ``steps`` (per point, ``[own seconds, pace seconds]`` of each timed
-        step, :meth:`_probe_steps`)."""
+        ``configure_s``, ``steps`` (per point, ``[own seconds, pace seconds]`` of each timed
+        step, :meth:`_probe_steps`) and ``ragged`` (``[VSWs, size, pace seconds]`` of each
+        probed ragged step, :meth:`_probe_ragged`)."""
         import torch
 
         t_call = time.perf_counter()
         out: dict = {"rank": self.slot.rank, "gpu_type": self.slot.gpu_type, "loader": [],
-                     "steps": [], "similarity_s": 0.0, "read_s": 0.0, "configure_s": 0.0}
+                     "steps": [], "ragged": [], "similarity_s": 0.0, "read_s": 0.0, "configure_s": 0.0}
         device = torch.device(self.device)
         n_iter = max(1, int(num_iterations))
         model = getattr(self.worker, "model", None)
@@ -592,7 +593,7 @@ class GPUActor(BackgroundHostMixin):
         read_losses(scalars)
         out["read_s"] = time.perf_counter() - t0
         if points:
-            out["steps"], out["loader"], out["configure_s"], out["similarity_s"] = \
+            out["steps"], out["loader"], out["configure_s"], out["similarity_s"], out["ragged"] = \
                 self._probe_steps(points, repeats, n_iter, device, grad)
         else:                                       # the loader alone, at the smallest batch
             waits = [w for w, _ in self._probe_reads(self.job.min_local_batch, 1, n_iter, device)]
@@ -600,15 +601,17 @@ class GPUActor(BackgroundHostMixin):
         out["work_s"] = time.perf_counter() - t_call
         return out
 
-    def _probe_reads(self, local_batch: int, num_vsw: int, count: int, device: Any) -> Any:
+    def _probe_reads(self, local_batch: int, num_vsw: int, count: int, device: Any,
+                     sizes: list[int] | None = None) -> Any:
         """Yield ``(seconds waited, micro-batches)`` for ``count`` probe iterations of
-        ``num_vsw`` micro-batches of ``local_batch`` samples, read as an interval reads them
-        (:meth:`interval_batches`: the sampler's plan, one batch source for the whole interval,
-        so a DataLoader's workers prefetch the later batches while the caller steps; each batch
-        moved and split); the wait for each is timed."""
+        ``num_vsw`` micro-batches of ``local_batch`` samples (or of ``sizes``), read as an
+        interval reads them (:meth:`interval_batches`: the sampler's plan, one batch source for
+        the whole interval, so a DataLoader's workers prefetch the later batches while the
+        caller steps; each batch moved and split); the wait for each is timed."""
         from ..engine.loader import split_batch, to_device
 
-        size = local_batch * num_vsw
+        sizes = list(sizes) if sizes is not None else [local_batch] * num_vsw
+        size = sum(sizes)
         t0 = time.perf_counter()
         for _ in range(count):   # the sampler's share (its indices unused: a probe reads its own)
             self._sampler.iteration(0, 0, local_batch, [num_vsw] * self.world_size, rank=self.slot.rank)
@@ -616,22 +619,24 @@ class GPUActor(BackgroundHostMixin):
                        for k in range(count)]
         source = iter(self.data.batches(index_lists))
         for _ in range(count):
-            batch = split_batch(to_device(next(source), device), [local_batch] * num_vsw)
+            batch = split_batch(to_device(next(source), device), sizes)
             yield time.perf_counter() - t0, batch
             t0 = time.perf_counter()
 
     def _probe_steps(self, points: list[tuple[int, int]], repeats: int, num_iterations: int,
-                     device: Any, grad: Any) -> tuple[list[list[list[float]]], list[list[float]], float, float]:
+                     device: Any, grad: Any
+                     ) -> tuple[list[list[list[float]]], list[list[float]], float, float, list[list[float]]]:
         """:meth:`probe_costs`' steps: a throwaway IIDP worker (the job's engine options, the
         job's process group) configured at each point in turn, one untimed iteration, then
         at least ``repeats`` timed ones (an interval's ``num_iterations`` at least), each as an
         interval runs it: read the batch (:meth:`_probe_reads`, timed: the loader), step, the
         emulation's sleep; at the first point each timed step is followed by
         a timed similarity collective, as an interval's last step is (its wait for the ranks
-        still sleeping included). Then, once the ranks are level again (a barrier: a configure
-        is a call of its own), configured back to the first point, timed. Returns (own
-        iteration time of each timed step per point, [samples, loader seconds] per point, the
-        configure's seconds, the similarity's median seconds); a step's times are its own
+        still sleeping included). Then the ragged steps (:meth:`_probe_ragged`) and, once the
+        ranks are level again (a barrier: a configure is a call of its own), configured back to
+        the first point, timed. Returns (own iteration time of each timed step per point,
+        [samples, loader seconds] per point, the configure's seconds, the similarity's median
+        seconds, the ragged steps); a step's times are its own
         (:meth:`_own_step_time`) and its pace (wall + sleep: the own time or the wait for a
         slower rank, as an interval measures its steps)."""
         import statistics
@@ -667,6 +672,7 @@ class GPUActor(BackgroundHostMixin):
                             similarity.append(time.perf_counter() - t0)
                 steps.append([times, paces])
                 loader.append([bl * n, interval_read_time(reads, num_iterations)])
+            ragged = self._probe_ragged(probe, points, device)
             if self.group is not None:
                 dist.barrier(group=self.group)
             t0 = time.perf_counter()
@@ -675,7 +681,30 @@ class GPUActor(BackgroundHostMixin):
         finally:
             if hasattr(probe, "close"):
                 probe.close()
-        return steps, loader, configure_s, statistics.median(similarity)
+        return steps, loader, configure_s, statistics.median(similarity), ragged
+
+    def _probe_ragged(self, probe: Any, points: list[tuple[int, int]], device: Any) -> list[list[float]]:
+        """:meth:`_probe_steps`' ragged steps (collective: every rank runs the same ones): at
+        the first profiled B_L with one VSW and with its most VSWs in turn, three ragged steps per VSW count as an
+        epoch's last iteration runs them (``ragged=True``: per VSW, the emulation's sleep), at a
+        micro-batch size below that B_L and not profiled, a different one per step (an epoch's
+        remainder is a new input shape); ``[VSWs, size, pace seconds]`` per step ([] when
+        the first B_L leaves no such size)."""
+        first = points[0][0]
+        counts = sorted({n for bl, n in points if bl == first})
+        counts = [counts[0], counts[-1]] if len(counts) > 1 else counts
+        profiled = {bl for bl, _ in points}
+        sizes = [s for s in range(first - 1, 0, -1) if s not in profiled][:3 * len(counts)]
+        out: list[list[float]] = []
+        for k, size in enumerate(sizes):
+            n = counts[k % len(counts)]
+            probe.configure(n, 0, first)
+            _, batches = next(self._probe_reads(first, n, 1, device, sizes=[size] * n))
+            with StepTimer(probe.helper_cpu_s) as timer:
+                stats = probe.train_step(batches, ragged=True)
+            slept, _ = self._emulate(timer, stats)
+            out.append([n, size, timer.wall + slept])
+        return out
 
     # ------------------------------------------------------------------ learning rate
     def _user_lr(self) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Sequence
 
-from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit
+from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit, ragged_step_time
 
 
 def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
@@ -81,10 +81,37 @@ def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int]],
     return fits
 
 
+def ragged_extra(replies: Sequence[dict], model: Any) -> tuple[float, float]:
+    """``(HostCosts.ragged_fixed_s, ragged_per_worker_s)``: what a ragged step costs on the
+    placed actors beyond its Eq. 6 (:func:`~jabasray.planners.interval_model.ragged_step_time`).
+    Per probed ragged step (``reply["ragged"]``: ``[VSWs, size, pace seconds]``, no GA steps)
+    the residual is the slowest rank's pace (the ranks step together) minus the slowest rank's
+    prediction by ``model`` (the model that predicts them: the emulation's measured cost
+    included); the line through the median residual at each VSW count (the probe has two: one
+    VSW and the profile's most; a median, as one step is a sample of the shared cores' noise),
+    signed (the model may also over-predict); one count: its median as the fixed part; (0, 0)
+    when no ragged step was probed."""
+    steps = [r.get("ragged") or [] for r in replies]
+    count = min((len(s) for s in steps), default=0)
+    by_workers: dict[int, list[float]] = {}
+    for i in range(count):
+        measured = max(float(s[i][2]) for s in steps)
+        predicted = max(ragged_step_time(model, r["gpu_type"], int(s[i][0]), 0, int(s[i][1]))
+                        for r, s in zip(replies, steps))
+        by_workers.setdefault(int(steps[0][i][0]), []).append(measured - predicted)
+    if not by_workers:
+        return 0.0, 0.0
+    means = sorted((w, statistics.median(r)) for w, r in by_workers.items())
+    (w0, r0), (w1, r1) = means[0], means[-1]
+    per_worker = (r1 - r0) / (w1 - w0) if w1 > w0 else 0.0
+    return r0 - per_worker * w0, per_worker
+
+
 def measured_terms(replies: Sequence[Any], call_s: float, configure_s: float) -> dict[str, float]:
     """The terms of an interval as it ran (:data:`TERMS`, seconds): each of the actors' own
     terms (``IntervalReply.terms``: steps with the emulation's sleep, loader, similarity, read)
-    at its slowest rank, as :func:`host_costs` takes the probe's; the train call's wait beyond
+    at its slowest rank, as :func:`host_costs` takes the probe's (``ragged``: the epoch's
+    ragged last step, when the interval ends with it); the train call's wait beyond
     the slowest rank's whole call; and the configure call."""
     out = {t: max(float((getattr(r, "terms", None) or {}).get(t, 0.0)) for r in replies) for t in TERMS}
     out["call"] = max(0.0, float(call_s) - max(r.wall_time for r in replies))
@@ -96,9 +123,11 @@ def describe(costs: HostCosts, fits: dict[str, EmulationCost]) -> str:
     """One log line of what was measured."""
     parts = [f"call {costs.call_s * 1e3:.1f} ms", f"configure {costs.configure_s * 1e3:.1f} ms",
              f"loader {costs.loader_fixed_s * 1e3:.2f} ms + {costs.loader_per_sample_s * 1e6:.1f} us/sample",
-             f"similarity {costs.similarity_s * 1e3:.1f} ms", f"read {costs.read_s * 1e3:.2f} ms"]
+             f"similarity {costs.similarity_s * 1e3:.1f} ms", f"read {costs.read_s * 1e3:.2f} ms",
+             f"ragged step {costs.ragged_fixed_s * 1e3:+.1f} ms {costs.ragged_per_worker_s * 1e3:+.1f} ms/worker "
+             "beyond Eq. 6"]
     parts += [f"{g} emulation t = {c.a * 1e3:.2f} ms + {c.b:.2f} t_model" for g, c in sorted(fits.items())]
     return "interval costs measured on the placed actors: " + ", ".join(parts)
 
 
-__all__ = ["probe_points", "host_costs", "emulation_fits", "measured_terms", "describe"]
+__all__ = ["probe_points", "host_costs", "emulation_fits", "ragged_extra", "measured_terms", "describe"]

@@ -38,8 +38,9 @@ Implementation notes
   of the intervals' predicted terms (:func:`.interval_model.plan_interval_terms`: t per
   iteration plus, once measured on placed actors, the host terms of each interval, a new plan
   charged its configure call), exactly what the driver records as each interval's
-  prediction. The epoch's last iteration may be ragged (fewer samples); it is charged a full
-  iteration time (the model has no per-sample term for a partial step). Each distinct B_G is
+  prediction. The epoch's last iteration may be ragged (fewer samples); it is charged what
+  the engine runs for it (:func:`.interval_model.ragged_iteration_time`: per VSW at the
+  remainder's micro-batch size, plus the measured ragged-step cost). Each distinct B_G is
   solved once per (group H, N_G, multi-node) - a memo shared by all candidates - and each
   (B_L, M) of Alg. 1 once per group, whichever B_G rounds to it.
 * The performance model is re-targeted per allocation when it offers
@@ -80,7 +81,7 @@ from ..config import AUTOSCALE_OBJECTIVES
 from ..serialization import JsonMixin
 from ..types import ClusterSpec, Plan, node_units
 from ..validation import check_choice, check_float, check_int
-from .interval_model import host_costs_of, plan_interval_terms
+from .interval_model import host_costs_of, plan_interval_terms, ragged_remainder
 from .plan_policy import DEFAULT_TOLERANCE, NoPlanError, solve_for_batch
 
 log = logging.getLogger(__name__)
@@ -358,7 +359,9 @@ def _epoch_time(group_gpus: Sequence[str], model: Any, traj: list[int], dataset_
         n = min(adapt_interval, math.ceil(remaining / plan.global_batch_size))
         # the interval's named terms (interval_model): Eq. 6 for its n iterations plus the host
         # terms measured on the placed actors (none before they were measured)
-        total += sum(plan_interval_terms(plan, n, costs, configure=plan != previous).values())
+        total += sum(plan_interval_terms(
+            plan, n, costs, configure=plan != previous, model=model,
+            remainder=ragged_remainder(remaining, n, plan.global_batch_size)).values())
         previous = plan
         iters += n
         remaining -= n * plan.global_batch_size

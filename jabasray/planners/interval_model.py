@@ -7,7 +7,14 @@ the README's job measured at 20-30 % of an interval). An interval's prediction i
 sum of these named terms, each measured on the path it predicts:
 
 * ``steps``      = n x t_iter, Eq. 6 (+ the profile's step overhead and, on emulated GPUs, the
-  emulation's own cost, :class:`EmulationCost`) for the interval's n iterations;
+  emulation's own cost, :class:`EmulationCost`) for the interval's n full iterations;
+* ``ragged``     = the epoch's last iteration when fewer than B_G samples remain
+  (:func:`ragged_iteration_time`): the engine runs it per VSW (micro-batches of unequal size
+  cannot be batched: the VSWs run concurrently, on threads on CPU, on streams on a GPU, as
+  IIDP's VSWs do), at about R / W samples each - Eq. 6 at the plan's VSWs and GA steps at
+  B_L = ceil(R / W) - plus what such a step costs beyond that on the placed actors, measured
+  (``ragged_fixed_s`` + ``ragged_per_worker_s`` per decoupled worker of the GPU: per-VSW
+  passes instead of one batched one, first calls at new input shapes, the sample count's read);
 * ``loader``     = n x (a_l + b_l x samples per rank and iteration): reading and splitting each
   iteration's batch on the actor (:class:`HostCosts`, ``loader_fixed_s`` and ``loader_per_sample_s``);
 * ``similarity`` = the two-group similarity collective of section 6.1 and its cosine, once per
@@ -34,11 +41,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..serialization import JsonMixin
-from ..types import Plan, unit_gpu
+from ..types import Plan, WorkerConfig, unit_gpu
 from ..validation import check_float, check_int
 
 # the named terms of an interval, in the order they are shown
-TERMS = ("steps", "loader", "similarity", "read", "call", "configure")
+TERMS = ("steps", "ragged", "loader", "similarity", "read", "call", "configure")
 
 
 @dataclass(frozen=True)
@@ -51,11 +58,21 @@ class HostCosts(JsonMixin):
     loader_per_sample_s: float = 0.0  # ... and per sample of the rank's batch
     similarity_s: float = 0.0         # the similarity collective and its cosine
     read_s: float = 0.0               # reading the interval's losses
+    ragged_fixed_s: float = 0.0       # a ragged step beyond its Eq. 6: fixed part ...
+    ragged_per_worker_s: float = 0.0  # ... and per decoupled worker of the GPU (both signed: the
+                                      # model may also over-predict; :func:`ragged_iteration_time`)
 
     def __post_init__(self) -> None:
         for name in ("call_s", "configure_s", "loader_fixed_s", "loader_per_sample_s",
                      "similarity_s", "read_s"):
             check_float(name, getattr(self, name), min_value=0)
+        check_float("ragged_fixed_s", self.ragged_fixed_s)
+        check_float("ragged_per_worker_s", self.ragged_per_worker_s)
+
+    def ragged_extra_s(self, workers: int) -> float:
+        """What a ragged step of a GPU running ``workers`` decoupled workers costs beyond its
+        Eq. 6 (:func:`ragged_iteration_time`)."""
+        return self.ragged_fixed_s + self.ragged_per_worker_s * max(0, int(workers))
 
     def loader_s(self, samples_per_rank: int) -> float:
         """Seconds to read one iteration's batch of ``samples_per_rank`` samples."""
@@ -127,20 +144,74 @@ def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 def interval_terms(iteration_time: float, num_iterations: int, costs: HostCosts | None,
-                   samples_per_rank: int = 0, configure: bool = False) -> dict[str, float]:
+                   samples_per_rank: int = 0, configure: bool = False,
+                   ragged_time: float | None = None, ragged_samples_per_rank: int = 0) -> dict[str, float]:
     """The predicted terms of one interval (module notes), seconds, keyed by :data:`TERMS`;
-    without measured ``costs`` only ``steps`` is non-zero (Eq. 6 alone). Their sum is the
-    interval's prediction."""
+    without measured ``costs`` only ``steps`` (and ``ragged``) are non-zero (Eq. 6 alone).
+    ``ragged_time``: the interval's last iteration is the epoch's ragged one and takes that long
+    (:func:`ragged_iteration_time`), its busiest rank reading ``ragged_samples_per_rank``
+    samples; None: every iteration is full. Their sum is the interval's prediction."""
     check_int("num_iterations", num_iterations, min_value=0)
     check_float("iteration_time", iteration_time, min_value=0)
     c = costs or HostCosts()
     n = int(num_iterations)
-    return {"steps": n * float(iteration_time),
-            "loader": n * c.loader_s(samples_per_rank),
+    ragged = n > 0 and ragged_time is not None
+    return {"steps": (n - ragged) * float(iteration_time),
+            "ragged": max(0.0, float(ragged_time)) if ragged else 0.0,
+            "loader": (n - ragged) * c.loader_s(samples_per_rank)
+            + (c.loader_s(ragged_samples_per_rank) if ragged else 0.0),
             "similarity": c.similarity_s if n else 0.0,
             "read": c.read_s if n else 0.0,
             "call": c.call_s if n else 0.0,
             "configure": c.configure_s if (configure and n) else 0.0}
+
+
+def ragged_remainder(samples_left: int, num_iterations: int, global_batch: int) -> int:
+    """Samples of the ragged last iteration of an interval of ``num_iterations`` iterations of
+    ``global_batch`` samples when ``samples_left`` remain in the epoch: what is left for the
+    last iteration when that is fewer than ``global_batch`` (the sampler then splits it over
+    the workers, :mod:`jabasray.engine.sampler`), else 0 (every iteration full, or the
+    interval ends before the epoch does)."""
+    left = int(samples_left) - (int(num_iterations) - 1) * int(global_batch)
+    return left if num_iterations > 0 and 0 < left < global_batch else 0
+
+
+def ragged_step_time(model: Any, gpu: str, num_vsw: int, num_ga: int, size: int) -> float:
+    """Eq. 6 of a ragged step on one GPU of type ``gpu`` configured with ``num_vsw`` VSWs and
+    ``num_ga`` GA steps whose micro-batches hold at most ``size`` samples: the engine's per-VSW
+    execution runs the VSWs concurrently (as the profile's VSWs), GA round after GA round, so
+    it is Eq. 6 at B_L = ``size`` (below the smallest profiled B_L the model's extrapolation,
+    :class:`~.perf_model.PerfModel`); what the per-VSW passes cost beyond the batched ones the
+    profile measured is the measured extra (:meth:`HostCosts.ragged_extra_s`)."""
+    return float(model.iteration_time(gpu, max(1, int(size)), max(1, int(num_vsw)), max(0, int(num_ga))))
+
+
+def ragged_micro_batch(plan: Plan, remainder: int) -> int:
+    """The largest micro-batch of the epoch's ragged last iteration of ``remainder`` samples
+    under ``plan``: the sampler splits them over its W = B_G* / B_L decoupled workers as evenly
+    as it can (:func:`jabasray.engine.sampler.split_sizes`), ceil(R / W) samples at most."""
+    workers = max(1, plan.global_batch_size // max(1, plan.local_batch_size))
+    return -(-int(remainder) // workers)
+
+
+def unit_workers(worker: WorkerConfig) -> int:
+    """Decoupled workers a GPU of the unit runs: a solo GPU runs both groups' workers
+    (:func:`jabasray.types.solo_unit`)."""
+    return worker.num_workers * (2 if unit_gpu(worker.gpu)[1] else 1)
+
+
+def ragged_iteration_time(plan: Plan, remainder: int, model: Any, costs: HostCosts | None) -> float:
+    """Seconds of the epoch's ragged last iteration of ``remainder`` samples under ``plan``: on
+    each GPU :func:`ragged_step_time` at its VSWs and GA steps (a solo GPU runs twice the
+    VSWs) and :func:`ragged_micro_batch` samples, plus the measured extra for its decoupled
+    workers (:func:`unit_workers`); the slowest GPU sets the pace. Deviation from the paper,
+    which predicts full iterations only: on a short epoch the ragged step is a large share of
+    the last interval (on the README's job it took 1.5-3.5x a full iteration)."""
+    size, c = ragged_micro_batch(plan, remainder), costs or HostCosts()
+    pace = max((ragged_step_time(model, unit_gpu(w.gpu)[0], w.num_vsw * (2 if unit_gpu(w.gpu)[1] else 1),
+                                 w.num_ga, size) + c.ragged_extra_s(unit_workers(w)) for w in plan.workers),
+               default=0.0)
+    return max(0.0, pace)
 
 
 def host_costs_of(model: Any) -> HostCosts | None:
@@ -150,19 +221,30 @@ def host_costs_of(model: Any) -> HostCosts | None:
     return costs if isinstance(costs, HostCosts) else None
 
 
-def rank_samples(plan: Plan) -> int:
-    """Samples per iteration of the plan's busiest GPU: B_L x its decoupled workers (a solo GPU
-    runs both groups' workers, :func:`jabasray.types.solo_unit`)."""
-    return plan.local_batch_size * max(
-        (w.num_workers * (2 if unit_gpu(w.gpu)[1] else 1) for w in plan.workers), default=0)
+def rank_samples(plan: Plan, micro_batch: int | None = None) -> int:
+    """Samples per iteration of the plan's busiest GPU: B_L (or ``micro_batch``) x its
+    decoupled workers (:func:`unit_workers`)."""
+    size = plan.local_batch_size if micro_batch is None else int(micro_batch)
+    return size * max((unit_workers(w) for w in plan.workers), default=0)
 
 
 def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None,
-                        configure: bool = False) -> dict[str, float]:
+                        configure: bool = False, *, remainder: int = 0, model: Any = None
+                        ) -> dict[str, float]:
     """:func:`interval_terms` of ``num_iterations`` iterations of ``plan`` (its predicted
-    iteration time and busiest GPU's batch): what the driver records and the auto-scaler sums."""
-    return interval_terms(plan.iteration_time, num_iterations, costs, rank_samples(plan), configure)
+    iteration time and busiest GPU's batch): what the driver records and the auto-scaler sums.
+    ``remainder`` > 0: the last iteration is the epoch's ragged one of that many samples
+    (:func:`ragged_remainder`), timed by ``model`` (:func:`ragged_iteration_time`; without a
+    model a full iteration)."""
+    ragged, ragged_samples = None, 0
+    if remainder > 0 and num_iterations > 0:
+        ragged = plan.iteration_time if model is None else \
+            ragged_iteration_time(plan, remainder, model, costs)
+        ragged_samples = rank_samples(plan, ragged_micro_batch(plan, remainder))
+    return interval_terms(plan.iteration_time, num_iterations, costs, rank_samples(plan), configure,
+                          ragged_time=ragged, ragged_samples_per_rank=ragged_samples)
 
 
 __all__ = ["TERMS", "HostCosts", "EmulationCost", "line_fit", "interval_terms", "host_costs_of", "rank_samples",
-           "plan_interval_terms"]
+           "plan_interval_terms", "ragged_remainder", "ragged_micro_batch", "unit_workers", "ragged_step_time",
+           "ragged_iteration_time"]

@@ -44,7 +44,7 @@ from ..actors.metrics import EpochRecord, IntervalRecord, MetricsHistory
 from ..actors.placement import job_cluster, slots_for
 from ..adaptive import AdaptiveBatchController
 from ..config import JobConfig
-from ..planners.interval_model import host_costs_of, plan_interval_terms
+from ..planners.interval_model import host_costs_of, plan_interval_terms, ragged_remainder
 from ..planners.job_planner import JobPlanner, rank_configs
 from ..types import ClusterSpec
 from .policies import JabasPolicy, Policy, SimState
@@ -162,7 +162,8 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
         if batch is not None:
             ctl.set_global_batch(batch)
         units, multi = state.units(allocation)      # group H of the epoch's allocation
-        host_costs = host_costs_of(planner.alloc_model(len(slots), multi))
+        epoch_model = planner.alloc_model(len(slots), multi)
+        host_costs = host_costs_of(epoch_model)
         predicted_epoch = planner.epoch_time(units, multi, forecast) \
             if isinstance(policy, JabasPolicy) else None
         cursor, interval, train_s, covered = 0, 0, 0.0, True
@@ -175,7 +176,8 @@ def simulate(policy: Policy, job: JobConfig, cluster: ClusterSpec, dataset_size:
             run_batch = plan.local_batch_size * sum(layout)
             n = min(job.adapt_interval, math.ceil((dataset_size - cursor) / run_batch))
             served = min(dataset_size - cursor, n * run_batch)
-            terms = plan_interval_terms(plan, n, host_costs, configure=reconfigured)
+            terms = plan_interval_terms(plan, n, host_costs, configure=reconfigured, model=epoch_model,
+                                        remainder=ragged_remainder(dataset_size - cursor, n, run_batch))
             t = sum(terms.values())
             phi = _phi(similarities, convergence, epoch, interval, state.progress, run_batch)
             if convergence is not None:
