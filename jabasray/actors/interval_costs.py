@@ -13,7 +13,7 @@ Pure functions over the replies (no Ray): the driver makes the call.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit, ragged_step_time
 
@@ -31,11 +31,23 @@ def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
     return points
 
 
+def similarity_of(per_rank: Iterable[float]) -> float:
+    """The similarity collective's seconds in an interval from each rank's time in it: the
+    least. Each rank enters it when its last step (and the emulation's sleep) ends, so a rank
+    that ends early also waits there for the others; the rank that arrives last waits for
+    nobody, and its step is the one the slowest rank's ``steps`` term already holds. Its time
+    is the collective's own, and ``steps`` (slowest rank) + ``similarity`` (least) is when the
+    interval's last rank is done, where the slowest rank's similarity would count the wait
+    twice."""
+    return min(per_rank, default=0.0)
+
+
 def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
     """:class:`HostCosts` from every rank's :meth:`probe_costs` answer and the seconds the
     driver waited for the call: each term is the slowest rank's (an interval ends with its last
-    rank); the call's own cost is its wait beyond the slowest rank's work; a configure is a call
-    of its own plus the slowest rank's configure."""
+    rank), the similarity collective's the least of the ranks' (:func:`similarity_of`); the
+    call's own cost is its wait beyond the slowest rank's work; a configure is a call of its own
+    plus the slowest rank's configure."""
     slowest = max(float(r["work_s"]) for r in replies)
     call = max(0.0, float(call_s) - slowest)
     by_size: dict[int, float] = {}
@@ -46,7 +58,7 @@ def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
     return HostCosts(call_s=call,
                      configure_s=call + max(float(r["configure_s"]) for r in replies),
                      loader_fixed_s=fixed, loader_per_sample_s=per_sample,
-                     similarity_s=max(float(r["similarity_s"]) for r in replies),
+                     similarity_s=similarity_of(float(r["similarity_s"]) for r in replies),
                      read_s=max(float(r["read_s"]) for r in replies))
 
 
@@ -110,10 +122,13 @@ def ragged_extra(replies: Sequence[dict], model: Any) -> tuple[float, float]:
 def measured_terms(replies: Sequence[Any], call_s: float, configure_s: float) -> dict[str, float]:
     """The terms of an interval as it ran (:data:`TERMS`, seconds): each of the actors' own
     terms (``IntervalReply.terms``: steps with the emulation's sleep, loader, similarity, read)
-    at its slowest rank, as :func:`host_costs` takes the probe's (``ragged``: the epoch's
-    ragged last step, when the interval ends with it); the train call's wait beyond
-    the slowest rank's whole call; and the configure call."""
-    out = {t: max(float((getattr(r, "terms", None) or {}).get(t, 0.0)) for r in replies) for t in TERMS}
+    at its slowest rank, the similarity the least of the ranks' (:func:`similarity_of`), as
+    :func:`host_costs` takes the probe's (``ragged``: the epoch's ragged last step, when the
+    interval ends with it); the train call's wait beyond the slowest rank's whole call; and the
+    configure call."""
+    own = [getattr(r, "terms", None) or {} for r in replies]
+    out = {t: max(float(o.get(t, 0.0)) for o in own) for t in TERMS}
+    out["similarity"] = similarity_of(float(o.get("similarity", 0.0)) for o in own)
     out["call"] = max(0.0, float(call_s) - max(r.wall_time for r in replies))
     out["configure"] = float(configure_s)
     return out
@@ -130,4 +145,4 @@ def describe(costs: HostCosts, fits: dict[str, EmulationCost]) -> str:
     return "interval costs measured on the placed actors: " + ", ".join(parts)
 
 
-__all__ = ["probe_points", "host_costs", "emulation_fits", "ragged_extra", "measured_terms", "describe"]
+__all__ = ["probe_points", "similarity_of", "host_costs", "emulation_fits", "ragged_extra", "measured_terms", "describe"]
