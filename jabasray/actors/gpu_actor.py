@@ -685,25 +685,31 @@ class GPUActor(BackgroundHostMixin):
 
     def _probe_ragged(self, probe: Any, points: list[tuple[int, int]], device: Any) -> list[list[float]]:
         """:meth:`_probe_steps`' ragged steps (collective: every rank runs the same ones): at
-        the first profiled B_L with one VSW and with its most VSWs in turn, three ragged steps per VSW count as an
-        epoch's last iteration runs them (``ragged=True``: per VSW, the emulation's sleep), at a
-        micro-batch size below that B_L and not profiled, a different one per step (an epoch's
-        remainder is a new input shape); ``[VSWs, size, pace seconds]`` per step ([] when
-        the first B_L leaves no such size)."""
+        the first profiled B_L with one VSW and with its most VSWs, each configured and one
+        untimed full step run first (an epoch's ragged step follows full ones), then three
+        ragged steps as an epoch's last iteration runs them (``ragged=True``: per VSW, the
+        emulation's sleep), each at its own micro-batch size below that B_L and not profiled
+        (an epoch's remainder is a new input shape); ``[VSWs, size, pace seconds]`` per step
+        ([] when the first B_L leaves no such size)."""
         first = points[0][0]
         counts = sorted({n for bl, n in points if bl == first})
         counts = [counts[0], counts[-1]] if len(counts) > 1 else counts
         profiled = {bl for bl, _ in points}
-        sizes = [s for s in range(first - 1, 0, -1) if s not in profiled][:3 * len(counts)]
+        sizes = [s for s in range(first - 1, 0, -1) if s not in profiled]
         out: list[list[float]] = []
-        for k, size in enumerate(sizes):
-            n = counts[k % len(counts)]
+        for k, n in enumerate(counts):
+            mine = sizes[3 * k:3 * (k + 1)]
+            if not mine:
+                break
             probe.configure(n, 0, first)
-            _, batches = next(self._probe_reads(first, n, 1, device, sizes=[size] * n))
-            with StepTimer(probe.helper_cpu_s) as timer:
-                stats = probe.train_step(batches, ragged=True)
-            slept, _ = self._emulate(timer, stats)
-            out.append([n, size, timer.wall + slept])
+            _, batches = next(self._probe_reads(first, n, 1, device))
+            probe.train_step(batches)
+            for size in mine:
+                _, batches = next(self._probe_reads(first, n, 1, device, sizes=[size] * n))
+                with StepTimer(probe.helper_cpu_s) as timer:
+                    stats = probe.train_step(batches, ragged=True)
+                slept, _ = self._emulate(timer, stats)
+                out.append([n, size, timer.wall + slept])
         return out
 
     # ------------------------------------------------------------------ learning rate
