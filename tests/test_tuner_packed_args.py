@@ -13,7 +13,9 @@ SPEC = digits_mlp_spec(steps_per_unit=1)
 
 
 def _cpu(trainable) -> float:
-    pgf = trainable.default_resource_request({})
+    """CPUs a trial of ``trainable`` reserves: a class trainable's resource request, or what
+    ``tune.with_resources`` set on a function trainable (where packing does not pay)."""
+    pgf = getattr(trainable, "_resources", None) or trainable.default_resource_request({})
     return pgf.required_resources.get("CPU", 0.0)
 
 

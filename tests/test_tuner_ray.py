@@ -6,6 +6,7 @@ behave as with any function trainable."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import sys
 
@@ -133,8 +134,9 @@ class _ByConfig(tune.Callback):
 
 def test_where_packing_cannot_pay_every_trial_trains_alone_exactly_as_tunes_own(ray_session, tmp_path):
     """25 ms units behind 3.5 core-s trial processes: the cost model decides that every trial
-    trains alone. No coordinator starts, each trial takes one CPU, and every configuration
-    reports exactly what Tune's own trial of it (make_trainable, the same seed) reports."""
+    trains alone: the trainable is Tune's own (make_trainable, one CPU per trial). No
+    coordinator starts, and every configuration reports exactly what Tune's own trial of it
+    (the same seed) reports."""
     from ray.tune.search import BasicVariantGenerator
 
     from jabasray.tuner import make_trainable
@@ -143,7 +145,7 @@ def test_where_packing_cannot_pay_every_trial_trains_alone_exactly_as_tunes_own(
               {"batch_size": 40, "optimizer": "sgd", "lr": 0.05, "activation": "tanh"},
               {"batch_size": 40, "optimizer": "momentum", "lr": 0.003, "activation": "relu"}]
     alone = packed(SPEC, max_units=2, param_space=SPACE, costs=_costs(0.025, 0.9), num_samples=3)
-    assert alone.default_resource_request({}).required_resources == {"CPU": 1.0}
+    assert not inspect.isclass(alone) and alone._resources.required_resources == {"CPU": 1.0}
     runs = {}
     for name, trainable in (("alone", alone), ("tune", tune.with_resources(
             make_trainable(SPEC, stream_batch=40, max_units=2), {"cpu": 1}))):

@@ -1,7 +1,7 @@
 """Packed training inside Ray Tune's own API (Pack paper, sections 2.2, 3 and 5).
 
     tuner = tune.Tuner(
-        jabasray.tuner.packed(spec, max_units=27, param_space=space),    # a class Trainable
+        jabasray.tuner.packed(spec, max_units=27, param_space=space),    # a Tune trainable
         param_space=space,
         tune_config=tune.TuneConfig(scheduler=ASHAScheduler(max_t=27), num_samples=64,
                                     metric="accuracy", mode="max",
@@ -28,6 +28,9 @@ Implementation notes
 * A trial reserves ``1 / members_per_device`` of a device (CPU or GPU): Tune's resource
   accounting then admits ``members_per_device`` trials per device, the coordinator trains them
   as one packed model, and the trial processes themselves only wait (they never import torch).
+* Where packing does not pay (the cost model's decision, or ``pack=False``) :func:`packed`
+  returns Tune's own trainable of the spec instead (:func:`~jabasray.tuner.make_trainable`,
+  one CPU or one GPU per trial): such a sweep IS Tune's own sweep, so it cannot be slower.
   On a CPU node the coordinator is chosen among the node's devices by affinity (free slots,
   then the smallest normalised distance to its members); on a GPU, Ray's GPU assignment picks it.
 * A spec whose model cannot be stacked (buffers such as BatchNorm statistics, dropout) trains
@@ -80,7 +83,6 @@ class PackedJob:
     run_ahead: bool = True              # units start before the trials ask (coordinator.py)
     trials_per_device: int = 0          # trials admitted per device (0: members_per_device)
     threads: int = 1                    # torch threads of a CPU device's coordinator
-    alone: bool = False                 # every trial trains alone in its own process (no coordinator)
     decision: dict | None = None        # PackDecision (as a dict) the sweep was built from
 
 
@@ -132,7 +134,8 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
             (:mod:`jabasray.tuner.pack_profile`, cached), decides whether to pack, how many
             members per device (at most ``members_per_device`` when given) and so how many
             trials run at once; when packing does not pay every trial trains alone in its own
-            trial process (1 CPU, or 1 GPU, per trial), exactly as Tune runs an ordinary trial.
+            trial process (1 CPU, or 1 GPU, per trial): the trainable returned is then Tune's
+            own trainable of the spec (:func:`~jabasray.tuner.make_trainable`).
             ``True``: always pack (``members_per_device`` as given, or from memory);
             ``False``: never. The decision and its reason are logged once and reported by
             :func:`coordinator_stats`.
@@ -175,7 +178,7 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                          "at the space's configurations), or pass costs=, or pack=True / pack=False")
     gpu = str(spec.device).startswith("cuda")
     if pack is False:
-        return _alone(spec, max_units, int(stream_batch), gpu, cpus_per_device,
+        return _alone(spec, max_units, int(stream_batch), gpu,
                       _fixed_decision(False, "pack=False: every trial trains alone"))
     if members_per_device is None:      # after every cheap check: this may measure on a GPU
         members_per_device = choose_members_per_device(spec, param_space, gpu)
@@ -187,7 +190,7 @@ def packed(spec: Any, *, max_units: int, param_space: Mapping[str, Any] | None =
                                   members_per_device, threads or max(1, int(cpus_per_device)),
                                   num_samples, reduction_factor, costs, cache_dir)
         if not decision.pack:
-            return _alone(spec, max_units, int(stream_batch), gpu, cpus_per_device, decision)
+            return _alone(spec, max_units, int(stream_batch), gpu, decision)
         members_per_device = decision.members_per_device
         if trials_per_device is not None:
             trials_per_device = max(trials_per_device, members_per_device)
@@ -305,19 +308,20 @@ def decide_packing(spec: Any, max_units: int, param_space: Mapping[str, Any] | N
     return decision
 
 
-def _alone(spec: Any, max_units: int, stream_batch: int, gpu: bool, cpus_per_device: float, decision):
-    """The trainable of a sweep whose trials all train alone, each in its own trial process with
-    one CPU (or one GPU), exactly as Tune runs an ordinary trial (:class:`PlainMember`: the same
-    batches, initial weights, metrics and checkpoints as :func:`~jabasray.tuner.make_trainable`)."""
-    import cloudpickle
+def _alone(spec: Any, max_units: int, stream_batch: int, gpu: bool, decision):
+    """The trainable of a sweep whose trials all train alone: Tune's own trainable of the spec
+    (:func:`~jabasray.tuner.make_trainable`: one trial process with one CPU, or one GPU, a
+    report and a checkpoint per unit, the datasets shipped once through Ray's object store),
+    what a Tune user runs, so that such a sweep is Tune's own sweep and never slower than it.
+    The decision is kept for :func:`coordinator_stats` (no coordinator starts)."""
     from ray import tune
 
-    job = PackedJob(cloudpickle.dumps(spec), stream_batch, max_units, 1, 0, float(cpus_per_device), gpu,
-                    None, 0.0, 1.0, uuid.uuid4().hex[:12], False, 1, 1, alone=True,
-                    decision=decision.to_dict())
-    _ALONE_SWEEPS[job.token] = job.decision
-    resources = {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0}
-    return tune.with_resources(_trainable_class(job), resources)
+    from jabasray.tuner.trainable import make_trainable
+    from jabasray.tuner.training import cached_data
+
+    _ALONE_SWEEPS[uuid.uuid4().hex[:12]] = decision.to_dict()
+    trainable = tune.with_parameters(make_trainable(spec, stream_batch, max_units), data=cached_data(spec))
+    return tune.with_resources(trainable, {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0})
 
 
 # ----------------------------------------------------------------------------- the trial
@@ -443,18 +447,16 @@ def _trainable_class(job: PackedJob):
         def _join(self) -> None:
             """Pack's ``load`` (lazily: Tune restores a checkpoint after ``setup``)."""
             self._key = self.trial_id
-            handle, reply = (None, {"alone": True}) if job.alone else _register(
-                job, self._key, self.config, self._state)
-            if "unpackable" in reply or "alone" in reply:
+            handle, reply = _register(job, self._key, self.config, self._state)
+            if "unpackable" in reply:
                 import cloudpickle
                 import torch
 
                 from jabasray.tuner.pack_runner import state_from_bytes
                 from jabasray.tuner.trainable import PlainMember
 
-                if "unpackable" in reply:
-                    log.warning("trial %s trains unpacked: %s", self._key, reply["unpackable"])
-                torch.set_num_threads(1 if job.alone else max(1, int(job.cpus_per_device / job.members_per_device)))
+                log.warning("trial %s trains unpacked: %s", self._key, reply["unpackable"])
+                torch.set_num_threads(max(1, int(job.cpus_per_device / job.members_per_device)))
                 self._plain = PlainMember(cloudpickle.loads(job.spec_blob), self.config, job.stream_batch,
                                           state_from_bytes(self._state) if self._state else None)
                 self._units = self._plain.units
