@@ -100,12 +100,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _needs_session_ray(item) -> bool:
+    """Whether test ``item`` runs on the session's local Ray: it asks for ``ray_session`` and
+    not for ``without_session_ray`` (a module that starts its own Ray may name its own fixture
+    ``ray_session``, as tests/test_tuner_ray.py does)."""
+    names = item.fixturenames
+    return "ray_session" in names and "without_session_ray" not in names
+
+
 @pytest.fixture(scope="module")
 def without_session_ray(request):
     """For a module that starts its own Ray (e.g. a ``ray.cluster_utils.Cluster``): the
     session's local Ray, if running, is shut down before the module, and started again after it
-    only when a later test still needs it (such modules run last: see
-    ``pytest_collection_modifyitems``)."""
+    only when a later test still runs on it (such modules run last: see
+    ``pytest_collection_modifyitems``; so in a whole-suite run the session's Ray is never
+    started again just for the next such module to shut it down)."""
     ray = pytest.importorskip("ray")
     was_running = ray.is_initialized()
     if was_running:
@@ -116,5 +125,5 @@ def without_session_ray(request):
     items = request.session.items
     module_items = [i for i, item in enumerate(items) if item.module is request.module]
     later = items[module_items[-1] + 1:] if module_items else []
-    if was_running and any("ray_session" in item.fixturenames for item in later):
+    if was_running and any(_needs_session_ray(item) for item in later):
         _start_session_ray(ray)

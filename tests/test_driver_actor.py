@@ -202,11 +202,15 @@ def test_detached_cli_run_second_client_status_attach_stop(ray_session, tmp_path
     """`jabasray train --detach` in a subprocess that exits; this process is the second client."""
     ray = ray_session
     from jabasray.models import MLP
-    from jabasray.profiler import model_signature, profile_cache_key
+    from jabasray.profiler import model_signature
+    from jabasray.profiler.cluster import driver_cache_key
 
     sig = model_signature(MLP(64, (32,), 10))
     p = replace(profile("cpu", 1.0, min_local_batch=4, max_local_batch=32), model_signature=sig)
-    p.save(tmp_path / ".profiles" / f"{profile_cache_key(sig, 'cpu')}.json")   # no profiling
+    # under the key the driver looks up (the job's settings are part of it): no profiling
+    key = driver_cache_key(sig, device="cpu", emulate=True, min_local_batch=4, weight_sync="auto",
+                           bucket_cap_mb=25.0)
+    p.save(tmp_path / ".profiles" / f"{key}.json")
     (tmp_path / "job.py").write_text(SCRIPT)
     (tmp_path / "cluster.json").write_text(json.dumps(
         {"nodes": [{"name": "n0", "gpu_type": "fast", "num_gpus": 1, "speed": 0.05}]}))

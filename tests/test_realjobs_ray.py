@@ -173,32 +173,44 @@ def test_bad_dataset_fn_fails_before_any_actor_with_one_line(folders, tmp_path):
                      perf_model=perf_model()).fit()
 
 
-def test_sma_learners_run_the_users_step_fn(tmp_path):
-    """sync="sma": the learners call the user's step_fn and take the LR from the user's
-    optimizer. A step returning 2 x cross-entropy with the optimizer's LR halved moves every
-    learner exactly like the default step at the full LR (SMA's update is w -= lr g - alpha
-    (w - z)), so the central model z must come out equal - it would not if either were ignored."""
+def test_sma_learners_train_every_sample_once_and_run_the_users_step_fn(tmp_path):
+    """sync="sma": the GPU actors host SMAWorker (same actor surface, validation included in the
+    first run): one epoch on one pair serves every sample once, every interval measures Phi,
+    and the central model z moved away from its initialisation in every parameter. The
+    learners call the user's step_fn and take the LR from the user's optimizer: a step
+    returning 2 x cross-entropy with the optimizer's LR halved moves every learner exactly like
+    the default step at the full LR (SMA's update is w -= lr g - alpha (w - z)), so the central
+    model z must come out equal - it would not if either were ignored. (The first run is also
+    the SMA run test_trainer.py once made on its own.)"""
+    from actors_helpers import assert_each_sample_once_per_epoch
+
     base = JobConfig(epochs=1, sync="sma", initial_global_batch=24, min_global_batch=16,
                      max_global_batch=48, min_local_batch=4, adapt_interval=3, autoscale=False, seed=2)
     ds = in_memory_copy(120)
     common = dict(job_config=base, cluster=CLUSTER, perf_model=perf_model(), loss_fn=loss_fn,
-                  options=DriverOptions(driver="local"))
+                  options=DriverOptions(driver="local", record_samples=True))
 
     def double_step(model, batch):
         x, y = batch
         return 2.0 * F.cross_entropy(model(x), y)
 
     a = JabasTrainer(model_fn, ds, optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.05),
+                     val_dataset=in_memory_copy(NVAL, seed=1),
                      run_config=RunConfig(str(tmp_path), "a"), **common).fit()
     b = JabasTrainer(model_fn, ds, optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.025),
                      step_fn=double_step, run_config=RunConfig(str(tmp_path), "b"), **common).fit()
+    for r in (a, b):
+        assert_each_sample_once_per_epoch(r.history, len(ds))
+        assert all(i.phi is not None and -1 <= i.phi <= 1 for i in r.history.intervals)
     # SMA checkpoints hold every rank's state (actors/sma_state.py); z is the same on every rank
     za, zb = (r.run_checkpoint.load_worker_state()["sma_ranks"][0]["z"] for r in (a, b))
     for k in za:
         torch.testing.assert_close(za[k], zb[k], rtol=1e-5, atol=1e-6)
     torch.manual_seed(2)
     init = model_fn().state_dict()
+    assert set(za) == set(init)
     assert any(not torch.allclose(za[k], init[k]) for k in init)
+    assert all(not torch.equal(za[k], init[k]) for k in init), "the SMA central model did not train"
     assert sum(i.samples for i in b.history.intervals) == len(ds)
 
 

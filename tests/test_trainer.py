@@ -96,22 +96,3 @@ def test_resume_after_interruption_equals_uninterrupted(reference, tmp_path):
         JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, JobConfig(**{**job(3).to_dict(), "alpha": 0.5}),
                      cluster=CLUSTER, run_config=RunConfig(str(tmp_path), "resumed"),
                      perf_model=perf_model()).fit()
-
-
-def test_sma_sync_hosts_crossbow_learners(ray_session, tmp_path):
-    """JobConfig.sync="sma": the GPU actors host SMAWorker (same actor surface): one epoch on one
-    pair serves every sample once, and the central model z moved away from its initialisation."""
-    ds, val = tiny_data(120)
-    j = JobConfig(epochs=1, sync="sma", initial_global_batch=24, min_global_batch=16, max_global_batch=48,
-                  min_local_batch=4, adapt_interval=3, autoscale=False, lr=0.05, seed=2)
-    r = JabasTrainer(model_fn, ds, optimizer_fn, loss_fn, j, cluster=CLUSTER,
-                     run_config=RunConfig(str(tmp_path), "sma"), val_dataset=val,
-                     perf_model=perf_model(), options=DriverOptions(record_samples=True, driver="local")).fit()
-    assert_each_sample_once_per_epoch(r.history, len(ds))
-    assert all(i.phi is not None and -1 <= i.phi <= 1 for i in r.history.intervals)
-    torch.manual_seed(2)
-    init = model_fn().state_dict()
-    # SMA checkpoints hold every rank's SMAWorker.state_dict() (actors/sma_state.py); z is shared
-    z = r.run_checkpoint.load_worker_state()["sma_ranks"][0]["z"]
-    assert set(z) == set(init)
-    assert all(not torch.equal(z[k], init[k]) for k in init), "the SMA central model did not train"
