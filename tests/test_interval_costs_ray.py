@@ -67,8 +67,8 @@ def _rel(a: float, b: float) -> float:
                          [(slow_step, 1.0, STEP_SLEEP_S, 1, 0.15),
                           (busy_step, 0.25, STEP_CPU_S / 0.25, 4, 0.2)],
                          ids=["sleeping-step", "emulated-gpu"])
-def test_injected_costs_are_predicted_term_by_term(ray_session, tmp_path, step, speed, floor_s, ragged_floors,
-                                                   bound):
+def test_injected_costs_are_predicted_term_by_term(ray_session, host_measurements, tmp_path, step, speed,
+                                                   floor_s, ragged_floors, bound):
     """Two GPU actors, B_G fixed at 64 with B_L at most 8 (four VSWs per GPU, the profile's
     n_max, run batched: the step function once per iteration), p = 3: every step takes at least ``floor_s`` (a step that
     sleeps 40 ms on a GPU of speed 1; or a step that burns 8 ms of CPU on an emulated GPU of
@@ -95,7 +95,7 @@ def test_injected_costs_are_predicted_term_by_term(ray_session, tmp_path, step, 
                     autoscale=False, seed=3)
     drv = JabasDriver(model_fn, SlowRows(ds), optimizer_fn, loss_fn, job, cluster, tmp_path / "run",
                       hooks=JobHooks(step_fn=step),
-                      options=DriverOptions(profile_cache_dir=str(tmp_path / "profiles"),
+                      options=DriverOptions(profile_cache_dir=str(host_measurements(tmp_path / "profiles")),
                                             emulation="wait"))
     hist = drv.run()
     recs = [r for r in hist.intervals if r.num_iterations == job.adapt_interval]
