@@ -113,8 +113,8 @@ def ragged_extra(replies: Sequence[dict], model: Any) -> tuple[float, float]:
         by_workers.setdefault(int(steps[0][i][0]), []).append(measured - predicted)
     if not by_workers:
         return 0.0, 0.0
-    means = sorted((w, statistics.median(r)) for w, r in by_workers.items())
-    (w0, r0), (w1, r1) = means[0], means[-1]
+    medians = sorted((w, statistics.median(r)) for w, r in by_workers.items())
+    (w0, r0), (w1, r1) = medians[0], medians[-1]
     per_worker = (r1 - r0) / (w1 - w0) if w1 > w0 else 0.0
     return r0 - per_worker * w0, per_worker
 
