@@ -43,6 +43,7 @@ from typing import Any, Sequence
 from ..serialization import JsonMixin
 from ..types import Plan, WorkerConfig, unit_gpu
 from ..validation import check_float, check_int
+from .config_solver import unit_model
 
 # the named terms of an interval, in the order they are shown
 TERMS = ("steps", "ragged", "loader", "similarity", "read", "call", "configure")
@@ -177,13 +178,15 @@ def ragged_remainder(samples_left: int, num_iterations: int, global_batch: int) 
 
 
 def ragged_step_time(model: Any, gpu: str, num_vsw: int, num_ga: int, size: int) -> float:
-    """Eq. 6 of a ragged step on one GPU of type ``gpu`` configured with ``num_vsw`` VSWs and
+    """Eq. 6 of a ragged step on one GPU of type (or similarity unit, :class:`.config_solver.
+    UnitModel`: a solo GPU runs twice the VSWs) ``gpu`` configured with ``num_vsw`` VSWs and
     ``num_ga`` GA steps whose micro-batches hold at most ``size`` samples: the engine's per-VSW
     execution runs the VSWs concurrently (as the profile's VSWs), GA round after GA round, so
     it is Eq. 6 at B_L = ``size`` (below the smallest profiled B_L the model's extrapolation,
     :class:`~.perf_model.PerfModel`); what the per-VSW passes cost beyond the batched ones the
     profile measured is the measured extra (:meth:`HostCosts.ragged_extra_s`)."""
-    return float(model.iteration_time(gpu, max(1, int(size)), max(1, int(num_vsw)), max(0, int(num_ga))))
+    return float(unit_model(model).iteration_time(gpu, max(1, int(size)), max(1, int(num_vsw)),
+                                                  max(0, int(num_ga))))
 
 
 def ragged_micro_batch(plan: Plan, remainder: int) -> int:
@@ -202,15 +205,14 @@ def unit_workers(worker: WorkerConfig) -> int:
 
 def ragged_iteration_time(plan: Plan, remainder: int, model: Any, costs: HostCosts | None) -> float:
     """Seconds of the epoch's ragged last iteration of ``remainder`` samples under ``plan``: on
-    each GPU :func:`ragged_step_time` at its VSWs and GA steps (a solo GPU runs twice the
-    VSWs) and :func:`ragged_micro_batch` samples, plus the measured extra for its decoupled
+    each GPU unit :func:`ragged_step_time` at its VSWs and GA steps and
+    :func:`ragged_micro_batch` samples, plus the measured extra for its decoupled
     workers (:func:`unit_workers`); the slowest GPU sets the pace. Deviation from the paper,
     which predicts full iterations only: on a short epoch the ragged step is a large share of
     the last interval (on the README's job it took 1.5-3.5x a full iteration)."""
     size, c = ragged_micro_batch(plan, remainder), costs or HostCosts()
-    pace = max((ragged_step_time(model, unit_gpu(w.gpu)[0], w.num_vsw * (2 if unit_gpu(w.gpu)[1] else 1),
-                                 w.num_ga, size) + c.ragged_extra_s(unit_workers(w)) for w in plan.workers),
-               default=0.0)
+    pace = max((ragged_step_time(model, w.gpu, w.num_vsw, w.num_ga, size) + c.ragged_extra_s(unit_workers(w))
+                for w in plan.workers), default=0.0)
     return max(0.0, pace)
 
 
