@@ -365,11 +365,15 @@ class IIDPWorker:
     def set_weight_sync(self, method: str) -> None:
         """Use ``"sws"`` or ``"ows"`` from the next step on (a plan's predicted choice; the
         shard optimizer exists either way, so switching between steps is safe)."""
-        check_choice("weight_sync", method, ("sws", "ows"))
+        self._weights.method = self._weight_sync_for(check_choice("weight_sync", method, ("sws", "ows")))
+
+    def _weight_sync_for(self, method: str) -> str:
+        """``method``, or SWS where it is OWS and clipping or a loss scaler is on (OWS updates
+        buckets before the whole gradient is there; the global norm and the inf check need it)."""
         if method == "ows" and (self._weights.grad_clip_norm is not None or self.state.scaler is not None):
             self._log_once("IIDP: SWS instead of OWS (%s)", _SWS_WHY)
-            method = "sws"
-        self._weights.method = method
+            return "sws"
+        return method
 
     @property
     def grad_scaler(self) -> "torch.amp.GradScaler | None":
@@ -398,9 +402,7 @@ class IIDPWorker:
         # initialise the scale now (as make_grad_scaler: lazy initialisation is not thread-safe)
         type(scaler).scale(scaler, torch.ones((), device=self.device))
         self.state.scaler = self._weights.scaler = scaler
-        if self._weights.method == "ows":
-            self._log_once("IIDP: SWS instead of OWS (%s)", _SWS_WHY)
-            self._weights.method = "sws"
+        self._weights.method = self._weight_sync_for(self._weights.method)
         if self._graph_mode != "off" or self._segmented != "off":
             self._log_once("IIDP: eager steps (%s)", "a GradScaler decides on the host whether to step")
             self._graph_mode, self._segmented = "off", "off"
