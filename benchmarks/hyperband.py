@@ -264,8 +264,10 @@ def compare(args, contenders: list[str]) -> dict:
                 metric="accuracy", mode="max", num_samples=len(configs), reuse_actors=True,
                 scheduler=ASHAScheduler(**asha), max_concurrent_trials=len(configs),
                 search_alg=SimilaritySearch(group_size=args.members, batch_size=len(configs), points=configs,
-                                            first_wave=first_wave if name == "packed_asha_wave" else None))
-        hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs)
+                                            first_wave=first_wave if name == "packed_asha_wave" else None,
+                                            trainable=trainable))
+        hb = PackedHyperband(args.R, args.eta, members_per_device=args.members, points=configs,
+                             trainable=trainable)
         return trainable, hb.tune_config("accuracy", "max", reuse_actors=True)
 
     def run(name: str, rnd: int) -> dict:

@@ -83,3 +83,34 @@ def test_auto_decides_from_the_costs_pack_or_alone(caplog):
     new = [_ALONE_SWEEPS[t] for t in set(_ALONE_SWEEPS) - before]
     assert sorted(d["reason"].split(":")[0] for d in new) == ["every trial trains alone", "pack=False"]
     assert all(not d["pack"] for d in new)
+
+
+def test_the_searchers_keep_the_listed_order_where_every_trial_trains_alone():
+    """kNN groups serve packing only: given a trainable that trains alone, SimilaritySearch and
+    PackedHyperband emit the configurations in the order listed (as Tune's own searcher over
+    the same points); given a packing trainable, in similarity groups as without one."""
+    from ray.tune.search import Searcher
+
+    from jabasray.tuner import PackedHyperband, SimilaritySearch, trains_alone
+
+    space = {"lr": tune.loguniform(1e-5, 1e-1), "optimizer": tune.choice(["sgd", "adam"])}
+    near_a = [{"lr": 1e-5 * (1 + i / 10), "optimizer": "sgd"} for i in range(4)]
+    near_b = [{"lr": 1e-1 / (1 + i / 10), "optimizer": "adam"} for i in range(4)]
+    mixed = [c for pair in zip(near_a, near_b) for c in pair]           # sgd, adam, sgd, ...
+    alone = packed(SPEC, max_units=3, stream_batch=40, pack=False)
+    together = packed(SPEC, max_units=3, stream_batch=40, members_per_device=4, pack=True)
+    assert trains_alone(alone) and not trains_alone(together)
+
+    def emitted(search, n):
+        search.set_search_properties("acc", "max", space)
+        out = [search.suggest(str(i)) for i in range(n)]
+        assert search.suggest(str(n)) == Searcher.FINISHED
+        return out
+
+    assert emitted(SimilaritySearch(group_size=4, batch_size=8, points=mixed, seed=3, trainable=alone), 8) == mixed
+    grouped = emitted(SimilaritySearch(group_size=4, batch_size=8, points=mixed, seed=3, trainable=together), 8)
+    assert grouped == emitted(SimilaritySearch(group_size=4, batch_size=8, points=mixed, seed=3), 8)
+    assert [len({c["optimizer"] for c in half}) for half in (grouped[:4], grouped[4:])] == [1, 1]
+    # R = 3, eta = 3: brackets of 3 and 2 configurations (Tune fills the 2 first)
+    hb = PackedHyperband(3, 3, members_per_device=2, points=mixed[:5], trainable=alone)
+    assert emitted(hb.search_alg, 5) == mixed[:5]

@@ -35,6 +35,9 @@ def run(args: argparse.Namespace) -> int:
     for name in ("R", "num_samples", "steps_per_unit", "members_per_device", "num_cpus"):
         check_int(name, getattr(args, name), min_value=1)
     check_int("eta", args.eta, min_value=2)
+    if args.scheduler == "hyperband":
+        from jabasray.tuner.brackets import tune_hyperband_schedule
+        tune_hyperband_schedule(args.R, args.eta)
     from jabasray.tuner.digits import TABLE3_PARAM_VALUES, digits_mlp_spec
 
     spec = digits_mlp_spec(steps_per_unit=args.steps_per_unit)
@@ -45,21 +48,29 @@ def run(args: argparse.Namespace) -> int:
     from jabasray.tuner import PackedHyperband, SimilaritySearch, packed
 
     space = {k: tune.choice(v) for k, v in TABLE3_PARAM_VALUES.items()}
-    if args.scheduler == "hyperband":
-        tune_config = PackedHyperband(args.R, args.eta, args.members_per_device).tune_config("accuracy", "max")
-    else:
-        tune_config = tune.TuneConfig(
-            metric="accuracy", mode="max", num_samples=args.num_samples,
-            scheduler=ASHAScheduler(max_t=args.R, grace_period=1, reduction_factor=args.eta),
-            search_alg=SimilaritySearch(group_size=args.members_per_device, batch_size=args.num_samples),
-            max_concurrent_trials=args.num_samples)
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     try:
+        # packed() decides whether packing pays on the cluster just joined; the searcher keeps
+        # the sampled order where it does not
+        if args.scheduler == "hyperband":
+            # num_samples by default: one Hyperband iteration's sample, what PackedHyperband runs
+            trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members_per_device,
+                               reduction_factor=args.eta)
+            tune_config = PackedHyperband(args.R, args.eta, args.members_per_device,
+                                          trainable=trainable).tune_config("accuracy", "max")
+        else:
+            trainable = packed(spec, max_units=args.R, param_space=space, members_per_device=args.members_per_device,
+                               num_samples=args.num_samples, reduction_factor=args.eta)
+            tune_config = tune.TuneConfig(
+                metric="accuracy", mode="max", num_samples=args.num_samples,
+                scheduler=ASHAScheduler(max_t=args.R, grace_period=1, reduction_factor=args.eta),
+                search_alg=SimilaritySearch(group_size=args.members_per_device, batch_size=args.num_samples,
+                                            trainable=trainable),
+                max_concurrent_trials=args.num_samples)
         grid = tune.Tuner(
-            packed(spec, max_units=args.R, param_space=space, members_per_device=args.members_per_device),
-            param_space=space, tune_config=tune_config,
+            trainable, param_space=space, tune_config=tune_config,
             run_config=tune.RunConfig(name="jabasray_tune", verbose=1,
                                       storage_path=args.storage or tempfile.mkdtemp(prefix="jabasray_tune_"))).fit()
     finally:

@@ -94,6 +94,17 @@ def hyperband_schedule(R: int, eta: int = 3, halving: str = "floor") -> list[Bra
     return out
 
 
+def tune_hyperband_schedule(R: int, eta: int) -> list[Bracket]:
+    """The brackets Tune's ``HyperBandScheduler(max_t=R, reduction_factor=eta)`` runs
+    (``halving="ceil"``). Tune rounds ``log_eta R``, so they are the ones listed only where R
+    is a power of eta; any other R is refused."""
+    brackets = hyperband_schedule(R, eta, halving="ceil")
+    if R != eta ** (len(brackets) - 1):
+        raise ValueError(f"R must be a power of eta (Tune's HyperBandScheduler rounds log_eta R, "
+                         f"so its brackets are the ones listed only then), got R={R}, eta={eta}")
+    return brackets
+
+
 def hyperband_brackets(R: int = 81, eta: int = 3, halving: str = "floor") -> list[list[tuple[int, float]]]:
     """Brackets as plain lists of ``(n_i, r_i)`` rungs, largest ``s`` first.
 

@@ -1,11 +1,12 @@
 """Packed training inside Ray Tune's own API (Pack paper, sections 2.2, 3 and 5).
 
+    trainable = jabasray.tuner.packed(spec, max_units=27, param_space=space)  # a Tune trainable
     tuner = tune.Tuner(
-        jabasray.tuner.packed(spec, max_units=27, param_space=space),    # a Tune trainable
+        trainable,
         param_space=space,
         tune_config=tune.TuneConfig(scheduler=ASHAScheduler(max_t=27), num_samples=64,
                                     metric="accuracy", mode="max",
-                                    search_alg=SimilaritySearch(group_size=8),
+                                    search_alg=SimilaritySearch(group_size=8, trainable=trainable),
                                     max_concurrent_trials=64),
         run_config=tune.RunConfig(...))
 
@@ -39,7 +40,8 @@ Implementation notes
   batch in kNN order (similar configurations one after another), so the trials that arrive
   together -- and share a pack -- are similar (Pack 5.3). :class:`PackedHyperband` is Hyperband
   with that search order per bracket (Pack 5.2: ``pack_opt(T)`` of every bracket's sample) on
-  Tune's ``HyperBandScheduler``; paused survivors of a rung re-join packs when resumed.
+  Tune's ``HyperBandScheduler``; paused survivors of a rung re-join packs when resumed. Given
+  the sweep's trainable, both keep the sampled order where every trial trains alone.
 """
 from __future__ import annotations
 
@@ -52,14 +54,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from jabasray.planners.pack_opt import NormalisedSpace, similarity_order
-from jabasray.tuner.brackets import hyperband_schedule
+from jabasray.tuner.brackets import hyperband_schedule, tune_hyperband_schedule
 from jabasray.tuner.pack_size import choose_members_per_device
 from jabasray.tuner.space import largest_value, normalised_space
 from jabasray.validation import check_choice, check_float, check_int
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedJob", "packed", "SimilaritySearch", "PackedHyperband", "coordinator_stats",
+__all__ = ["PackedJob", "packed", "trains_alone", "SimilaritySearch", "PackedHyperband", "coordinator_stats",
            "COORDINATOR_NAMESPACE"]
 
 COORDINATOR_NAMESPACE = "jabasray"
@@ -321,7 +323,15 @@ def _alone(spec: Any, max_units: int, stream_batch: int, gpu: bool, decision):
 
     _ALONE_SWEEPS[uuid.uuid4().hex[:12]] = decision.to_dict()
     trainable = tune.with_parameters(make_trainable(spec, stream_batch, max_units), data=cached_data(spec))
-    return tune.with_resources(trainable, {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0})
+    trainable = tune.with_resources(trainable, {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0})
+    trainable._jabasray_trains_alone = True
+    return trainable
+
+
+def trains_alone(trainable: Any) -> bool:
+    """Whether ``trainable`` (what :func:`packed` returned) trains every trial alone: the cost
+    model's decision, or ``pack=False``."""
+    return bool(getattr(trainable, "_jabasray_trains_alone", False))
 
 
 # ----------------------------------------------------------------------------- the trial
@@ -592,9 +602,12 @@ def _make_search_class():
         def __init__(self, group_size: int = 8, batch_size: int | None = None,
                      batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
                      seed: int = 0, metric: str | None = None, mode: str | None = None,
-                     first_wave: int | None = None) -> None:
+                     first_wave: int | None = None, trainable: Any = None) -> None:
             super().__init__(metric=metric, mode=mode)
             check_int("group_size", group_size, min_value=1)
+            # kNN groups serve packing only: a sweep whose trials train alone keeps the order
+            # its configurations were sampled (or listed) in, as Tune's own searcher would
+            self.similarity = not trains_alone(trainable)
             if first_wave is not None:
                 check_int("first_wave", first_wave, min_value=1)
             self.wave_limit = first_wave           # None once the first result (or end) lifted it
@@ -630,8 +643,8 @@ def _make_search_class():
                 if self.param_space is None:
                     raise ValueError("SimilaritySearch needs the Tuner's param_space (or points=...)")
                 batch = [_sample(self.param_space, self.rng) for _ in range(n)]
-            if not batch:
-                return []
+            if not batch or not self.similarity:
+                return batch
             space = normalised_space(self.param_space or {})
             groups = similarity_order(batch, space, self.group_size, seed=self.seed + self.batches_done)
             return [batch[i] for g in groups for i in g]
@@ -675,7 +688,7 @@ def _make_search_class():
 def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
                      batch_sizes: Sequence[int] | None = None, points: Sequence[Mapping] | None = None,
                      seed: int = 0, metric: str | None = None, mode: str | None = None,
-                     first_wave: int | None = None):
+                     first_wave: int | None = None, trainable: Any = None):
     """A Tune ``Searcher``: samples the Tuner's ``param_space`` (any Tune domain) in batches of
     ``batch_size`` (or the listed ``batch_sizes`` first) and emits each batch grouped by
     similarity (:func:`~jabasray.planners.pack_opt.similarity_order`, ``group_size``
@@ -688,9 +701,15 @@ def SimilaritySearch(group_size: int = 8, batch_size: int | None = None,
     and imports Ray Tune, and processes started together share the CPUs, so none is ready early
     (``benchmarks/trial_startup.py``); with packed trials admitted beyond the packs' seats
     (``trials_per_device > members_per_device``), ``first_wave = members_per_device x devices``
-    starts the trials that train first before the ones that wait for a seat. None: no limit."""
+    starts the trials that train first before the ones that wait for a seat. None: no limit.
+
+    ``trainable``: the trainable :func:`packed` returned for this sweep. Where it trains every
+    trial alone (:func:`trains_alone`), the configurations are emitted in the order they were
+    sampled (or listed): grouping serves packing only, and it would change which trials an
+    asynchronous scheduler such as ASHA sees first, so such a sweep is Tune's own sweep down to
+    its trial order."""
     return _make_search_class()(group_size, batch_size, batch_sizes, points, seed, metric, mode,
-                                first_wave)
+                                first_wave, trainable)
 
 
 class PackedHyperband:
@@ -709,16 +728,14 @@ class PackedHyperband:
 
     Pass ``scheduler``, ``search_alg``, ``num_samples`` (one Hyperband iteration) and
     ``max_concurrent_trials`` to ``tune.TuneConfig`` (or call :meth:`tune_config`).
+    ``trainable``: the sweep's trainable from :func:`packed` (see :func:`SimilaritySearch`).
     """
 
     def __init__(self, R: int, eta: int = 3, members_per_device: int = 8,
-                 points: Sequence[Mapping] | None = None, seed: int = 0) -> None:
+                 points: Sequence[Mapping] | None = None, seed: int = 0, trainable: Any = None) -> None:
         from jabasray.tuner.schedulers import hyperband_scheduler
 
-        brackets = hyperband_schedule(R, eta, halving="ceil")
-        if R != eta ** (len(brackets) - 1):
-            raise ValueError(f"R must be a power of eta (Tune's HyperBandScheduler rounds log_eta R, "
-                             f"so its brackets are the ones listed only then), got R={R}, eta={eta}")
+        brackets = tune_hyperband_schedule(R, eta)
         self.brackets = brackets
         # Tune fills brackets from s = 0 (fewest configurations, most units) upwards
         self.bracket_sizes = [b.num_configs for b in reversed(brackets)]
@@ -730,7 +747,7 @@ class PackedHyperband:
         # Tune's HyperBandScheduler plus the finished-bracket fix (see jabasray.tuner.schedulers)
         self.scheduler = hyperband_scheduler(max_t=R, reduction_factor=eta)
         self.search_alg = SimilaritySearch(group_size=members_per_device, batch_sizes=self.bracket_sizes,
-                                           points=points, seed=seed)
+                                           points=points, seed=seed, trainable=trainable)
 
     def tune_config(self, metric: str, mode: str, **kwargs):
         from ray import tune
