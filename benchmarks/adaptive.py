@@ -6,7 +6,11 @@ the same emulated heterogeneous cluster (JABAS paper section 7.2's comparison, s
 * ``static_small``  - B_G fixed at the small batch, all GPUs (what Ray Train DDP would run);
 * ``static_max``    - B_G fixed at max B_G, all GPUs;
 * ``adaptive_all``  - adaptive B_G (SimiGrad-like rule) on all GPUs, no auto-scaling;
-* ``jabas``         - adaptive B_G + per-epoch auto-scaling (the joint system).
+* ``jabas``         - adaptive B_G + per-epoch auto-scaling (the joint system);
+* ``static_scaled`` - B_G fixed at the small batch, per-epoch auto-scaling: the same SGD as
+  ``static_small`` (IIDP keeps the global batch's gradient whatever the allocation), only the
+  float summation order differs. Its accuracy difference to ``static_small`` is the noise
+  floor of the comparison: how far a run drifts from a mathematically equal one.
 
 Fairness: the emulated GPUs run under ``DriverOptions(emulation="wait")``
 (:mod:`jabasray.actors.emulation`): a step takes its CPU time / speed, and the speeds sum to at
@@ -44,7 +48,7 @@ from pathlib import Path
 from common import default_out, rotated, write_json
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("static_small", "static_max", "adaptive_all", "jabas")
+VARIANTS = ("static_small", "static_max", "adaptive_all", "jabas", "static_scaled")
 
 
 def variant_job(name: str, base, small: int):
@@ -54,6 +58,8 @@ def variant_job(name: str, base, small: int):
         return replace(base, adaptive=False, autoscale=False, initial_global_batch=base.max_global_batch)
     if name == "adaptive_all":
         return replace(base, adaptive=True, autoscale=False)
+    if name == "static_scaled":
+        return replace(base, adaptive=False, autoscale=True, initial_global_batch=small)
     return replace(base, adaptive=True, autoscale=True)
 
 
@@ -169,7 +175,20 @@ def summarise(rounds: list[dict], target: float) -> dict:
                            "median": statistics.median(reached) if len(reached) == len(values) else None,
                            "median_ratio": statistics.median(ok) if len(ok) == len(ratios) else None}
         per[metric] = table
+    per["final_accuracy_difference_points"] = accuracy_differences(rounds)
     return per
+
+
+def accuracy_differences(rounds: list[dict]) -> dict:
+    """Per contender: final validation accuracy minus static_small's in the same round, in
+    points (100 x the accuracy difference), per round and their median."""
+    table = {}
+    for name in VARIANTS:
+        diffs = [100 * (rd["runs"][name]["final_val_accuracy"] - rd["runs"]["static_small"]["final_val_accuracy"])
+                 for rd in rounds if name in rd["runs"] and "static_small" in rd["runs"]]
+        if diffs:
+            table[name] = {"per_round": diffs, "median": statistics.median(diffs)}
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
     summary = summarise(rounds, args.target)
+    for name, d in summary["final_accuracy_difference_points"].items():
+        print(f"  final accuracy - static_small's, points: {name:13s} "
+              f"{' '.join(f'{x:+5.1f}' for x in d['per_round'])} | median {d['median']:+.1f}")
     for metric, table in summary.items():
+        if metric == "final_accuracy_difference_points":
+            continue
         print(f"\n{metric} (target {args.target}); per-round ratio to static_small")
         for name, s in table.items():
             vals = " ".join(f"{v:7.1f}" if v is not None else "    n/a" for v in s["per_round"])
