@@ -16,7 +16,7 @@ import pytest
 
 from jabasray.sim.convergence import (ConvergenceModel, ConvergenceTrace, ReplaySimilarity,
                                       load_trace_csv, load_trace_dir, packaged_model,
-                                      packaged_trace_dir)
+                                      packaged_trace_dir, settled_batch)
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = "progress,iteration,metric,grad_sqr,grad_var"
@@ -187,6 +187,22 @@ def test_pollux_traces_give_efficiency_and_similarity_in_0_1(app):
 
 
 # ------------------------------------------------------------------ the similarity formula
+@pytest.mark.parametrize("gamma", [0.1, 1 / 3, 0.5, 0.9])
+def test_the_settled_batch_is_where_the_expected_similarity_equals_gamma(gamma):
+    """Phi(settled_batch) == gamma on a fitted model for any B_noise; gamma 0.5 -> 2 B_noise,
+    1/3 -> B_noise; the rule's two sides: Phi below gamma at a smaller batch, above at a larger."""
+    for sigma2, m0 in ((64.0, 16), (640.0, 4), (30.0, 1)):
+        model = ConvergenceModel(reference_batch=m0).fit([trace(m0, [1.0], [0.5], sqr=1.0, var=sigma2 / m0)])
+        b = settled_batch(model.noise_scale(0.5), gamma)
+        assert b >= 2                    # two halves of at least a sample at every case here
+        assert model.similarity(0.5, b) == pytest.approx(gamma)
+        assert model.similarity(0.5, b - 1) < gamma < model.similarity(0.5, b + 1)
+    assert settled_batch(64.0, 0.5) == pytest.approx(128.0)
+    assert settled_batch(64.0, 1 / 3) == pytest.approx(64.0)
+    with pytest.raises(ValueError, match=r"gamma must be .*\(0.0, 1.0\)"):
+        settled_batch(64.0, 1.0)
+
+
 def test_similarity_formula_against_monte_carlo():
     """Per-sample gradients g_i = G + eps_i in d = 4000 dimensions, |G|^2 = 1, eps_i Gaussian
     with an anisotropic diagonal covariance (variances spread over a decade) of trace sigma^2 =

@@ -563,6 +563,21 @@ class ConvergenceModel:
                 f"envelope={self.envelope})")
 
 
+def settled_batch(noise_scale: float, gamma: float) -> float:
+    """The global batch at which (5)'s expected two-group similarity equals ``gamma``::
+
+        Phi(B) = 1 / (1 + 2 B_noise / B) = gamma   <=>   B = 2 gamma B_noise / (1 - gamma)
+
+    where SimiGrad's and JABAS's batch rule (section 6.1: grow while Phi < gamma, shrink while
+    Phi > gamma) holds B_G, before its bounds: gamma = 0.5 holds it at 2 B_noise, 0.1 at
+    0.22 B_noise. By (3) the samples it then needs per unit of progress grow as
+    ``(B_noise + B) / (B_noise + M0)``: a threshold is a choice of statistical efficiency."""
+    gamma = check_float("gamma", gamma, min_value=0.0, max_value=1.0, min_exclusive=True,
+                        max_exclusive=True)
+    noise_scale = check_float("noise_scale", noise_scale, min_value=0.0)
+    return 2.0 * gamma * noise_scale / (1.0 - gamma)
+
+
 def _efficiency(sqr: float, var: float, scale: float) -> float:
     """E = (var + sqr) / (var + sqr * scale), scale = B / M0 (module notes (3)); 1 if both are 0
     (no information: treated as noise, where batches scale perfectly)."""
