@@ -222,11 +222,14 @@ def test_bundles_reserve_loader_cpus_and_an_unmet_placement_names_what_is_missin
     assert "\n" not in msg and "node f" in msg and "'CPU'" in msg and "missing" in msg
 
 
-def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_path):
+def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, host_measurements, tmp_path):
     """profile_in_tasks: one task per type, each holding exactly one unit of its type's resource
     (and nothing else), on the node that has it; profiles for both types, the slow one slower;
     a second call reads both from the per-type cache without a task. A driver with
-    profile_in_tasks then plans with the cached profiles and trains."""
+    profile_in_tasks then plans with the cached profiles and trains. The tasks read this host's
+    all-reduce fit and contention from a host cache (``host_cache_dir``, seeded with the
+    session's measurements: every raylet of the module runs on this host) instead of each
+    measuring them with gloo child processes: neither is what this test checks."""
     import ray
 
     from jabasray.actors.profiling import profile_in_tasks
@@ -240,8 +243,9 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
     kw = dict(loss_fn=loss_fn, optimizer_fn=optimizer_fn, device="cpu", emulate=True,
               min_local_batch=4, max_local_batch=small.max_local_batch, weight_sync=small.weight_sync,
               bucket_cap_mb=25.0, cache_dir=tmp_path / "prof")
+    host = str(host_measurements(tmp_path / "host"))
     notes: list[str] = []
-    profiles = profile_in_tasks(model_fn, rows, FOUR, notes=notes, **kw)
+    profiles = profile_in_tasks(model_fn, rows, FOUR, notes=notes, host_cache_dir=host, **kw)
     assert sorted(profiles) == ["fast", "slow"]
     assert all(p.gpu_type == t for t, p in profiles.items())
     slow_node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "gpu_slow" in n["Resources"])
@@ -251,6 +255,11 @@ def test_each_gpu_type_is_profiled_in_a_task_holding_one_gpu_of_it(cluster, tmp_
         f"profile of slow: measured in a Ray task holding {{'gpu_slow': 1.0}} on node {slow_node[:8]}"])
     assert (profiles["fast"].speed, profiles["slow"].speed) == (1.0, 0.5)   # emulation scaling
     assert all([b.local_batch for b in p.batches] == [4, 8] for p in profiles.values())
+    # the host measurements came from the host cache, not from a measurement in the task
+    from jabasray.profiler.contention import cached_contention
+    from jabasray.profiler.measure import cached_allreduce_fit
+    fit, contention = cached_allreduce_fit(host), cached_contention(host)
+    assert all(p.allreduce_intra == fit and p.contention == contention for p in profiles.values())
     again: list[str] = []
     assert profile_in_tasks(model_fn, rows, FOUR, notes=again, **kw) == profiles
     assert sorted(n.split(":")[0] for n in again) == ["profile of fast", "profile of slow"]

@@ -1,6 +1,6 @@
 """Provisioning through Ray's autoscaler, on a fake autoscaling cluster of this machine
 (``autoscaling_cluster``): a head without GPUs, two worker node types (``fast``: 2 emulated
-"fast" GPUs, ``slow``: 2 "slow" ones, at most 2 nodes each, an idle timeout of 6 s) whose fake
+"fast" GPUs, ``slow``: 2 "slow" ones, at most 2 nodes each, an idle timeout of 3 s) whose fake
 node provider starts a raylet per launched node.
 
 The job runs in a child interpreter (``provision_scenario.py``) with the cluster's environment;
@@ -42,6 +42,11 @@ WORKER_TYPES = {
     "slow": {"resources": {"CPU": 1, "gpu_slow": 2}, "node_config": {}, "min_workers": 0, "max_workers": 2},
 }
 SAMPLES = 96        # provision_scenario.SAMPLES
+# how long a node no request needs stays idle before the autoscaler removes it: the scenario
+# waits for that twice (the node let go mid-run, the last node after the run); the nodes the job
+# asks for are kept whatever the timeout (Ray's autoscaler never ends a node that
+# request_resources needs)
+IDLE_S = 3.0
 CHILD_S = 400       # the whole job with its node launches; generous for a loaded 2-core machine
 
 
@@ -62,7 +67,7 @@ def run(without_session_ray, tmp_path_factory):
     """The scenario's facts (``provision_scenario.py``), from one run on one cluster."""
     folder = tmp_path_factory.mktemp("provision")
     env, current = _environment(), _current_cluster_file()
-    cluster = FakeAutoscalingCluster(WORKER_TYPES)
+    cluster = FakeAutoscalingCluster(WORKER_TYPES, idle_timeout_s=IDLE_S)
     try:
         cluster.start()
         done = cluster.run_child(os.path.join(HERE, "provision_scenario.py"),
@@ -158,7 +163,7 @@ def test_each_epoch_serves_every_sample_once(run):
 
 def test_the_request_is_cleared_and_the_nodes_go(run):
     assert len(run["alive_after"]) == 1, \
-        f"{len(run['alive_after'])} nodes alive 120 s after the run (idle timeout 6 s)"
+        f"{len(run['alive_after'])} nodes alive 120 s after the run (idle timeout {IDLE_S:g} s)"
 
 
 def reference_held(run, t0: float, t1: float) -> float:

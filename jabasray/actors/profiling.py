@@ -73,9 +73,10 @@ def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, 
                  min_local_batch: int, weight_sync: str, bucket_cap_mb: float,
                  torch_threads: int, max_local_batch: int | None = None,
                  step_fn: Callable | None = None, collate_fn: Callable | None = None,
-                 engine_options: dict | None = None) -> tuple[dict, dict, str]:
+                 engine_options: dict | None = None,
+                 host_cache_dir: str | None = None) -> tuple[dict, dict, str]:
     """The body of a profiling task: ``gpu_type``'s profile (as a dict), the resources Ray
-    assigned to the task, and its node id."""
+    assigned to the task, and its node id. ``host_cache_dir``: see :func:`profile_in_tasks`."""
     import ray
     import torch
 
@@ -90,7 +91,8 @@ def measure_type(model_fn: Callable, rows: Any, gpu_type: str, speed: float, *, 
                          bucket_cap_mb=bucket_cap_mb, cache_dir=None, warmup=DRIVER_WARMUP,
                          repeats=DRIVER_REPEATS, statistic="trimmed",
                          contention=measures_contention(device), step_fn=step_fn,
-                         collate_fn=collate_fn, engine_options=engine_options)
+                         collate_fn=collate_fn, engine_options=engine_options,
+                         host_cache_dir=host_cache_dir)
     if emulate:   # as cluster_profiles: the CPU measured, scaled by the type's speed
         if prof.allreduce_inter is None:
             prof = replace(prof, allreduce_inter=prof.allreduce_intra)
@@ -105,12 +107,15 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
                      cache_dir: Any, refresh: bool = False, torch_threads: int = 1,
                      timeout_s: float = 600.0, notes: list[str] | None = None,
                      max_local_batch: int | None = None, step_fn: Callable | None = None,
-                     collate_fn: Callable | None = None, engine_options: dict | None = None
-                     ) -> dict[str, Profile]:
+                     collate_fn: Callable | None = None, engine_options: dict | None = None,
+                     host_cache_dir: str | None = None) -> dict[str, Profile]:
     """``{gpu_type: Profile}`` for every type of ``cluster`` (module notes); ``notes`` gets one
     line per type: cached, or where and holding what it was measured. A type whose task does
     not finish within ``timeout_s`` (no free GPU of it) is a one-line
-    :class:`~jabasray.errors.PlacementTimeout`."""
+    :class:`~jabasray.errors.PlacementTimeout`. ``host_cache_dir``: a local folder of each node
+    where its tasks cache the host measurements (the gloo all-reduce fit and contention, keyed
+    by host name: :func:`jabasray.profiler.measure.host_cached`), so profiling another model on
+    the cluster does not measure them again; None (default): every task measures them."""
     import ray
 
     from ..errors import PlacementTimeout
@@ -145,7 +150,7 @@ def profile_in_tasks(model_fn: Callable, rows: Any, cluster: ClusterSpec, *, los
             optimizer_fn=optimizer_fn, min_local_batch=min_local_batch, weight_sync=weight_sync,
             bucket_cap_mb=bucket_cap_mb, torch_threads=torch_threads,
             max_local_batch=max_local_batch, step_fn=step_fn, collate_fn=collate_fn,
-            engine_options=engine_options)
+            engine_options=engine_options, host_cache_dir=host_cache_dir)
     if refs:
         ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         if pending:

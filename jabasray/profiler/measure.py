@@ -637,7 +637,8 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
                   cache_dir: str | Path | None = None, refresh: bool = False,
                   step_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                   collate_fn: Callable[[list], Any] | None = None,
-                  engine_options: dict | None = None) -> Profile:
+                  engine_options: dict | None = None,
+                  host_cache_dir: str | Path | None = None) -> Profile:
     """Profile ``model`` (a module, or a factory) on ``device`` with the IIDP engine.
 
     ``data``: dataset of (input, target) or callable ``n -> (inputs, targets)``; with the job's
@@ -668,6 +669,9 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     batched, per VSW, or (CUDA, ``cuda_graphs="auto"``, one device) the replayed CUDA graph,
     whose warm-up and capture happen before the timed steps. ``Profile.execution`` records
     what the engine ran in the timed steps at n_max.
+    ``host_cache_dir``: where the host measurements (all-reduce fit, contention) are cached when
+    not beside the profile in ``cache_dir`` (a profiling task caches no profile, but its host's
+    measurements serve every model profiled there).
     """
     from ..engine import IIDPWorker
     from ..engine.loader import split_batch, to_device
@@ -808,16 +812,17 @@ def profile_model(model: nn.Module | Callable[[], nn.Module], data: Any, *,
     copy_t = _copy_time(worker.model, dev, repeats, stat)
     worker.close()
 
+    host_dir = cache_dir if host_cache_dir is None else host_cache_dir
     if allreduce_fit is None:
         if allreduce:
-            allreduce_fit = cached_allreduce_fit(cache_dir, allreduce_sizes, refresh=refresh)
+            allreduce_fit = cached_allreduce_fit(host_dir, allreduce_sizes, refresh=refresh)
         else:
             log.warning("all-reduce not measured: using a nominal Eq. 3 fit (alpha=1, beta=0)")
             allreduce_fit = AllReduceFit(alpha=1.0, beta=0.0)
     measured_contention = None
     if contention:
         from .contention import cached_contention
-        measured_contention = cached_contention(cache_dir, refresh=refresh)
+        measured_contention = cached_contention(host_dir, refresh=refresh)
     prof = Profile(model_signature=sig, gpu_type=gpu_type, min_local_batch=min_local_batch,
                    batches=batches, optimizer_time=statistics.median(update_times), copy_time=copy_t,
                    bucket_sizes=bucket_sizes, param_bytes=_param_bytes(base),
