@@ -198,9 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", type=int, default=64, help="static small B_G (= initial B_G)")
     ap.add_argument("--max-batch", type=int, default=512)
     ap.add_argument("--target", type=float, default=0.93, help="target validation accuracy")
-    ap.add_argument("--gamma", type=float, default=0.5,
-                    help="similarity threshold of the adaptive contenders (JABAS Table 4: 0.1 for "
-                         "ResNet-50, Faster-R-CNN and GNMT, 0.3 for ViT, 0.5-0.9 for the LLMs)")
+    ap.add_argument("--gamma", type=float, default=None,
+                    help="similarity threshold of the adaptive contenders (default: JobConfig's, "
+                         "0.1; JABAS Table 4: 0.1 for ResNet-50, Faster-R-CNN and GNMT, 0.3 for "
+                         "ViT, 0.5-0.9 for the LLMs)")
     ap.add_argument("--speeds", type=float, nargs=2, default=[0.25, 0.125], metavar=("FAST", "SLOW"),
                     help="emulated speeds of the 4 fast and 4 slow GPUs (sum <= host cores)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -245,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             base = JobConfig(epochs=args.epochs, lr=0.1,
                              initial_global_batch=args.small, min_global_batch=args.small,
                              max_global_batch=args.max_batch, min_local_batch=8, adapt_interval=5,
-                             alpha=0.1, gamma=args.gamma, warmup_iterations=10, seed=seed)
+                             alpha=0.1, warmup_iterations=10, seed=seed,
+                             **({} if args.gamma is None else {"gamma": args.gamma}))
             order = rotated(list(args.variants), k)
             runs = {}
             for name in order:
