@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.93, help="target validation accuracy")
     ap.add_argument("--gamma", type=float, default=None,
                     help="similarity threshold of the adaptive contenders (default: JobConfig's, "
-                         "0.1; JABAS Table 4: 0.1 for ResNet-50, Faster-R-CNN and GNMT, 0.3 for "
+                         "0.5; JABAS Table 4: 0.1 for ResNet-50, Faster-R-CNN and GNMT, 0.3 for "
                          "ViT, 0.5-0.9 for the LLMs)")
     ap.add_argument("--speeds", type=float, nargs=2, default=[0.25, 0.125], metavar=("FAST", "SLOW"),
                     help="emulated speeds of the 4 fast and 4 slow GPUs (sum <= host cores)")

@@ -59,12 +59,10 @@ class JobConfig(JsonMixin):
                                         # solver and the profiler never go beyond it; None: what fits
     adapt_interval: int = 10            # p: iterations between two B_G adaptations (one Ray call)
     alpha: float = 0.1                  # adaptive rate: B_G' = B_G * (1 +/- alpha)
-    gamma: float = 0.1                  # similarity threshold: Phi < gamma grows B_G, > shrinks.
+    gamma: float = 0.5                  # similarity threshold: Phi < gamma grows B_G, > shrinks.
                                         # The rule holds B_G near 2 gamma B_noise / (1 - gamma)
-                                        # (sim.convergence.settled_batch): 0.1 (JABAS Table 4's
-                                        # CNNs and GNMT) costs ~1.1x the samples of the initial
-                                        # batch for the same progress, 0.5 about 2x (RESULTS,
-                                        # "what gamma costs"), so 0.1 keeps the accuracy
+                                        # (sim.convergence.settled_batch); what that costs or
+                                        # gains in accuracy depends on the job (README, gamma)
     adaptive: bool = True               # False: keep B_G = initial_global_batch
     autoscale: bool = True              # re-place GPUs every epoch from the forecast trajectory
     autoscale_objective: str = "time"   # "time" | "cost" | "time_under_budget"
