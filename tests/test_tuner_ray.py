@@ -134,9 +134,11 @@ class _ByConfig(tune.Callback):
 
 def test_where_packing_cannot_pay_every_trial_trains_alone_exactly_as_tunes_own(ray_session, tmp_path):
     """25 ms units behind 3.5 core-s trial processes: the cost model decides that every trial
-    trains alone: the trainable is Tune's own (make_trainable, one CPU per trial). No
-    coordinator starts, and every configuration reports exactly what Tune's own trial of it
-    (the same seed) reports."""
+    trains alone: the trainable is a plain class trainable, one CPU per trial. No coordinator
+    starts, every configuration reports exactly what Tune's own function trial of it (the same
+    seed) reports, and the RunConfig a packed sweep takes (``checkpoint_at_end``, which Tune
+    refuses for a function trainable) serves it: each trial's last checkpoint holds its
+    max_units."""
     from ray.tune.search import BasicVariantGenerator
 
     from jabasray.tuner import make_trainable
@@ -145,18 +147,23 @@ def test_where_packing_cannot_pay_every_trial_trains_alone_exactly_as_tunes_own(
               {"batch_size": 40, "optimizer": "sgd", "lr": 0.05, "activation": "tanh"},
               {"batch_size": 40, "optimizer": "momentum", "lr": 0.003, "activation": "relu"}]
     alone = packed(SPEC, max_units=2, param_space=SPACE, costs=_costs(0.025, 0.9), num_samples=3)
-    assert not inspect.isclass(alone) and alone._resources.required_resources == {"CPU": 1.0}
+    assert inspect.isclass(alone) and alone.default_resource_request({}).required_resources == {"CPU": 1.0}
     runs = {}
     for name, trainable in (("alone", alone), ("tune", tune.with_resources(
             make_trainable(SPEC, stream_batch=40, max_units=2), {"cpu": 1}))):
         rec = _ByConfig()
+        at_end = {"checkpoint_config": tune.CheckpointConfig(checkpoint_at_end=True)} if name == "alone" else {}
         grid = _tuner(trainable, tmp_path, name,
                       tune.TuneConfig(metric="accuracy", mode="max", num_samples=3, reuse_actors=True,
                                       search_alg=BasicVariantGenerator(points_to_evaluate=points)),
-                      callbacks=[rec]).fit()
+                      callbacks=[rec], **at_end).fit()
         assert grid.num_errors == 0 and len(grid) == 3
         runs[name] = rec.rows
         if name == "alone":
+            for result in grid:
+                with result.checkpoint.as_directory() as d:
+                    state = torch.load(os.path.join(d, "member.pt"), weights_only=True)
+                assert state["units"] == 2 and state["steps"] == 2 * SPEC.steps_per_unit
             stats = coordinator_stats(release=True)
             assert not [n for n in stats if n.startswith("pack/")]             # no coordinator
             (decision,) = [s["decision"] for n, s in stats.items() if n.startswith("alone/")]

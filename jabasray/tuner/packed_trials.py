@@ -311,18 +311,20 @@ def decide_packing(spec: Any, max_units: int, param_space: Mapping[str, Any] | N
 
 
 def _alone(spec: Any, max_units: int, stream_batch: int, gpu: bool, decision):
-    """The trainable of a sweep whose trials all train alone: Tune's own trainable of the spec
-    (:func:`~jabasray.tuner.make_trainable`: one trial process with one CPU, or one GPU, a
-    report and a checkpoint per unit, the datasets shipped once through Ray's object store),
-    what a Tune user runs, so that such a sweep is Tune's own sweep and never slower than it.
-    The decision is kept for :func:`coordinator_stats` (no coordinator starts)."""
+    """The trainable of a sweep whose trials all train alone: a plain class trainable of the
+    spec (:func:`~jabasray.tuner.trainable.plain_trial_class`: one trial process with one CPU,
+    or one GPU, a report per unit, a checkpoint when Tune asks, the datasets shipped once
+    through Ray's object store), what a Tune user runs, so that such a sweep is Tune's own
+    sweep and never slower than it; a class, as the packed trainable is, so that the same
+    ``RunConfig`` serves either decision. The decision is kept for :func:`coordinator_stats`
+    (no coordinator starts)."""
     from ray import tune
 
-    from jabasray.tuner.trainable import make_trainable
+    from jabasray.tuner.trainable import plain_trial_class
     from jabasray.tuner.training import cached_data
 
     _ALONE_SWEEPS[uuid.uuid4().hex[:12]] = decision.to_dict()
-    trainable = tune.with_parameters(make_trainable(spec, stream_batch, max_units), data=cached_data(spec))
+    trainable = tune.with_parameters(plain_trial_class(spec, stream_batch, max_units), data=cached_data(spec))
     trainable = tune.with_resources(trainable, {"cpu": 1.0, "gpu": 1.0} if gpu else {"cpu": 1.0})
     trainable._jabasray_trains_alone = True
     return trainable

@@ -18,7 +18,7 @@ from jabasray.tuner.training import (SharedStream, TrainingSpec, build_member, c
                                      load_member_state, member_state)
 from jabasray.validation import check_int
 
-__all__ = ["make_trainable", "train_plain", "PlainMember"]
+__all__ = ["make_trainable", "plain_trial_class", "train_plain", "PlainMember"]
 
 
 def make_trainable(spec: TrainingSpec, stream_batch: int, max_units: int,
@@ -99,9 +99,9 @@ class PlainMember:
     as a packed member, the same metrics row and checkpoint contents."""
 
     def __init__(self, spec: TrainingSpec, config: dict[str, Any], stream_batch: int,
-                 state: dict | None = None) -> None:
+                 state: dict | None = None, data: tuple | None = None) -> None:
         self.spec = spec
-        train, self.val = cached_data(spec)
+        train, self.val = data if data is not None else cached_data(spec)
         self.stream = SharedStream(train, stream_batch, spec.seed, spec.device)
         self.model, self.opt = build_member(spec, config)
         self.b = spec.batch_size_of(config)
@@ -126,3 +126,40 @@ class PlainMember:
 
     def state(self) -> dict:
         return {**member_state(self.model, self.opt, self.step), "units": self.units}
+
+
+def plain_trial_class(spec: TrainingSpec, stream_batch: int, max_units: int, threads: int = 1) -> type:
+    """The same trial as :func:`make_trainable` as a class ``tune.Trainable``: ``step()`` trains
+    one unit of :class:`PlainMember` (the same batches, weights and metrics row), ``done`` at
+    ``max_units``; a checkpoint (``member.pt``) only when Tune asks (a pause,
+    ``checkpoint_frequency``, ``checkpoint_at_end``); ``reset_config`` for ``reuse_actors``.
+    ``setup`` takes ``data=(train, val)`` from ``tune.with_parameters``. A class, as the packed
+    trials are, so that one ``RunConfig`` (e.g. ``CheckpointConfig(checkpoint_at_end=True)``,
+    which Tune refuses for a function trainable) serves a sweep whichever way
+    :func:`jabasray.tuner.packed` decides."""
+    check_int("stream_batch", stream_batch, min_value=1)
+    check_int("max_units", max_units, min_value=1)
+    from ray import tune
+
+    class PlainTrial(tune.Trainable):
+        def setup(self, config: dict[str, Any], data: tuple | None = None) -> None:
+            torch.set_num_threads(threads)
+            self._data = data
+            self.member = PlainMember(spec, config, stream_batch, data=data)
+
+        def step(self) -> dict:
+            row = self.member.unit()
+            return {**row, "done": self.member.units >= max_units}
+
+        def save_checkpoint(self, checkpoint_dir: str) -> None:
+            torch.save(self.member.state(), os.path.join(checkpoint_dir, "member.pt"))
+
+        def load_checkpoint(self, checkpoint_dir: str) -> None:
+            state = torch.load(os.path.join(checkpoint_dir, "member.pt"), weights_only=True)
+            self.member = PlainMember(spec, self.config, stream_batch, state=state, data=self._data)
+
+        def reset_config(self, new_config: dict[str, Any]) -> bool:
+            self.member = PlainMember(spec, new_config, stream_batch, data=self._data)
+            return True
+
+    return PlainTrial
