@@ -8,14 +8,15 @@ import itertools
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from jabasray.actors.interval_costs import (emulation_fits, host_costs, measured_terms,
-                                            probe_points, ragged_extra)
+from jabasray.actors.interval_costs import (PROBE_GA_ROUNDS, emulation_fits, host_costs, measured_terms,
+                                            own_pace, probe_points, ragged_extra)
 from jabasray.planners.autoscale import epoch_time
 from jabasray.engine.sampler import iteration_indices
 from jabasray.planners.interval_model import (TERMS, EmulationCost, HostCosts, interval_terms, line_fit,
-                                              plan_interval_terms, ragged_iteration_time, ragged_remainder,
+                                              plan_interval_terms, relative_line_fit, ragged_iteration_time, ragged_remainder,
                                               ragged_step_time, rank_samples)
 from jabasray.planners.perf_model import PerfModel
 from jabasray.planners.plan_policy import solve_for_batch
@@ -116,46 +117,105 @@ def test_ragged_iteration_time_runs_each_gpus_workers_per_vsw():
 
 
 def test_ragged_extra_is_the_line_through_the_median_residuals_per_vsw_count():
-    """Per probed ragged step the slowest rank's pace minus the slowest rank's Eq. 6 at its
-    (VSWs, size); the line through the median residual at one VSW and at four: its value at 0
-    VSWs and its slope; signed; one count: its median, slope 0; (0, 0) without ragged steps."""
+    """Per probed ragged step (``[VSWs, size, pace, own]``) the slowest rank's pace minus the
+    slowest rank's Eq. 6 at its (VSWs, size); the line through the median residual at one VSW
+    and at four: its value at 0 VSWs and its slope; signed; one count: its median, slope 0;
+    zeros without ragged steps. On mixed types also per type: the type's own pace (its slowest
+    own time plus the step's tail after the last own time) against its own Eq. 6."""
     model = _model()
-    steps_a = [[1, 7, 0.050], [4, 6, 0.200], [1, 5, 0.040], [4, 3, 0.120], [1, 4, 0.900], [4, 2, 0.110]]
-    steps_b = [[1, 7, 0.060], [4, 6, 0.190], [1, 5, 0.045], [4, 3, 0.100], [1, 4, 0.030], [4, 2, 0.100]]
+    steps_a = [[1, 7, 0.050, 0.020], [4, 6, 0.200, 0.080], [1, 5, 0.040, 0.015],
+               [4, 3, 0.120, 0.070], [1, 4, 0.900, 0.012], [4, 2, 0.110, 0.060]]
+    steps_b = [[1, 7, 0.060, 0.055], [4, 6, 0.190, 0.180], [1, 5, 0.045, 0.040],
+               [4, 3, 0.100, 0.090], [1, 4, 0.030, 0.030], [4, 2, 0.100, 0.100]]
     replies = [{"gpu_type": "fast", "ragged": steps_a}, {"gpu_type": "slow", "ragged": steps_b}]
+
+    def line(res):
+        at1, at4 = sorted(res[0::2])[1], sorted(res[1::2])[1]
+        slope = (at4 - at1) / 3
+        return at1 - slope, slope
+
     res = [max(a[2], b[2]) - max(model.iteration_time("fast", a[1], a[0], 0),
                                  model.iteration_time("slow", a[1], a[0], 0))
            for a, b in zip(steps_a, steps_b)]
-    at1, at4 = sorted(res[0::2])[1], sorted(res[1::2])[1]     # (one slow step, 0.9 s, is not the median)
-    slope = (at4 - at1) / 3
-    assert ragged_extra(replies, model) == pytest.approx((at1 - slope, slope), rel=1e-12)
+    tails = [max(a[2], b[2]) - max(a[3], b[3]) for a, b in zip(steps_a, steps_b)]
+    fast = line([a[3] + t - model.iteration_time("fast", a[1], a[0], 0) for a, t in zip(steps_a, tails)])
+    slow = line([b[3] + t - model.iteration_time("slow", b[1], b[0], 0) for b, t in zip(steps_b, tails)])
+    got = ragged_extra(replies, model)
+    assert (got["ragged_fixed_s"], got["ragged_per_worker_s"]) == pytest.approx(line(res), rel=1e-12)
+    assert [g for g, _, _ in got["ragged_by_type"]] == ["fast", "slow"]
+    assert got["ragged_by_type"][0][1:] == pytest.approx(fast, rel=1e-12)
+    assert got["ragged_by_type"][1][1:] == pytest.approx(slow, rel=1e-12)
+    # the fast type's ragged step costs less than the slow type's per worker, and HostCosts
+    # charges each type its own line, a type it has no line for the placement's
+    costs = HostCosts(**got)
+    assert costs.ragged_extra_s(4, "fast") == pytest.approx(fast[0] + 4 * fast[1], rel=1e-12)
+    assert costs.ragged_extra_s(4, "other") == pytest.approx(line(res)[0] + 4 * line(res)[1], rel=1e-12)
+    assert HostCosts.from_json(costs.to_json()) == costs
     one = [{"gpu_type": "fast", "ragged": steps_a[0:3:2]}]
-    assert ragged_extra(one, model) == pytest.approx(
-        ((steps_a[0][2] - model.iteration_time("fast", 7, 1, 0)
-          + steps_a[2][2] - model.iteration_time("fast", 5, 1, 0)) / 2, 0.0), rel=1e-12)
-    assert ragged_extra([{"gpu_type": "fast", "ragged": []}], model) == (0.0, 0.0)
-    assert ragged_extra([{"gpu_type": "fast"}], model) == (0.0, 0.0)
+    assert ragged_extra(one, model) == {
+        "ragged_fixed_s": pytest.approx((steps_a[0][2] - model.iteration_time("fast", 7, 1, 0)
+                                         + steps_a[2][2] - model.iteration_time("fast", 5, 1, 0)) / 2, rel=1e-12),
+        "ragged_per_worker_s": 0.0, "ragged_by_type": ()}
+    none = {"ragged_fixed_s": 0.0, "ragged_per_worker_s": 0.0, "ragged_by_type": ()}
+    assert ragged_extra([{"gpu_type": "fast", "ragged": []}], model) == none
+    assert ragged_extra([{"gpu_type": "fast"}, {"gpu_type": "slow"}], model) == none
 
 
-def test_emulation_cost_is_the_least_squares_line_with_its_signs_kept():
-    cost = EmulationCost.through([(0.001, 0.005), (0.004, 0.011)])
+def test_ragged_iteration_time_charges_each_type_its_own_line():
+    model = _model().for_allocation(3, False)
+    costs = HostCosts(ragged_fixed_s=0.5, ragged_per_worker_s=0.5,
+                      ragged_by_type=(("fast", 0.001, 0.002), ("slow", 0.003, 0.004)))
+    plan = Plan(global_batch_size=8 * 2 * (4 + 3), local_batch_size=8, iteration_time=0.01,
+                workers=[WorkerConfig("fast", 2, 1), WorkerConfig(solo_unit("slow"), 3, 0)])
+    want = max(model.iteration_time("fast", 4, 2, 1) + 0.001 + 4 * 0.002,
+               model.iteration_time("slow", 4, 6, 0) + 0.003 + 6 * 0.004)
+    assert ragged_iteration_time(plan, 50, model, costs) == pytest.approx(want, rel=1e-12)
+    with pytest.raises(ValueError, match="ragged_by_type"):
+        HostCosts(ragged_by_type=(("fast", float("nan"), 0.0),))
+
+
+def test_emulation_cost_is_the_least_relative_squares_line_with_its_signs_kept():
+    cost = EmulationCost.through([(0.001, 0.005), (0.004, 0.011)])    # two points: through both
     assert (cost.a, cost.b) == pytest.approx((0.003, 2.0))
     assert cost.time(0.002) == pytest.approx(0.007)
-    xs = [0.001, 0.002, 0.003, 0.005]
-    ys = [0.004, 0.0061, 0.0079, 0.0121]
-    b = (sum(x * y for x, y in zip(xs, ys)) - sum(xs) * sum(ys) / 4) / (sum(x * x for x in xs) - sum(xs) ** 2 / 4)
+    # reference: ordinary least squares on the rows (1 / y, x / y) -> 1, i.e. the relative error
+    xs = [0.001, 0.002, 0.003, 0.005, 0.020]
+    ys = [0.004, 0.0061, 0.0079, 0.0121, 0.050]
+    ref, *_ = np.linalg.lstsq(np.array([[1 / y, x / y] for x, y in zip(xs, ys)]), np.ones(len(xs)), rcond=None)
     got = EmulationCost.through(list(zip(xs, ys)))
-    assert (got.a, got.b) == pytest.approx((sum(ys) / 4 - b * sum(xs) / 4, b), rel=1e-9)
-    # a negative intercept: through the origin instead
-    origin = EmulationCost.through([(0.001, 0.001), (0.004, 0.010)])
-    assert (origin.a, origin.b) == (0.0, pytest.approx((0.001 * 0.001 + 0.004 * 0.010) / (0.001 ** 2 + 0.004 ** 2)))
+    assert (got.a, got.b) == pytest.approx(tuple(ref), rel=1e-9)
+    assert relative_line_fit(list(zip(xs, ys))) == pytest.approx(tuple(ref), rel=1e-9)
+    # the plain least-squares line fits the large point and misses the small ones by more
+    plain_a, plain_b = line_fit(list(zip(xs, ys)))
+    rel = lambda a, b: max(abs(a + b * x - y) / y for x, y in zip(xs, ys))   # noqa: E731
+    assert rel(got.a, got.b) < rel(plain_a, plain_b)
+    # a negative intercept is kept (the all-reduce inside t_model is not stretched); below the
+    # smallest model time fitted the line goes on in proportion to the model time (never <= 0)
+    neg = EmulationCost.through([(0.030, 0.036), (0.080, 0.115)])
+    assert neg.a == pytest.approx(0.036 - 0.030 * (0.079 / 0.050)) and neg.a < 0 and neg.x_min == 0.030
+    assert neg.time(0.080) == pytest.approx(0.115) and neg.time(0.050) == pytest.approx(neg.a + neg.b * 0.050)
+    assert neg.time(0.001) == pytest.approx(0.001 * 0.036 / 0.030)
+    assert neg.time(0.001) > 0 and neg.time(0.0) == 0.0
+    assert list(neg.time(np.array([0.001, 0.030, 0.080]))) == pytest.approx([0.0012, 0.036, 0.115])
+    # GA rounds are added at their own ratio whatever the rest
+    assert neg.with_rounds(0.010, 0.020).time(0.021, 0.020) == pytest.approx(0.001 * 0.036 / 0.030 + 0.040)
+    with pytest.raises(ValueError, match="positive at x_min"):
+        EmulationCost(a=-0.01, b=1.0, x_min=0.005)
     one = EmulationCost.through([(0.002, 0.005)])             # one point: an offset
     assert (one.a, one.b) == pytest.approx((0.003, 1.0))
     falling = EmulationCost.through([(0.001, 0.006), (0.004, 0.005)])   # noise: never a speed-up
     assert falling.b == 1.0 and falling.a == pytest.approx(0.0055 - 0.0025)
-    for bad in (dict(a=-0.001, b=1.0), dict(a=0.0, b=0.0)):
+    for bad in (dict(a=float("nan"), b=1.0), dict(a=0.0, b=0.0), dict(a=0.0, b=1.0, round_b=0.0)):
         with pytest.raises(ValueError, match="emulation_cost"):
             EmulationCost(**bad)
+    # a GA round's ratio: measured over Eq. 6's round; unchanged where either is not positive
+    assert cost.with_rounds(0.002, 0.007) == EmulationCost(a=cost.a, b=cost.b, round_b=3.5, x_min=0.001)
+    assert cost.with_rounds(0.002, 0.007).time(0.010, 0.004) == pytest.approx(0.003 + 2.0 * 0.006 + 3.5 * 0.004)
+    assert cost.rounds_b == cost.b and cost.time(0.010, 0.004) == pytest.approx(0.003 + 2.0 * 0.010)
+    assert cost.with_rounds(0.002, -0.001) is cost and cost.with_rounds(0.0, 0.001) is cost
+    # records written before the ratio existed load as lines without it
+    assert EmulationCost.from_dict({"a": 0.001, "b": 1.2}) == EmulationCost(a=0.001, b=1.2)
+    assert EmulationCost.from_json(cost.with_rounds(0.002, 0.007).to_json()).round_b == 3.5
     with pytest.raises(ValueError, match="point"):
         EmulationCost.through([])
 
@@ -178,6 +238,14 @@ def test_perf_model_adds_the_emulation_term_to_eq6():
         assert emu.iteration_time("fast", bl, n, ga) == plain.iteration_time("fast", bl, n, ga)
         vec = emu.iteration_times("slow", bl, n, [ga])[0]
         assert vec == pytest.approx(got.total, rel=1e-12)
+    # GA rounds at their own measured ratio: t = a + b (t_model - n_GA t_vsw) + round_b n_GA t_vsw
+    rounds = emu.with_measured_costs(COSTS, {"slow": EmulationCost(a=0.002, b=1.5, round_b=2.5)})
+    for bl, n, ga in itertools.product((8, 16, 24), (1, 2), (0, 1, 3)):
+        base = plain.breakdown("slow", bl, n, ga)
+        want = 0.002 + 1.5 * (base.total - ga * base.t_vsw) + 2.5 * ga * base.t_vsw
+        assert rounds.iteration_time("slow", bl, n, ga) == pytest.approx(want, rel=1e-12)
+        assert rounds.iteration_times("slow", bl, n, [ga])[0] == pytest.approx(want, rel=1e-12)
+        assert rounds.model_iteration_time("slow", bl, n, ga) == pytest.approx(base.total, rel=1e-12)
     # the measured costs travel with every copy the planners make
     other = emu.for_allocation(2, True)
     assert other.host_costs is COSTS and other.emulation_fits == {"slow": cost}
@@ -246,15 +314,24 @@ def test_probe_points_are_the_profiles_two_points_per_local_batch():
     prof = model.profiles["fast"]
     want = []
     for b in prof.batches:
-        want += [(b.local_batch, 1)] + ([(b.local_batch, b.max_num_vsw)] if b.max_num_vsw > 1 else [])
-    assert probe_points(model, "fast") == want
+        want += [(b.local_batch, 1, 0)] + ([(b.local_batch, b.max_num_vsw, 0)] if b.max_num_vsw > 1 else [])
+    first = prof.batches[0]
+    assert probe_points(model, "fast") == want + [(first.local_batch, first.max_num_vsw, PROBE_GA_ROUNDS)]
     assert probe_points(model, "other") == [] and probe_points(object(), "fast") == []
 
 
-def test_emulation_fits_take_the_pace_or_each_types_own_time():
+def test_own_pace_is_the_types_slowest_own_time_plus_the_steps_tail():
+    # ranks: fast, fast, slow; the step ended 5 ms after the slowest own time (the all-reduce)
+    own, pace = [0.010, 0.012, 0.030], [0.035, 0.034, 0.035]
+    assert own_pace(own, pace, [True, True, False]) == pytest.approx(0.012 + 0.005)
+    assert own_pace(own, pace, [False, False, True]) == pytest.approx(0.035)     # the step's pace
+    assert own_pace([0.02, 0.03], [0.02, 0.025], [True, False]) == 0.02          # no negative tail
+
+
+def test_emulation_fits_take_the_pace_or_each_types_own_pace():
     model = _model()
-    points = [(8, 1), (8, 4), (16, 1)]
-    x = [model.model_iteration_time("fast", bl, n, 0) for bl, n in points]
+    points = [(8, 1, 0), (8, 4, 0), (16, 1, 0)]
+    x = [model.model_iteration_time("fast", bl, n, 0) for bl, n, _ in points]
     # per point [own times, paces] of three timed steps
     r0 = {"gpu_type": "fast", "steps": [[[0.010, 0.020, 0.012], [0.011, 0.021, 0.013]],
                                         [[0.050, 0.040, 0.041], [0.052, 0.044, 0.060]],
@@ -266,18 +343,42 @@ def test_emulation_fits_take_the_pace_or_each_types_own_time():
     fits = emulation_fits([r0, r1], points, model)
     want = EmulationCost.through([(x[0], (0.012 + 0.022 + 0.016) / 3), (x[1], (0.051 + 0.045 + 0.061) / 3),
                                   (x[2], (0.030 + 0.030 + 0.031) / 3)])
-    assert (fits["fast"].a, fits["fast"].b) == pytest.approx((want.a, want.b), rel=1e-12)
-    # mixed types: each type's own times, per step its slowest rank, the median over steps:
-    # (.011, .020, .012) -> .012, (.050, .044, .060) -> .050, (.03, .03, .03) -> .03
-    y = [model.model_iteration_time("slow", bl, n, 0) for bl, n in points]
-    slow = {"gpu_type": "slow", "steps": [[[0.1] * 3, [0.1] * 3], [[0.3] * 3, [0.3] * 3], [[0.2] * 3, [0.2] * 3]]}
+    assert fits["fast"] == want and fits["fast"].round_b is None
+    # mixed types: each type's own pace per step (its slowest own time + the step's tail after
+    # the slowest rank's own time), the median over steps. The slow rank's steps: own .1/.3/.2,
+    # pace .104/.306/.2 -> tails .004 .. .006 at every point (the fast ranks end earlier)
+    y = [model.model_iteration_time("slow", bl, n, 0) for bl, n, _ in points]
+    slow = {"gpu_type": "slow", "steps": [[[0.1] * 3, [0.104] * 3], [[0.3] * 3, [0.306] * 3], [[0.2] * 3, [0.2] * 3]]}
     fits = emulation_fits([r0, r1, slow], points, model)
-    want = EmulationCost.through([(x[0], 0.012), (x[1], 0.050), (x[2], 0.030)])
+    # fast: (.011+.004, .020+.004, .012+.004) -> .016; (.050, .044, .060) + .006 -> .056; .03
+    want = EmulationCost.through([(x[0], 0.016), (x[1], 0.056), (x[2], 0.030)])
     assert (fits["fast"].a, fits["fast"].b) == pytest.approx((want.a, want.b), rel=1e-12)
-    want = EmulationCost.through([(y[0], 0.1), (y[1], 0.3), (y[2], 0.2)])
+    want = EmulationCost.through([(y[0], 0.104), (y[1], 0.306), (y[2], 0.2)])
     assert (fits["slow"].a, fits["slow"].b) == pytest.approx((want.a, want.b), rel=1e-12)
     assert emulation_fits([r0], [], model) == {}
     assert emulation_fits([{"gpu_type": "fast", "steps": []}], points, model) == {}
+
+
+def test_emulation_fits_measure_a_ga_round_against_the_same_point_without_rounds():
+    """The point with GA rounds does not move the line; a round's ratio is (its time - the
+    line's time at the same point without rounds) / rounds over Eq. 6's round, t_vsw."""
+    model = _model()
+    points = [(8, 1, 0), (8, 4, 0), (16, 1, 0), (8, 4, 2)]
+    paces = [0.010, 0.030, 0.016, 0.090]
+    reply = {"gpu_type": "fast", "steps": [[[p] * 3, [p] * 3] for p in paces]}
+    fit = emulation_fits([reply], points, model)["fast"]
+    x = [model.model_iteration_time("fast", bl, n, ga) for bl, n, ga in points]
+    line = EmulationCost.through(list(zip(x[:3], paces[:3])))
+    t_vsw = model.breakdown("fast", 8, 4, 0).t_vsw
+    assert (x[3] - x[1]) / 2 == pytest.approx(t_vsw, rel=1e-12)
+    assert (fit.a, fit.b) == (line.a, line.b)
+    assert fit.round_b == pytest.approx((0.090 - line.time(x[1])) / 2 / t_vsw, rel=1e-12)
+    # what the actors then ran at that point, the fit predicts
+    emu = model.with_measured_costs(None, {"fast": fit})
+    assert emu.iteration_time("fast", 8, 4, 2) == pytest.approx(0.090, rel=1e-12)
+    # rounds timed at no cost (noise): the line's own slope for them
+    flat = {"gpu_type": "fast", "steps": [[[p] * 3, [p] * 3] for p in paces[:3] + [line.time(x[1]) - 1e-4]]}
+    assert emulation_fits([flat], points, model)["fast"].round_b is None
 
 
 def test_measured_terms_take_each_terms_slowest_rank_and_the_similaritys_least():

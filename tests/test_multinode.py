@@ -143,8 +143,8 @@ def test_allocation_places_actors_on_its_nodes_and_a_change_moves_them(cluster):
 # ------------------------------------------------------------------ the all-reduce fit
 # (the inter-node fit: on the node-loss run, ``node_lost_run`` below)
 # Profiled local batches 4 and 8 (not 4..32): a run given profiles times its step at every
-# profiled point on its placed actors after each placement (interval_costs.probe_points: 4
-# points instead of 16); the all-reduce fit, its buckets and the plans' feasibility (B_G 16-64
+# profiled point on its placed actors after each placement (interval_costs.probe_points: 5
+# points instead of 17); the all-reduce fit, its buckets and the plans' feasibility (B_G 16-64
 # over 2 GPUs with up to 4 VSWs each) do not depend on the larger batches.
 AR_PROFILES = {"fast": profile("fast", 1.0, max_local_batch=8), "slow": profile("slow", 0.5, max_local_batch=8)}
 

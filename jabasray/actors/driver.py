@@ -357,8 +357,7 @@ class JabasDriver:
         costs = interval_costs.host_costs(replies, time.perf_counter() - t0)
         fits = interval_costs.emulation_fits(replies, points, model)
         if hasattr(model, "with_measured_costs"):   # the ragged step beyond what the model says
-            fixed, per_worker = interval_costs.ragged_extra(replies, model.with_measured_costs(costs, fits))
-            costs = replace(costs, ragged_fixed_s=fixed, ragged_per_worker_s=per_worker)
+            costs = replace(costs, **interval_costs.ragged_extra(replies, model.with_measured_costs(costs, fits)))
         self._host_costs, self._emulation_fits = costs, fits
         self._event(interval_costs.describe(costs, fits))
         self._use_model(self._base_model)

@@ -558,10 +558,10 @@ class GPUActor(BackgroundHostMixin):
             return max(timer.cpu, 0.0) / self.slot.speed
         return timer.wall + slept
 
-    def probe_costs(self, points: list[tuple[int, int]], num_iterations: int,
+    def probe_costs(self, points: list[tuple[int, int, int]], num_iterations: int,
                     repeats: int = PROBE_REPEATS) -> dict:
         """Collective (every rank, same arguments): time this actor's host terms of an interval
-        (:mod:`jabasray.planners.interval_model`) and, for each ``(B_L, n_vsw)`` of ``points``,
+        (:mod:`jabasray.planners.interval_model`) and, for each ``(B_L, n_vsw, n_GA)`` of ``points``,
         its own iteration time as training runs it (:meth:`_own_step_time`, ``repeats`` steps
         after one untimed step), on a throwaway worker over the job's process group, so the
         job's model, optimizer, data order and LR are untouched. ``points`` is empty where no
@@ -570,7 +570,7 @@ class GPUActor(BackgroundHostMixin):
         iteration's batch: at each point, between its steps as in an interval, else alone),
         ``similarity_s`` (after a step where steps are probed, as in an interval), ``read_s``,
         ``configure_s``, ``steps`` (per point, ``[own seconds, pace seconds]`` of each timed
-        step, :meth:`_probe_steps`) and ``ragged`` (``[VSWs, size, pace seconds]`` of each
+        step, :meth:`_probe_steps`) and ``ragged`` (``[VSWs, size, pace seconds, own seconds]`` of each
         probed ragged step, :meth:`_probe_ragged`)."""
         import torch
 
@@ -623,7 +623,7 @@ class GPUActor(BackgroundHostMixin):
             yield time.perf_counter() - t0, batch
             t0 = time.perf_counter()
 
-    def _probe_steps(self, points: list[tuple[int, int]], repeats: int, num_iterations: int,
+    def _probe_steps(self, points: list[tuple[int, int, int]], repeats: int, num_iterations: int,
                      device: Any, grad: Any
                      ) -> tuple[list[list[list[float]]], list[list[float]], float, float, list[list[float]]]:
         """:meth:`probe_costs`' steps: a throwaway IIDP worker (the job's engine options, the
@@ -654,11 +654,11 @@ class GPUActor(BackgroundHostMixin):
                            per_sample_loss=self.job.per_sample_loss, cuda_graphs=self.job.cuda_graphs)
         steps, loader, similarity = [], [], []
         try:
-            for i, (bl, n) in enumerate(points):
-                probe.configure(n, 0, bl)
+            for i, (bl, n, ga) in enumerate(points):
+                probe.configure(n, ga, bl)
                 times, paces, reads = [], [], []
                 count = max(1 + repeats, num_iterations)
-                for r, (wait, batches) in enumerate(self._probe_reads(bl, n, count, device)):
+                for r, (wait, batches) in enumerate(self._probe_reads(bl, n * (ga + 1), count, device)):
                     reads.append(wait)
                     with StepTimer(probe.helper_cpu_s) as timer:
                         stats = probe.train_step(batches)
@@ -671,7 +671,7 @@ class GPUActor(BackgroundHostMixin):
                             self._group_similarity(grad)
                             similarity.append(time.perf_counter() - t0)
                 steps.append([times, paces])
-                loader.append([bl * n, interval_read_time(reads, num_iterations)])
+                loader.append([bl * n * (ga + 1), interval_read_time(reads, num_iterations)])
             ragged = self._probe_ragged(probe, points, device)
             if self.group is not None:
                 dist.barrier(group=self.group)
@@ -683,18 +683,19 @@ class GPUActor(BackgroundHostMixin):
                 probe.close()
         return steps, loader, configure_s, statistics.median(similarity), ragged
 
-    def _probe_ragged(self, probe: Any, points: list[tuple[int, int]], device: Any) -> list[list[float]]:
+    def _probe_ragged(self, probe: Any, points: list[tuple[int, int, int]], device: Any) -> list[list[float]]:
         """:meth:`_probe_steps`' ragged steps (collective: every rank runs the same ones): at
         the first profiled B_L with one VSW and with its most VSWs, each configured and one
         untimed full step run first (an epoch's ragged step follows full ones), then three
         ragged steps as an epoch's last iteration runs them (``ragged=True``: per VSW, the
         emulation's sleep), each at its own micro-batch size below that B_L and not profiled
-        (an epoch's remainder is a new input shape); ``[VSWs, size, pace seconds]`` per step
+        (an epoch's remainder is a new input shape); ``[VSWs, size, pace seconds, own seconds]``
+        per step (the own time as :meth:`_own_step_time` has it)
         ([] when the first B_L leaves no such size)."""
         first = points[0][0]
-        counts = sorted({n for bl, n in points if bl == first})
+        counts = sorted({n for bl, n, ga in points if bl == first and not ga})
         counts = [counts[0], counts[-1]] if len(counts) > 1 else counts
-        profiled = {bl for bl, _ in points}
+        profiled = {bl for bl, _, _ in points}
         sizes = [s for s in range(first - 1, 0, -1) if s not in profiled]
         out: list[list[float]] = []
         for k, n in enumerate(counts):
@@ -709,7 +710,7 @@ class GPUActor(BackgroundHostMixin):
                 with StepTimer(probe.helper_cpu_s) as timer:
                     stats = probe.train_step(batches, ragged=True)
                 slept, _ = self._emulate(timer, stats)
-                out.append([n, size, timer.wall + slept])
+                out.append([n, size, timer.wall + slept, self._own_step_time(timer, slept)])
         return out
 
     # ------------------------------------------------------------------ learning rate

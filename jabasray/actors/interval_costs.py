@@ -18,17 +18,25 @@ from typing import Any, Iterable, Sequence
 from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit, ragged_step_time
 
 
-def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int]]:
-    """The ``(B_L, n_vsw)`` points the placed actors time their step at: every profiled B_L at
-    n_vsw = 1 and at its n_max (the two points of Eq. 1 the profile measured), in the profile's
-    order; [] for a model without profiles."""
+# GA rounds of the one probed point with rounds (:func:`probe_points`): two, so that the
+# rounds' time is twice one round's against the noise of the two step times it is the difference of
+PROBE_GA_ROUNDS = 2
+
+
+def probe_points(model: Any, gpu_type: str) -> list[tuple[int, int, int]]:
+    """The ``(B_L, n_vsw, n_GA)`` points the placed actors time their step at: every profiled
+    B_L at n_vsw = 1 and at its n_max (the two points of Eq. 1 the profile measured) without GA
+    rounds, in the profile's order, then the first B_L at its n_max with
+    :data:`PROBE_GA_ROUNDS` rounds (what a round costs, :meth:`.EmulationCost.with_rounds`);
+    [] for a model without profiles."""
     profiles = getattr(model, "profiles", None)
     if not profiles or gpu_type not in profiles:
         return []
     points = []
     for b in profiles[gpu_type].batches:
-        points += [(b.local_batch, 1)] + ([(b.local_batch, b.max_num_vsw)] if b.max_num_vsw > 1 else [])
-    return points
+        points += [(b.local_batch, 1, 0)] + ([(b.local_batch, b.max_num_vsw, 0)] if b.max_num_vsw > 1 else [])
+    first = profiles[gpu_type].batches[0]
+    return points + [(first.local_batch, first.max_num_vsw, PROBE_GA_ROUNDS)]
 
 
 def similarity_of(per_rank: Iterable[float]) -> float:
@@ -62,61 +70,99 @@ def host_costs(replies: Sequence[dict], call_s: float) -> HostCosts:
                      read_s=max(float(r["read_s"]) for r in replies))
 
 
-def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int]],
+def own_pace(own: Sequence[float], pace: Sequence[float], mine: Sequence[bool]) -> float:
+    """One step of a placement of mixed GPU types as the ranks marked ``mine`` (one type) would
+    pace it: the slowest of their own times (:meth:`~jabasray.actors.gpu_actor.GPUActor.
+    _own_step_time`) plus the step's tail, from the end of the slowest rank's own time to the
+    end of the step (``max(pace) - max(own)``: the all-reduce after the last rank arrives,
+    which every type pays). The pace of a fast type is the slow type's, so its own time is what
+    tells what it costs; the tail is what its own time leaves out. For the slowest type it is the
+    step's pace."""
+    tail = max(0.0, max(float(p) for p in pace) - max(float(o) for o in own))
+    return max(float(o) for o, m in zip(own, mine) if m) + tail
+
+
+def emulation_fits(replies: Sequence[dict], points: Sequence[tuple[int, int, int]],
                    model: Any) -> dict[str, EmulationCost]:
     """``{gpu_type: EmulationCost}`` from the probed steps: the line through every point's
-    (``model.model_iteration_time`` there, measured iteration time) pair (the model retargeted
-    to the placement); {} when nothing was probed or the model cannot say. The measured time is
-    what an interval measures: on a placement of one GPU type, the slowest rank's mean pace
-    (wall + sleep: each step ends with an all-reduce, so n ranks run at the pace of the
-    slowest); on mixed types the pace of a fast type is the slow type's, so each type's own
-    times are taken instead (per step the slowest rank of the type, the median over the steps)."""
+    without GA rounds (``model.model_iteration_time`` there, measured iteration time) pair (the
+    model retargeted to the placement), then a GA round's ratio from the point with rounds: its
+    time beyond the line's at the same point without rounds (:meth:`EmulationCost.with_rounds`;
+    the line, fitted over every point, is steadier than any one point's time); {} when nothing was
+    probed or the model cannot say. The measured time is what an interval measures: on a
+    placement of one GPU type, the slowest rank's mean pace (wall + sleep: each step ends with
+    an all-reduce, so n ranks run at the pace of the slowest); on mixed types each type's own
+    pace (:func:`own_pace`, the median over the steps)."""
     predict = getattr(model, "model_iteration_time", None)
     if not points or predict is None:
         return {}
-    by_type: dict[str, list] = {}
-    for r in replies:
-        if len(r.get("steps") or []) == len(points):
-            by_type.setdefault(r["gpu_type"], []).append(r["steps"])
+    probed = [r for r in replies if len(r.get("steps") or []) == len(points)]
+    types = sorted({r["gpu_type"] for r in probed})
+
+    def measured(gpu: str, i: int) -> float:
+        if len(types) == 1:
+            return max(statistics.fmean(r["steps"][i][1]) for r in probed)
+        mine = [r["gpu_type"] == gpu for r in probed]
+        return statistics.median(own_pace([r["steps"][i][0][k] for r in probed],
+                                          [r["steps"][i][1][k] for r in probed], mine)
+                                 for k in range(min(len(r["steps"][i][0]) for r in probed)))
+
     fits = {}
-    for gpu, ranks in by_type.items():
-        pairs = []
-        for i, (bl, n) in enumerate(points):
-            if len(by_type) == 1:
-                measured = max(statistics.fmean(rank[i][1]) for rank in ranks)
-            else:
-                own = [rank[i][0] for rank in ranks]
-                measured = statistics.median(max(float(o[k]) for o in own)
-                                             for k in range(min(len(o) for o in own)))
-            pairs.append((predict(gpu, bl, n, 0), measured))
-        fits[gpu] = EmulationCost.through(pairs)
+    for gpu in types:
+        times = [measured(gpu, i) for i in range(len(points))]
+        fit = EmulationCost.through([(predict(gpu, bl, n, 0), times[i])
+                                     for i, (bl, n, ga) in enumerate(points) if not ga])
+        line = fit
+        for i, (bl, n, ga) in enumerate(points):
+            if ga:
+                x0 = predict(gpu, bl, n, 0)
+                fit = fit.with_rounds((predict(gpu, bl, n, ga) - x0) / ga, (times[i] - line.time(x0)) / ga)
+        fits[gpu] = fit
     return fits
 
 
-def ragged_extra(replies: Sequence[dict], model: Any) -> tuple[float, float]:
-    """``(HostCosts.ragged_fixed_s, ragged_per_worker_s)``: what a ragged step costs on the
-    placed actors beyond its Eq. 6 (:func:`~jabasray.planners.interval_model.ragged_step_time`).
-    Per probed ragged step (``reply["ragged"]``: ``[VSWs, size, pace seconds]``, no GA steps)
-    the residual is the slowest rank's pace (the ranks step together) minus the slowest rank's
-    prediction by ``model`` (the model that predicts them: the emulation's measured cost
-    included); the line through the median residual at each VSW count (the probe has two: one
-    VSW and the profile's most; a median, as one step is a sample of the shared cores' noise),
-    signed (the model may also over-predict); one count: its median as the fixed part; (0, 0)
-    when no ragged step was probed."""
-    steps = [r.get("ragged") or [] for r in replies]
-    count = min((len(s) for s in steps), default=0)
-    by_workers: dict[int, list[float]] = {}
-    for i in range(count):
-        measured = max(float(s[i][2]) for s in steps)
-        predicted = max(ragged_step_time(model, r["gpu_type"], int(s[i][0]), 0, int(s[i][1]))
-                        for r, s in zip(replies, steps))
-        by_workers.setdefault(int(steps[0][i][0]), []).append(measured - predicted)
-    if not by_workers:
+def _ragged_line(residuals: dict[int, list[float]]) -> tuple[float, float]:
+    """``(fixed, per worker)``: the line through the median residual at each VSW count (the
+    fewest and the most), a single count's median as the fixed part; (0, 0) for none."""
+    if not residuals:
         return 0.0, 0.0
-    medians = sorted((w, statistics.median(r)) for w, r in by_workers.items())
+    medians = sorted((w, statistics.median(r)) for w, r in residuals.items())
     (w0, r0), (w1, r1) = medians[0], medians[-1]
     per_worker = (r1 - r0) / (w1 - w0) if w1 > w0 else 0.0
     return r0 - per_worker * w0, per_worker
+
+
+def ragged_extra(replies: Sequence[dict], model: Any) -> dict[str, Any]:
+    """The :class:`HostCosts` fields of a ragged step's cost on the placed actors beyond its
+    Eq. 6 (:func:`~jabasray.planners.interval_model.ragged_step_time`): ``ragged_fixed_s``,
+    ``ragged_per_worker_s`` and ``ragged_by_type``. Per probed ragged step (``reply["ragged"]``:
+    ``[VSWs, size, pace seconds, own seconds]``, no GA steps) the residual is the measured time
+    minus the prediction by ``model`` (the model that predicts them: the emulation's measured
+    cost included); the line through the median residual at each VSW count (the probe has two:
+    one VSW and the profile's most; a median, as one step is a sample of the shared cores'
+    noise), signed (the model may also over-predict). The placement's line: the slowest rank's
+    pace (the ranks step together) against the slowest rank's prediction. Per type: on mixed
+    types each type's own pace (:func:`own_pace`) against its own prediction, as
+    :func:`emulation_fits` takes them; on one type none (the placement's line is that type's).
+    All zero when no ragged step was probed."""
+    steps = [r.get("ragged") or [] for r in replies]
+    count = min((len(s) for s in steps), default=0)
+    types = sorted({r["gpu_type"] for r in replies})
+    placement: dict[int, list[float]] = {}
+    by_type: dict[str, dict[int, list[float]]] = {g: {} for g in types}
+    for i in range(count):
+        workers, size = int(steps[0][i][0]), int(steps[0][i][1])
+        predicted = {g: ragged_step_time(model, g, workers, 0, size) for g in types}
+        placement.setdefault(workers, []).append(max(float(s[i][2]) for s in steps) - max(predicted.values()))
+        if len(types) > 1:
+            for g in types:
+                paced = own_pace([s[i][3] for s in steps], [s[i][2] for s in steps],
+                                 [r["gpu_type"] == g for r in replies])
+                by_type[g].setdefault(workers, []).append(paced - predicted[g])
+    fixed, per_worker = _ragged_line(placement)
+    lines = {g: _ragged_line(by_type[g]) for g in types} if len(types) > 1 and placement else {}
+    return {"ragged_fixed_s": fixed, "ragged_per_worker_s": per_worker,
+            "ragged_by_type": tuple((g, f, w) for g, (f, w) in sorted(lines.items()))}
 
 
 def measured_terms(replies: Sequence[Any], call_s: float, configure_s: float) -> dict[str, float]:
@@ -141,8 +187,10 @@ def describe(costs: HostCosts, fits: dict[str, EmulationCost]) -> str:
              f"similarity {costs.similarity_s * 1e3:.1f} ms", f"read {costs.read_s * 1e3:.2f} ms",
              f"ragged step {costs.ragged_fixed_s * 1e3:+.1f} ms {costs.ragged_per_worker_s * 1e3:+.1f} ms/worker "
              "beyond Eq. 6"]
-    parts += [f"{g} emulation t = {c.a * 1e3:.2f} ms + {c.b:.2f} t_model" for g, c in sorted(fits.items())]
+    parts += [f"{g} ragged step {f * 1e3:+.1f} ms {w * 1e3:+.1f} ms/worker" for g, f, w in costs.ragged_by_type]
+    parts += [f"{g} emulation t = {c.a * 1e3:.2f} ms + {c.b:.2f} t_model, GA rounds x{c.rounds_b:.2f}"
+              for g, c in sorted(fits.items())]
     return "interval costs measured on the placed actors: " + ", ".join(parts)
 
 
-__all__ = ["probe_points", "similarity_of", "host_costs", "emulation_fits", "ragged_extra", "measured_terms", "describe"]
+__all__ = ["PROBE_GA_ROUNDS", "probe_points", "own_pace", "similarity_of", "host_costs", "emulation_fits", "ragged_extra", "measured_terms", "describe"]

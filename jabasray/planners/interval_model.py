@@ -37,8 +37,10 @@ Pure: no torch, no ray.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
+
+import numpy as np
 
 from ..serialization import JsonMixin
 from ..types import Plan, WorkerConfig, unit_gpu
@@ -62,6 +64,10 @@ class HostCosts(JsonMixin):
     ragged_fixed_s: float = 0.0       # a ragged step beyond its Eq. 6: fixed part ...
     ragged_per_worker_s: float = 0.0  # ... and per decoupled worker of the GPU (both signed: the
                                       # model may also over-predict; :func:`ragged_iteration_time`)
+    # the same per GPU type, (type, fixed, per worker), where the placement's types were timed
+    # apart (a fast type's per-VSW passes cost less than a slow one's); a type not listed
+    # (not placed when measured) takes the two fields above
+    ragged_by_type: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("call_s", "configure_s", "loader_fixed_s", "loader_per_sample_s",
@@ -69,11 +75,17 @@ class HostCosts(JsonMixin):
             check_float(name, getattr(self, name), min_value=0)
         check_float("ragged_fixed_s", self.ragged_fixed_s)
         check_float("ragged_per_worker_s", self.ragged_per_worker_s)
+        for gpu, fixed, per_worker in self.ragged_by_type:
+            check_float(f"ragged_by_type[{gpu}].fixed", fixed)
+            check_float(f"ragged_by_type[{gpu}].per_worker", per_worker)
 
-    def ragged_extra_s(self, workers: int) -> float:
-        """What a ragged step of a GPU running ``workers`` decoupled workers costs beyond its
-        Eq. 6 (:func:`ragged_iteration_time`)."""
-        return self.ragged_fixed_s + self.ragged_per_worker_s * max(0, int(workers))
+    def ragged_extra_s(self, workers: int, gpu: str | None = None) -> float:
+        """What a ragged step of a GPU (of type ``gpu``) running ``workers`` decoupled workers
+        costs beyond its Eq. 6 (:func:`ragged_iteration_time`): that type's line where it was
+        measured, else the placement's."""
+        fixed, per_worker = next(((f, w) for g, f, w in self.ragged_by_type if g == gpu),
+                                 (self.ragged_fixed_s, self.ragged_per_worker_s))
+        return fixed + per_worker * max(0, int(workers))
 
     def loader_s(self, samples_per_rank: int) -> float:
         """Seconds to read one iteration's batch of ``samples_per_rank`` samples."""
@@ -92,37 +104,104 @@ class EmulationCost(JsonMixin):
     delay - a cost per step (``a``) and one that grows with the step (``b``). So the placed
     actors time their steps at every profiled point (each B_L at n_vsw = 1 and at n_max) as
     training runs them (:meth:`jabasray.actors.gpu_actor.GPUActor.probe_costs`), this line is
-    fitted to the (model time, measured time) pairs by least squares, and
+    fitted to the (model time, measured time) pairs (:func:`relative_line_fit`), and
     :class:`~.perf_model.PerfModel` adds ``t - t_model`` as the term ``t_emulation``. One line
     over all points, not a ratio per point: on two cores a step's time varies by +-20 % from
     one step to the next, and a per-point table would learn that noise. Real GPUs have none:
     their profile is measured in a task holding a GPU of the type.
+
+    ``a`` may be negative: t_model holds the all-reduce (Eq. 3), which the emulation does not
+    stretch, so a slope b > 1 over-counts it by (b - 1) t_comm, a fixed amount the intercept
+    takes back. The line is fitted for the relative error (the model is judged by it, and the
+    plans mostly run the small steps, where a plain least-squares line through points up to
+    ten times larger put the smallest point 12-44 % above what it took). Such a line reaches
+    zero at a small model time, so below the smallest model time it was fitted at (``x_min``) a
+    line with a < 0 is continued in proportion to the model time instead (a step of no work
+    takes no time): ragged steps and smaller B_L are predicted there.
+
+    GA rounds (``round_b``): Eq. 6 charges each GA round t_vsw, the profile's forward and
+    backward pass, but the engine's round also accumulates the gradients, reads its batch and
+    runs the VSWs again after the previous round's cache traffic, and under emulation all of it
+    is stretched by 1 / speed. So the actors also time one point with GA rounds (the first B_L at
+    its most VSWs, :func:`jabasray.actors.interval_costs.probe_points`), and a round costs
+    ``round_b`` x t_vsw, the ratio measured there: ``t = a + b (t_model - t_rounds) + round_b
+    t_rounds`` with ``t_rounds = n_GA t_vsw``. The line alone, fitted at n_GA = 0, put a run at
+    4 VSWs x 2 rounds 34 % below what it took. None (no GA point probed, or its rounds timed at
+    no cost, which is noise): rounds scale like the rest, ``round_b = b``.
     """
 
-    a: float          # seconds per iteration, >= 0
+    a: float          # seconds per iteration (signed: class notes)
     b: float          # dimensionless, > 0
+    round_b: float | None = None   # a GA round's measured time / its t_vsw (None: b)
+    x_min: float = 0.0             # the smallest model time the line was fitted at (seconds)
 
     def __post_init__(self) -> None:
-        check_float("emulation_cost.a", self.a, min_value=0)
+        check_float("emulation_cost.a", self.a)
         check_float("emulation_cost.b", self.b, min_value=0, min_exclusive=True)
+        if self.round_b is not None:
+            check_float("emulation_cost.round_b", self.round_b, min_value=0, min_exclusive=True)
+        check_float("emulation_cost.x_min", self.x_min, min_value=0)
+        if self.a < 0 and self.a + self.b * self.x_min <= 0:
+            raise ValueError(f"emulation_cost: the line a + b x must be positive at x_min, got "
+                             f"a={self.a}, b={self.b}, x_min={self.x_min}")
 
-    def time(self, model_time: float) -> float:
-        """The emulated iteration time ``a + b t_model``."""
-        return self.a + self.b * model_time
+    def time(self, model_time: Any, round_time: Any = 0.0) -> Any:
+        """The emulated iteration time ``f(t_model - t_rounds) + round_b t_rounds`` of an
+        iteration whose model time ``model_time`` holds ``round_time`` = n_GA t_vsw of GA rounds
+        (floats or numpy arrays): ``f(x) = a + b x``, below ``x_min`` for a < 0
+        ``x (a + b x_min) / x_min`` (class notes)."""
+        x = model_time - round_time
+        line = self.a + self.b * x
+        if self.a < 0:
+            line = np.maximum(line, x * (self.a / self.x_min + self.b))
+            line = float(line) if np.ndim(line) == 0 else line
+        return line + self.rounds_b * round_time
+
+    @property
+    def rounds_b(self) -> float:
+        """What a GA round's model time is multiplied by: ``round_b``, else ``b``."""
+        return self.b if self.round_b is None else self.round_b
+
+    def with_rounds(self, model_round: float, measured_round: float) -> "EmulationCost":
+        """This line with ``round_b`` = ``measured_round / model_round`` (seconds of one GA round
+        as timed on the actors and as Eq. 6 has it); unchanged where either is not positive (the
+        difference of two noisy step times can be)."""
+        if model_round <= 0 or measured_round <= 0:
+            return self
+        return replace(self, round_b=float(measured_round) / float(model_round))
 
     @classmethod
     def through(cls, points: list[tuple[float, float]]) -> "EmulationCost":
-        """:func:`line_fit` over ``(model time, measured time)`` points (``a >= 0``: a step never
-        costs less than nothing); a pure offset (b = 1) where it finds no positive slope (one
-        model time, or noise), since the emulation never speeds a step up."""
+        """:func:`relative_line_fit` over ``(model time, measured time)`` points; a pure offset
+        (b = 1, ``a >= 0``) where it finds no positive slope (one model time, or noise), since the
+        emulation never speeds a step up."""
         if not points:
             raise ValueError("emulation cost needs at least one (model time, measured time) point, got []")
-        a, b = line_fit(points)
-        if b > 0:
-            return cls(a=a, b=b)
+        a, b = relative_line_fit(points)
+        x_min = min(float(x) for x, _ in points)
+        if b > 0 and a + b * x_min > 0:
+            return cls(a=a, b=b, x_min=max(0.0, x_min))
         mx = sum(float(x) for x, _ in points) / len(points)
         my = sum(float(y) for _, y in points) / len(points)
         return cls(a=max(0.0, my - mx), b=1.0)
+
+
+def relative_line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` of ``y = a + b x`` minimising the squared *relative* error
+    ``sum(((a + b x - y) / y)^2)`` over points with y > 0 (weighted least squares, weights
+    1 / y^2), intercept signed; one distinct x (or none) gives ``(weighted mean y, 0)``."""
+    pts = [(float(x), float(y)) for x, y in points if float(y) > 0]
+    if not pts:
+        return 0.0, 0.0
+    w = [1.0 / (y * y) for _, y in pts]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, pts)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, pts)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, pts))
+    if sxx <= 0:
+        return my, 0.0
+    b = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, pts)) / sxx
+    return my - b * mx, b
 
 
 def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -211,8 +290,8 @@ def ragged_iteration_time(plan: Plan, remainder: int, model: Any, costs: HostCos
     which predicts full iterations only: on a short epoch the ragged step is a large share of
     the last interval (on the README's job it took 1.5-3.5x a full iteration)."""
     size, c = ragged_micro_batch(plan, remainder), costs or HostCosts()
-    pace = max((ragged_step_time(model, w.gpu, w.num_vsw, w.num_ga, size) + c.ragged_extra_s(unit_workers(w))
-                for w in plan.workers), default=0.0)
+    pace = max((ragged_step_time(model, w.gpu, w.num_vsw, w.num_ga, size)
+                + c.ragged_extra_s(unit_workers(w), unit_gpu(w.gpu)[0]) for w in plan.workers), default=0.0)
     return max(0.0, pace)
 
 
@@ -247,6 +326,6 @@ def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None
                           ragged_time=ragged, ragged_samples_per_rank=ragged_samples)
 
 
-__all__ = ["TERMS", "HostCosts", "EmulationCost", "line_fit", "interval_terms", "host_costs_of", "rank_samples",
+__all__ = ["TERMS", "HostCosts", "EmulationCost", "line_fit", "relative_line_fit", "interval_terms", "host_costs_of", "rank_samples",
            "plan_interval_terms", "ragged_remainder", "ragged_micro_batch", "unit_workers", "ragged_step_time",
            "ragged_iteration_time"]

@@ -46,8 +46,8 @@ Measured on the placed actors (ours, :mod:`.interval_model`): ``host_costs``, th
 interval around its iterations (the driver's call, the loader, the similarity collective ...),
 which :func:`.interval_model.interval_terms` adds per interval; and on CPU-emulated GPUs
 ``emulation_fits``, per GPU type the line ``t = a + b t_model`` from this model's iteration time
-to the one the placed actors take, fitted over every profiled point (the term ``t_emulation =
-t - t_model``; see
+to the one the placed actors take, fitted over every profiled point, with GA rounds at their own
+measured ratio (the term ``t_emulation = t - t_model``; see
 :class:`.interval_model.EmulationCost` for why the emulation costs more than the profile's hot
 loop).
 
@@ -418,7 +418,7 @@ class PerfModel:
         t_over = self.profile(gpu).step_overhead * share
         total = t_vsw * num_ga + t_fwd + max(t_bwd, t_comm) + t_update + t_over
         fit = self.emulation_fits.get(gpu)
-        t_emul = fit.time(total) - total if fit is not None else 0.0
+        t_emul = fit.time(total, t_vsw * num_ga) - total if fit is not None else 0.0
         return IterationBreakdown(t_vsw=t_vsw, t_fwd=t_fwd, t_bwd=t_bwd, t_comm=t_comm,
                                   t_update=t_update, num_ga=num_ga, total=total + t_emul,
                                   t_overhead=t_over, weight_sync=method, t_emulation=t_emul)
@@ -437,9 +437,10 @@ class PerfModel:
         """Eq. 6 for an array of n_GA values at once (Eq. 6 is affine in n_GA, and so is its
         emulation cost)."""
         b = self.breakdown(gpu, local_batch, num_vsw, 0)
-        model = b.total - b.t_emulation + b.t_vsw * np.asarray(num_ga, dtype=float)
+        rounds = b.t_vsw * np.asarray(num_ga, dtype=float)
+        model = b.total - b.t_emulation + rounds
         fit = self.emulation_fits.get(gpu)
-        return model if fit is None else fit.a + fit.b * model
+        return model if fit is None else fit.time(model, rounds)
 
     def with_profiles(self, profiles: Mapping[str, Profile]) -> "PerfModel":
         return PerfModel(profiles, num_gpus=self.num_gpus, multi_node=self.multi_node,
