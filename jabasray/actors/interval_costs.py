@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 from ..planners.interval_model import TERMS, EmulationCost, HostCosts, line_fit, ragged_step_time
 
 
-# GA rounds of the one probed point with rounds (:func:`probe_points`): two, so that the
-# rounds' time is twice one round's against the noise of the two step times it is the difference of
+# GA rounds of the one probed point with rounds (:func:`probe_points`): two, so that what the
+# rounds add to the step is twice one round's against the noise of the step's time
 PROBE_GA_ROUNDS = 2
 
 

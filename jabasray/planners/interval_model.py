@@ -126,7 +126,7 @@ class EmulationCost(JsonMixin):
     its most VSWs, :func:`jabasray.actors.interval_costs.probe_points`), and a round costs
     ``round_b`` x t_vsw, the ratio measured there: ``t = a + b (t_model - t_rounds) + round_b
     t_rounds`` with ``t_rounds = n_GA t_vsw``. The line alone, fitted at n_GA = 0, put a run at
-    4 VSWs x 2 rounds 34 % below what it took. None (no GA point probed, or its rounds timed at
+    4 VSWs and one GA step (2 rounds) 34 % below what it took. None (no GA point probed, or its rounds timed at
     no cost, which is noise): rounds scale like the rest, ``round_b = b``.
     """
 
@@ -164,8 +164,8 @@ class EmulationCost(JsonMixin):
 
     def with_rounds(self, model_round: float, measured_round: float) -> "EmulationCost":
         """This line with ``round_b`` = ``measured_round / model_round`` (seconds of one GA round
-        as timed on the actors and as Eq. 6 has it); unchanged where either is not positive (the
-        difference of two noisy step times can be)."""
+        as timed on the actors and as Eq. 6 has it); unchanged where either is not positive (a
+        round timed as the residual of a noisy step time can be)."""
         if model_round <= 0 or measured_round <= 0:
             return self
         return replace(self, round_b=float(measured_round) / float(model_round))
