@@ -246,6 +246,26 @@ def test_min_max_assignment_is_the_plain_computation_exactly(monkeypatch, max_ru
     assert solved >= 150
 
 
+def test_worker_configs_are_the_plain_per_unit_lookup():
+    """A plan's per-unit configurations, read once per (unit, k), are exactly the plain per-unit
+    lookup into the type tables (same values, plain ints), on random groups of up to 300 units
+    of three unit names (a solo one among them) and random tables."""
+    from jabasray.planners.config_solver import _TypeTable, worker_configs
+    from jabasray.types import WorkerConfig
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        size = int(rng.integers(2, 40))
+        per_type = {g: _TypeTable(rng.random(size), rng.integers(1, 9, size), rng.integers(0, 5, size))
+                    for g in ("fast", "slow", "slow/solo")}
+        n = int(rng.integers(1, 300))
+        gpus = [str(g) for g in rng.choice(list(per_type), n)]
+        ks = [int(k) for k in rng.integers(1, min(size, int(rng.integers(2, 6))), n)]
+        got = worker_configs(gpus, ks, per_type)
+        want = [WorkerConfig(g, int(per_type[g].nvsw[k]), int(per_type[g].nga[k])) for g, k in zip(gpus, ks)]
+        assert got == want
+        assert all(type(w.num_vsw) is int and type(w.num_ga) is int for w in got)
+
+
 def test_figure8_example():
     """Paper Figure 8: B_G = 12, H = {GPU_A, GPU_B}, B_L = 1 (so M = 6).
 

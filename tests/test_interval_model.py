@@ -17,11 +17,11 @@ from jabasray.planners.autoscale import epoch_time
 from jabasray.engine.sampler import iteration_indices
 from jabasray.planners.interval_model import (TERMS, EmulationCost, HostCosts, interval_terms, line_fit,
                                               plan_interval_terms, relative_line_fit, ragged_iteration_time, ragged_remainder,
-                                              ragged_step_time, rank_samples)
+                                              ragged_step_time, rank_samples, distinct_workers)
 from jabasray.planners.perf_model import PerfModel
 from jabasray.planners.plan_policy import solve_for_batch
 from jabasray.profiles import synthetic_profile
-from jabasray.types import Plan, WorkerConfig, solo_unit
+from jabasray.types import Plan, WorkerConfig, solo_unit, unit_gpu
 
 COSTS = HostCosts(call_s=0.004, configure_s=0.011, loader_fixed_s=0.0003,
                   loader_per_sample_s=2e-5, similarity_s=0.006, read_s=0.0001,
@@ -114,6 +114,36 @@ def test_ragged_iteration_time_runs_each_gpus_workers_per_vsw():
     assert plan_interval_terms(plan, 3, COSTS)["ragged"] == 0.0
     # a ragged step never takes less than nothing, whatever the measured extra
     assert ragged_iteration_time(plan, 50, model, HostCosts(ragged_fixed_s=-10.0)) == 0.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ragged_step_and_busiest_rank_over_distinct_configurations_equal_the_per_gpu_maximum(seed):
+    """The ragged step's pace and the busiest rank's samples are taken over the plan's distinct
+    unit configurations (:func:`distinct_workers`); on random plans of up to 300 units with
+    repeated configurations (pairs and solo GPUs of two types, measured lines per type or not)
+    they equal, to the last digit, the maximum over every unit as the plain computation has it."""
+    rng = np.random.default_rng(seed)
+    model = _model().with_measured_costs(COSTS, {}).for_allocation(64, True)
+    by_type = (("fast", float(rng.uniform(-0.002, 0.004)), float(rng.uniform(-1e-3, 2e-3))),) if seed % 2 else ()
+    costs = HostCosts(ragged_fixed_s=float(rng.uniform(0, 0.01)), ragged_per_worker_s=float(rng.uniform(0, 2e-3)),
+                      ragged_by_type=by_type)
+    configs = [WorkerConfig(rng.choice(["fast", "slow", solo_unit("fast"), solo_unit("slow")]),
+                            int(rng.integers(1, 4)), int(rng.integers(0, 3))) for _ in range(int(rng.integers(1, 6)))]
+    workers = [configs[int(i)] for i in rng.integers(0, len(configs), int(rng.integers(1, 300)))]
+    bl = int(rng.choice([8, 16, 24]))
+    plan = Plan(global_batch_size=2 * bl * sum(w.num_workers for w in workers), local_batch_size=bl,
+                iteration_time=0.01, workers=workers)
+    assert distinct_workers(plan) == list(dict.fromkeys(workers)) and len(distinct_workers(plan)) <= len(configs)
+    for remainder in (1, int(rng.integers(2, plan.global_batch_size))):
+        size = -(-remainder // (plan.global_batch_size // bl))
+        plain = max(model.iteration_time(unit_gpu(w.gpu)[0], size, w.num_vsw * (2 if unit_gpu(w.gpu)[1] else 1),
+                                         w.num_ga)
+                    + costs.ragged_extra_s(w.num_workers * (2 if unit_gpu(w.gpu)[1] else 1), unit_gpu(w.gpu)[0])
+                    for w in workers)
+        assert ragged_iteration_time(plan, remainder, model, costs) == max(0.0, plain)
+        busiest = max(w.num_workers * (2 if unit_gpu(w.gpu)[1] else 1) for w in workers)
+        assert rank_samples(plan, size) == size * busiest
+        assert rank_samples(plan) == bl * busiest
 
 
 def test_ragged_extra_is_the_line_through_the_median_residuals_per_vsw_count():

@@ -514,13 +514,29 @@ def solve_local_batch(global_batch_size: int, gpus: Sequence[str], model: Any, l
                                        "cannot be split over the group")
     t_iter, ks = res
     thp = local_batch * m * 2 / t_iter
-    workers = [WorkerConfig(g, int(per_type[g].nvsw[k]), int(per_type[g].nga[k])) for g, k in zip(gpus, ks)]
+    workers = worker_configs(gpus, ks, per_type)
     common, per_worker = _weight_syncs(model, workers, local_batch)
     plan = Plan(global_batch_size=local_batch * m * 2, local_batch_size=local_batch,
                 workers=workers, iteration_time=t_iter,
                 requested_global_batch_size=global_batch_size,
                 weight_sync=common, worker_weight_sync=per_worker)
     return plan, LocalBatchOutcome(local_batch, m, t_iter, thp)
+
+
+def worker_configs(gpus: Sequence[str], ks: Sequence[int], per_type: dict[str, _TypeTable]) -> list[WorkerConfig]:
+    """Alg. 1's configuration per unit of the group: unit ``gpus[j]`` with ``ks[j]`` decoupled
+    workers runs its type table's fastest (n_vsw, n_GA) for that count. Units of one type and
+    count get the same (immutable) configuration, read from the table once: on a large
+    cluster hundreds of units share a handful of them."""
+    made: dict[tuple[str, int], WorkerConfig] = {}
+    out = []
+    for g, k in zip(gpus, ks):
+        w = made.get((g, k))
+        if w is None:
+            t = per_type[g]
+            w = made[(g, k)] = WorkerConfig(g, int(t.nvsw[k]), int(t.nga[k]))
+        out.append(w)
+    return out
 
 
 def solve_configuration_detailed(global_batch_size: int, group_gpus: Sequence[str], model: Any,
@@ -710,4 +726,4 @@ __all__ = ["solve_configuration", "solve_configuration_detailed", "explain_confi
            "solve_configuration_reference", "solve_local_batch", "local_batch_candidates",
            "max_global_batch", "MAX_WORKERS_PER_GPU", "MAX_LOCAL_BATCH_CANDIDATES", "SolverResult", "LocalBatchOutcome",
            "min_max_assignment", "min_max_assignment_reference", "fastest_per_worker_count",
-           "num_workers_per_group", "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]
+           "num_workers_per_group", "worker_configs", "IterationTimeModel", "UnitModel", "unit_model", "LocalBatchBound"]

@@ -282,6 +282,14 @@ def unit_workers(worker: WorkerConfig) -> int:
     return worker.num_workers * (2 if unit_gpu(worker.gpu)[1] else 1)
 
 
+def distinct_workers(plan: Plan) -> list[WorkerConfig]:
+    """The plan's distinct unit configurations (unit name, VSWs, GA steps), first occurrence
+    first. Every per-GPU quantity of this module is a function of one unit's configuration, so
+    a maximum over the plan's GPUs is the maximum over these: on a large cluster a few
+    configurations stand for hundreds of GPUs (the solver gives the GPUs of a type alike)."""
+    return list(dict.fromkeys(plan.workers))
+
+
 def ragged_iteration_time(plan: Plan, remainder: int, model: Any, costs: HostCosts | None) -> float:
     """Seconds of the epoch's ragged last iteration of ``remainder`` samples under ``plan``: on
     each GPU unit :func:`ragged_step_time` at its VSWs and GA steps and
@@ -291,7 +299,8 @@ def ragged_iteration_time(plan: Plan, remainder: int, model: Any, costs: HostCos
     the last interval (on the README's job it took 1.5-3.5x a full iteration)."""
     size, c = ragged_micro_batch(plan, remainder), costs or HostCosts()
     pace = max((ragged_step_time(model, w.gpu, w.num_vsw, w.num_ga, size)
-                + c.ragged_extra_s(unit_workers(w), unit_gpu(w.gpu)[0]) for w in plan.workers), default=0.0)
+                + c.ragged_extra_s(unit_workers(w), unit_gpu(w.gpu)[0]) for w in distinct_workers(plan)),
+               default=0.0)
     return max(0.0, pace)
 
 
@@ -306,7 +315,7 @@ def rank_samples(plan: Plan, micro_batch: int | None = None) -> int:
     """Samples per iteration of the plan's busiest GPU: B_L (or ``micro_batch``) x its
     decoupled workers (:func:`unit_workers`)."""
     size = plan.local_batch_size if micro_batch is None else int(micro_batch)
-    return size * max((unit_workers(w) for w in plan.workers), default=0)
+    return size * max((unit_workers(w) for w in distinct_workers(plan)), default=0)
 
 
 def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None,
@@ -327,5 +336,6 @@ def plan_interval_terms(plan: Plan, num_iterations: int, costs: HostCosts | None
 
 
 __all__ = ["TERMS", "HostCosts", "EmulationCost", "line_fit", "relative_line_fit", "interval_terms", "host_costs_of", "rank_samples",
-           "plan_interval_terms", "ragged_remainder", "ragged_micro_batch", "unit_workers", "ragged_step_time",
+           "plan_interval_terms", "ragged_remainder", "ragged_micro_batch", "unit_workers", "distinct_workers",
+           "ragged_step_time",
            "ragged_iteration_time"]
