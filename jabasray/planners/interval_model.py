@@ -153,8 +153,8 @@ class EmulationCost(JsonMixin):
         x = model_time - round_time
         line = self.a + self.b * x
         if self.a < 0:
-            line = np.maximum(line, x * (self.a / self.x_min + self.b))
-            line = float(line) if np.ndim(line) == 0 else line
+            floor = x * (self.a / self.x_min + self.b)
+            line = np.maximum(line, floor) if isinstance(line, np.ndarray) else max(line, floor)
         return line + self.rounds_b * round_time
 
     @property
